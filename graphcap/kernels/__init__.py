@@ -1,0 +1,32 @@
+"""Triton kernels, each beside its plain-torch twin.
+
+A kernel runs where Triton can run it: on CUDA tensors, or on CPU tensors under `TRITON_INTERPRET=1` (how CI checks
+the kernels themselves). Elsewhere the op falls back to its twin, which is also the tests' reference.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+_twin_only = False
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    if _twin_only and not t.is_cuda:
+        return False
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@contextlib.contextmanager
+def twins_on_cpu() -> Iterator[None]:
+    """Run CPU tensors through the torch twins even under TRITON_INTERPRET=1 (tests of the twins themselves, and
+    torch.compile on CPU, where Inductor cannot lower interpreted Triton kernels)."""
+    global _twin_only
+    old, _twin_only = _twin_only, True
+    try:
+        yield
+    finally:
+        _twin_only = old

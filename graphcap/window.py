@@ -1,0 +1,180 @@
+"""WindowBuffers: per-slot sliding-window rings, allocated once and moved forward in place.
+
+Slot = a request's row in the engine's request pool (sglang's `req_pool_idx`). `ring[s, p % W]` holds the SWA-pool
+location of the token at absolute position p, for the last `min(seq_lens[s], W)` positions; other columns are 0.
+Row `max_slots` is the padding slot: its length stays 0, so padded batch rows read nothing and write nothing.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from graphcap.kernels.window_update import window_advance, window_reset
+
+IntsLike = torch.Tensor | Sequence[int]
+
+
+class WindowError(ValueError):
+    """Bad input to WindowBuffers; the message names the call, the slot and the value. Nothing was changed."""
+
+
+class WindowBuffers:
+    def __init__(
+        self,
+        req_to_token: torch.Tensor,
+        window: int,
+        max_slots: int,
+        full_to_swa: torch.Tensor | None = None,
+        max_accepted: int | None = None,
+    ) -> None:
+        """`req_to_token` [rows >= max_slots, max_context] and `full_to_swa` [full pool size] are used in place.
+
+        `max_accepted` bounds the tokens one `advance` may add to a row (speculative decoding: steps + 1); it fixes
+        the kernel's block size. Defaults to `window`, which is always enough.
+        """
+        if not isinstance(window, int) or window < 1:
+            raise WindowError(f"WindowBuffers: window must be a positive int, got {window!r}")
+        if not isinstance(max_slots, int) or max_slots < 1:
+            raise WindowError(f"WindowBuffers: max_slots must be a positive int, got {max_slots!r}")
+        _check_index_tensor("req_to_token", req_to_token, ndim=2)
+        if req_to_token.shape[0] < max_slots:
+            raise WindowError(f"WindowBuffers: req_to_token has {req_to_token.shape[0]} rows, fewer than max_slots={max_slots}")
+        if req_to_token.stride(1) != 1:
+            raise WindowError("WindowBuffers: req_to_token rows must be contiguous (stride(1) == 1)")
+        if full_to_swa is not None:
+            _check_index_tensor("full_to_swa", full_to_swa, ndim=1)
+            if full_to_swa.device != req_to_token.device:
+                raise WindowError(f"WindowBuffers: full_to_swa is on {full_to_swa.device}, req_to_token on {req_to_token.device}")
+        max_accepted = window if max_accepted is None else max_accepted
+        if not isinstance(max_accepted, int) or max_accepted < 1:
+            raise WindowError(f"WindowBuffers: max_accepted must be a positive int, got {max_accepted!r}")
+
+        self.req_to_token = req_to_token
+        self.full_to_swa = full_to_swa
+        self.window = window
+        self.max_slots = max_slots
+        self.padding_slot = max_slots
+        self.max_accepted = max_accepted
+        device = req_to_token.device
+        self.ring = torch.zeros(max_slots + 1, window, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_slots + 1, dtype=torch.int32, device=device)
+
+    @classmethod
+    def from_spec(cls, spec, req_to_token: torch.Tensor, full_to_swa: torch.Tensor | None = None) -> WindowBuffers:
+        return cls(req_to_token, spec.window, spec.capture.max_slots, full_to_swa, max_accepted=spec.capture.steps + 1)
+
+    @property
+    def device(self) -> torch.device:
+        return self.ring.device
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a captured graph touches through this object (capture marks them static)."""
+        out = {"ring": self.ring, "seq_lens": self.seq_lens, "req_to_token": self.req_to_token}
+        if self.full_to_swa is not None:
+            out["full_to_swa"] = self.full_to_swa
+        return out
+
+    # -----------------------------------------------------------------------------------------------------------
+    def reset(self, slots: IntsLike, seq_lens: IntsLike) -> None:
+        """Rebuild `slots` from req_to_token with the given lengths (a request joined, was retracted, or lost pages).
+
+        Off the hot path: validates on the host, then O(min(len, W)) work per slot.
+        """
+        slots_t, lens_t = self._as_index(slots), self._as_index(seq_lens)
+        if slots_t.shape != lens_t.shape:
+            raise WindowError(f"reset: {slots_t.numel()} slots but {lens_t.numel()} seq_lens")
+        s, lens = slots_t.tolist(), lens_t.tolist()
+        self._check_slots("reset", s, allow_padding=False)
+        row_len = self.req_to_token.shape[1]
+        for slot, n in zip(s, lens):
+            if not 0 <= n <= row_len:
+                raise WindowError(f"reset: seq_len {n} for slot {slot} is outside [0, {row_len}] (req_to_token row length)")
+        self._check_locs("reset", s, [max(0, n - self.window) for n in lens], lens)
+        if slots_t.numel():
+            window_reset(self.ring, self.seq_lens, self.req_to_token, self.full_to_swa, slots_t, lens_t)
+
+    def advance(self, slots: torch.Tensor, accepted: torch.Tensor, checked: bool = False) -> None:
+        """The verify step accepted `accepted[i]` tokens for `slots[i]`; their locations are already in
+        `req_to_token[slot, seq_len : seq_len + accepted]`. Writes only those into the ring and bumps `seq_lens`.
+
+        Hot path: O(batch x accepted), no allocation, no host sync, capturable. `slots` and `accepted` must be
+        integer tensors on the buffers' device. Padding rows use `padding_slot` with `accepted = 0`.
+        `checked=True` validates first on the host (syncs): for debugging, never inside a captured graph.
+        """
+        if checked:
+            self._check_advance(slots, accepted)
+        window_advance(self.ring, self.seq_lens, self.req_to_token, self.full_to_swa, slots, accepted,
+                       min(self.max_accepted, self.window))
+
+    def window_locs(self, slot: int) -> torch.Tensor:
+        """The live window of `slot`, oldest to newest, as a CPU tensor (tests and debugging)."""
+        if not 0 <= slot <= self.padding_slot:
+            raise WindowError(f"window_locs: slot {slot} out of range [0, {self.max_slots}]")
+        n = int(self.seq_lens[slot])
+        pos = torch.arange(max(0, n - self.window), n)
+        return self.ring[slot].cpu()[pos % self.window]
+
+    # -----------------------------------------------------------------------------------------------------------
+    def _as_index(self, x: IntsLike) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            t = x
+        else:
+            xs = list(x)
+            t = torch.as_tensor(xs) if xs else torch.empty(0, dtype=torch.int64)
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise WindowError(f"expected integer slots/lengths, got dtype {t.dtype}")
+        return t.reshape(-1).to(self.device, torch.int64)
+
+    def _check_slots(self, call: str, slots: list[int], allow_padding: bool) -> None:
+        seen: set[int] = set()
+        for s in slots:
+            if allow_padding and s == self.padding_slot:
+                continue
+            if not 0 <= s < self.max_slots:
+                hint = f" (the padding slot {self.padding_slot} may only advance by 0)" if allow_padding else ""
+                raise WindowError(f"{call}: slot {s} out of range [0, {self.max_slots}){hint}")
+            if s in seen:
+                raise WindowError(f"{call}: slot {s} appears more than once in one call")
+            seen.add(s)
+
+    def _check_locs(self, call: str, slots: list[int], starts: list[int], ends: list[int]) -> None:
+        """The req_to_token entries about to be read must be valid locations of the pool they index."""
+        if self.full_to_swa is None:
+            return
+        pool = self.full_to_swa.numel()
+        for slot, lo, hi in zip(slots, starts, ends):
+            if hi <= lo:
+                continue
+            locs = self.req_to_token[slot, lo:hi]
+            bad = ((locs < 0) | (locs >= pool)).nonzero()
+            if bad.numel():
+                j = int(bad[0, 0])
+                raise WindowError(f"{call}: slot {slot}: req_to_token[{slot}, {lo + j}] = {int(locs[j])} is not a "
+                                  f"location of the full pool [0, {pool})")
+
+    def _check_advance(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        if slots.shape != accepted.shape or slots.ndim != 1:
+            raise WindowError(f"advance: slots {tuple(slots.shape)} and accepted {tuple(accepted.shape)} must be equal 1-D shapes")
+        s, a = slots.tolist(), accepted.tolist()
+        self._check_slots("advance", s, allow_padding=True)
+        lens = self.seq_lens.tolist()
+        row_len = self.req_to_token.shape[1]
+        for slot, n in zip(s, a):
+            if n < 0:
+                raise WindowError(f"advance: accepted count {n} for slot {slot} is negative")
+            if slot == self.padding_slot and n != 0:
+                raise WindowError(f"advance: the padding slot {slot} got accepted count {n}; it must be 0")
+            if n > self.max_accepted:
+                raise WindowError(f"advance: accepted count {n} for slot {slot} exceeds max_accepted={self.max_accepted}")
+            if lens[slot] + n > row_len:
+                raise WindowError(f"advance: slot {slot} would reach length {lens[slot] + n}, past its req_to_token row "
+                                  f"({row_len} positions)")
+        self._check_locs("advance", s, [lens[x] for x in s], [lens[x] + n for x, n in zip(s, a)])
+
+
+def _check_index_tensor(name: str, t: torch.Tensor, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise WindowError(f"WindowBuffers: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.ndim != ndim or t.dtype not in (torch.int32, torch.int64):
+        raise WindowError(f"WindowBuffers: {name} must be a {ndim}-D int32/int64 tensor, got {t.ndim}-D {t.dtype}")
