@@ -1,0 +1,208 @@
+"""`graphcap` command line: `inspect` (capture manifests), `specs` (built-in capture specs), `bench` (graphcap.bench).
+
+`inspect` and `specs` never import torch. Every expected failure (a bad manifest or spec, a missing path, bad usage)
+is one line on stderr, `graphcap: error: ...`, and exit status 2 - never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from graphcap.manifest import Manifest, ManifestError, default_manifest_dir, list_manifests, read_manifest
+from graphcap.spec import SpecError
+
+PROG = "graphcap"
+
+
+class CliError(Exception):
+    """An expected failure: printed as one line and exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print the usage too: keep it to one line
+        raise CliError(f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from graphcap import __version__
+
+    p = _Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    i = sub.add_parser("inspect", help="show capture manifests", description=(
+        "Show what was captured: per batch bucket, status, capture time, graph pool memory, replays, eager "
+        f"fallbacks and padding waste. PATH is a manifest or a directory of them (default: {_default_dir_help()})."))
+    i.add_argument("path", nargs="?", metavar="MANIFEST_OR_DIR")
+    i.add_argument("--json", action="store_true", help="print a JSON list of manifests (padding_waste included)")
+
+    s = sub.add_parser("specs", help="list capture specs", description="List the built-in capture specs, or the "
+                       "spec files given (which are validated: a bad one is an error naming file, field and reason).")
+    s.add_argument("spec", nargs="*", help="spec files or built-in names (default: all built-in specs)")
+
+    # bench's own argv is split off before parsing (see main): argparse would reorder options given before
+    # positionals. This parser only puts `bench` in --help.
+    b = sub.add_parser("bench", help="benchmark eager vs captured draft loop (options: graphcap bench --help)",
+                       add_help=False)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _default_dir_help() -> str:
+    return "$GRAPHCAP_MANIFEST_DIR, else $XDG_CACHE_HOME/graphcap/manifests or ~/.cache/graphcap/manifests"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        # Split at the command: everything after `bench` goes to graphcap.bench untouched, in order.
+        cmd_at = next((k for k, a in enumerate(argv) if not a.startswith("-")), len(argv))
+        head, tail = argv, []
+        if cmd_at < len(argv) and argv[cmd_at] == "bench":
+            head, tail = argv[: cmd_at + 1], argv[cmd_at + 1:]
+        try:
+            args = build_parser().parse_args(head)
+        except SystemExit as e:  # --help / --version
+            return _exit_code(e)
+        if args.command == "inspect":
+            return cmd_inspect(args.path, as_json=args.json)
+        if args.command == "specs":
+            return cmd_specs(args.spec)
+        if args.command == "bench":
+            return cmd_bench(tail + list(args.bench_args))
+        raise CliError("missing command: one of inspect, specs, bench (see 'graphcap --help')")
+    except (CliError, ManifestError, SpecError) as e:
+        _error(str(e))
+        return 2
+    except BrokenPipeError:  # `graphcap inspect | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever the message holds
+
+
+def _exit_code(e: SystemExit) -> int:
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inspect
+
+
+def cmd_inspect(path: str | None, as_json: bool = False) -> int:
+    if path is None:
+        directory = default_manifest_dir()
+        files = list_manifests(directory)
+        if not files:
+            print(f"no manifests in {directory}")
+            return 0
+    else:
+        p = Path(path)
+        if p.is_dir():
+            files = list_manifests(p)
+            if not files:
+                print(f"no manifests in {p}")
+                return 0
+        elif p.exists():
+            files = [p]
+        else:
+            raise CliError(f"{p}: no such file or directory")
+
+    manifests: list[tuple[Path, Manifest]] = []
+    errors: list[ManifestError] = []
+    for f in files:
+        try:
+            manifests.append((f, read_manifest(f)))
+        except ManifestError as e:  # show the readable ones, then one line per unreadable one
+            errors.append(e)
+    if manifests and as_json:
+        print(json.dumps([m.to_dict(derived=True) for _, m in manifests], indent=2))
+    elif manifests:
+        print("\n\n".join(format_manifest(m, f) for f, m in manifests))
+    for e in errors:
+        _error(str(e))
+    return 2 if errors else 0
+
+
+def format_manifest(m: Manifest, path: str | Path | None = None) -> str:
+    from tabulate import tabulate
+
+    lines = [f"{m.spec_name} (spec {m.spec_hash}), backend {m.backend}"]
+    if path is not None:
+        lines.append(f"  file:     {path}")
+    lines += [
+        f"  spec:     {m.spec_source or '-'}",
+        f"  device:   {m.device}, driver {m.driver or 'n/a'}",
+        f"  versions: torch {m.torch_version}, triton {m.triton_version or 'n/a'}, graphcap {m.graphcap_version}",
+        f"  loop:     {m.steps} draft steps, window {m.window}",
+        f"  created:  {m.created}, updated {m.updated}",
+        "",
+    ]
+    rows = [[b.batch_size, b.status, f"{b.capture_s:.2f}", f"{b.pool_bytes / 2**20:.1f}", b.replays, b.fallbacks,
+             f"{100 * b.padding_waste:.1f}"] for b in m.buckets]
+    headers = ["bucket", "status", "capture s", "pool MiB", "replays", "fallbacks", "padding waste (%)"]
+    lines.append(tabulate(rows, headers=headers, disable_numparse=True, colalign=("right", "left") + ("right",) * 5)
+                 if rows else "(no buckets)")
+    lines += ["", f"oversize fallbacks: {m.oversize_fallbacks} (batches above the largest bucket, run eagerly)"]
+    for b in m.buckets:
+        if b.status == "failed":
+            lines.append(f"failed bucket {b.batch_size}: {b.reason or 'no reason recorded'}")
+    lines += [f"note: {n}" for n in m.notes]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# specs and bench
+
+
+def cmd_specs(names: Sequence[str] = ()) -> int:
+    from tabulate import tabulate
+
+    from graphcap.spec import builtin_specs, load_spec
+
+    specs = [load_spec(n) for n in (names or builtin_specs())]
+    rows = [[s.name, s.model, s.draft_model, s.window, s.page_size, layer_pattern(s.draft.layers), s.capture.steps,
+             ",".join(map(str, s.capture.buckets)), s.hash] for s in specs]
+    print(tabulate(rows, headers=["name", "model", "draft", "W", "page", "layers", "steps", "buckets", "hash"],
+                   disable_numparse=True))
+    return 0
+
+
+def layer_pattern(layers: Sequence[str]) -> str:
+    """("sliding", "sliding", "sliding", "full") -> "3S+F" (run lengths, S = sliding, F = full)."""
+    runs: list[list] = []
+    for lt in layers:
+        if runs and runs[-1][0] == lt:
+            runs[-1][1] += 1
+        else:
+            runs.append([lt, 1])
+    return "+".join(f"{n if n > 1 else ''}{lt[0].upper()}" for lt, n in runs)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    try:
+        bench = importlib.import_module("graphcap.bench")  # lazily: it imports torch
+    except ModuleNotFoundError as e:
+        if e.name in ("graphcap.bench", "torch", "triton"):
+            raise CliError(f"graphcap bench is unavailable: {e}") from None
+        raise
+    try:
+        rc = bench.main(argv)
+    except SystemExit as e:  # bench's own argparse (--help, bad options)
+        return _exit_code(e)
+    return rc if isinstance(rc, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

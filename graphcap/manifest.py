@@ -1,0 +1,289 @@
+"""Capture manifests: what the capture engine captured, per batch bucket, written as JSON for `graphcap inspect`.
+
+One manifest per (spec, spec hash, backend), at `manifest_path(default_manifest_dir(), ...)`. The capture engine
+keeps the run-time counters (replays, fallbacks, padded rows) in plain ints on the `BucketRecord`s and calls
+`write_manifest` now and then (never per iteration); the write is atomic, so a reader never sees half a file.
+
+Every problem reading a manifest is a `ManifestError` whose message is `<file>: <field>: <reason>`, like `SpecError`.
+This module imports no torch at import time (`graphcap inspect` stays light); only `environment()` imports it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+STATUSES = ("captured", "failed", "pending")
+BACKENDS = ("reduce-overhead", "cudagraph", "eager")
+
+
+class ManifestError(ValueError):
+    """A manifest cannot be read. `str(err)` is `<file>: <field>: <reason>`."""
+
+    def __init__(self, source: str, field: str, reason: str) -> None:
+        self.source, self.field, self.reason = source, field, reason
+        super().__init__(f"{source}: {field}: {reason}")
+
+
+@dataclass
+class BucketRecord:
+    """One captured batch size. Mutable: the capture engine bumps the counters in place between writes."""
+
+    batch_size: int
+    status: str = "pending"  # "captured" | "failed" | "pending"
+    reason: str | None = None  # why the capture failed (None unless status == "failed")
+    capture_s: float = 0.0  # wall time of warm-up + capture
+    pool_bytes: int = 0  # graph memory, from torch.cuda.memory_stats() taken before and after the capture
+    replays: int = 0  # graph replays of this bucket
+    fallbacks: int = 0  # eager runs of this bucket (e.g. its capture failed)
+    padded_rows: int = 0  # padding rows summed over all replays
+
+    @property
+    def padding_waste(self) -> float:
+        """Fraction of replayed rows that were padding (0 when never replayed)."""
+        return self.padded_rows / (self.replays * self.batch_size) if self.replays else 0.0
+
+
+@dataclass
+class Manifest:
+    format_version: int
+    spec_name: str
+    spec_hash: str
+    spec_source: str
+    backend: str  # "reduce-overhead" | "cudagraph" | "eager"
+    device: str  # GPU name, or "cpu"
+    driver: str | None  # NVIDIA driver version (NVML), None where unavailable
+    torch_version: str
+    triton_version: str | None
+    graphcap_version: str
+    created: str  # ISO-8601 UTC
+    updated: str  # ISO-8601 UTC, stamped by write_manifest
+    steps: int
+    window: int
+    buckets: list[BucketRecord]
+    oversize_fallbacks: int = 0  # batches larger than the largest bucket, run eagerly
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def for_spec(cls, spec: Any, backend: str | None = None, env: dict[str, Any] | None = None) -> Manifest:
+        """A fresh manifest for a `CaptureSpec`: every bucket "pending", environment filled by `environment()`."""
+        backend = backend or spec.capture.backend
+        if backend not in BACKENDS:
+            raise ValueError(f"Manifest.for_spec: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        now = utc_now()
+        return cls(
+            format_version=FORMAT_VERSION, spec_name=spec.name, spec_hash=spec.hash, spec_source=spec.source,
+            backend=backend, **(environment() if env is None else env), created=now, updated=now,
+            steps=spec.capture.steps, window=spec.window, buckets=[BucketRecord(b) for b in spec.capture.buckets],
+        )
+
+    def bucket(self, batch_size: int) -> BucketRecord:
+        for b in self.buckets:
+            if b.batch_size == batch_size:
+                return b
+        raise KeyError(f"no bucket of batch size {batch_size} in manifest for {self.spec_name}")
+
+    def to_dict(self, derived: bool = False) -> dict[str, Any]:
+        """Plain JSON-able dict: exactly the file's content, plus each bucket's `padding_waste` if `derived`."""
+        d = dataclasses.asdict(self)
+        if derived:
+            for rec, bd in zip(self.buckets, d["buckets"]):
+                bd["padding_waste"] = rec.padding_waste
+        return d
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def environment() -> dict[str, Any]:
+    """device, driver, torch/triton/graphcap versions of this process. Imports torch; needs no GPU."""
+    import importlib.metadata
+
+    import torch
+
+    import graphcap
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    try:
+        triton_version: str | None = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
+    return dict(device=device, driver=nvidia_driver_version(), torch_version=str(torch.__version__),
+                triton_version=triton_version, graphcap_version=graphcap.__version__)
+
+
+def nvidia_driver_version() -> str | None:
+    """The NVIDIA driver version through NVML (nvidia-ml-py), or None without NVML or an NVIDIA driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no pynvml, no libnvidia-ml, no driver: all mean "unknown"
+        return None
+    try:
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where manifests live
+
+
+def default_manifest_dir() -> Path:
+    """`$GRAPHCAP_MANIFEST_DIR`, else `$XDG_CACHE_HOME/graphcap/manifests`, else `~/.cache/graphcap/manifests`."""
+    if os.environ.get("GRAPHCAP_MANIFEST_DIR"):
+        return Path(os.environ["GRAPHCAP_MANIFEST_DIR"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"  # XDG: relative values are ignored
+    return base / "graphcap" / "manifests"
+
+
+def manifest_path(directory: str | Path, spec_name: str, spec_hash: str, backend: str) -> Path:
+    """`{directory}/{spec_name}-{spec_hash}-{backend}.json`, characters unsafe in file names replaced by `_`."""
+    stem = "-".join(re.sub(r"[^A-Za-z0-9._-]", "_", part) for part in (spec_name, spec_hash, backend))
+    return Path(directory) / f"{stem.lstrip('.')}.json"
+
+
+def list_manifests(directory: str | Path) -> list[Path]:
+    """The `*.json` files in `directory`, sorted; [] if it does not exist."""
+    d = Path(directory)
+    return sorted(p for p in d.glob("*.json") if p.is_file()) if d.is_dir() else []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing and reading
+
+
+def write_manifest(m: Manifest, path: str | Path) -> Path:
+    """Stamp `m.updated` and write `m` to `path` atomically (temp file in the same directory, then os.replace)."""
+    path = Path(path)
+    m.updated = utc_now()
+    text = json.dumps(m.to_dict(), indent=2, allow_nan=False) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+_MANIFEST_FIELDS = {f.name: f for f in dataclasses.fields(Manifest)}
+_BUCKET_FIELDS = {f.name: f for f in dataclasses.fields(BucketRecord)}
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    """Read and validate a manifest; every problem is a `ManifestError` naming the file and the field."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ManifestError(source, "<file>", f"cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ManifestError(source, "<file>", f"not UTF-8 text: {e.reason} at byte {e.start}") from None
+    if not text.strip():
+        raise ManifestError(source, "<file>", "empty file")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ManifestError(source, "<json>", f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise ManifestError(source, "<json>", f"expected a JSON object, got {_kind(data)}")
+    return parse_manifest(data, source)
+
+
+def parse_manifest(data: dict[str, Any], source: str = "<manifest>") -> Manifest:
+    """Validate a manifest dict (the file's JSON) into a `Manifest`."""
+    v = data.get("format_version")
+    if isinstance(v, int) and not isinstance(v, bool):  # checked first: a newer format may differ in every field
+        if v > FORMAT_VERSION:
+            raise ManifestError(source, "format_version",
+                                f"written by a newer graphcap (format {v} > {FORMAT_VERSION}); upgrade graphcap")
+        if v < 1:
+            raise ManifestError(source, "format_version", f"must be >= 1, got {v}")
+    values = _fields(data, _MANIFEST_FIELDS, source, "")
+    if values["backend"] not in BACKENDS:
+        raise ManifestError(source, "backend", f"unknown backend {values['backend']!r}; expected one of {', '.join(BACKENDS)}")
+    for key in ("created", "updated"):
+        try:
+            datetime.fromisoformat(values[key])
+        except ValueError:
+            raise ManifestError(source, key, f"not an ISO-8601 timestamp: {values[key]!r}") from None
+    buckets, seen = [], set()
+    for i, raw in enumerate(values["buckets"]):
+        prefix = f"buckets[{i}]"
+        if not isinstance(raw, dict):
+            raise ManifestError(source, prefix, f"expected an object, got {_kind(raw)}")
+        b = BucketRecord(**_fields(raw, _BUCKET_FIELDS, source, prefix + "."))
+        if b.status not in STATUSES:
+            raise ManifestError(source, f"{prefix}.status", f"unknown status {b.status!r}; expected one of {', '.join(STATUSES)}")
+        if b.batch_size < 1:
+            raise ManifestError(source, f"{prefix}.batch_size", f"must be >= 1, got {b.batch_size}")
+        if b.batch_size in seen:
+            raise ManifestError(source, f"{prefix}.batch_size", f"duplicate bucket {b.batch_size}")
+        seen.add(b.batch_size)
+        buckets.append(b)
+    values["buckets"] = buckets
+    return Manifest(**values)
+
+
+# field annotation (a string: `from __future__ import annotations`) -> (check, description)
+_TYPES = {
+    "int": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0, "a non-negative integer"),
+    "float": (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0,
+              "a non-negative number"),
+    "str": (lambda x: isinstance(x, str), "a string"),
+    "str | None": (lambda x: x is None or isinstance(x, str), "a string or null"),
+    "list[str]": (lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x), "a list of strings"),
+    "list[BucketRecord]": (lambda x: isinstance(x, list), "a list of bucket objects"),
+}
+
+
+def _fields(raw: dict[str, Any], fields: dict[str, dataclasses.Field], source: str, prefix: str) -> dict[str, Any]:
+    extra = sorted(set(raw) - set(fields))
+    if extra:
+        raise ManifestError(source, prefix + extra[0], "unknown field")
+    out = {}
+    for name, f in fields.items():
+        if name not in raw:
+            raise ManifestError(source, prefix + name, "missing")
+        check, want = _TYPES[f.type]
+        if not check(raw[name]):
+            raise ManifestError(source, prefix + name, f"expected {want}, got {_kind(raw[name])} {_short(raw[name])}")
+        out[name] = float(raw[name]) if f.type == "float" else raw[name]
+    return out
+
+
+def _kind(x: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(x), type(x).__name__)
+
+
+def _short(x: Any) -> str:
+    r = json.dumps(x)
+    return r if len(r) <= 40 else r[:37] + "..."

@@ -1,0 +1,199 @@
+"""`graphcap` CLI: inspect (files, directories, default dir, --json), specs, bench forwarding, one-line errors."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from graphcap import cli
+from graphcap.cli import layer_pattern, main
+from graphcap.manifest import manifest_path, write_manifest
+from test_manifest import CORRUPTIONS, random_manifest, write_corrupt
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_two(directory: Path):
+    ms = [random_manifest(random.Random(10), "tiny", "cudagraph"),
+          random_manifest(random.Random(11), "gemma4-31b-assistant", "reduce-overhead")]
+    ms[0].buckets[0].status, ms[0].buckets[0].reason = "failed", "cudagraph_skips: mutated input x"
+    for m in ms:
+        write_manifest(m, manifest_path(directory, m.spec_name, m.spec_hash, m.backend))
+    return ms
+
+
+def test_inspect_directory_lists_both(tmp_path, capsys):
+    ms = write_two(tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    for m in ms:
+        assert f"{m.spec_name} (spec {m.spec_hash}), backend {m.backend}" in out
+        assert f"oversize fallbacks: {m.oversize_fallbacks}" in out
+    assert "failed bucket" in out and "cudagraph_skips: mutated input x" in out
+    for col in ("bucket", "status", "capture s", "pool MiB", "replays", "fallbacks", "padding waste (%)"):
+        assert col in out
+
+
+def test_inspect_table_values(tmp_path, capsys):
+    m = random_manifest(random.Random(5), backend="eager")
+    b = m.buckets[0]
+    b.batch_size, b.status, b.replays, b.padded_rows, b.pool_bytes, b.fallbacks = 8, "captured", 10, 20, 3 * 2**20, 7
+    path = write_manifest(m, tmp_path / "m.json")
+    assert main(["inspect", str(path)]) == 0
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:2] == ["8", "captured"])
+    assert row == ["8", "captured", f"{b.capture_s:.2f}", "3.0", "10", "7", "25.0"]
+
+
+def test_inspect_json_equals_written_data(tmp_path, capsys):
+    write_two(tmp_path)
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    files = sorted(tmp_path.glob("*.json"))
+    assert len(data) == 2
+    for d, f in zip(data, files):
+        written = json.loads(f.read_text())
+        for b in d["buckets"]:
+            waste = b.pop("padding_waste")
+            assert waste == (b["padded_rows"] / (b["replays"] * b["batch_size"]) if b["replays"] else 0.0)
+        assert d == written
+
+
+def test_inspect_honours_env_dir(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GRAPHCAP_MANIFEST_DIR", str(tmp_path / "d"))
+    assert main(["inspect"]) == 0
+    assert capsys.readouterr().out.strip() == f"no manifests in {tmp_path / 'd'}"  # missing default dir: not an error
+    ms = write_two(tmp_path / "d")
+    assert main(["inspect", "--json"]) == 0
+    assert sorted(d["spec_name"] for d in json.loads(capsys.readouterr().out)) == sorted(m.spec_name for m in ms)
+
+
+def test_inspect_empty_explicit_dir(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == f"no manifests in {tmp_path}"
+
+
+def one_line_error(capsys, *fragments: str) -> str:
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphcap: error: "), err
+    for f in fragments:
+        assert f in lines[0]
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_inspect_corrupt_exits_2_with_one_line(tmp_path, capsys, case):
+    path = write_corrupt(tmp_path, case)
+    assert main(["inspect", str(path)]) == 2
+    assert one_line_error(capsys, str(path), CORRUPTIONS[case][2]) == ""
+    assert main(["inspect", str(path), "--json"]) == 2
+    assert one_line_error(capsys, str(path)) == ""
+
+
+def test_inspect_missing_explicit_path_exits_2(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "nope.json")]) == 2
+    one_line_error(capsys, "nope.json", "no such file")
+
+
+def test_inspect_directory_with_one_bad_file_shows_the_rest(tmp_path, capsys):
+    ms = write_two(tmp_path)
+    bad = write_corrupt(tmp_path, "truncated")
+    assert main(["inspect", str(tmp_path)]) == 2
+    out = one_line_error(capsys, str(bad), "not valid JSON")
+    assert all(m.spec_hash in out for m in ms)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    ([], "missing command"),
+    (["frobnicate"], "invalid choice"),
+    (["inspect", "--bogus"], "unrecognized arguments: --bogus"),
+    (["inspect", "a", "b"], "unrecognized arguments: b"),
+    (["specs", "/no/such/spec.toml"], "/no/such/spec.toml: <file>: cannot read"),
+])
+def test_bad_usage_exits_2_with_one_line(capsys, argv, fragment):
+    assert main(argv) == 2
+    one_line_error(capsys, fragment)
+
+
+def test_help_exits_0(capsys):
+    assert main(["--help"]) == 0
+    assert "inspect" in capsys.readouterr().out
+    assert main(["inspect", "--help"]) == 0
+
+
+def test_specs_lists_builtins(capsys):
+    assert main(["specs"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny" in out and "gemma4-31b-assistant" in out and "3S+F" in out and "1,2,4,8,16,32,64" in out
+    for col in ("name", "model", "draft", "W", "page", "layers", "steps", "buckets", "hash"):
+        assert col in out.splitlines()[0].split()
+
+
+def test_specs_bad_spec_file(tmp_path, capsys):
+    p = tmp_path / "bad.toml"
+    p.write_text((REPO / "graphcap/capture_specs/tiny.toml").read_text().replace("steps = 3", "steps = 0"))
+    assert main(["specs", str(p)]) == 2
+    one_line_error(capsys, f"{p}: capture.steps: must be >= 1")
+
+
+def test_layer_pattern():
+    assert layer_pattern(("sliding", "sliding", "sliding", "full")) == "3S+F"
+    assert layer_pattern(("full", "sliding", "full", "full")) == "F+S+2F"
+
+
+def test_bench_forwards_argv_verbatim(monkeypatch):
+    seen = []
+    fake = types.ModuleType("graphcap.bench")
+    fake.main = lambda argv: seen.append(argv) or 3
+    monkeypatch.setitem(sys.modules, "graphcap.bench", fake)
+    argv = ["--batch", "8", "tiny", "--help", "-x"]
+    assert main(["bench", *argv]) == 3
+    assert seen == [argv]
+
+
+def test_bench_spec_error_is_one_line(monkeypatch, capsys):
+    from graphcap.spec import SpecError
+
+    fake = types.ModuleType("graphcap.bench")
+
+    def bad(argv):
+        raise SpecError("x.toml", "capture.buckets", "must be strictly increasing")
+
+    fake.main = bad
+    monkeypatch.setitem(sys.modules, "graphcap.bench", fake)
+    assert main(["bench", "--spec", "x.toml"]) == 2
+    one_line_error(capsys, "x.toml: capture.buckets: must be strictly increasing")
+
+
+def _run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "graphcap.cli", *argv], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_subprocess_exit_codes(tmp_path):
+    bad = write_corrupt(tmp_path, "bad-status")
+    r = _run("inspect", str(bad))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines() == [f"graphcap: error: {bad}: buckets[0].status: unknown status 'exploded'; "
+                                     "expected one of captured, failed, pending"]
+    good = tmp_path / "good"
+    write_two(good)
+    r = _run("inspect", "--json", env={"GRAPHCAP_MANIFEST_DIR": str(good)})
+    assert r.returncode == 0 and len(json.loads(r.stdout)) == 2
+
+
+def test_inspect_and_specs_do_not_import_torch(tmp_path):
+    write_two(tmp_path)
+    code = ("import sys; from graphcap.cli import main; "
+            f"assert main(['inspect', {str(tmp_path)!r}]) == 0 and main(['specs']) == 0; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr

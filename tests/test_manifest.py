@@ -1,0 +1,198 @@
+"""Capture manifests: round trip through the real writer, and a named ManifestError for every kind of bad file."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcap.manifest import (
+    BACKENDS, FORMAT_VERSION, STATUSES, BucketRecord, Manifest, ManifestError, default_manifest_dir, environment,
+    list_manifests, manifest_path, read_manifest, write_manifest,
+)
+from graphcap.spec import load_spec
+
+
+def random_manifest(rng: random.Random, spec_name: str = "tiny", backend: str | None = None) -> Manifest:
+    sizes = sorted(rng.sample(range(1, 129), rng.randint(1, 7)))
+    buckets = []
+    for b in sizes:
+        status = rng.choice(STATUSES)
+        replays = rng.randint(0, 10**6)
+        buckets.append(BucketRecord(
+            batch_size=b, status=status, reason=f"capture of bucket {b} failed: {rng.random()}" if status == "failed" else None,
+            capture_s=rng.uniform(0, 90), pool_bytes=rng.randint(0, 2**40), replays=replays,
+            fallbacks=rng.randint(0, 1000), padded_rows=rng.randint(0, replays * (b - 1)),
+        ))
+    return Manifest(
+        format_version=FORMAT_VERSION, spec_name=spec_name, spec_hash=f"{rng.getrandbits(64):016x}",
+        spec_source=f"/specs/{spec_name}.toml", backend=backend or rng.choice(BACKENDS),
+        device=rng.choice(["cpu", "NVIDIA H200"]), driver=rng.choice([None, "570.133.20"]),
+        torch_version="2.13.0+cu130", triton_version=rng.choice([None, "3.9.0"]), graphcap_version="0.1.0",
+        created="2026-01-02T03:04:05+00:00", updated="2026-01-02T03:04:05+00:00", steps=rng.randint(1, 8),
+        window=rng.choice([16, 1024, 4096]), buckets=buckets, oversize_fallbacks=rng.randint(0, 99),
+        notes=[f"note {rng.random()}" for _ in range(rng.randint(0, 3))],
+    )
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_round_trip(tmp_path_factory, seed):
+    m = random_manifest(random.Random(seed))
+    path = manifest_path(tmp_path_factory.mktemp("m"), m.spec_name, m.spec_hash, m.backend)
+    assert write_manifest(m, path) == path
+    assert read_manifest(path) == m
+    assert json.loads(path.read_text()) == m.to_dict()  # the file holds the raw fields, nothing derived
+
+
+def test_write_stamps_updated_atomically_and_creates_dir(tmp_path):
+    m = random_manifest(random.Random(1))
+    path = tmp_path / "a" / "b" / "m.json"
+    write_manifest(m, path)
+    assert m.updated != m.created and read_manifest(path).updated == m.updated
+    m.buckets[0].replays += 5
+    write_manifest(m, path)  # overwrite in place
+    assert read_manifest(path).buckets[0].replays == m.buckets[0].replays
+    assert sorted(p.name for p in path.parent.iterdir()) == ["m.json"]  # no temp file left behind
+
+
+def test_failed_write_leaves_old_file_and_no_temp(tmp_path):
+    m = random_manifest(random.Random(2))
+    path = write_manifest(m, tmp_path / "m.json")
+    before = path.read_text()
+    m.buckets[0].capture_s = float("nan")  # JSON cannot hold it: the write fails before replacing anything
+    with pytest.raises(ValueError):
+        write_manifest(m, path)
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+def test_interrupted_replace_removes_temp_file(tmp_path, monkeypatch):
+    m = random_manifest(random.Random(3))
+    path = write_manifest(m, tmp_path / "m.json")
+    before = path.read_text()
+
+    def boom(src, dst):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk on fire"):
+        write_manifest(m, path)
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+def test_padding_waste():
+    assert BucketRecord(8).padding_waste == 0.0
+    assert BucketRecord(8, "captured", replays=4, padded_rows=8).padding_waste == 0.25
+
+
+def test_for_spec_and_environment():
+    spec = load_spec("tiny")
+    m = Manifest.for_spec(spec)
+    assert (m.spec_name, m.spec_hash, m.backend, m.steps, m.window) == ("tiny", spec.hash, "reduce-overhead", 3, 16)
+    assert [b.batch_size for b in m.buckets] == [1, 2, 4, 8] and {b.status for b in m.buckets} == {"pending"}
+    env = environment()
+    assert set(env) == {"device", "driver", "torch_version", "triton_version", "graphcap_version"}
+    import torch
+
+    assert env["torch_version"] == torch.__version__
+    if not torch.cuda.is_available():
+        assert env["device"] == "cpu"
+    assert m.bucket(4) is m.buckets[2]
+    with pytest.raises(KeyError):
+        m.bucket(3)
+
+
+def test_default_manifest_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRAPHCAP_MANIFEST_DIR", str(tmp_path / "x"))
+    assert default_manifest_dir() == tmp_path / "x"
+    monkeypatch.delenv("GRAPHCAP_MANIFEST_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert default_manifest_dir() == tmp_path / "cache" / "graphcap" / "manifests"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_manifest_dir() == Path.home() / ".cache" / "graphcap" / "manifests"
+
+
+def test_manifest_path_and_listing(tmp_path):
+    assert manifest_path(tmp_path, "tiny", "ab12", "cudagraph") == tmp_path / "tiny-ab12-cudagraph.json"
+    assert manifest_path(tmp_path, "../evil/name", "h", "eager").parent == tmp_path
+    assert list_manifests(tmp_path / "missing") == []
+    for name in ("b.json", "a.json", "notes.txt"):
+        (tmp_path / name).write_text("{}")
+    assert list_manifests(tmp_path) == [tmp_path / "a.json", tmp_path / "b.json"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Corruption: each case is (name, edit of the written JSON text) -> expected field and reason fragment
+
+
+def _edit(fn):
+    def apply(text: str) -> str:
+        d = json.loads(text)
+        fn(d)
+        return json.dumps(d)
+    return apply
+
+
+CORRUPTIONS = {
+    "empty": (lambda t: "", "<file>", "empty file"),
+    "whitespace": (lambda t: "  \n", "<file>", "empty file"),
+    "truncated": (lambda t: t[: len(t) // 2], "<json>", "not valid JSON"),
+    "not-an-object": (lambda t: "[1, 2]", "<json>", "expected a JSON object, got a list"),
+    "wrong-type": (_edit(lambda d: d.update(steps="3")), "steps", "expected a non-negative integer, got a string"),
+    "bool-for-int": (_edit(lambda d: d["buckets"][0].update(replays=True)), "buckets[0].replays", "got a boolean"),
+    "missing-field": (_edit(lambda d: d.pop("spec_hash")), "spec_hash", "missing"),
+    "missing-bucket-field": (_edit(lambda d: d["buckets"][0].pop("pool_bytes")), "buckets[0].pool_bytes", "missing"),
+    "extra-field": (_edit(lambda d: d.update(colour="red")), "colour", "unknown field"),
+    "newer-format": (_edit(lambda d: d.update(format_version=7)), "format_version",
+                     "written by a newer graphcap (format 7 > 1); upgrade graphcap"),
+    "bad-status": (_edit(lambda d: d["buckets"][0].update(status="exploded")), "buckets[0].status",
+                   "unknown status 'exploded'"),
+    "bad-backend": (_edit(lambda d: d.update(backend="magic")), "backend", "unknown backend 'magic'"),
+    "bad-timestamp": (_edit(lambda d: d.update(updated="yesterday")), "updated", "not an ISO-8601 timestamp"),
+    "negative": (_edit(lambda d: d["buckets"][0].update(fallbacks=-1)), "buckets[0].fallbacks", "non-negative"),
+    "duplicate-bucket": (_edit(lambda d: d["buckets"].append(dict(d["buckets"][0]))), "buckets[1].batch_size",
+                         "duplicate bucket"),
+}
+
+
+def write_corrupt(tmp_path: Path, case: str) -> Path:
+    m = random_manifest(random.Random(case), backend="cudagraph")
+    m.buckets = m.buckets[:1]
+    path = write_manifest(m, tmp_path / f"{case}.json")
+    path.write_text(CORRUPTIONS[case][0](path.read_text()))
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_corrupt_manifest_is_named_error(tmp_path, case):
+    path = write_corrupt(tmp_path, case)
+    _, field, reason = CORRUPTIONS[case]
+    with pytest.raises(ManifestError) as err:
+        read_manifest(path)
+    assert isinstance(err.value, ValueError)
+    assert str(err.value).startswith(f"{path}: {field}: "), str(err.value)
+    assert reason in str(err.value)
+
+
+def test_missing_file_is_named_error(tmp_path):
+    with pytest.raises(ManifestError, match=rf"^{tmp_path / 'nope.json'}: <file>: cannot read: No such file"):
+        read_manifest(tmp_path / "nope.json")
+
+
+def test_newer_format_wins_over_shape_errors(tmp_path):
+    """A newer graphcap may have changed every field: say "upgrade", not "missing field"."""
+    p = tmp_path / "new.json"
+    p.write_text(json.dumps({"format_version": 2, "something": "else"}))
+    with pytest.raises(ManifestError, match=r"format 2 > 1\); upgrade graphcap"):
+        read_manifest(p)
+
+
+def test_manifest_module_does_not_import_torch():
+    code = "import sys, graphcap.manifest, graphcap.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
