@@ -22,7 +22,7 @@ from typing import Any
 
 FORMAT_VERSION = 1
 STATUSES = ("captured", "failed", "pending")
-BACKENDS = ("reduce-overhead", "cudagraph", "eager")
+BACKENDS = ("reduce-overhead", "cudagraph", "compile", "eager")  # graphcap.capture.BACKENDS
 
 
 class ManifestError(ValueError):

@@ -1,0 +1,355 @@
+"""Per-bucket capture of one whole draft iteration, and the run-time dispatcher around the captured graphs.
+
+Backends (constructor argument; a spec's `capture.backend` picks the default):
+- `reduce-overhead`: `torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)` - Inductor fuses the small
+  ops and CUDA-graph trees record one graph per bucket, all in one shared memory pool.
+- `cudagraph`: the same function, eager ops, recorded with `torch.cuda.CUDAGraph`, one shared pool.
+- `compile`: Inductor without CUDA graphs - the "same compiled code with graphs off" that tests compare replays
+  against, and the compiled path on a CPU.
+- `eager`: no capture; the same static-buffer dispatch (CPU runs, debugging).
+
+Run time: the smallest bucket >= B is chosen, the live batch is copied into its first B rows, the other rows point
+at the padding slot with accepted = 0, the graph replays and views of the first B rows come back. They stay valid
+until the next `run` (a replay overwrites them); pass `copy=True` to keep them longer. B above the largest bucket,
+or a bucket whose capture failed, runs the same function eagerly: logged once per cause and counted.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from graphcap import manifest as mf
+from graphcap.models.draft_loop import DraftLoop, DraftOutput
+
+log = logging.getLogger("graphcap")
+BACKENDS = mf.BACKENDS  # reduce-overhead, cudagraph, compile, eager
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # slots, accepted, tokens, hidden
+
+
+class CaptureError(RuntimeError):
+    """A guard tripped: the captured graphs would be wrong or silently slow. The message names the cause."""
+
+
+@dataclass
+class _Bucket:
+    size: int
+    inputs: Inputs  # static input buffers, rows [B:] always padding
+    record: mf.BucketRecord
+    graph: torch.cuda.CUDAGraph | None = None  # cudagraph backend
+    outputs: DraftOutput | None = None  # cudagraph backend: the graph's static outputs
+    used_rows: int = 0  # live rows written by the last run (rows past it are padding again)
+    notes: list[str] = field(default_factory=list)
+
+
+class DraftGraphs:
+    """One captured draft iteration per batch bucket, a dispatcher, guards, eager fallback and a manifest."""
+
+    def __init__(
+        self,
+        fn: Callable[..., DraftOutput],
+        *,
+        buckets: Sequence[int],
+        padding_slot: int,
+        example_inputs: Callable[[int], Inputs],
+        static_tensors: dict[str, torch.Tensor],
+        backend: str = "reduce-overhead",
+        spec=None,
+        manifest_path: str | os.PathLike | None = "default",
+        progress: bool | None = None,
+        flush_every_s: float = 10.0,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
+            raise ValueError(f"DraftGraphs: buckets must be positive and strictly increasing, got {list(buckets)}")
+        device = example_inputs(1)[0].device
+        if backend in ("reduce-overhead", "cudagraph") and device.type != "cuda":
+            raise ValueError(f"DraftGraphs: backend {backend!r} records CUDA graphs; tensors are on {device}. "
+                             "Use backend 'compile' or 'eager' on a CPU.")
+        self.fn, self.backend, self.spec, self.padding_slot = fn, backend, spec, padding_slot
+        self.device = device
+        self._example_inputs = example_inputs
+        self._static = dict(static_tensors)
+        self._addresses: dict[str, int] = {}
+        self._progress = sys.stderr.isatty() if progress is None else progress
+        self._buckets = [self._new_bucket(b) for b in buckets]
+        self._bucket_of = [None] * (buckets[-1] + 1)  # batch size -> bucket index
+        j = 0
+        for b in range(1, buckets[-1] + 1):
+            while buckets[j] < b:
+                j += 1
+            self._bucket_of[b] = j
+        self._compiled: Callable[..., DraftOutput] | None = None
+        self._code: types.CodeType | None = None
+        self._entries_after_capture = 0
+        self._warned: set[str] = set()
+        self.oversize_fallbacks = 0
+        self.captured = False
+        if manifest_path == "default":  # $GRAPHCAP_MANIFEST_DIR or the per-user cache; None: write none
+            manifest_path = mf.manifest_path(mf.default_manifest_dir(), spec.name if spec else "unnamed",
+                                             spec.hash if spec else "0", backend)
+        self.manifest_path = manifest_path
+        self._flush_every_s, self._last_flush = flush_every_s, 0.0
+        self._created = None
+
+    @classmethod
+    def for_loop(cls, loop: DraftLoop, backend: str | None = None, buckets: Sequence[int] | None = None,
+                 steps_only: bool = False, **kw) -> DraftGraphs:
+        """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph)."""
+        spec = loop.model.spec
+        return cls(loop.draft_steps if steps_only else loop, buckets=buckets or spec.capture.buckets,
+                   padding_slot=loop.window.padding_slot, example_inputs=loop.example_inputs,
+                   static_tensors=loop.static_tensors(), backend=backend or spec.capture.backend, spec=spec, **kw)
+
+    # -----------------------------------------------------------------------------------------------------------
+    # capture
+
+    def capture(self) -> None:
+        """Warm up and record every bucket, largest first (so smaller ones reuse its pool memory)."""
+        t_all = time.perf_counter()
+        self._addresses = {n: t.data_ptr() for n, t in self._static.items()}
+        if self.backend in ("reduce-overhead", "compile"):
+            self._compile()
+        pool = torch.cuda.graph_pool_handle() if self.backend == "cudagraph" else None
+        order = list(reversed(self._buckets))
+        for i, bucket in enumerate(order):
+            self._show(f"capturing bucket {bucket.size:>4} ({i + 1}/{len(order)})")
+            self._capture_bucket(bucket, pool)
+        if self._code is not None:
+            self._entries_after_capture = _cache_entries(self._code)
+        self.captured = True
+        self._created = self._created or mf.utc_now()
+        ok = [b for b in self._buckets if b.record.status == "captured"]
+        pool_mib = sum(b.record.pool_bytes for b in self._buckets) / 2**20
+        self._show(None)
+        failed = "" if len(ok) == len(self._buckets) else f", {len(self._buckets) - len(ok)} failed (eager fallback)"
+        summary = (f"graphcap: captured {len(ok)}/{len(self._buckets)} buckets "
+                   f"({self._buckets[0].size}..{self._buckets[-1].size}) with {self.backend} in "
+                   f"{time.perf_counter() - t_all:.1f} s, {pool_mib:.0f} MiB graph memory{failed}")
+        if self.manifest_path:
+            self.flush()
+            summary += f"; manifest {self.manifest_path}"
+        print(summary, file=sys.stderr)
+
+    def recapture(self, static_tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Capture again, e.g. after the engine reallocated a KV pool (pass the new tensors)."""
+        if static_tensors is not None:
+            self._static.update(static_tensors)
+        self._buckets = [self._new_bucket(b.size) for b in self._buckets]
+        self._compiled, self._code = None, None
+        self.capture()
+
+    def _new_bucket(self, size: int) -> _Bucket:
+        inputs = tuple(t.clone() for t in self._example_inputs(size))
+        return _Bucket(size, inputs, mf.BucketRecord(batch_size=size, status="pending", reason=None, capture_s=0.0,
+                                                     pool_bytes=0, replays=0, fallbacks=0, padded_rows=0))
+
+    def _compile(self) -> None:
+        for t in self._static.values():
+            torch._dynamo.mark_static_address(t)
+        for b in self._buckets:
+            for t in b.inputs:
+                torch._dynamo.mark_static_address(t)
+        # A fresh code object per instance: its own Dynamo cache (one entry per bucket), so recompiles are counted
+        # exactly and other compiled code in the process cannot push it past the recompile limit.
+        target = self.fn
+
+        def draft_iteration(slots, accepted, tokens, hidden):
+            return target(slots, accepted, tokens, hidden)
+
+        code = draft_iteration.__code__.replace(co_name=f"draft_iteration_{id(self):x}")
+        fresh = types.FunctionType(code, draft_iteration.__globals__, code.co_name, None, draft_iteration.__closure__)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(self._buckets) + 2)
+        mode = "reduce-overhead" if self.backend == "reduce-overhead" else None
+        options = None if mode else {"triton.cudagraphs": False}
+        self._compiled = torch.compile(fresh, mode=mode, options=options, fullgraph=True, dynamic=False)
+        self._code = code
+
+    def _capture_bucket(self, bucket: _Bucket, pool) -> None:
+        cuda = self.device.type == "cuda"
+        rec = bucket.record
+        before = _reserved_bytes() if cuda else 0
+        t0 = time.perf_counter()
+        skips0 = _cudagraph_skips()
+        try:
+            if self.backend == "cudagraph":
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # Triton JIT, cuBLAS handles: nothing may compile during recording
+                        self.fn(*bucket.inputs)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    bucket.outputs = self.fn(*bucket.inputs)
+                bucket.graph = graph
+            elif self._compiled is not None:
+                with _cudagraph_or_error(self.backend == "reduce-overhead"):
+                    for _ in range(3):  # compile + warm up, record, first replay
+                        _mark_step()
+                        self._compiled(*bucket.inputs)
+            if cuda:
+                torch.cuda.synchronize()
+        except torch.OutOfMemoryError as e:
+            rec.status, rec.reason = "failed", f"out of memory: {str(e).splitlines()[0]}"
+        except Exception as e:  # a failed bucket falls back to eager; the reason goes to the manifest
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if "skipping cudagraphs" in str(e):
+                raise CaptureError(f"bucket {bucket.size}: Inductor would not record a CUDA graph: {reason}") from e
+            rec.status, rec.reason = "failed", f"{type(e).__name__}: {reason}"
+        else:
+            if self.backend == "reduce-overhead" and _cudagraph_skips() > skips0:
+                raise CaptureError(f"bucket {bucket.size}: Inductor skipped CUDA graphs "
+                                   "(see TORCH_LOGS=cudagraphs for the reason)")
+            rec.status = "captured"
+        rec.capture_s = time.perf_counter() - t0
+        rec.pool_bytes = max(0, _reserved_bytes() - before) if cuda else 0
+        if rec.status == "failed":
+            self._warn_once(f"capture:{bucket.size}", f"graphcap: bucket {bucket.size} not captured ({rec.reason}); "
+                                                      "it will run eagerly")
+
+    # -----------------------------------------------------------------------------------------------------------
+    # run time
+
+    def run(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+            *, copy: bool = False, host_slots: Sequence[int] | None = None) -> DraftOutput:
+        """One draft iteration for a live batch of B rows. `host_slots` (the same slots as Python ints, which an
+        engine has on the host anyway) turns on the duplicate/range check at no device sync."""
+        if not self.captured:
+            raise CaptureError("run() before capture()")
+        b = slots.shape[0]
+        if host_slots is not None:
+            self._check_slots(host_slots, b)
+        if b > self._buckets[-1].size:
+            self.oversize_fallbacks += 1
+            self._warn_once("oversize", f"graphcap: batch {b} is larger than the largest bucket "
+                                        f"{self._buckets[-1].size}; running eagerly (counted in the manifest)")
+            return self._finish(self.fn(slots, accepted, tokens, hidden), b, copy)
+        bucket = self._buckets[self._bucket_of[b]]
+        rec = bucket.record
+        if rec.status != "captured":
+            rec.fallbacks += 1
+            return self._finish(self.fn(slots, accepted, tokens, hidden), b, copy)
+        self._check_addresses()
+        s, a, t, h = bucket.inputs
+        s[:b].copy_(slots)
+        a[:b].copy_(accepted)
+        t[:b].copy_(tokens)
+        h[:b].copy_(hidden)
+        if bucket.used_rows > b:  # rows a larger batch used last time become padding again
+            s[b:bucket.used_rows].fill_(self.padding_slot)
+            a[b:bucket.used_rows].zero_()
+        bucket.used_rows = b
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            out = bucket.outputs
+        elif self._compiled is not None:
+            _mark_step()
+            out = self._compiled(s, a, t, h)
+            if _cache_entries(self._code) != self._entries_after_capture:
+                raise CaptureError(f"bucket {bucket.size}: recompiled after capture (a guard failed: a static "
+                                   "tensor or the function changed); run with TORCH_LOGS=recompiles for the guard")
+        else:
+            out = self.fn(s, a, t, h)
+        rec.replays += 1
+        rec.padded_rows += bucket.size - b
+        return self._finish(out, b, copy)
+
+    def _finish(self, out: DraftOutput, b: int, copy: bool) -> DraftOutput:
+        if self.manifest_path and time.monotonic() - self._last_flush > self._flush_every_s:
+            self.flush()
+        rows = DraftOutput(*(x[:b] for x in out))
+        return DraftOutput(*(x.clone() for x in rows)) if copy else rows
+
+    def _check_slots(self, host_slots: Sequence[int], b: int) -> None:
+        if len(host_slots) != b:
+            raise CaptureError(f"run: {len(host_slots)} host_slots for a batch of {b}")
+        if len(set(host_slots)) != b:
+            seen: set[int] = set()
+            dup = next(s for s in host_slots if s in seen or seen.add(s))
+            raise CaptureError(f"run: slot {dup} appears more than once in one batch")
+        bad = [s for s in host_slots if not 0 <= s < self.padding_slot]
+        if bad:
+            raise CaptureError(f"run: slot {bad[0]} out of range [0, {self.padding_slot})")
+
+    def _check_addresses(self) -> None:
+        for name, t in self._static.items():
+            if t.data_ptr() != self._addresses[name]:
+                raise CaptureError(f"static tensor {name!r} moved since capture (reallocated or resized): the graphs "
+                                   "would read the old memory; call recapture() with the new tensors")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+    def _show(self, text: str | None) -> None:
+        if self._progress:
+            sys.stderr.write("\r\033[K" + (f"graphcap: {text}" if text else ""))
+            sys.stderr.flush()
+
+    # -----------------------------------------------------------------------------------------------------------
+    # reporting
+
+    @property
+    def buckets(self) -> list[mf.BucketRecord]:
+        return [b.record for b in self._buckets]
+
+    def manifest(self) -> mf.Manifest:
+        env = mf.environment()
+        spec = self.spec
+        return mf.Manifest(
+            format_version=mf.FORMAT_VERSION,
+            spec_name=spec.name if spec else "(none)", spec_hash=spec.hash if spec else "", spec_source=spec.source if spec else "",
+            backend=self.backend, device=env["device"], driver=env["driver"], torch_version=env["torch_version"],
+            triton_version=env["triton_version"], graphcap_version=env["graphcap_version"],
+            created=self._created or mf.utc_now(), updated=mf.utc_now(),
+            steps=spec.capture.steps if spec else 0, window=spec.window if spec else 0,
+            buckets=[dataclasses.replace(b.record) for b in self._buckets],
+            oversize_fallbacks=self.oversize_fallbacks, notes=[],
+        )
+
+    def flush(self) -> None:
+        """Write the manifest now (run() also does, at most every `flush_every_s`)."""
+        if self.manifest_path:
+            mf.write_manifest(self.manifest(), self.manifest_path)
+            self._last_flush = time.monotonic()
+
+
+def _cache_entries(code: types.CodeType) -> int:
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+
+
+def _cudagraph_skips() -> int:
+    return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
+def _mark_step() -> None:
+    torch.compiler.cudagraph_mark_step_begin()
+
+
+def _reserved_bytes() -> int:
+    return torch.cuda.memory_stats().get("reserved_bytes.all.current", 0)
+
+
+@contextlib.contextmanager
+def _cudagraph_or_error(enabled: bool):
+    """While capturing, make Inductor raise (with its reason) instead of quietly skipping CUDA graphs."""
+    cfg = torch._inductor.config.triton
+    if not enabled or not hasattr(cfg, "cudagraph_or_error"):
+        yield
+        return
+    old, cfg.cudagraph_or_error = cfg.cudagraph_or_error, True
+    try:
+        yield
+    finally:
+        cfg.cudagraph_or_error = old

@@ -1,0 +1,89 @@
+"""One whole draft iteration, the function graphcap captures: advance the windows, then all draft steps.
+
+Everything it touches outside its arguments is static (model weights, WindowBuffers, the target's KV pools and
+`req_to_token`), and nothing in it syncs with the host, branches on a tensor value or allocates by a GPU value -
+so one CUDA graph per batch bucket can replay it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from graphcap.models.frozen_kv_draft import FrozenKVDraft, KVSource
+from graphcap.window import WindowBuffers
+
+
+class DraftOutput(NamedTuple):
+    tokens: torch.Tensor  # [B, steps] int64 draft tokens
+    scores: torch.Tensor  # [B, steps] fp32 logit of each draft token
+    margins: torch.Tensor  # [B, steps] fp32 its margin over the runner-up
+    hidden: torch.Tensor  # [B, target hidden] the last step's post-projection (next iteration's draft input)
+
+
+class DraftLoop(nn.Module):
+    """Frozen-KV MTP draft iteration over the target's pools.
+
+    Query position is `seq_len - 1` for every step (the draft attends to the target's KV and writes none), so the
+    attention metadata is the same for all steps: the window ring and `req_to_token` as they are after `advance`.
+    """
+
+    def __init__(self, model: FrozenKVDraft, window: WindowBuffers, k_swa: torch.Tensor, v_swa: torch.Tensor,
+                 k_full: torch.Tensor, v_full: torch.Tensor, steps: int | None = None) -> None:
+        super().__init__()
+        spec = model.spec
+        if window.window != spec.window:
+            raise ValueError(f"DraftLoop: window buffers have W={window.window}, spec {spec.name} says {spec.window}")
+        for name, pool, shape in (("k_swa", k_swa, spec.sliding), ("v_swa", v_swa, spec.sliding),
+                                  ("k_full", k_full, spec.full), ("v_full", v_full, spec.full)):
+            if pool.ndim != 3 or tuple(pool.shape[1:]) != (shape.kv_heads, shape.head_dim):
+                raise ValueError(f"DraftLoop: {name} must be [pool, {shape.kv_heads}, {shape.head_dim}] for spec "
+                                 f"{spec.name}, got {tuple(pool.shape)}")
+        self.model, self.window = model, window
+        self.steps = steps or spec.capture.steps
+        self.sources = {
+            "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window),
+            "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1]),
+        }
+
+    def forward(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
+                hidden: torch.Tensor) -> DraftOutput:
+        """`slots` [B] request-pool rows (padding rows: `window.padding_slot`), `accepted` [B] tokens the last verify
+        accepted per row (0 for padding), `tokens` [B] last accepted token, `hidden` [B, target hidden]."""
+        self.window.advance(slots, accepted)
+        return self.draft_steps(slots, accepted, tokens, hidden)
+
+    def draft_steps(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
+                    hidden: torch.Tensor) -> DraftOutput:
+        """The steps alone, over the windows as they stand (the rebuild baselines call this after a rebuild)."""
+        del accepted  # same signature as forward, so both capture the same way
+        m, lens = self.model, self.window.seq_lens
+        pos = (lens[slots].long() - 1).clamp(min=0)
+        ropes = {lt: (getattr(m, f"rope_cos_{lt}")[pos], getattr(m, f"rope_sin_{lt}")[pos]) for lt in ("sliding", "full")}
+        toks, scores, margins = [], [], []
+        for _ in range(self.steps):
+            tokens, score, margin, hidden = m.step(tokens, hidden, ropes, self.sources, slots, lens)
+            toks.append(tokens)
+            scores.append(score)
+            margins.append(margin)
+        return DraftOutput(torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(margins, 1), hidden)
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        """Every persistent tensor the loop reads or writes: weights, window buffers, pools."""
+        out = {f"model.{n}": t for n, t in self.model.named_parameters()}
+        out.update({f"model.{n}": t for n, t in self.model.named_buffers()})
+        out.update({f"window.{n}": t for n, t in self.window.static_tensors().items()})
+        for lt, src in self.sources.items():
+            out[f"{lt}.k_pool"], out[f"{lt}.v_pool"] = src.k_pool, src.v_pool
+        return out
+
+    def example_inputs(self, batch: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        """Random inputs for `batch` padding rows: capture warms up on these without touching any live slot."""
+        dev, spec = self.window.device, self.model.spec
+        g = torch.Generator(device=dev).manual_seed(seed)
+        slots = torch.full((batch,), self.window.padding_slot, dtype=torch.int64, device=dev)
+        accepted = torch.zeros(batch, dtype=torch.int32, device=dev)
+        tokens = torch.randint(0, spec.draft.vocab, (batch,), generator=g, device=dev)
+        hidden = torch.randn(batch, spec.target.hidden, generator=g, device=dev).to(self.model.embed.dtype)
+        return slots, accepted, tokens, hidden

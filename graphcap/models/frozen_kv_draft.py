@@ -1,0 +1,158 @@
+"""A reference frozen-KV MTP draft with the Gemma 4 assistant's structure and cost, built from a capture spec.
+
+Per step: pre-projection of [target embedding * sqrt(target hidden), previous hidden] -> the draft's sliding/full
+layers (query-only attention over the target's KV, gated MLP, Gemma-style norms and a per-layer scalar) -> final
+norm -> post-projection (the next step's "previous hidden") and the LM head (full vocab, or the assistant's
+centroid head) -> greedy token. Weights are random (seeded): graphcap measures and captures the draft phase; it
+does not ship a trained draft. What is simplified against Gemma 4 is listed in docs/architecture.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from graphcap.kernels.attention import choose_num_splits, decode_attention
+from graphcap.spec import CaptureSpec
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """Where one layer type's attention reads: pools, the index table and the window (0 = full attention)."""
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    table: torch.Tensor  # sliding: WindowBuffers.ring; full: req_to_token
+    window: int
+    max_len: int  # the longest row this source can hold (split heuristic)
+
+
+class RMSNorm(nn.Module):
+    """Gemma-style RMSNorm (scale = 1 + weight), computed in fp32."""
+
+    def __init__(self, dim: int, dtype: torch.dtype, device, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _rope_tables(max_pos: int, dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
+    ang = torch.arange(max_pos, dtype=torch.float64, device=device)[:, None] * inv[None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D]; cos/sin [B, D/2] (rotate-half layout)."""
+    half = q.shape[-1] // 2
+    q1, q2 = q[..., :half].float(), q[..., half:].float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([q1 * c - q2 * s, q2 * c + q1 * s], dim=-1).to(q.dtype)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, spec: CaptureSpec, layer_type: str, gen: torch.Generator, dtype, device) -> None:
+        super().__init__()
+        shape = spec.attention(layer_type)
+        hd, heads, inter = spec.draft.hidden, spec.draft.heads, spec.draft.intermediate
+        self.layer_type, self.heads, self.head_dim = layer_type, heads, shape.head_dim
+        self.scale = shape.head_dim ** -0.5
+
+        def w(out_f: int, in_f: int) -> nn.Parameter:
+            t = torch.randn(out_f, in_f, generator=gen, device=device, dtype=torch.float32) / math.sqrt(in_f)
+            return nn.Parameter(t.to(dtype), requires_grad=False)
+
+        self.input_norm = RMSNorm(hd, dtype, device)
+        self.q_proj = w(heads * shape.head_dim, hd)
+        self.q_norm = RMSNorm(shape.head_dim, dtype, device)
+        self.o_proj = w(hd, heads * shape.head_dim)
+        self.post_attn_norm = RMSNorm(hd, dtype, device)
+        self.pre_mlp_norm = RMSNorm(hd, dtype, device)
+        self.gate_up = w(2 * inter, hd)
+        self.down = w(hd, inter)
+        self.post_mlp_norm = RMSNorm(hd, dtype, device)
+        self.register_buffer("layer_scalar", torch.ones((), dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], src: KVSource,
+                slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        q = (self.input_norm(x) @ self.q_proj.t()).view(b, self.heads, self.head_dim)
+        q = apply_rope(self.q_norm(q), *rope)
+        splits = choose_num_splits(b, src.k_pool.shape[1], src.max_len)
+        attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale, splits)
+        x = x + self.post_attn_norm(attn.reshape(b, -1) @ self.o_proj.t())
+        gate, up = (self.pre_mlp_norm(x) @ self.gate_up.t()).chunk(2, dim=-1)
+        x = x + self.post_mlp_norm((nn.functional.gelu(gate, approximate="tanh") * up) @ self.down.t())
+        return x * self.layer_scalar
+
+
+class FrozenKVDraft(nn.Module):
+    """The draft model. `step` is one draft step; `graphcap.models.DraftLoop` runs the whole iteration."""
+
+    def __init__(self, spec: CaptureSpec, *, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        dtype = dtype or spec.torch_dtype()
+        d = spec.draft
+        gen = torch.Generator(device=device).manual_seed(seed)
+        ht, hd = spec.target.hidden, d.hidden
+
+        def w(out_f: int, in_f: int) -> nn.Parameter:
+            t = torch.randn(out_f, in_f, generator=gen, device=device, dtype=torch.float32) / math.sqrt(in_f)
+            return nn.Parameter(t.to(dtype), requires_grad=False)
+
+        # The target's input embedding (shared with the target in Gemma 4; owned here for a standalone model).
+        self.embed = nn.Parameter(
+            (torch.randn(d.vocab, ht, generator=gen, device=device, dtype=torch.float32) / math.sqrt(ht)).to(dtype),
+            requires_grad=False)
+        self.embed_scale = math.sqrt(ht)
+        self.pre_proj = w(hd, 2 * ht)
+        self.layers = nn.ModuleList(DraftLayer(spec, lt, gen, dtype, device) for lt in d.layers)
+        self.final_norm = RMSNorm(hd, dtype, device)
+        self.post_proj = w(ht, hd)
+        # Centroid head: rows stored cluster-major (row c * T + j is token token_of_cluster[c, j]), so the top
+        # clusters' rows are read as contiguous blocks.
+        self.lm_head = w(d.vocab, hd)
+        if d.head == "centroid":
+            self.centroids = w(d.centroids, hd)
+            perm = torch.randperm(d.vocab, generator=gen, device=device)
+            self.register_buffer("token_of_cluster", perm.view(d.centroids, d.vocab // d.centroids))
+        max_pos = spec.capture.max_context
+        for lt, theta in (("sliding", 10_000.0), ("full", 1_000_000.0)):
+            cos, sin = _rope_tables(max_pos, spec.attention(lt).head_dim, theta, device)
+            self.register_buffer(f"rope_cos_{lt}", cos, persistent=False)
+            self.register_buffer(f"rope_sin_{lt}", sin, persistent=False)
+
+    def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Greedy token, its logit and its margin over the runner-up (tests compare logits across backends)."""
+        if self.spec.draft.head == "centroid":
+            d = self.spec.draft
+            top = (x @ self.centroids.t()).topk(d.centroid_top_k, dim=-1).indices  # [B, k]
+            rows = self.lm_head.view(d.centroids, d.vocab // d.centroids, -1)[top]  # [B, k, T, hidden]
+            logits = torch.einsum("bkth,bh->bkt", rows, x).flatten(1).float()
+            cand = self.token_of_cluster[top].flatten(1)  # [B, k * T] token ids
+        else:
+            cand = None
+            logits = (x @ self.lm_head.t()).float()
+        best = logits.topk(2, dim=-1)
+        idx = best.indices[:, 0]
+        token = idx if cand is None else cand.gather(1, idx[:, None])[:, 0]
+        return token, best.values[:, 0], best.values[:, 0] - best.values[:, 1]
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
+             sources: dict[str, KVSource], slots: torch.Tensor, lens: torch.Tensor):
+        e = self.embed[tokens] * self.embed_scale
+        x = torch.cat([e, hidden], dim=-1) @ self.pre_proj.t()
+        for layer in self.layers:
+            x = layer(x, ropes[layer.layer_type], sources[layer.layer_type], slots, lens)
+        x = self.final_norm(x)
+        token, score, margin = self.head(x)
+        return token, score, margin, x @ self.post_proj.t()

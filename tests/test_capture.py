@@ -1,0 +1,134 @@
+"""The capture engine's dispatcher, padding, guards, fallback and manifest, on CPU (backends `eager` and
+`compile`). Graph recording and replay are checked on the GPU (tests/test_capture_gpu.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphcap import manifest as mf
+from graphcap.capture import CaptureError, DraftGraphs
+from graphcap.kernels import twins_on_cpu
+from graphcap.models import DraftLoop, FrozenKVDraft
+from graphcap.spec import load_spec
+from graphcap.state import make_target_state
+from graphcap.window import WindowBuffers
+
+SPEC = load_spec("tiny")
+
+
+def build(device, seed=0):
+    n = SPEC.capture.max_slots
+    lens = torch.randint(1, 60, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    st = make_target_state(SPEC, lens, [x + 60 for x in lens], slots=list(range(n)), seed=seed, device=device)
+    wb = WindowBuffers.from_spec(SPEC, st.req_to_token, st.full_to_swa)
+    wb.reset(list(range(n)), lens)
+    loop = DraftLoop(FrozenKVDraft(SPEC, seed=seed, device=device), wb, st.k_swa, st.v_swa, st.k_full, st.v_full)
+    return st, wb, loop
+
+
+def random_batch(g, wb, device, b):
+    slots = torch.randperm(wb.max_slots, generator=g)[:b]
+    accepted = torch.randint(1, SPEC.capture.steps + 2, (b,), generator=g)
+    tokens = torch.randint(0, SPEC.draft.vocab, (b,), generator=g)
+    hidden = torch.randn(b, SPEC.target.hidden, generator=g)
+    return [x.to(device) for x in (slots, accepted, tokens, hidden)]
+
+
+def test_dispatch_padding_fallback_and_manifest(tmp_path, device):
+    """Random batch sizes (oversize ones included) and slots joining/leaving: every result equals the plain loop on
+    a twin state, the windows stay identical, and the manifest counts what happened."""
+    _, wb_ref, loop_ref = build(device)
+    _, wb, loop = build(device)
+    path = tmp_path / "m.json"
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(2, 4, 8), manifest_path=path, progress=False)
+    graphs.capture()
+    g = torch.Generator().manual_seed(7)
+    sizes = [3, 8, 1, 4, 10, 2, 5, 7, 9, 3]
+    for b in sizes:
+        slots, accepted, tokens, hidden = random_batch(g, wb, device, b)
+        ref = loop_ref(slots, accepted, tokens, hidden)
+        out = graphs.run(slots, accepted, tokens, hidden, host_slots=slots.tolist())
+        assert out.tokens.shape == (b, SPEC.capture.steps) and out.hidden.shape == (b, SPEC.target.hidden)
+        torch.testing.assert_close(out.scores, ref.scores, rtol=1e-4, atol=1e-4)
+        decided = ref.margins > 1e-3
+        assert torch.equal(out.tokens[decided], ref.tokens[decided])
+        assert torch.equal(wb.ring, wb_ref.ring) and torch.equal(wb.seq_lens, wb_ref.seq_lens)
+        assert int(wb.seq_lens[wb.padding_slot]) == 0
+    graphs.flush()
+    m = mf.read_manifest(path)
+    by_size = {r.batch_size: r for r in m.buckets}
+    assert [r.status for r in m.buckets] == ["captured"] * 3
+    assert by_size[2].replays == 2 and by_size[4].replays == 3 and by_size[8].replays == 3
+    assert by_size[4].padded_rows == 1 + 0 + 1 and by_size[8].padded_rows == 0 + 3 + 1
+    assert m.oversize_fallbacks == 2 and m.spec_hash == SPEC.hash and m.backend == "eager"
+
+
+def test_views_until_next_run_and_copies(device):
+    _, wb, loop = build(device)
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)
+    graphs.capture()
+    g = torch.Generator().manual_seed(3)
+    kept = graphs.run(*random_batch(g, wb, device, 3), copy=True)
+    assert kept.tokens.shape[0] == 3 and kept.tokens.is_contiguous()
+
+
+@pytest.mark.parametrize(
+    "host_slots, match",
+    [([1, 1, 2], r"slot 1 appears more than once"), ([1, 2, SPEC.capture.max_slots], r"out of range"),
+     ([1, 2], r"2 host_slots for a batch of 3")],
+)
+def test_bad_batches_are_rejected(device, host_slots, match):
+    _, wb, loop = build(device)
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)
+    graphs.capture()
+    before = wb.seq_lens.clone()
+    g = torch.Generator().manual_seed(3)
+    with pytest.raises(CaptureError, match=match):
+        graphs.run(*random_batch(g, wb, device, 3), host_slots=host_slots)
+    assert torch.equal(before, wb.seq_lens)
+
+
+def test_moved_static_tensor_is_caught_and_recapture_recovers(device):
+    st, wb, loop = build(device)
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)
+    with pytest.raises(CaptureError, match="before capture"):
+        graphs.run(*random_batch(torch.Generator(), wb, device, 2))
+    graphs.capture()
+    # The engine reallocates its SWA K pool (e.g. after a resize): the graphs would read freed memory.
+    st.k_swa.set_(st.k_swa.clone())
+    g = torch.Generator().manual_seed(5)
+    with pytest.raises(CaptureError, match=r"static tensor 'sliding.k_pool' moved since capture.*recapture"):
+        graphs.run(*random_batch(g, wb, device, 2))
+    graphs.recapture()
+    graphs.run(*random_batch(g, wb, device, 2))
+
+
+def test_bad_construction(device):
+    _, _, loop = build(device)
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        DraftGraphs.for_loop(loop, backend="fast", manifest_path=None)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        DraftGraphs.for_loop(loop, backend="eager", buckets=(4, 2), manifest_path=None)
+    if device == "cpu":
+        with pytest.raises(ValueError, match="records CUDA graphs"):
+            DraftGraphs.for_loop(loop, backend="cudagraph", manifest_path=None)
+
+
+def test_compiled_backend_matches_eager_and_never_recompiles(device, tmp_path):
+    """Inductor (no CUDA graphs: the CPU path) over two buckets; a run at each bucket size, then more runs at other
+    sizes that map onto the same buckets - no new compilation."""
+    if device == "cuda":
+        pytest.skip("the GPU file checks the compiled backends with graphs")
+    with twins_on_cpu():  # Inductor cannot lower interpreted Triton kernels: the twins are the CPU path
+        _, wb_ref, loop_ref = build(device)
+        _, wb, loop = build(device)
+        graphs = DraftGraphs.for_loop(loop, backend="compile", buckets=(2, 4), manifest_path=None, progress=False)
+        graphs.capture()
+        g = torch.Generator().manual_seed(11)
+        for b in (2, 4, 1, 3, 4):
+            batch = random_batch(g, wb, device, b)
+            ref = loop_ref(*batch)
+            out = graphs.run(*batch)
+            torch.testing.assert_close(out.scores, ref.scores, rtol=1e-3, atol=1e-3)
+            assert torch.equal(wb.ring, wb_ref.ring)
+        assert all(r.status == "captured" for r in graphs.buckets)
