@@ -30,7 +30,8 @@ class DraftLoop(nn.Module):
     """
 
     def __init__(self, model: FrozenKVDraft, window: WindowBuffers, k_swa: torch.Tensor, v_swa: torch.Tensor,
-                 k_full: torch.Tensor, v_full: torch.Tensor, steps: int | None = None) -> None:
+                 k_full: torch.Tensor, v_full: torch.Tensor, steps: int | None = None,
+                 sources: dict[str, KVSource] | None = None) -> None:
         super().__init__()
         spec = model.spec
         if window.window != spec.window:
@@ -42,7 +43,7 @@ class DraftLoop(nn.Module):
                                  f"{spec.name}, got {tuple(pool.shape)}")
         self.model, self.window = model, window
         self.steps = steps or spec.capture.steps
-        self.sources = {
+        self.sources = sources or {
             "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window),
             "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1]),
         }

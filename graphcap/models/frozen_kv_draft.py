@@ -9,6 +9,7 @@ does not ship a trained draft. What is simplified against Gemma 4 is listed in d
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ class KVSource:
     table: torch.Tensor  # sliding: WindowBuffers.ring; full: req_to_token
     window: int
     max_len: int  # the longest row this source can hold (split heuristic)
+    attend: Callable[[torch.Tensor, float], torch.Tensor] | None = None  # another attention (the sglang baseline)
 
 
 class RMSNorm(nn.Module):
@@ -85,8 +87,11 @@ class DraftLayer(nn.Module):
         b = x.shape[0]
         q = (self.input_norm(x) @ self.q_proj.t()).view(b, self.heads, self.head_dim)
         q = apply_rope(self.q_norm(q), *rope)
-        splits = choose_num_splits(b, src.k_pool.shape[1], src.max_len)
-        attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale, splits)
+        if src.attend is not None:
+            attn = src.attend(q, self.scale)
+        else:
+            splits = choose_num_splits(b, src.k_pool.shape[1], src.max_len)
+            attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale, splits)
         x = x + self.post_attn_norm(attn.reshape(b, -1) @ self.o_proj.t())
         gate, up = (self.pre_mlp_norm(x) @ self.gate_up.t()).chunk(2, dim=-1)
         x = x + self.post_mlp_norm((nn.functional.gelu(gate, approximate="tanh") * up) @ self.down.t())
