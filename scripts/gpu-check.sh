@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark of graphcap, for the lent H200 (or any CUDA machine). Logs and tables go to
+# $GPU_WORK/logs (default /tmp/graphcap-gpu) and are packed into $OUT/gpu-<stage>.tar.gz (default OUT=out/gpu).
+#   scripts/gpu-check.sh smoke    quick: CUDA unit tests of window/attention/model + a tiny bench
+#   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included)
+#   scripts/gpu-check.sh kernels  bench/window_advance.py and bench/attention_bw.py
+#   scripts/gpu-check.sh bench    bench/capture_cost.py, the main `graphcap bench`, `graphcap inspect`
+#   scripts/gpu-check.sh sweep    steps 1 and 2, and the long-context (32768) sweep at batch 8
+# sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
+set -uo pipefail
+stage=${1:-smoke}
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}            # what comes back: one tarball per stage and the command log
+WORK=${GPU_WORK:-/tmp/graphcap-gpu}
+LOG=$WORK/logs
+mkdir -p "$LOG" "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/sglang ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export GRAPHCAP_MANIFEST_DIR=$LOG/manifests
+gc() { python3 -m graphcap.cli "$@"; }
+
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit,clocks.max.sm --format=csv
+  python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
+  python3 -c 'import sglang; print("sglang", sglang.__version__)' 2>&1 | tail -1
+  git log -1 --oneline 2>/dev/null || true
+} > "$LOG/env-$stage.txt" 2>&1
+cat "$LOG/env-$stage.txt"
+
+step() {  # step NAME CMD...: run, keep the log, report the exit code and time
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$LOG/commands.txt"
+  local t0=$SECONDS
+  "$@" > "$LOG/$name.log" 2>&1
+  local rc=$?
+  echo "   rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG/commands.txt"
+  tail -n 25 "$LOG/$name.log"
+}
+
+case $stage in
+  smoke)
+    step smoke-pytest python3 -m pytest -q -x tests/test_window.py tests/test_attention.py tests/test_models.py
+    step smoke-bench gc bench --spec tiny --batch 1,4 --context 64 --iters 5 --repeats 1 --out "$LOG/bench-smoke"
+    ;;
+  tests)
+    step pytest python3 -m pytest -q -rs tests/
+    ;;
+  kernels)
+    step window-advance python3 bench/window_advance.py --out "$LOG"
+    step attention-bw python3 bench/attention_bw.py --out "$LOG"
+    ;;
+  bench)
+    step capture-cost python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --out "$LOG"
+    step bench-main gc bench --batch 1,2,4,8,16,32,64 --context 256,2048,8192 --steps 3 --out "$LOG/bench-main"
+    step inspect gc inspect "$GRAPHCAP_MANIFEST_DIR"
+    ;;
+  sweep)
+    step bench-steps gc bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2 --repeats 2 --out "$LOG/bench-steps"
+    step bench-long gc bench --batch 8 --context 256,2048,8192,32768 --modes graph-rebuild,graphcap \
+      --out "$LOG/bench-long"
+    ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
+tar czf "$OUT/gpu-$stage.tar.gz" -C "$WORK" logs
+cp "$LOG/commands.txt" "$OUT/commands-$stage.txt"
+cat "$LOG/commands.txt"
