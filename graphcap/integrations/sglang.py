@@ -1,0 +1,288 @@
+"""sglang plugin: `--enable-draft-graph-capture` for Gemma 4 frozen-KV MTP (sglang's FROZEN_KV_MTP).
+
+Loaded by sglang's own `load_plugins()` through the `sglang.srt.plugins` entry point (pyproject.toml). It does nothing
+unless asked:
+
+- Always (so the flags exist): an AFTER hook on `ServerArgs.add_cli_args` adds the three flags, and an AFTER hook on
+  `ServerArgs.from_cli_args` (which drops argparse values that are not ServerArgs fields) attaches the parsed options
+  to the ServerArgs record as `_graphcap_draft_capture` - a bookkeeping attribute, which `ServerArgs.__reduce__`
+  carries into the scheduler subprocess - and, when enabled, exports them as $GRAPHCAP_SGLANG_DRAFT_CAPTURE so the
+  subprocesses' own `load_plugins()` knows to install the runtime hooks.
+- Only when enabled: a BEFORE hook on `ServerArgs.check_server_args` (start-up validation, in the launcher), and in a
+  process that runs a scheduler the hooks on the draft worker and the schedule batch (RUNTIME_HOOKS below), which
+  hand the draft phase to `graphcap.integrations.sglang_runtime`.
+
+Written against sglang 0.5.23 (TESTED_SGLANG); docs/sglang.md says what was exercised against the real package.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger("graphcap.sglang")
+
+TESTED_SGLANG = ("0.5.23",)
+FLAG = "--enable-draft-graph-capture"
+BACKEND_FLAG = "--draft-graph-capture-backend"
+MANIFEST_FLAG = "--draft-graph-manifest-dir"
+BACKENDS = ("reduce-overhead", "cudagraph")
+ENV_VAR = "GRAPHCAP_SGLANG_DRAFT_CAPTURE"
+ATTR = "_graphcap_draft_capture"  # on ServerArgs: underscore names are bookkeeping, allowed even on a sealed record
+_DEST = {"enabled": "enable_draft_graph_capture", "backend": "draft_graph_capture_backend",
+         "manifest_dir": "draft_graph_manifest_dir"}
+
+# Hook targets in sglang 0.5.23 (dotted paths for sglang's HookRegistry).
+SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+ADD_CLI_ARGS = f"{SERVER_ARGS}.add_cli_args"
+FROM_CLI_ARGS = f"{SERVER_ARGS}.from_cli_args"
+CHECK_SERVER_ARGS = f"{SERVER_ARGS}.check_server_args"
+DRAFT_WORKER = "sglang.srt.speculative.frozen_kv_mtp_worker_v2.FrozenKVMTPDraftWorker"
+SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+WORKER_INIT_GRAPHS = f"{DRAFT_WORKER}.init_cuda_graphs"  # capture graphcap's loop instead of sglang's draft runner
+WORKER_DRAFT = f"{DRAFT_WORKER}.draft"  # the draft phase: one replay, no per-iteration .item()
+WORKER_EXTEND_PREFILL = f"{DRAFT_WORKER}._draft_extend_for_prefill"  # requests join (after their prefill)
+WORKER_EXTEND_DECODE = f"{DRAFT_WORKER}._draft_extend_for_decode"  # verify accepted accept_lens[i] tokens
+BATCH_RETRACT = f"{SCHEDULE_BATCH}.retract_decode"  # requests retracted under memory pressure
+BATCH_EVICT_SWA = f"{SCHEDULE_BATCH}._evict_swa"  # SWA pages freed behind a request's window
+ARG_HOOKS = (ADD_CLI_ARGS, FROM_CLI_ARGS)
+WORKER_HOOKS = (WORKER_INIT_GRAPHS, WORKER_DRAFT, WORKER_EXTEND_PREFILL, WORKER_EXTEND_DECODE, BATCH_RETRACT,
+                BATCH_EVICT_SWA)
+RUNTIME_HOOKS = (CHECK_SERVER_ARGS, *WORKER_HOOKS)
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"  # imported in every process that runs a scheduler
+
+
+class DraftCaptureConfigError(ValueError):
+    """--enable-draft-graph-capture was asked for in a configuration graphcap cannot serve; names the setting."""
+
+
+@dataclass(frozen=True)
+class DraftCaptureOptions:
+    enabled: bool = False
+    backend: str = "reduce-overhead"
+    manifest_dir: str | None = None  # None: graphcap's default ($GRAPHCAP_MANIFEST_DIR or ~/.cache/graphcap/...)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_mapping(cls, data: Any, source: str) -> DraftCaptureOptions:
+        if not isinstance(data, dict) or set(data) - {"enabled", "backend", "manifest_dir"}:
+            raise DraftCaptureConfigError(f"{source}: expected a JSON object with keys enabled, backend, manifest_dir; "
+                                          f"got {data!r}")
+        opts = cls(**data)
+        if not isinstance(opts.enabled, bool):
+            raise DraftCaptureConfigError(f"{source}: enabled must be true or false, got {opts.enabled!r}")
+        if opts.backend not in BACKENDS:
+            raise DraftCaptureConfigError(f"{source}: backend must be one of {', '.join(BACKENDS)}, got {opts.backend!r}")
+        if opts.manifest_dir is not None and not isinstance(opts.manifest_dir, str):
+            raise DraftCaptureConfigError(f"{source}: manifest_dir must be a string, got {opts.manifest_dir!r}")
+        return opts
+
+
+class _State:
+    registered = 0  # register() calls in this process (tests read it)
+    runtime_hooks: set[str] = set()
+
+
+STATE = _State()
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def register() -> None:
+    """`sglang.srt.plugins` entry point. Runs in every sglang process, before argument parsing in the launcher."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    STATE.registered += 1
+    _warn_untested_version()
+    HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register(FROM_CLI_ARGS, _after_from_cli_args, HookType.AFTER)
+    opts = options_from_env()
+    if opts.enabled:  # a child of a launcher that parsed the flag (or an Engine user who set the variable)
+        register_runtime_hooks(workers=SCHEDULER_MODULE in sys.modules)
+
+
+def register_runtime_hooks(workers: bool) -> None:
+    """The hooks that do the work; `workers`: also those on the draft worker and schedule batch (a scheduler process)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from graphcap.integrations import sglang_hooks as h
+
+    table = {CHECK_SERVER_ARGS: (h.before_check_server_args, HookType.BEFORE)}
+    if workers:
+        table.update({
+            WORKER_INIT_GRAPHS: (h.around_init_cuda_graphs, HookType.AROUND),
+            WORKER_DRAFT: (h.around_draft, HookType.AROUND),
+            WORKER_EXTEND_PREFILL: (h.after_draft_extend_for_prefill, HookType.AFTER),
+            WORKER_EXTEND_DECODE: (h.after_draft_extend_for_decode, HookType.AFTER),
+            BATCH_RETRACT: (h.around_retract_decode, HookType.AROUND),
+            BATCH_EVICT_SWA: (h.around_evict_swa, HookType.AROUND),
+        })
+    for target, (hook, kind) in table.items():
+        if target not in STATE.runtime_hooks:
+            HookRegistry.register(target, hook, kind)
+            STATE.runtime_hooks.add(target)
+
+
+def _warn_untested_version() -> None:
+    try:
+        import importlib.metadata
+
+        v = importlib.metadata.version("sglang")
+    except Exception:
+        return
+    if v not in TESTED_SGLANG:
+        log.warning("graphcap: sglang %s is installed; the plugin was written and tested against sglang %s. "
+                    "Hook targets that moved are reported when sglang applies them.", v, ", ".join(TESTED_SGLANG))
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Arguments
+
+
+def add_arguments(parser) -> None:
+    """The plugin's flags, in their own argparse group (idempotent per parser)."""
+    if FLAG in getattr(parser, "_option_string_actions", {}):
+        return
+    g = parser.add_argument_group("graphcap draft graph capture (plugin)")
+    g.add_argument(FLAG, dest=_DEST["enabled"], action="store_true", default=False,
+                   help="graphcap: for FROZEN_KV_MTP speculative decoding (--speculative-algorithm NEXTN/EAGLE with a "
+                        "Gemma 4 assistant draft, --speculative-eagle-topk 1, Triton attention), keep the draft's "
+                        "sliding-window state in graphcap's static buffers, advanced in place by each verify's "
+                        "accepted tokens, and capture the whole draft iteration per decode batch bucket. Off by "
+                        "default: without this flag the plugin changes nothing.")
+    g.add_argument(BACKEND_FLAG, dest=_DEST["backend"], choices=BACKENDS, default="reduce-overhead",
+                   help="graphcap: how the draft iteration is captured: 'reduce-overhead' = torch.compile with CUDA "
+                        "graphs (Inductor fuses the small ops), 'cudagraph' = torch.cuda.CUDAGraph of the eager ops. "
+                        "Default: %(default)s.")
+    g.add_argument(MANIFEST_FLAG, dest=_DEST["manifest_dir"], default=None, metavar="DIR",
+                   help="graphcap: directory for the capture manifest that `graphcap inspect DIR` lists (default: "
+                        "$GRAPHCAP_MANIFEST_DIR, else ~/.cache/graphcap/manifests).")
+
+
+def options_from_namespace(args) -> DraftCaptureOptions:
+    return DraftCaptureOptions(enabled=bool(getattr(args, _DEST["enabled"], False)),
+                               backend=getattr(args, _DEST["backend"], None) or "reduce-overhead",
+                               manifest_dir=getattr(args, _DEST["manifest_dir"], None))
+
+
+def options_from_env() -> DraftCaptureOptions:
+    raw = os.environ.get(ENV_VAR)
+    if not raw:
+        return DraftCaptureOptions()
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise DraftCaptureConfigError(f"${ENV_VAR}: not valid JSON ({e})") from None
+    return DraftCaptureOptions.from_mapping(data, f"${ENV_VAR}")
+
+
+def options_of(server_args) -> DraftCaptureOptions:
+    """The options a ServerArgs record carries (CLI path), else those in the environment (Engine path)."""
+    data = getattr(server_args, ATTR, None) if server_args is not None else None
+    if data is not None:
+        return DraftCaptureOptions.from_mapping(dict(data), f"ServerArgs.{ATTR}")
+    return options_from_env()
+
+
+def attach_options(server_args, opts: DraftCaptureOptions) -> None:
+    """Store on the record (plain dict: unpickles without graphcap's classes) and export for child processes."""
+    setattr(server_args, ATTR, asdict(opts))
+    if opts.enabled:
+        os.environ[ENV_VAR] = opts.to_json()
+    else:
+        os.environ.pop(ENV_VAR, None)  # the command line wins over an inherited variable
+
+
+def _after_add_cli_args(result, parser, *args, **kwargs):
+    add_arguments(parser)
+    return result
+
+
+def _after_from_cli_args(result, cls, args, *rest, **kwargs):
+    opts = options_from_namespace(args)
+    if not opts.enabled and (opts.backend != "reduce-overhead" or opts.manifest_dir is not None):
+        log.warning("graphcap: %s/%s given without %s: they have no effect", BACKEND_FLAG, MANIFEST_FLAG, FLAG)
+    attach_options(result, opts)
+    if opts.enabled:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        register_runtime_hooks(workers=SCHEDULER_MODULE in sys.modules)
+        HookRegistry.apply_hooks()
+    return result
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Start-up validation (launcher, after sglang resolved the arguments; the worker re-checks with the real objects)
+
+
+def validate_server_args(server_args) -> DraftCaptureOptions:
+    """Error naming the unsupported setting, or - where leaving graphcap off is safe - a warning and disabled options
+    (stored back on the record, so the scheduler process sees them). Returns the options in force."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    opts = options_of(server_args)
+    if not opts.enabled:
+        return opts
+
+    def get(name, default=None):
+        return resolution_result(server_args, name, default)
+
+    resolved = bool(getattr(server_args, "_resolution_finished", False))
+    algo = get("speculative_algorithm")
+    algo = str(algo).upper() if algo else None
+    if algo is None:
+        return _stays_off(server_args, opts, "no --speculative-algorithm is set (speculative decoding is off)")
+    pending = {"NEXTN", "EAGLE"} if not resolved else set()  # resolution turns these into FROZEN_KV_MTP for Gemma 4
+    if algo != "FROZEN_KV_MTP" and algo not in pending:
+        raise DraftCaptureConfigError(
+            f"{FLAG} supports only FROZEN_KV_MTP (--speculative-algorithm NEXTN or EAGLE with a Gemma 4 assistant "
+            f"draft, Gemma4AssistantForCausalLM); this server's --speculative-algorithm resolved to {algo}. "
+            f"Drop {FLAG} or use a Gemma 4 assistant draft.")
+    topk = get("speculative_eagle_topk")
+    if topk is not None and int(topk) != 1:
+        raise DraftCaptureConfigError(
+            f"{FLAG} captures a chain draft only: --speculative-eagle-topk must be 1, got {topk}")
+    for name in ("speculative_draft_attention_backend", "decode_attention_backend", "attention_backend"):
+        value = get(name)
+        if value is not None:
+            if value != "triton":
+                raise DraftCaptureConfigError(
+                    f"{FLAG}: graphcap's kernels serve sglang's Triton attention layout (req_to_token + the SWA "
+                    f"pool's full_to_swa mapping); --{name.replace('_', '-')} {value} is not supported. "
+                    "Use --attention-backend triton (Gemma 4's default) or drop the flag.")
+            break
+    if get("enable_unified_memory"):
+        raise DraftCaptureConfigError(
+            f"{FLAG}: --enable-unified-memory stores virtual ids in req_to_token (translated through page tables); "
+            "graphcap's window buffers read the static SWA pool's full_to_swa mapping. Drop one of the two.")
+    pp = get("pp_size") or 1
+    if int(pp) > 1:
+        raise DraftCaptureConfigError(f"{FLAG}: --pp-size {pp} is not supported (the draft runs on one stage)")
+    if get("speculative_adaptive"):
+        raise DraftCaptureConfigError(f"{FLAG}: --speculative-adaptive is not supported with FROZEN_KV_MTP")
+    device = get("device")
+    if resolved and device not in (None, "cuda"):
+        return _stays_off(server_args, opts, f"--device {device}: graphcap captures CUDA graphs")
+    if opts.manifest_dir is not None:
+        try:
+            os.makedirs(opts.manifest_dir, exist_ok=True)
+        except OSError as e:
+            raise DraftCaptureConfigError(f"{MANIFEST_FLAG} {opts.manifest_dir}: cannot create it ({e.strerror or e})") from None
+        if not os.access(opts.manifest_dir, os.W_OK):
+            raise DraftCaptureConfigError(f"{MANIFEST_FLAG} {opts.manifest_dir}: not writable")
+    return opts
+
+
+def _stays_off(server_args, opts: DraftCaptureOptions, why: str) -> DraftCaptureOptions:
+    log.warning("graphcap: %s is set but %s; draft graph capture stays off and sglang runs as without the flag.",
+                FLAG, why)
+    off = DraftCaptureOptions(enabled=False, backend=opts.backend, manifest_dir=opts.manifest_dir)
+    attach_options(server_args, off)
+    return off

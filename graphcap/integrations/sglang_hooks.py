@@ -1,0 +1,109 @@
+"""The hook functions `graphcap.integrations.sglang.register_runtime_hooks` installs (only when the flag is on).
+
+Each is thin: it finds the worker's graphcap runtime (or every live runtime, for the schedule-batch hooks) and hands
+over; with no runtime attached it is a pass-through, so a worker graphcap declined to serve behaves as stock sglang.
+Signatures follow sglang's HookRegistry: BEFORE fn(*args), AFTER fn(result, *args), AROUND fn(original, *args).
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+log = logging.getLogger("graphcap.sglang")
+RUNTIME_ATTR = "_graphcap_runtime"  # on the FrozenKVMTPDraftWorker
+_RUNTIMES: weakref.WeakSet = weakref.WeakSet()  # live runtimes in this process (the batch hooks reach them here)
+
+
+def slot_of(req) -> int | None:
+    """The request's row in the request pool (sglang 0.5.23 keeps it on `req.kv`)."""
+    return getattr(getattr(req, "kv", None), "req_pool_idx", None)
+
+
+def runtime_of(worker):
+    return getattr(worker, RUNTIME_ATTR, None)
+
+
+def live_runtimes() -> list:
+    return [rt for rt in list(_RUNTIMES) if rt.active]
+
+
+def before_check_server_args(server_args, *args, **kwargs):
+    from graphcap.integrations.sglang import validate_server_args
+
+    validate_server_args(server_args)
+    return None  # arguments unchanged
+
+
+def around_init_cuda_graphs(original, worker, *args, **kwargs):
+    """sglang's `init_cuda_graphs` runs `TpModelWorker.init_cuda_graphs` and then `_capture_cuda_graphs` (its own
+    FrozenKVMTPCudaGraphRunner) inside the draft's TP/PP/MoE contexts. When graphcap serves this worker, the second
+    call captures graphcap's loop instead, in the same contexts; otherwise everything runs as stock sglang."""
+    from graphcap.integrations.sglang import options_of
+    from graphcap.integrations.sglang_runtime import GraphcapDraftRuntime
+
+    opts = options_of(getattr(worker, "server_args", None))
+    if not opts.enabled:
+        return original(worker, *args, **kwargs)
+    runtime = GraphcapDraftRuntime.for_worker(worker, opts)  # raises DraftCaptureConfigError, or None: stays off
+    if runtime is None:
+        return original(worker, *args, **kwargs)
+    worker._capture_cuda_graphs = runtime.capture  # instance attribute shadows the method for this one call
+    try:
+        result = original(worker, *args, **kwargs)
+    finally:
+        del worker._capture_cuda_graphs
+    setattr(worker, RUNTIME_ATTR, runtime)
+    _RUNTIMES.add(runtime)
+    return result
+
+
+def around_draft(original, worker, batch, *args, **kwargs):
+    rt = runtime_of(worker)
+    if rt is None or not rt.active or batch.forward_mode.is_idle():
+        return original(worker, batch, *args, **kwargs)
+    return rt.draft(batch, fallback=lambda: original(worker, batch, *args, **kwargs))
+
+
+def after_draft_extend_for_prefill(result, worker, batch, *args, **kwargs):
+    rt = runtime_of(worker)
+    if rt is not None and rt.active and not batch.forward_mode.is_idle():
+        rt.tracker.on_join(batch.reqs)
+    return None  # keep sglang's seed
+
+
+def after_draft_extend_for_decode(result, worker, batch, batch_result, *args, **kwargs):
+    rt = runtime_of(worker)
+    if rt is not None and rt.active and not batch.forward_mode.is_idle():
+        rt.tracker.on_accept(batch.req_pool_indices, batch_result.accept_lens)
+    return None
+
+
+def around_retract_decode(original, batch, *args, **kwargs):
+    before = [(id(r), slot_of(r)) for r in batch.reqs]
+    result = original(batch, *args, **kwargs)
+    kept = {id(r) for r in batch.reqs}
+    gone = [slot for rid, slot in before if rid not in kept and slot is not None]
+    for rt in live_runtimes():
+        rt.tracker.on_retract(gone)
+    return result
+
+
+def around_evict_swa(original, batch, req, pre_len, *args, **kwargs):
+    slot = slot_of(req)
+    result = original(batch, req, pre_len, *args, **kwargs)
+    evicted = _evicted_swa_len(req)
+    if slot is not None and evicted is not None:
+        for rt in live_runtimes():
+            rt.tracker.on_evict(slot, evicted_upto=evicted, seq_len=pre_len + 1)
+    return result
+
+
+def _evicted_swa_len(req) -> int | None:
+    """How far (absolute position) the request's SWA pages have been freed, from sglang's own bookkeeping."""
+    try:
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        return int(req.kv.get_evicted_seqlen(ComponentType.SWA))
+    except Exception:  # a layout this code was not written for: reset to be safe
+        log.debug("graphcap: cannot read the SWA eviction frontier of request %s", getattr(req, "rid", "?"))
+        return 1 << 62

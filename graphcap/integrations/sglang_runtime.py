@@ -1,0 +1,358 @@
+"""graphcap inside sglang's scheduler process: the draft phase of FROZEN_KV_MTP with graphcap's window buffers and
+capture engine. Installed by the hooks in `graphcap.integrations.sglang_hooks`; see docs/sglang.md for what of this
+ran against real sglang code (the slot bookkeeping, the window equivalence, the tree inputs) and what is written but
+unexercised here (everything that needs a GPU sglang server with the assistant's weights: `SglangAssistantLoop`,
+`GraphcapDraftAttention`, `GraphcapDraftRuntime.capture/draft`).
+
+Per iteration, instead of sglang's `FrozenKVMTPDraftWorker.draft`:
+1. host: the batch's request-pool rows (`req.kv.req_pool_idx`, already on the host); rows whose request is new to the
+   row, was retracted, or lost in-window SWA pages are rebuilt (`WindowBuffers.reset`, one sync, join-time only);
+2. device: the accepted counts the last verify left per row (scattered by `on_accept`, no sync) are gathered;
+3. one replay of graphcap's captured iteration: `window.advance(slots, accepted)`, then the seed step and the other
+   steps of sglang's own assistant model, its attention reading graphcap's ring (sliding layers) and `req_to_token`
+   (full layers) through graphcap's decode kernel;
+4. the chain's tree inputs go to sglang's own `build_tree_kernel_efficient` and `FrozenKVMTPVerifyInput`. The
+   `seq_lens.sum().item()` sync is gone where the scheduler has host lengths (`seq_lens_sum` / `seq_lens_cpu`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+
+import torch
+
+from graphcap.integrations.sglang import DraftCaptureConfigError, DraftCaptureOptions, FLAG
+from graphcap.integrations.sglang_hooks import slot_of
+
+log = logging.getLogger("graphcap.sglang")
+CHECK_ENV = "GRAPHCAP_SGLANG_CHECK"  # =1: after each advance, compare the window lengths with sglang's (syncs)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The one adapter over graphcap's window / capture APIs (written concurrently: keep every use of them here).
+
+
+class WindowAdapter:
+    def __init__(self, req_to_token: torch.Tensor, window: int, full_to_swa: torch.Tensor | None,
+                 max_accepted: int) -> None:
+        from graphcap.window import WindowBuffers
+
+        # Every request-pool row is a slot; the padding slot is one past them (no req_to_token row needed).
+        self.buffers = WindowBuffers(req_to_token, window, req_to_token.shape[0], full_to_swa,
+                                     max_accepted=max_accepted)
+
+    window = property(lambda self: self.buffers.window)
+    max_slots = property(lambda self: self.buffers.max_slots)
+    padding_slot = property(lambda self: self.buffers.padding_slot)
+    ring = property(lambda self: self.buffers.ring)
+    seq_lens = property(lambda self: self.buffers.seq_lens)
+    req_to_token = property(lambda self: self.buffers.req_to_token)
+    device = property(lambda self: self.buffers.device)
+
+    def reset(self, slots, seq_lens) -> None:
+        self.buffers.reset(slots, seq_lens)
+
+    def advance(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        self.buffers.advance(slots, accepted)
+
+    def window_ids(self, slot: int) -> torch.Tensor:
+        """The live window of `slot`, oldest to newest (SWA-pool ids), on the CPU."""
+        return self.buffers.window_locs(slot)
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"window.{k}": v for k, v in self.buffers.static_tensors().items()}
+
+    def capture_graphs(self, fn, *, buckets, example_inputs, static_tensors, backend: str, manifest_dir: str | None,
+                       name: str, steps: int):
+        from graphcap import manifest as mf
+        from graphcap.capture import DraftGraphs
+
+        # Not a capture spec (sglang's model defines the draft): a stand-in with the fields a manifest records.
+        spec = SimpleNamespace(name=name, hash=f"w{self.window}-s{steps}", source="sglang", window=self.window,
+                               capture=SimpleNamespace(steps=steps))
+        directory = manifest_dir or mf.default_manifest_dir()
+        path = mf.manifest_path(directory, name, spec.hash, backend)
+        graphs = DraftGraphs(fn, buckets=list(buckets), padding_slot=self.padding_slot, example_inputs=example_inputs,
+                             static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path)
+        graphs.capture()
+        return graphs
+
+    @staticmethod
+    def run(graphs, slots, accepted, tokens, hidden, host_slots):
+        return graphs.run(slots, accepted, tokens, hidden, host_slots=host_slots)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Request lifecycle -> window resets and advances
+
+
+class SlotTracker:
+    """Which request each ring row holds, and the accepted counts waiting to be applied.
+
+    - `on_join(reqs)` (after a prefill), `on_retract(slots)`, `on_evict(slot, ...)`: host bookkeeping only; the rows
+      are rebuilt at the next draft, from req_to_token as it is then.
+    - `on_accept(req_pool_indices, accept_lens)` (after each verify): device scatter into `pending[slot]`, no sync.
+    - `prepare(reqs, seq_lens)` (each draft): returns (slots, accepted, host_slots) for the captured advance.
+    """
+
+    def __init__(self, window: WindowAdapter) -> None:
+        self.window = window
+        self.owner: dict[int, str] = {}  # slot -> rid whose window the ring row holds
+        self.stale: set[int] = set()  # rows whose in-window SWA pages were freed
+        self.pending = torch.zeros(window.max_slots + 1, dtype=torch.int32, device=window.device)
+        self.stats = dict(joins=0, resets=0, retracts=0, evictions_in_window=0, reset_syncs=0)
+
+    def on_join(self, reqs) -> None:
+        for r in reqs:
+            slot = slot_of(r)
+            if slot is not None:
+                self.owner.pop(slot, None)
+                self.stats["joins"] += 1
+
+    def on_retract(self, slots) -> None:
+        for s in slots:
+            self.owner.pop(s, None)
+            self.stale.discard(s)
+            self.stats["retracts"] += 1
+
+    def on_evict(self, slot: int, evicted_upto: int, seq_len: int) -> None:
+        """sglang freed SWA pages of `slot` below `evicted_upto`. Its window at the next draft starts at or after
+        `seq_len - W`; if the freed range reaches into that, the row is rebuilt (normally it never does: sglang keeps
+        max(window, draft window) behind each request)."""
+        if evicted_upto > seq_len - self.window.window:
+            self.stale.add(slot)
+            self.stats["evictions_in_window"] += 1
+
+    def on_accept(self, req_pool_indices: torch.Tensor, accept_lens: torch.Tensor) -> None:
+        self.pending.index_put_((req_pool_indices.to(torch.long),), accept_lens.to(torch.int32), accumulate=True)
+
+    def prepare(self, reqs, seq_lens: torch.Tensor):
+        host_slots = [slot_of(r) for r in reqs]
+        rids = [r.rid for r in reqs]
+        dev = self.window.device
+        rows = [i for i, (s, rid) in enumerate(zip(host_slots, rids)) if self.owner.get(s) != rid or s in self.stale]
+        slots = torch.tensor(host_slots, dtype=torch.int64).to(dev, non_blocking=True)
+        if rows:  # joins, retract-and-return, in-window eviction: rebuild from req_to_token (validates: one sync)
+            rs = [host_slots[i] for i in rows]
+            rows_t = torch.tensor(rows, dtype=torch.int64).to(seq_lens.device, non_blocking=True)
+            self.window.reset(rs, seq_lens.index_select(0, rows_t))
+            rs_t = torch.tensor(rs, dtype=torch.int64).to(dev, non_blocking=True)
+            self.pending.index_fill_(0, rs_t, 0)
+            for s, i in zip(rs, rows):
+                self.owner[s] = rids[i]
+                self.stale.discard(s)
+            self.stats["resets"] += len(rs)
+            self.stats["reset_syncs"] += 1
+        accepted = self.pending.index_select(0, slots)
+        self.pending.index_fill_(0, slots, 0)
+        return slots, accepted, host_slots
+
+
+def chain_tree_inputs(draft_tokens: torch.Tensor):
+    """(parent_list, top_scores_index, draft_tokens) exactly as sglang's `draft_forward` + `organize_draft_results`
+    produce them for a chain (topk == 1): parents -1, 0, 1, ... (none for one step), every token selected in order."""
+    b, steps = draft_tokens.shape
+    dev = draft_tokens.device
+    parent_list = (torch.arange(-1, steps - 1, device=dev) if steps > 1
+                   else torch.empty(0, dtype=torch.long, device=dev)).expand(b, -1)
+    top_scores_index = torch.arange(steps, device=dev).expand(b, -1)
+    return parent_list, top_scores_index, draft_tokens
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The captured iteration over sglang's own assistant model (unexercised here: needs a GPU sglang server)
+
+
+class GraphcapDraftAttention:
+    """Stands in for the draft's attention backend inside graphcap's iteration (RadixAttention calls
+    `get_attn_backend().forward`): sliding layers read graphcap's ring (SWA-pool ids), full layers `req_to_token`,
+    both through graphcap's decode kernel over the target's pools. The draft writes no KV."""
+
+    def __init__(self, window: WindowAdapter, target_pool, max_context: int) -> None:
+        self.window, self.token_to_kv_pool, self.max_context = window, target_pool, max_context
+        self.slots: torch.Tensor | None = None
+
+    def bind(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        from graphcap.kernels.attention import choose_num_splits, decode_attention
+
+        sliding = layer.sliding_window_size is not None and layer.sliding_window_size > -1
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        vb = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        table, w = (self.window.ring, self.window.window) if sliding else (self.window.req_to_token, 0)
+        splits = choose_num_splits(q3.shape[0], kb.shape[1], w or self.max_context)
+        o = decode_attention(q3, kb, vb, table, self.slots, self.window.seq_lens, w, float(layer.scaling), splits)
+        return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    forward_decode = forward
+
+
+class SglangAssistantLoop:
+    """fn(slots, accepted, tokens, hidden) -> DraftOutput: advance, then the seed step and steps - 1 more steps of
+    sglang's Gemma 4 assistant (greedy: topk == 1), as `FrozenKVMTPDraftWorker.draft_forward` does them."""
+
+    def __init__(self, worker, window: WindowAdapter, attention: GraphcapDraftAttention, steps: int) -> None:
+        self.worker, self.window, self.attention, self.steps = worker, window, attention, steps
+        self.model = worker.draft_model_runner.model
+
+    def __call__(self, slots, accepted, tokens, hidden):
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        from graphcap.models.draft_loop import DraftOutput
+
+        self.window.advance(slots, accepted)
+        lens = self.window.seq_lens.index_select(0, slots).to(torch.int64)
+        positions = (lens - 1).clamp(min=0)
+        fb = self._forward_batch(slots, lens, positions, hidden)
+        self.attention.bind(slots)
+        toks, scores, margins = [], [], []
+        for _ in range(self.steps):
+            fb.input_ids = tokens
+            fb.spec_info.hidden_states = hidden
+            with forward_context(ForwardContext(attn_backend=self.attention), forward_batch=fb):
+                out = self.model(tokens, positions, fb)
+            top = out.next_token_logits.float().topk(2, dim=-1)
+            tokens, hidden = top.indices[:, 0], out.hidden_states
+            toks.append(tokens)
+            scores.append(top.values[:, 0])
+            margins.append(top.values[:, 0] - top.values[:, 1])
+        return DraftOutput(torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(margins, 1), hidden)
+
+    def _forward_batch(self, slots, lens, positions, hidden):
+        """The ForwardBatch sglang's FrozenKVMTPCudaGraphRunner.capture_one_shape builds, over graphcap's inputs."""
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+        from sglang.srt.speculative.frozen_kv_mtp_info import FrozenKVMTPDraftInput
+
+        b = slots.shape[0]
+        spec_info = FrozenKVMTPDraftInput(hidden_states=hidden, capture_hidden_mode=CaptureHiddenMode.LAST)
+        spec_info.num_tokens_per_req = spec_info.num_tokens_for_logprob_per_req = 1
+        spec_info.positions = positions
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=b, input_ids=None, req_pool_indices=slots, seq_lens=lens,
+            seq_lens_cpu=None, out_cache_loc=None, seq_lens_sum=b * self.attention.max_context, return_logprob=False,
+            positions=positions, spec_algorithm=self.worker.draft_model_runner.spec_algorithm, spec_info=spec_info,
+            capture_hidden_mode=CaptureHiddenMode.LAST)
+
+    def example_inputs(self, b: int):
+        dev = self.window.device
+        return (torch.full((b,), self.window.padding_slot, dtype=torch.int64, device=dev),
+                torch.zeros(b, dtype=torch.int32, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),
+                torch.zeros(b, int(self.model.backbone_hidden_size), dtype=self.worker.model_config.dtype, device=dev))
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Per draft worker
+
+
+class GraphcapDraftRuntime:
+    def __init__(self, worker, options: DraftCaptureOptions, window: WindowAdapter, target_pool) -> None:
+        self.worker, self.options, self.window, self.target_pool = worker, options, window, target_pool
+        self.tracker = SlotTracker(window)
+        self.steps = int(worker.speculative_num_steps)
+        self.graphs = None
+        self.active = False
+        self.host_syncs = 0  # draft iterations that had to sum seq_lens on the device (no host lengths given)
+
+    @classmethod
+    def for_worker(cls, worker, options: DraftCaptureOptions):
+        """Check the worker's real configuration: an error naming what graphcap cannot serve, None (with a warning)
+        where staying off is safe, else a runtime bound to the target's req_to_token and SWA mapping."""
+        from sglang.srt.model_executor.cuda_graph_config import cuda_graph_fully_disabled
+
+        def stays_off(why):
+            log.warning("graphcap: %s is set but %s; draft graph capture stays off.", FLAG, why)
+
+        if int(worker.topk) != 1:
+            raise DraftCaptureConfigError(f"{FLAG}: --speculative-eagle-topk must be 1, got {worker.topk}")
+        backend = worker.draft_attn_backend
+        if type(backend).__name__ != "TritonAttnBackend":
+            raise DraftCaptureConfigError(
+                f"{FLAG}: graphcap's kernels serve sglang's Triton attention layout; the draft runs on "
+                f"{type(backend).__name__}. Use --attention-backend triton.")
+        translator = getattr(worker.draft_model_runner, "kv_index_translator", None)
+        if getattr(translator, "is_translating", False):
+            raise DraftCaptureConfigError(f"{FLAG}: the unified KV pool (--enable-unified-memory) is not supported")
+        from sglang.srt.utils import require_gathered_buffer
+
+        if require_gathered_buffer():
+            raise DraftCaptureConfigError(f"{FLAG}: attention data parallelism (--attn-dp-size > 1) is not supported")
+        window = getattr(worker.draft_model_runner, "sliding_window_size", None) or getattr(backend, "sliding_window_size", None)
+        if not window or window < 1:
+            raise DraftCaptureConfigError(f"{FLAG}: the draft model has no sliding window; graphcap serves SWA-hybrid "
+                                          "drafts (Gemma 4 assistant)")
+        target_pool = worker.target_worker.model_runner.token_to_kv_pool
+        full_to_swa = getattr(target_pool, "full_to_swa_index_mapping", None)
+        if full_to_swa is None and hasattr(target_pool, "translate_loc_from_full_to_swa"):
+            raise DraftCaptureConfigError(f"{FLAG}: the target's SWA pool has no full_to_swa mapping registered")
+        if worker.target_worker.device != "cuda":
+            stays_off(f"the device is {worker.target_worker.device} (graphcap captures CUDA graphs)")
+            return None
+        if cuda_graph_fully_disabled():
+            stays_off("CUDA graphs are disabled (--cuda-graph-backend-decode disabled)")
+            return None
+        steps = int(worker.speculative_num_steps)
+        adapter = WindowAdapter(worker.req_to_token_pool.req_to_token, int(window), full_to_swa, max_accepted=steps + 1)
+        return cls(worker, options, adapter, target_pool)
+
+    def capture(self) -> None:
+        """Replaces the worker's `_capture_cuda_graphs` (called inside its TP/PP/MoE contexts)."""
+        from sglang.srt.model_executor.runner import get_batch_sizes_to_capture
+
+        w = self.worker
+        attention = GraphcapDraftAttention(self.window, self.target_pool,
+                                           int(w.target_worker.model_runner.model_config.context_len))
+        loop = SglangAssistantLoop(w, self.window, attention, self.steps)
+        buckets = sorted(set(get_batch_sizes_to_capture(w.draft_model_runner, 1)[0]))
+        static = dict(self.window.static_tensors())
+        static.update({f"draft.{n}": t for n, t in loop.model.named_parameters()})
+        static.update({f"draft.{n}": t for n, t in loop.model.named_buffers() if t is not None})
+        static["pending_accepts"] = self.tracker.pending
+        for logical, phys in sorted(w.kv_context.physical_layer_ids.items()):
+            static[f"target.k{phys}"] = self.target_pool.get_key_buffer(phys)
+            static[f"target.v{phys}"] = self.target_pool.get_value_buffer(phys)
+        name = "sglang-" + os.path.basename(str(w.server_args.speculative_draft_model_path or "draft").rstrip("/"))
+        self.graphs = self.window.capture_graphs(loop, buckets=buckets, example_inputs=loop.example_inputs,
+                                                 static_tensors=static, backend=self.options.backend,
+                                                 manifest_dir=self.options.manifest_dir, name=name, steps=self.steps)
+        self.active = True
+
+    def draft(self, batch, fallback):
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.eagle_utils import build_tree_kernel_efficient
+        from sglang.srt.speculative.frozen_kv_mtp_info import FrozenKVMTPVerifyInput
+
+        if self.graphs is None:  # capture() did not run (or failed): stock sglang
+            return fallback()
+        spec_info = batch.spec_info
+        slots, accepted, host_slots = self.tracker.prepare(batch.reqs, batch.seq_lens)
+        out = self.window.run(self.graphs, slots, accepted, spec_info.bonus_tokens, spec_info.hidden_states,
+                              host_slots)
+        if os.environ.get(CHECK_ENV) == "1":
+            lens = self.window.seq_lens.index_select(0, slots).to(batch.seq_lens.dtype)
+            if not torch.equal(lens, batch.seq_lens):
+                raise RuntimeError(f"graphcap: window lengths {lens.tolist()} != sglang's seq_lens "
+                                   f"{batch.seq_lens.tolist()} for slots {host_slots}")
+        parent_list, top_scores_index, draft_tokens = chain_tree_inputs(out.tokens)
+        seq_lens_sum = getattr(batch, "seq_lens_sum", None)
+        if not isinstance(seq_lens_sum, int):
+            if batch.seq_lens_cpu is not None:
+                seq_lens_sum = int(batch.seq_lens_cpu.sum())
+            else:
+                seq_lens_sum = int(torch.sum(batch.seq_lens).item())  # what sglang does every iteration; counted
+                self.host_syncs += 1
+        batch.seq_lens_sum = seq_lens_sum
+        batch.return_hidden_states = False
+        w = self.worker
+        (tree_mask, position, retrieve_index, retrieve_next_token, retrieve_next_sibling,
+         draft_tokens) = build_tree_kernel_efficient(
+            spec_info.bonus_tokens, parent_list, top_scores_index, draft_tokens, batch.seq_lens, seq_lens_sum,
+            1, self.steps, w.speculative_num_draft_tokens)
+        return FrozenKVMTPVerifyInput(
+            draft_token=draft_tokens, custom_mask=tree_mask, positions=position, retrieve_index=retrieve_index,
+            retrieve_next_token=retrieve_next_token, retrieve_next_sibling=retrieve_next_sibling,
+            retrieve_cum_len=None, spec_steps=self.steps, topk=1, draft_token_num=w.speculative_num_draft_tokens,
+            capture_hidden_mode=CaptureHiddenMode.FULL, seq_lens_sum=seq_lens_sum, seq_lens_cpu=batch.seq_lens_cpu)

@@ -1,0 +1,273 @@
+"""graphcap's sglang plugin against the real sglang package (CPU): entry-point discovery by sglang's own
+`load_plugins()`, the flags through sglang's own `prepare_server_args`, the value on ServerArgs across pickling (in
+this process and in a fresh interpreter, as the scheduler subprocess gets it), start-up validation, and that without
+the flag nothing is patched. Only sglang.srt.server_args / plugins are imported here (light); the deep runtime checks
+run in a fresh interpreter (test_sglang_runtime.py)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("sglang", reason="the real sglang package is not installed (make test installs "
+                                     "requirements/sglang-cpu.txt)")
+pytestmark = pytest.mark.sglang
+
+from graphcap.integrations import sglang as plugin  # noqa: E402  (after the skip)
+
+ENABLED = ["--model-path", "dummy", "--speculative-algorithm", "NEXTN", "--enable-draft-graph-capture"]
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """sglang's plugin state as a fresh process has it; patched ServerArgs methods restored afterwards."""
+    from sglang.srt import plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import ServerArgs
+
+    saved = {n: ServerArgs.__dict__[n] for n in ("add_cli_args", "from_cli_args", "check_server_args")}
+    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+
+    def clear():
+        HookRegistry.reset()
+        plugins._plugins_loaded = False
+        plugin.STATE.runtime_hooks.clear()
+
+    clear()
+    yield plugins
+    for n, v in saved.items():
+        setattr(ServerArgs, n, v)
+    clear()
+    os.environ.pop(plugin.ENV_VAR, None)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture
+def glog():
+    """graphcap's log records (sglang's prepare_server_args re-configures the root logger, dropping caplog's)."""
+    h = _Records()
+    logger = logging.getLogger("graphcap")
+    logger.addHandler(h)
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield h
+    logger.removeHandler(h)
+    logger.setLevel(old)
+
+
+def _parse(argv):
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args(list(argv))
+
+
+def _wrapped(cls, name) -> bool:
+    raw = cls.__dict__[name]
+    fn = getattr(raw, "__func__", raw)
+    return hasattr(fn, "__wrapped__")
+
+
+def test_entry_point_is_discovered_by_sglang_load_plugins(fresh):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import ServerArgs
+
+    before = plugin.STATE.registered
+    fresh.load_plugins()
+    assert plugin.STATE.registered == before + 1
+    assert plugin.ADD_CLI_ARGS in HookRegistry._patched and plugin.FROM_CLI_ARGS in HookRegistry._patched
+    assert _wrapped(ServerArgs, "add_cli_args") and _wrapped(ServerArgs, "from_cli_args")
+    assert isinstance(ServerArgs.__dict__["from_cli_args"], classmethod)  # sglang kept the descriptor
+
+
+def test_flag_parses_and_reaches_server_args(fresh, tmp_path):
+    fresh.load_plugins()
+    sa = _parse(ENABLED + ["--draft-graph-capture-backend", "cudagraph", "--draft-graph-manifest-dir", str(tmp_path)])
+    want = plugin.DraftCaptureOptions(enabled=True, backend="cudagraph", manifest_dir=str(tmp_path))
+    assert plugin.options_of(sa) == want
+    assert sa.speculative_algorithm == "NEXTN"  # sglang's own fields untouched
+    assert json.loads(os.environ[plugin.ENV_VAR]) == json.loads(want.to_json())  # for the subprocesses' load_plugins
+    copy = pickle.loads(pickle.dumps(sa))
+    assert plugin.options_of(copy) == want
+
+
+def test_value_survives_pickling_into_a_fresh_interpreter(fresh, tmp_path):
+    """What multiprocessing's spawn does for the scheduler: unpickle the ServerArgs in a new interpreter, whose
+    environment is inherited, and whose own load_plugins() then installs the runtime hooks."""
+    fresh.load_plugins()
+    sa = _parse(ENABLED + ["--draft-graph-manifest-dir", str(tmp_path)])
+    child = (
+        "import pickle, sys, json\n"
+        "sa = pickle.loads(sys.stdin.buffer.read())\n"
+        "from graphcap.integrations import sglang as p\n"
+        "from sglang.srt.plugins import load_plugins\n"
+        "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+        "load_plugins()\n"
+        "print(json.dumps({'opts': p.options_of(sa).to_json(), 'algo': sa.speculative_algorithm,\n"
+        "                  'hooks': sorted(HookRegistry._patched)}))\n")
+    r = subprocess.run([sys.executable, "-c", child], input=pickle.dumps(sa), capture_output=True, timeout=300,
+                       env=dict(os.environ))
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    out = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    assert json.loads(out["opts"]) == {"enabled": True, "backend": "reduce-overhead", "manifest_dir": str(tmp_path)}
+    assert out["algo"] == "NEXTN"
+    # Not a scheduler process (sglang.srt.managers.scheduler not imported): only the start-up check is added.
+    assert plugin.CHECK_SERVER_ARGS in out["hooks"]
+    assert not set(plugin.WORKER_HOOKS) & set(out["hooks"])
+
+
+def test_bad_backend_is_rejected_by_sglang_parser(fresh, capsys):
+    fresh.load_plugins()
+    with pytest.raises(SystemExit) as e:
+        _parse(ENABLED + ["--draft-graph-capture-backend", "fast"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--draft-graph-capture-backend: invalid choice: 'fast'" in err
+    assert "reduce-overhead" in err and "cudagraph" in err
+
+
+def test_help_lists_the_flags(fresh):
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    fresh.load_plugins()
+    p = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(p)
+    plugin.add_arguments(p)  # idempotent per parser
+    text = " ".join(p.format_help().split())
+    for flag in (plugin.FLAG, plugin.BACKEND_FLAG, plugin.MANIFEST_FLAG):
+        assert flag in text
+    assert "graphcap draft graph capture (plugin)" in text and "Gemma 4 assistant" in text
+
+
+def test_without_the_flag_nothing_is_patched(fresh, monkeypatch, glog):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setenv(plugin.ENV_VAR, "")  # empty: as unset
+    fresh.load_plugins()
+    sa = _parse(["--model-path", "dummy", "--speculative-algorithm", "NEXTN"])
+    assert plugin.options_of(sa) == plugin.DraftCaptureOptions()
+    assert set(HookRegistry._hooks) == set(plugin.ARG_HOOKS)  # only what makes the flags exist
+    assert not _wrapped(ServerArgs, "check_server_args")
+    assert plugin.ENV_VAR not in os.environ or not os.environ[plugin.ENV_VAR]
+    assert not [r for r in glog.records if r.levelno >= logging.WARNING]
+    for mod in ("sglang.srt.speculative.frozen_kv_mtp_worker_v2", "sglang.srt.managers.schedule_batch"):
+        assert mod not in sys.modules, f"the plugin imported {mod} without the flag"
+
+
+def test_command_line_wins_over_an_inherited_variable(fresh, monkeypatch):
+    monkeypatch.setenv(plugin.ENV_VAR, plugin.DraftCaptureOptions(enabled=True).to_json())
+    fresh.load_plugins()
+    sa = _parse(["--model-path", "dummy"])
+    assert not plugin.options_of(sa).enabled
+    assert plugin.ENV_VAR not in os.environ  # children will not install anything
+
+
+def test_options_without_the_flag_warn(fresh, glog):
+    fresh.load_plugins()
+    sa = _parse(["--model-path", "dummy", "--draft-graph-capture-backend", "cudagraph"])
+    assert not plugin.options_of(sa).enabled
+    assert any("have no effect" in r.getMessage() for r in glog.records)
+
+
+def test_enabled_installs_the_start_up_check_on_server_args(fresh):
+    from sglang.srt.server_args import ServerArgs
+
+    fresh.load_plugins()
+    sa = _parse(ENABLED + ["--speculative-eagle-topk", "4"])
+    assert _wrapped(ServerArgs, "check_server_args")
+    with pytest.raises(plugin.DraftCaptureConfigError, match=r"--speculative-eagle-topk must be 1, got 4"):
+        sa.check_server_args()  # graphcap's check runs before sglang's (which needs a resolved record)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Start-up validation on sglang's own parsed (and, where resolution needs a model, declared-resolved) records
+
+
+def _resolved(sa, **fields):
+    """What sglang's resolution pipeline would have declared (it needs the model's config to run for real)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    if fields:
+        declare_resolution(sa, "test", **fields)
+    sa._resolution_finished = True
+    return sa
+
+
+@pytest.mark.parametrize("argv, resolved, match", [
+    (["--speculative-algorithm", "EAGLE3"], dict(speculative_algorithm="EAGLE3"), r"resolved to EAGLE3"),
+    (["--speculative-algorithm", "NGRAM"], None, r"supports only FROZEN_KV_MTP .* resolved to NGRAM"),
+    (["--speculative-algorithm", "NEXTN"], dict(speculative_algorithm="EAGLE"), r"resolved to EAGLE\b"),
+    (["--speculative-eagle-topk", "4"], None, r"--speculative-eagle-topk must be 1, got 4"),
+    (["--attention-backend", "flashinfer"], None, r"--attention-backend flashinfer is not supported"),
+    (["--decode-attention-backend", "fa3"], None, r"--decode-attention-backend fa3 is not supported"),
+    (["--attention-backend", "triton", "--speculative-draft-attention-backend", "trtllm_mha"], None,
+     r"--speculative-draft-attention-backend trtllm_mha is not supported"),
+    (["--enable-unified-memory"], None, r"--enable-unified-memory"),
+    (["--pp-size", "2"], None, r"--pp-size 2 is not supported"),
+    (["--draft-graph-manifest-dir", "/proc/graphcap-cannot-exist"], None, r"--draft-graph-manifest-dir .*cannot create"),
+])
+def test_unsupported_settings_are_named(fresh, argv, resolved, match):
+    fresh.load_plugins()
+    argv = [a for a in ENABLED if a not in ("--speculative-algorithm", "NEXTN")] + (
+        argv if "--speculative-algorithm" in argv else ["--speculative-algorithm", "NEXTN"] + argv)
+    sa = _parse(argv)
+    if resolved is not None:
+        _resolved(sa, **resolved)
+    with pytest.raises(plugin.DraftCaptureConfigError, match=match):
+        plugin.validate_server_args(sa)
+
+
+@pytest.mark.parametrize("argv, resolved, why", [
+    (["--model-path", "dummy", "--enable-draft-graph-capture"], {}, "no --speculative-algorithm"),
+    (ENABLED, dict(speculative_algorithm="FROZEN_KV_MTP", device="cpu"), "--device cpu"),
+])
+def test_safe_cases_warn_and_stay_off(fresh, glog, argv, resolved, why):
+    fresh.load_plugins()
+    sa = _resolved(_parse(argv), **resolved)
+    assert os.environ.get(plugin.ENV_VAR)
+    opts = plugin.validate_server_args(sa)
+    assert not opts.enabled and not plugin.options_of(sa).enabled  # stored back on the (sealed) record
+    assert plugin.ENV_VAR not in os.environ  # the scheduler subprocesses will install nothing
+    assert any(why in r.getMessage() and "stays off" in r.getMessage() for r in glog.records)
+
+
+@pytest.mark.parametrize("argv, resolved", [
+    (ENABLED, None),  # before resolution NEXTN may still become FROZEN_KV_MTP
+    (ENABLED + ["--attention-backend", "triton", "--speculative-eagle-topk", "1"],
+     dict(speculative_algorithm="FROZEN_KV_MTP", device="cuda")),
+])
+def test_supported_configuration_passes(fresh, argv, resolved, tmp_path):
+    fresh.load_plugins()
+    sa = _parse(argv + ["--draft-graph-manifest-dir", str(tmp_path / "m")])
+    if resolved is not None:
+        _resolved(sa, **resolved)
+    opts = plugin.validate_server_args(sa)
+    assert opts.enabled and (tmp_path / "m").is_dir()
+
+
+def test_environment_path_for_engine_users(fresh, monkeypatch):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setenv(plugin.ENV_VAR, json.dumps({"enabled": True, "backend": "cudagraph", "manifest_dir": None}))
+    fresh.load_plugins()
+    assert plugin.options_of(None) == plugin.DraftCaptureOptions(enabled=True, backend="cudagraph")
+    assert plugin.CHECK_SERVER_ARGS in HookRegistry._patched
+    monkeypatch.setenv(plugin.ENV_VAR, '{"enabled": true, "backend": "fast"}')
+    with pytest.raises(plugin.DraftCaptureConfigError, match=r"backend must be one of reduce-overhead, cudagraph"):
+        plugin.options_from_env()
