@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 # output
 
 COLUMNS = ["batch", "ctx", "steps", "mode", "iter/s", "ms/iter", "p90 ms", "GPU ms", "host ms", "syncs/iter",
-           "x eager-rebuild", "x graph-rebuild", "x sglang", "util %", "power W", "W"]
+           "x eager-rebuild", "x graph-rebuild", "x sglang", "floor ms", "x floor", "util %", "power W", "W"]
 
 
 def _fmt(v, digits=2):
@@ -134,7 +134,7 @@ def format_table(rows: list[dict]) -> str:
     body = [[r["batch"], r["context"], r["steps"], r["mode"], _fmt(r["iter_per_s"], 1), _fmt(r["wall_ms"], 3),
              _fmt(r["wall_p90_ms"], 3), _fmt(r["gpu_ms"], 3), _fmt(r["host_ms"], 3), _fmt(r["syncs_per_iter"]),
              _fmt(r.get("speedup_vs_eager-rebuild")), _fmt(r.get("speedup_vs_graph-rebuild")),
-             _fmt(r.get("speedup_vs_sglang")), _fmt(r["util_pct"], 0), _fmt(r["power_w"], 0), r["window"]]
+             _fmt(r.get("speedup_vs_sglang")), _fmt(r.get("floor_ms"), 3), _fmt(r.get("x_floor")), _fmt(r["util_pct"], 0), _fmt(r["power_w"], 0), r["window"]]
             for r in rows]
     return tabulate(body, headers=COLUMNS, tablefmt="github")
 
@@ -150,7 +150,8 @@ def write_outputs(out: Path, result: dict, table: str) -> None:
     env = result["environment"]
     head = [f"# graphcap bench, {env['date']}", "", f"- command: `{env['command']}`",
             f"- device: {env['device']}, driver {env['driver']}, torch {env['torch_version']}, "
-            f"triton {env['triton_version']}", f"- spec: {env['spec']} ({env['spec_hash']})", ""]
+            f"triton {env['triton_version']}", f"- spec: {env['spec']} ({env['spec_hash']})",
+            f"- copy bandwidth (roofline ceiling, measured in this run): {result.get('copy_gb_s') or '-'} GB/s", ""]
     (out / "bench.md").write_text("\n".join(head + [table, ""] + [f"note: {n}" for n in result["notes"]]) + "\n")
     result["plot"] = _plot(out / "bench.png", result["rows"])
 

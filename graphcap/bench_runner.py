@@ -13,6 +13,7 @@ from graphcap.bench import BenchConfig, count_syncs, environment, summarize
 from graphcap.capture import DraftGraphs
 from graphcap.gpu_monitor import GpuMonitor
 from graphcap.models import DraftLoop, FrozenKVDraft
+from graphcap.roofline import floor_ms, measure_copy_bandwidth
 from graphcap.state import make_target_state
 from graphcap.window import WindowBuffers
 
@@ -80,6 +81,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     bmax, cmax = max(cfg.batches), max(cfg.contexts)
     state = make_target_state(spec, [cmax] * bmax, cmax + growth, seed=cfg.seed, device=device)
     model = FrozenKVDraft(spec, seed=cfg.seed + 1, device=device)
+    copy_gb_s = measure_copy_bandwidth() if cuda else None  # the roofline's ceiling, measured in this run
     g = torch.Generator().manual_seed(cfg.seed + 2)
     rows: list[dict] = []
     captures: dict[str, dict[str, float]] = {}
@@ -107,10 +109,14 @@ def run_bench(cfg: BenchConfig) -> dict:
                         _measure(m, cfg, ctx, host_slots, slots, accepted, tokens, hidden, acc[m.name], syncs, cuda)
                     done += 1
                     _progress(done, total, f"steps {steps} ctx {ctx} batch {b}")
-                rows.extend(_rows(modes, acc, syncs, b, ctx, steps, spec.window))
+                new = _rows(modes, acc, syncs, b, ctx, steps, spec.window)
+                for r in new:
+                    r["floor_ms"] = floor_ms(spec, b, ctx, steps, copy_gb_s) if copy_gb_s else None
+                    r["x_floor"] = r["wall_ms"] / r["floor_ms"] if copy_gb_s else None
+                rows.extend(new)
     _progress(None, total, "")
     return {"environment": environment(cfg), "config": _config(cfg), "captures_s": captures, "rows": rows,
-            "notes": notes}
+            "copy_gb_s": copy_gb_s, "notes": notes}
 
 
 def _measure(m: Mode, cfg, ctx, host_slots, slots, accepted, tokens, hidden, out, syncs, cuda) -> None:

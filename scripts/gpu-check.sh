@@ -6,6 +6,7 @@
 #   scripts/gpu-check.sh kernels  bench/window_advance.py and bench/attention_bw.py
 #   scripts/gpu-check.sh bench    bench/capture_cost.py, the main `graphcap bench`, `graphcap inspect`
 #   scripts/gpu-check.sh sweep    steps 1 and 2, and the long-context (32768) sweep at batch 8
+#   scripts/gpu-check.sh final    GPU replay tests + window-advance bench (one call)
 # sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
 set -uo pipefail
 stage=${1:-smoke}
@@ -57,6 +58,10 @@ case $stage in
     step capture-cost python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --out "$LOG"
     step bench-main gc bench --batch 1,2,4,8,16,32,64 --context 256,2048,8192 --steps 3 --out "$LOG/bench-main"
     step inspect gc inspect "$GRAPHCAP_MANIFEST_DIR"
+    ;;
+  final)  # the GPU replay tests and the window-advance bench in one call
+    step pytest-gpu python3 -m pytest -q -rs tests/test_capture_gpu.py tests/test_window.py
+    step window-advance python3 bench/window_advance.py --out "$LOG"
     ;;
   sweep)
     step bench-steps gc bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2 --repeats 2 --out "$LOG/bench-steps"

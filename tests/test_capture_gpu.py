@@ -19,13 +19,13 @@ from graphcap.window import WindowBuffers
 pytestmark = pytest.mark.gpu
 
 # gemma4: three buckets keep Inductor's compile time inside the lent machine's budget; tiny covers every bucket.
-CASES = [("tiny", None, 40), ("gemma4-31b-assistant", (1, 8, 64), 24)]
+CASES = [("tiny", None, 16), ("gemma4-31b-assistant", (1, 8, 64), 24)]
 
 
-def _world(spec, n_slots, base_ctx):
+def _world(spec, n_slots, base_ctx, iters=64):
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(1, base_ctx, (n_slots,), generator=g).tolist()
-    growth = 64 * (spec.capture.steps + 1)
+    growth = iters * (spec.capture.steps + 1)
     st = make_target_state(spec, lens, [base_ctx + growth] * n_slots, slots=list(range(n_slots)), device="cuda")
     model = FrozenKVDraft(spec, seed=1, device="cuda")
     return st, model, lens
@@ -43,8 +43,8 @@ def test_replay_equals_the_same_function_without_graphs(spec_name, buckets, iter
     spec = load_spec(spec_name)
     buckets = buckets or spec.capture.buckets
     n_slots = min(spec.capture.max_slots, buckets[-1] + 8)
-    base_ctx = min(3000, spec.capture.max_context // 2)
-    st, model, lens = _world(spec, n_slots, base_ctx)
+    base_ctx = min(3000, spec.capture.max_context - iters * (spec.capture.steps + 1))
+    st, model, lens = _world(spec, n_slots, base_ctx, iters)
     graphed = _loop(spec, st, model, lens)
     twin = _loop(spec, st, model, lens)  # the same function without CUDA graphs
     eager = _loop(spec, st, model, lens)  # plain eager draft_loop
@@ -58,7 +58,8 @@ def test_replay_equals_the_same_function_without_graphs(spec_name, buckets, iter
     assert skips == 0, f"cudagraph skips: {skips}"
     g = torch.Generator().manual_seed(3)
     sizes = list(buckets) + [max(1, b - 1) for b in buckets]
-    tol = 5e-2 if spec.dtype == "bfloat16" else 1e-3
+    # bf16 through 4 layers: ~1-2% relative on the logits; fp32 far less.
+    atol, rtol = (0.1, 0.05) if spec.dtype == "bfloat16" else (1e-3, 1e-3)
     decided_total = agree = 0
     for it in range(iters):
         b = sizes[it % len(sizes)]
@@ -86,10 +87,16 @@ def test_replay_equals_the_same_function_without_graphs(spec_name, buckets, iter
         base = eager(slots, accepted, tokens, hidden)
         assert torch.equal(graphed.window.ring, eager.window.ring)
         assert torch.equal(graphed.window.seq_lens, eager.window.seq_lens)
-        torch.testing.assert_close(out.scores, base.scores, rtol=tol, atol=tol)
-        decided = base.margins > tol
+        # A step's inputs are the previous step's token: compare each row up to (and including) its first step
+        # whose token differs; after a near-tie flips, the rows continue from different tokens.
+        same = out.tokens == base.tokens
+        prefix = torch.cumprod(same.int(), dim=1).bool()
+        comparable = torch.cat([torch.ones_like(prefix[:, :1]), prefix[:, :-1]], dim=1)
+        close = (out.scores - base.scores).abs() <= atol + rtol * base.scores.abs()
+        assert close[comparable].all(), f"iteration {it}: logits beyond bf16 tolerance"
+        decided = comparable & (base.margins > 2 * (atol + rtol * base.scores.abs()))
         decided_total += int(decided.sum())
-        agree += int((out.tokens == base.tokens)[decided].sum())
+        agree += int(same[decided].sum())
     assert agree == decided_total, f"{decided_total - agree} of {decided_total} decided tokens differ from eager"
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     assert all(r.status == "captured" for r in gr.buckets)
