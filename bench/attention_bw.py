@@ -1,0 +1,419 @@
+"""Achieved bandwidth of graphcap's decode attention at Gemma 4 draft shapes, against the copy bandwidth measured in
+the same run and against sglang's own Triton `decode_attention_fwd` on the same data.
+
+bandwidth = bytes of K and V actually read (per row min(len, W) or len tokens x kv heads x head dim x 2 bytes, K and
+V) / median time of `triton.testing.do_bench` over replays of a CUDA graph holding one call (how the draft runs it;
+L2 flushed before each replay). The registered op's eager time (host launch overhead included) is reported beside.
+Pools are random bf16 with page-shuffled allocation (page 64), read through per-token location tables exactly as the
+draft does (sliding: a [B, W] ring, full: req_to_token rows).
+
+Per shape it measures: the op as registered (default config, `choose_num_splits`), a small sweep of kernel configs
+(BLOCK_N, num_warps, num_stages) and split choices (splits, min_chunk), keeping the best; sglang's kernel at
+num_kv_splits 8 (its default) and the best of 8/16/32. Outputs are checked: ours vs sglang (relative error), and ours
+vs a float64 recomputation of two rows.
+
+    python bench/attention_bw.py --out DIR          # CUDA only; writes attention_bw.{md,csv,json} into DIR
+    TRITON_INTERPRET=1 python bench/attention_bw.py --cpu-smoke   # the script's logic on CPU, tiny shapes
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from graphcap.kernels.attention import (  # noqa: E402
+    KernelConfig,
+    choose_num_splits,
+    decode_attention,
+    decode_attention_with_config,
+    default_config,
+)
+
+PAGE = 64
+DEVICE = "cuda"  # "cpu" only for --cpu-smoke (the script's logic under TRITON_INTERPRET=1; timings meaningless)
+DTYPE = torch.bfloat16  # float32 under --cpu-smoke (the interpreter's bf16 tl.dot is broken, sglang's kernel uses it)
+LAYERS = {
+    "sliding": dict(heads=32, kv_heads=16, dim=256, window=1024),
+    "full": dict(heads=32, kv_heads=4, dim=512, window=0),
+}
+TUNE = {  # (block_n, num_warps, num_stages)
+    "sliding": [(32, 4, 3), (32, 4, 2), (64, 4, 2), (64, 8, 2), (16, 4, 2), (32, 8, 3)],
+    "full": [(32, 8, 3), (32, 8, 2), (16, 4, 2), (32, 4, 2), (64, 8, 2), (16, 8, 3)],
+}
+SGLANG_PATHS = ("sglang.kernels.ops.attention.decode_attention",  # 0.5.23
+                "sglang.srt.layers.attention.triton_ops.decode_attention")  # older releases
+
+
+def import_sglang():
+    errors = []
+    for path in SGLANG_PATHS:
+        try:
+            mod = importlib.import_module(path)
+            import sglang
+
+            return mod.decode_attention_fwd, f"{path} (sglang {getattr(sglang, '__version__', '?')})"
+        except Exception as e:  # noqa: BLE001 - any import problem means: no sglang column
+            errors.append(f"{path}: {type(e).__name__}: {e}")
+    return None, "not importable: " + " | ".join(errors)
+
+
+def environment(sglang_note: str) -> dict:
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0),
+        "sm_count": p.multi_processor_count,
+        "gpu_memory_gib": round(p.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "sglang": sglang_note,
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    }
+
+
+def bench(fn, rep_ms: float) -> float:
+    """Median milliseconds (triton.testing.do_bench: L2 flushed before each call, flush not timed)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=max(2, rep_ms / 4), rep=rep_ms, return_mode="median"))
+
+
+def graph_ms(fn, rep_ms: float) -> float:
+    """Median GPU milliseconds of `fn` replayed as a CUDA graph (how the draft runs it): no host launch overhead.
+    `fn` is run once first (compiles, warms up), then captured; the graph is released afterwards."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    try:
+        return bench(g.replay, rep_ms)
+    finally:
+        del g
+
+
+def copy_bandwidth(rep_ms: float) -> float:
+    n = 2 << 30  # 2 GiB
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE).random_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), max(rep_ms, 50))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3) / 1e9  # GB/s, bytes read + written
+
+
+class Pools:
+    """One random bf16 K/V pool pair per layer type, large enough for every shape; pages handed out shuffled."""
+
+    def __init__(self, tokens: int, kv_heads: int, dim: int, seed: int, device: str = DEVICE) -> None:
+        self.pages = -(-tokens // PAGE) + 1
+        self.device = device
+        g = torch.Generator(device=device).manual_seed(seed)
+        n = self.pages * PAGE
+        self.k = torch.randn(n, kv_heads, dim, generator=g, device=device, dtype=DTYPE)
+        self.v = torch.randn(n, kv_heads, dim, generator=g, device=device, dtype=DTYPE)
+        self.g = g
+
+    def rows(self, batch: int, ctx: int, window: int) -> torch.Tensor:
+        """[batch, cols] int32 locations. Full: position p of each row at column p. Sliding (window W): the ring,
+        column p % W holding position p for the last min(ctx, W) positions (other columns 0)."""
+        lo = max(0, ctx - window) if window else 0
+        first_page, last_page = lo // PAGE, -(-ctx // PAGE)
+        per_row = last_page - first_page
+        if batch * per_row > self.pages - 1:
+            raise MemoryError("pool too small")
+        perm = 1 + torch.randperm(self.pages - 1, generator=self.g, device=self.device)[: batch * per_row]
+        pos = torch.arange(lo, ctx, device=self.device)
+        page_of = perm.view(batch, per_row)[:, pos // PAGE - first_page]
+        locs = (page_of * PAGE + pos % PAGE).to(torch.int32)  # [batch, ctx - lo]
+        if not window:
+            return locs.contiguous()
+        ring = torch.zeros(batch, window, dtype=torch.int32, device=self.device)
+        ring[:, pos % window] = locs
+        return ring
+
+
+def sglang_runner(fwd, q, pools, table, lens_row, splits):
+    """sglang's decode_attention_fwd on the same rows: CSR kv_indptr / kv_indices built from `table`."""
+    b, h, d = q.shape
+    n = table.shape[1] if lens_row is None else lens_row
+    # int64 locations, as sglang's triton backend builds them (its kernel multiplies them by the pool's row stride
+    # without widening: int32 locations overflow once location x Hkv x D passes 2^31)
+    kv_indices = table[:, :n].reshape(-1).to(torch.int64).contiguous()
+    kv_indptr = torch.arange(b + 1, device=DEVICE, dtype=torch.int32) * n
+    o = torch.empty_like(q)
+    logits = torch.empty(b, h, splits, d, dtype=torch.float32, device=DEVICE)
+    lse = torch.empty(b, h, splits, dtype=torch.float32, device=DEVICE)
+    num = torch.full((b,), splits, dtype=torch.int32, device=DEVICE)
+    sm = 1.0 / math.sqrt(d)
+
+    def run():
+        fwd(q, pools.k, pools.v, o, kv_indptr, kv_indices, logits, lse, num, splits, sm, 1.0, 1.0)
+        return o
+
+    return run
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def check_rows(out, q, pools, table, n, sm) -> float:
+    """float64 recomputation of rows 0 and B-1."""
+    errs = []
+    h, hkv = q.shape[1], pools.k.shape[1]
+    for i in sorted({0, q.shape[0] - 1}):
+        locs = table[i, :n].long()
+        k, v = pools.k[locs].double(), pools.v[locs].double()
+        qq = q[i].double().view(hkv, h // hkv, -1)
+        s = torch.einsum("hgd,nhd->hgn", qq, k) * sm
+        ref = torch.einsum("hgn,nhd->hgd", torch.softmax(s, -1), v).reshape(h, -1)
+        errs.append(rel(out[i], ref))
+    return max(errs)
+
+
+def cfg_name(c: KernelConfig) -> str:
+    return f"bn{c.block_n}/w{c.num_warps}/st{c.num_stages}/mc{c.min_chunk}"
+
+
+def sweep(layer: str, run_cfg, s0: int, base: KernelConfig, failed: set, notes: list) -> list:
+    """Tile configs at the heuristic split count, then split counts x minimum chunks for the two best tile configs.
+    Returns [(ms, config, splits)]."""
+    timed = []
+    for bn, nw, ns in TUNE[layer]:
+        cfg = KernelConfig(block_n=bn, num_warps=nw, num_stages=ns, min_chunk=max(bn, base.min_chunk))
+        if (layer, bn, nw, ns) in failed:
+            continue
+        try:
+            timed.append((run_cfg(cfg, s0), cfg, s0))
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip this config from now on
+            failed.add((layer, bn, nw, ns))
+            notes.append(f"{layer} BLOCK_N={bn} num_warps={nw} num_stages={ns}: {type(e).__name__}: {str(e)[:160]}")
+    timed.sort(key=lambda x: x[0])
+    for _, cfg, _ in timed[:2]:
+        for s in sorted({max(1, s0 // 2), s0 * 2, s0 * 4} - {s0}):
+            for mc in (cfg.block_n, 4 * cfg.block_n):
+                c2 = KernelConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, mc)
+                timed.append((run_cfg(c2, min(s, 256)), c2, min(s, 256)))
+    return timed
+
+
+def cpu_smoke() -> None:
+    """Tiny shapes on CPU through Triton's interpreter, wall-clock timing: checks the script, not the GPU."""
+    global DEVICE, DTYPE, bench, graph_ms, copy_bandwidth, environment
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("--cpu-smoke needs TRITON_INTERPRET=1 in the environment (set before triton is imported)")
+    DEVICE, DTYPE = "cpu", torch.float32
+    LAYERS.update(sliding=dict(heads=4, kv_heads=2, dim=16, window=32), full=dict(heads=4, kv_heads=1, dim=16, window=0))
+    TUNE.update(sliding=[(16, 1, 1), (32, 1, 1), (128, 1, 1)], full=[(16, 1, 1), (32, 1, 1)])
+
+    def wall(fn, rep_ms):
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    bench = graph_ms = wall
+    copy_bandwidth = lambda rep_ms: 1.0  # noqa: E731
+    environment = lambda note: dict(date="-", gpu="cpu (smoke)", sm_count=4, torch=torch.__version__, triton="-",  # noqa: E731
+                                    cuda="-", sglang=note, command="smoke")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=None, help="directory for attention_bw.{md,csv,json}")
+    ap.add_argument("--layers", default="sliding,full")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--contexts", default="256,1024,2048,4096,8192,32768")
+    ap.add_argument("--rep-ms", type=float, default=10.0, help="do_bench rep per measurement")
+    ap.add_argument("--budget-s", type=float, default=200.0,
+                    help="past this many seconds, remaining shapes skip the config sweep (default + sglang only)")
+    ap.add_argument("--no-tune", action="store_true", help="measure the default configuration only")
+    ap.add_argument("--no-sglang", action="store_true")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run the script's logic on CPU at tiny shapes (TRITON_INTERPRET=1); timings are meaningless")
+    args = ap.parse_args()
+    if args.cpu_smoke:
+        cpu_smoke()
+        args.batches, args.contexts = "1,3", "16,40"
+    elif not torch.cuda.is_available():
+        sys.exit("attention_bw: needs a CUDA GPU")
+    t0 = time.time()
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    fwd, sg_note = (None, "skipped (--no-sglang)") if args.no_sglang else import_sglang()
+    env = environment(sg_note)
+    print(json.dumps(env, indent=1), flush=True)
+    copy_gbs = copy_bandwidth(args.rep_ms)
+    env["copy_gbps"] = round(copy_gbs, 1)
+    print(f"copy bandwidth (read + write, 2 GiB): {copy_gbs:.0f} GB/s  [{time.time() - t0:.0f}s]", flush=True)
+
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    sm_count = env["sm_count"]
+    rows_out, notes = [], []
+    failed: set = set()  # configurations that did not compile (e.g. out of shared memory): tried once
+    reuse: dict = {}
+    for layer in args.layers.split(","):
+        shp = LAYERS[layer]
+        h, hkv, d, w = shp["heads"], shp["kv_heads"], shp["dim"], shp["window"]
+        group = h // hkv
+        per_tok = hkv * d * DTYPE.itemsize * 2  # K and V
+        need = max(b * (min(c, w) if w else c) for b in batches for c in contexts)
+        tokens = max(need, 1 << 19) + 2 * PAGE * max(batches)  # sliding: a pool larger than the windows, like sglang's
+        free = torch.cuda.mem_get_info()[0] if DEVICE == "cuda" else 1 << 30
+        while tokens * per_tok > 0.6 * free:
+            tokens //= 2
+            notes.append(f"{layer}: pool reduced to {tokens} tokens to fit memory")
+        pools = Pools(tokens, hkv, d, seed=1 if layer == "sliding" else 2, device=DEVICE)
+        sm = 1.0 / math.sqrt(d)
+        for b in batches:
+            for ctx in contexts:
+                n = min(ctx, w) if w else ctx
+                try:
+                    table = pools.rows(b, ctx, w)
+                except MemoryError:
+                    notes.append(f"{layer} B={b} ctx={ctx}: skipped (pool of {tokens} tokens too small)")
+                    continue
+                g = torch.Generator(device=DEVICE).manual_seed(b * 100003 + ctx)
+                q = torch.randn(b, h, d, generator=g, device=DEVICE, dtype=DTYPE)
+                slots = torch.randperm(b, device=DEVICE)
+                lens = torch.zeros(b, dtype=torch.int32, device=DEVICE)
+                lens[slots] = ctx
+                tab = torch.empty_like(table)
+                tab[slots] = table  # row b of the batch reads table row slots[b]
+                nbytes = b * n * per_tok
+                gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
+                s0 = choose_num_splits(b, hkv, n, sm_count)
+                row = dict(layer=layer, batch=b, ctx=ctx, tokens_read=n, mbytes=round(nbytes / 1e6, 2), splits=s0)
+
+                out = decode_attention(q, pools.k, pools.v, tab, slots, lens, w, sm, s0)
+                table_b = table  # = tab[slots]: batch row i's locations
+                row["err_ref"] = check_rows(out, q, pools, table_b, n, sm)
+                op = lambda: decode_attention(q, pools.k, pools.v, tab, slots, lens, w, sm, s0)  # noqa: E731
+                ms = graph_ms(op, args.rep_ms)
+                eager_ms = bench(op, args.rep_ms)
+                row.update(default_us=round(ms * 1e3, 1), default_gbps=round(gbs(ms)),
+                           eager_us=round(eager_ms * 1e3, 1))
+
+                best = (ms, "default", s0)
+                tune = not args.no_tune and time.time() - t0 < args.budget_s
+                if tune:
+                    run_cfg = lambda cfg, s: graph_ms(  # noqa: E731
+                        lambda: decode_attention_with_config(q, pools.k, pools.v, tab, slots, lens, w, sm, s, cfg),
+                        args.rep_ms)
+                    if w and ctx > w and (layer, b) in reuse:
+                        # a sliding layer reads the same W tokens per row at every context past W: re-time the best
+                        # configuration found at ctx = W instead of sweeping again
+                        timed = [(run_cfg(*reuse[layer, b]), *reuse[layer, b])]
+                    else:
+                        timed = sweep(layer, run_cfg, s0, default_config(d, group, DTYPE, True), failed, notes)
+                    if timed:
+                        t_best, cfg_best, s_best = min(timed, key=lambda x: x[0])
+                        if w and ctx == w:
+                            reuse[layer, b] = (cfg_best, s_best)
+                        row["sweep"] = [[round(t * 1e3, 1), cfg_name(c), sp]
+                                        for t, c, sp in sorted(timed, key=lambda x: x[0])]
+                        if t_best < best[0]:
+                            best = (t_best, cfg_name(cfg_best), s_best)
+                            o_best = decode_attention_with_config(q, pools.k, pools.v, tab, slots, lens, w, sm, s_best,
+                                                                  cfg_best)
+                            row["err_best_vs_default"] = rel(o_best, out)
+                row.update(best_us=round(best[0] * 1e3, 1), best_gbps=round(gbs(best[0])), best_config=best[1],
+                           best_splits=best[2], best_pct_copy=round(100 * gbs(best[0]) / copy_gbs, 1),
+                           default_pct_copy=round(100 * gbs(ms) / copy_gbs, 1), tuned=tune)
+
+                if fwd is not None:
+                    sg = {}
+                    for s in (8, 16, 32):
+                        try:
+                            run = sglang_runner(fwd, q, pools, table_b, n, s)
+                            o_sg = run().clone()
+                            sg[s] = graph_ms(run, args.rep_ms)
+                        except Exception as e:  # noqa: BLE001
+                            notes.append(f"sglang {layer} B={b} ctx={ctx} splits={s}: {type(e).__name__}: {str(e)[:200]}")
+                            continue
+                        if s == 8:
+                            row["err_vs_sglang"] = rel(out, o_sg)
+                    if sg:
+                        s_best = min(sg, key=sg.get)
+                        row.update(sglang8_us=round(sg.get(8, float("nan")) * 1e3, 1),
+                                   sglang_best_us=round(sg[s_best] * 1e3, 1), sglang_best_splits=s_best,
+                                   sglang_best_gbps=round(gbs(sg[s_best])),
+                                   speedup_default_vs_sglang=round(sg[s_best] / ms, 2),
+                                   speedup_best_vs_sglang=round(sg[s_best] / best[0], 2))
+                rows_out.append(row)
+                print(json.dumps(row), f"[{time.time() - t0:.0f}s]", flush=True)
+                env["elapsed_s"] = round(time.time() - t0, 1)
+                write(args.out, env, rows_out, notes)  # after every shape: a run cut short keeps what it measured
+                del table, tab, table_b, q, out
+        del pools
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+    env["elapsed_s"] = round(time.time() - t0, 1)
+    write(args.out, env, rows_out, notes)
+    print(render(env, rows_out, notes))
+
+
+def write(out: Path | None, env: dict, rows: list[dict], notes: list[str]) -> None:
+    if out is None or not rows:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention_bw.md").write_text(render(env, rows, notes))
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with open(out / "attention_bw.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=keys)
+        wr.writeheader()
+        wr.writerows(rows)
+    (out / "attention_bw.json").write_text(json.dumps({"env": env, "rows": rows, "notes": notes}, indent=1))
+
+
+def render(env: dict, rows: list[dict], notes: list[str]) -> str:
+    head = ["layer", "B", "ctx", "MB K+V", "ours default us (splits)", "GB/s", "% copy", "ours best us", "GB/s", "% copy",
+            "best config (splits)", "sglang us (best of 8/16/32)", "sglang GB/s", "sglang / ours best",
+            "sglang / ours default", "ours eager us", "err vs sglang", "err vs f64"]
+    lines = [f"# decode attention bandwidth ({env['gpu']}, {env['date']})", "",
+             f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; sglang: {env['sglang']}; "
+             f"copy bandwidth {env.get('copy_gbps')} GB/s (read + write); {env.get('elapsed_s')} s. Times: median GPU "
+             "time of one call replayed in a CUDA graph, L2 flushed; 'eager' = the registered op called from Python.", "",
+             "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        sg = r.get("sglang_best_us")
+        cells = [r["layer"], r["batch"], r["ctx"], r["mbytes"], f"{r['default_us']} ({r['splits']})", r["default_gbps"],
+                 r["default_pct_copy"], r["best_us"], r["best_gbps"], r["best_pct_copy"],
+                 f"{r['best_config']} ({r['best_splits']})"]
+        if sg is not None:
+            cells += [f"{sg} ({r['sglang_best_splits']})", r["sglang_best_gbps"], f"{r['speedup_best_vs_sglang']}x",
+                      f"{r['speedup_default_vs_sglang']}x"]
+        else:
+            cells += ["-"] * 4
+        cells += [r["eager_us"], f"{r['err_vs_sglang']:.1e}" if "err_vs_sglang" in r else "-", f"{r['err_ref']:.1e}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    if notes:
+        lines += ["", "Notes:"] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

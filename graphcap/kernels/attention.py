@@ -1,0 +1,381 @@
+"""Decode attention for the draft model: one query token per batch row, K/V read in place from the target's pools.
+
+Both draft layer types use the same op:
+- full layers: `table` = sglang's `req_to_token` [rows, max_context], `window` = 0: row b attends
+  `table[slots[b], :lens[slots[b]]]`;
+- sliding layers: `table` = the WindowBuffers ring [max_slots + 1, W] (SWA-pool locations), `window` = W: row b
+  attends `table[slots[b], :min(lens[slots[b]], W)]`. The ring's live columns are exactly those (canonical layout
+  p % W; softmax does not care about the order of the keys).
+In both cases the length is also clipped to the table's column count (`window`, or `table.shape[1]` when 0), so a
+stale length can never read past a row. A row whose length is 0 (padding rows point at the padding slot, whose length
+is 0 and which may have no row in `table`) reads nothing - not even `table` - and returns zeros.
+
+Page size: sglang's `req_to_token` maps every token position to its own location in the pool, whatever the page
+size (a page of 64 is 64 consecutive locations, each listed). The kernels read per-token locations, so they are
+correct for every page size; a page size > 1 only makes neighbouring locations contiguous, which helps the memory
+system but is never assumed.
+
+Kernel ("flash-decoding", split-KV):
+1. `_split_kernel`, grid (B, Hkv * head_tiles, num_splits): program (b, kv head, split) covers a contiguous chunk of
+   the row's [0, len) - chunk = max(round_up(cdiv(len, num_splits), BLOCK_N), min_chunk), computed in-kernel from
+   the row's own length, so short rows use fewer splits and the rest exit at once. It loads each K/V tile once for
+   the whole query-head group (tl.dot with the group padded to >= 16 rows), runs an online softmax in fp32 and
+   writes a normalised partial output [B, H, S, D] fp32 and its log-sum-exp [B, H, S] (base 2; -inf for an empty
+   chunk). With num_splits == 1 it writes the final output directly and the second kernel is skipped.
+2. `_combine_kernel`, grid (B, H): merges the splits; an all-empty row gives zeros.
+Grid and temporaries depend only on static shapes (B, H, D, num_splits), never on GPU values: the op can be captured
+in a CUDA graph and traced by torch.compile (it is a `torch.library.triton_op`).
+
+`decode_attention_torch` is the plain-torch twin (static shapes: gathers `table[slots, :cols]` with a mask, masked
+softmax in fp32). It is the CPU path and a test reference; it materialises [B, cols, Hkv, D] in fp32, so it is meant
+for small shapes.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from graphcap.kernels import use_triton
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 256
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class AttentionError(ValueError):
+    """Bad input to decode_attention; the message names the argument and what was wrong."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# launch configuration
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_n: int = 32  # keys per tile
+    num_warps: int = 4
+    num_stages: int = 2
+    min_chunk: int = 64  # fewest keys one split covers (rows shorter than splits x this use fewer splits)
+    combine_warps: int = 4  # warps of the second (combine) kernel
+
+
+def default_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: int | None = None
+                   ) -> KernelConfig:
+    """The launch configuration the op uses.
+
+    GPU values: the best or near-best configuration at nearly every point of the H200 sweep in
+    docs/results/attention.md (BLOCK_N 32, 3 stages; 4 warps for head dim <= 256, 8 for 512). Three stages of K and V
+    tiles need 3 x 2 x BLOCK_N x D x 2 bytes of shared memory (192 KiB at D = 512): where the device has less
+    (`smem_bytes`, read from the current device when None), stages and then tile size step down.
+    On CPU (Triton's interpreter) small tiles keep the tests fast.
+    """
+    if not on_gpu:
+        return KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1)
+    warps = 8 if head_dim >= 512 else 4
+    if smem_bytes is None:
+        smem_bytes = _device_smem()
+    elem = dtype.itemsize
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    for block_n, stages in ((32, 3), (32, 2), (16, 2), (16, 1)):
+        if stages * 2 * block_n * block_d * elem + 8192 <= smem_bytes:  # + room for q and the reductions
+            break
+    return KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=64)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_smem_of(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 232448)  # H100/H200: 227 KiB
+
+
+def _device_smem(device: torch.device | None = None) -> int:
+    if not torch.cuda.is_available():
+        return 232448
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _device_smem_of(index)
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int = 132) -> int:
+    """Static split count for `decode_attention` (depends only on static numbers: choose it per capture bucket).
+
+    About two programs per SM (batch x kv_heads x splits >= 2 x sm_count), eight per SM when rows are long
+    (max_len >= 8192) and batch x kv_heads is between 32 and sm_count, never more splits than `max_len` has 32-token
+    chunks, at most 64. Fitted to the best split counts of the H200 sweep (docs/results/attention.md). `max_len`: the
+    longest row the layer can see (W for sliding layers, the context bound for full layers); rows shorter than that
+    use fewer splits at run time (`KernelConfig.min_chunk`), so a generous bound costs only empty programs.
+    """
+    if batch < 1 or kv_heads < 1:
+        raise AttentionError(f"choose_num_splits: batch ({batch}) and kv_heads ({kv_heads}) must be >= 1")
+    bh = batch * kv_heads
+    sms = max(1, sm_count)
+    target = 2 * sms
+    if max_len >= 8192 and 32 <= bh < sms:
+        target = 8 * sms
+    # batch x kv heads already within 10% of the target: no split (a second short wave costs more than it gives)
+    splits = 1 if 10 * bh >= 9 * target else -(-target // bh)
+    cap = max(1, -(-max(1, max_len) // 32))
+    return int(max(1, min(splits, cap, 64)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checks (static: shapes, dtypes, devices, strides - nothing that needs a GPU value)
+
+
+def _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits) -> None:
+    def t(name, x, ndim, dtypes):
+        if not isinstance(x, torch.Tensor):
+            raise AttentionError(f"decode_attention: {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.ndim != ndim or x.dtype not in dtypes:
+            names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+            raise AttentionError(f"decode_attention: {name} must be a {ndim}-D {names} tensor, "
+                                 f"got {x.ndim}-D {x.dtype} {tuple(x.shape)}")
+
+    t("q", q, 3, DTYPES)
+    t("k_pool", k_pool, 3, DTYPES)
+    t("v_pool", v_pool, 3, DTYPES)
+    t("table", table, 2, INDEX_DTYPES)
+    t("slots", slots, 1, INDEX_DTYPES)
+    t("lens", lens, 1, INDEX_DTYPES)
+    b, h, d = q.shape
+    if k_pool.shape != v_pool.shape:
+        raise AttentionError(f"decode_attention: k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} differ")
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise AttentionError(
+            f"decode_attention: q, k_pool, v_pool dtypes differ ({q.dtype}, {k_pool.dtype}, {v_pool.dtype})")
+    hkv, dk = k_pool.shape[1], k_pool.shape[2]
+    if dk != d:
+        raise AttentionError(f"decode_attention: head dim of q ({d}) != head dim of k_pool/v_pool ({dk})")
+    if hkv < 1 or h % hkv:
+        raise AttentionError(f"decode_attention: query heads ({h}) must be a multiple of kv heads ({hkv})")
+    if slots.shape[0] != b:
+        raise AttentionError(f"decode_attention: slots has {slots.shape[0]} entries, q has {b} rows")
+    devs = {x.device for x in (q, k_pool, v_pool, table, slots, lens)}
+    if len(devs) != 1:
+        raise AttentionError(f"decode_attention: all tensors must be on one device, got {sorted(map(str, devs))}")
+    if not isinstance(window, int) or window < 0:
+        raise AttentionError(f"decode_attention: window must be an int >= 0, got {window!r}")
+    if window > table.shape[1]:
+        raise AttentionError(f"decode_attention: window {window} is wider than table ({table.shape[1]} columns)")
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
+        raise AttentionError(f"decode_attention: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
+    if not isinstance(sm_scale, (int, float)):
+        raise AttentionError(f"decode_attention: sm_scale must be a float, got {type(sm_scale).__name__}")
+    for name, x in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("table", table)):
+        if x.numel() and x.stride(-1) != 1:
+            raise AttentionError(f"decode_attention: {name}'s last dimension must be contiguous (stride 1)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plain-torch twin
+
+
+def decode_attention_torch(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
+    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int,
+) -> torch.Tensor:
+    """Twin of the kernels (num_splits only matters to them). Static shapes only, so it traces under torch.compile."""
+    b, h, d = q.shape
+    hkv = k_pool.shape[1]
+    g = h // hkv
+    cols = window if window > 0 else table.shape[1]
+    s = slots.long()
+    length = lens[s].long().clamp(0, cols)
+    c = torch.arange(cols, device=q.device)
+    live = c[None, :] < length[:, None]  # [B, cols]
+    # A length-0 row reads nothing: its slot may have no table row, so index row 0 and mask.
+    row = torch.where(length > 0, s, torch.zeros_like(s))
+    locs = torch.where(live, table[row[:, None], c[None, :]].long(), 0)
+    k = k_pool[locs].float()  # [B, cols, Hkv, D]
+    v = v_pool[locs].float()
+    qf = q.float().reshape(b, hkv, g, d)
+    scores = torch.einsum("bhgd,bchd->bhgc", qf, k) * sm_scale
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    m = scores.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m)  # masked keys: exp(-inf) = 0
+    denom = p.sum(-1, keepdim=True)
+    out = torch.einsum("bhgc,bchd->bhgd", p, v) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return out.reshape(b, h, d).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+@triton.jit
+def _split_kernel(
+    q, k_pool, v_pool, table, slots, lens, out, part, lse,
+    sm_scale_log2, cols, num_splits, min_chunk,
+    stride_qb, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_t, stride_ob, stride_oh,
+    H: tl.constexpr, GROUP: tl.constexpr, HEAD_TILES: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    kvh = pid_h // HEAD_TILES
+    ht = pid_h % HEAD_TILES
+
+    slot = tl.load(slots + b).to(tl.int64)
+    length = tl.maximum(tl.minimum(tl.load(lens + slot).to(tl.int32), cols), 0)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N, min_chunk)
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+
+    offs_g = ht * BLOCK_G + tl.arange(0, BLOCK_G)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+
+    qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                 mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(k_pool.dtype.element_ty)
+    scale = tl.cast(sm_scale_log2, tl.float32)  # Inductor passes Python floats as fp64 scalars
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+
+    t_row = table + slot * stride_t  # not dereferenced unless the row has keys
+    k_base = k_pool + kvh.to(tl.int64) * stride_kh + offs_d[None, :]
+    v_base = v_pool + kvh.to(tl.int64) * stride_vh + offs_d[None, :]
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        loc = tl.load(t_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        kt = tl.load(k_base + loc[:, None] * stride_kp, mask=kv_mask, other=0.0)
+        if F32_DOT:
+            s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(qv, tl.trans(kt))
+        s = tl.where(mask_n[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_base + loc[:, None] * stride_vp, mask=kv_mask, other=0.0)
+        if F32_DOT:
+            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if SINGLE:
+        tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    else:
+        row = (b * H + heads) * num_splits + split  # [BLOCK_G] index into lse [B, H, S]
+        tl.store(lse + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=mask_g)
+        tl.store(part + row[:, None] * D + offs_d[None, :], o,
+                 mask=(mask_g & has)[:, None] & mask_d[None, :])  # an empty chunk writes only its lse
+
+
+@triton.jit
+def _combine_kernel(
+    part, lse, out, num_splits, stride_ob, stride_oh,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = (b * H + h) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    ls = tl.load(lse + row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(ls, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp2(ls - m), 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, num_splits):
+        l_s = tl.load(lse + row + s)
+        live_d = tl.where(l_s > float("-inf"), D, 0)  # an empty split wrote no partial: read none
+        pv = tl.load(part + (row + s) * D + offs_d, mask=offs_d < live_d, other=0.0)
+        acc += tl.exp2(l_s - m) * pv
+    o = tl.where(denom > 0, acc / tl.where(denom > 0, denom, 1.0), 0.0)
+    tl.store(out + b * stride_ob + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=mask_d)
+
+
+def _launch(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
+    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, config: KernelConfig,
+) -> torch.Tensor:
+    b, h, d = q.shape
+    hkv = k_pool.shape[1]
+    group = h // hkv
+    block_g = max(16, triton.next_power_of_2(group))
+    if block_g > 16 and (block_g > 64 or d >= 512):  # keep the [group, D] fp32 accumulator in registers
+        block_g = 16 if d >= 512 else min(block_g, 64)
+    head_tiles = triton.cdiv(group, block_g)
+    block_d = max(16, triton.next_power_of_2(d))
+    cols = window if window > 0 else table.shape[1]
+    out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    single = num_splits == 1
+    if single:  # placeholders, never touched
+        part = torch.empty((1,), dtype=torch.float32, device=q.device)
+        lse = part
+    else:
+        part = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
+    wrap_triton(_split_kernel)[(b, hkv * head_tiles, num_splits)](
+        q, k_pool, v_pool, table, slots, lens, out, part, lse,
+        float(sm_scale) * LOG2E, cols, num_splits, config.min_chunk,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        table.stride(0), out.stride(0), out.stride(1),
+        H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
+        BLOCK_N=config.block_n, SINGLE=single,
+        # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16 tiles
+        # returns garbage (seen with triton 3.9), so the tiles are upcast there.
+        F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if not single:
+        wrap_triton(_combine_kernel)[(b, h)](
+            part, lse, out, num_splits, out.stride(0), out.stride(1),
+            H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=config.combine_warps, num_stages=1,
+        )
+    return out
+
+
+def decode_attention_with_config(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
+    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """The kernels with an explicit launch configuration (for tuning; not a registered op)."""
+    _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
+    if config is None:
+        config = _config_for(q, k_pool)
+    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, config)
+
+
+def _config_for(q: torch.Tensor, k_pool: torch.Tensor) -> KernelConfig:
+    smem = _device_smem(q.device) if q.is_cuda else None
+    return default_config(q.shape[2], q.shape[1] // k_pool.shape[1], q.dtype, q.is_cuda, smem_bytes=smem)
+
+
+@triton_op("graphcap::decode_attention", mutates_args=())
+def decode_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
+    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int,
+) -> torch.Tensor:
+    """Decode attention over `table[slots[b], :min(lens[slots[b]], window or table.shape[1])]` per batch row.
+
+    q [B, H, D] (RoPE applied), k_pool/v_pool [P, Hkv, D] (read in place), table [rows, cols] int32/int64 locations,
+    slots [B], lens indexed by slot. Returns [B, H, D] in q's dtype; rows of length 0 give zeros.
+    """
+    _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
+    if not use_triton(q):
+        return decode_attention_torch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
+    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, _config_for(q, k_pool))

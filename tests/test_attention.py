@@ -1,0 +1,346 @@
+"""decode_attention (kernels, interpreted on CPU / native on CUDA, and the torch twin) against a float64 reference
+computed from scratch: gather K/V by location, softmax, weighted sum. Random data, never zeros."""
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from graphcap.kernels import twins_on_cpu
+from graphcap.kernels.attention import (
+    AttentionError,
+    choose_num_splits,
+    decode_attention,
+    decode_attention_torch,
+    decode_attention_with_config,
+    default_config,
+)
+
+TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def impl_ctx(impl: str, device: str):
+    return twins_on_cpu() if impl == "twin" and device == "cpu" else contextlib.nullcontext()
+
+
+def run(impl: str, device: str, *args):
+    if impl == "twin":
+        return decode_attention_torch(*args)
+    return decode_attention(*args)
+
+
+def make_case(seed, *, lens, heads, kv_heads, dim, window, dtype, device, cols=None, pad_rows=1, page=4,
+              index_dtype=torch.int32):
+    """A batch with `len(lens)` live rows plus `pad_rows` padding rows. Live rows use distinct random slots of a
+    table with `n` rows; padding rows use slot n, which has a `lens` entry (0) but NO table row. Table entries are
+    page-shuffled locations (location 0 never used by a live token); columns past a row's length hold other valid
+    locations, so reading past the length would change the result."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(lens) + 2
+    if cols is None:
+        cols = window if window > 0 else max([1, *lens]) + 7
+    n_pages = n * -(-cols // page) + 1
+    pool = n_pages * page
+    pages = 1 + torch.randperm(n_pages - 1, generator=g)
+    locs = (pages[:, None] * page + torch.arange(page)).reshape(-1)[: n * cols]
+    table = locs.reshape(n, cols).to(index_dtype)
+    gd = torch.Generator(device=device).manual_seed(seed)  # pools drawn on the device (GPU cases are large)
+    k_pool = torch.randn(pool, kv_heads, dim, generator=gd, device=device).to(dtype)
+    v_pool = torch.randn(pool, kv_heads, dim, generator=gd, device=device).to(dtype)
+    q = torch.randn(len(lens) + pad_rows, heads, dim, generator=g).to(dtype)
+    live_slots = torch.randperm(n, generator=g)[: len(lens)]
+    slots = torch.cat([live_slots, torch.full((pad_rows,), n)])
+    lens_t = torch.zeros(n + 1, dtype=torch.int32)
+    lens_t[live_slots] = torch.tensor(lens, dtype=torch.int32)
+    sm_scale = 1.0 / math.sqrt(dim)
+    return [x.to(device) for x in (q, k_pool, v_pool, table, slots, lens_t)] + [window, sm_scale]
+
+
+def reference(q, k_pool, v_pool, table, slots, lens, window, sm_scale) -> torch.Tensor:
+    """float64, from scratch, one row and head at a time (gathered on the pools' device, returned on CPU)."""
+    b, h, d = q.shape
+    group = h // k_pool.shape[1]
+    cols = window if window > 0 else table.shape[1]
+    out = torch.zeros(b, h, d, dtype=torch.float64)
+    for i in range(b):
+        slot = int(slots[i])
+        n = min(int(lens[slot]), cols)
+        if n == 0:
+            continue
+        locs = table[slot, :n].long()
+        kk, vv = k_pool[locs].double(), v_pool[locs].double()  # [n, Hkv, D]
+        for j in range(h):
+            w = torch.softmax((kk[:, j // group] @ q[i, j].double()) * sm_scale, dim=0)
+            out[i, j] = (w @ vv[:, j // group]).cpu()
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check(out, case, dtype):
+    ref = reference(*case)
+    assert out.shape == case[0].shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"relative error {err:.3g} >= {TOL[dtype]}"
+    # padding rows (the last one at least): exact zeros
+    assert (out[-1] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# seeded sweep: GQA ratios x full/window x splits x dtype x kernel/twin
+
+SHAPES = [(2, 2, 16), (4, 2, 32), (16, 2, 16)]  # (query heads, kv heads, dim): ratios 1, 2, 8
+# live lengths: 1, < W, == W, > W (clipped in window mode), not multiples of the tile (16 on CPU, 32 on GPU)
+LENS = [37, 1, 24, 11, 50]
+
+
+@pytest.mark.parametrize("impl", ["kernel", "twin"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("window", [0, 24])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}")
+def test_sweep_matches_float64_reference(impl, dtype, splits, window, shape, device):
+    if impl == "twin" and device == "cuda":
+        pytest.skip("the twin is the CPU path")
+    h, hkv, d = shape
+    seed = zlib.crc32(repr((impl, dtype, splits, window, shape)).encode())
+    case = make_case(seed, lens=LENS, heads=h, kv_heads=hkv, dim=d, window=window, dtype=dtype, device=device)
+    with impl_ctx(impl, device):
+        out = run(impl, device, *case, splits)
+    check(out, case, dtype)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "twin"])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**20),
+    ratio=st.sampled_from([1, 2, 4, 8]),
+    kv_heads=st.integers(1, 2),
+    dim=st.sampled_from([16, 32, 24]),
+    window=st.sampled_from([0, 1, 5, 16, 20]),
+    lens=st.lists(st.integers(0, 45), min_size=1, max_size=4),
+    pad_rows=st.integers(0, 2),
+    splits=st.integers(1, 9),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+)
+def test_random_cases(impl, device, seed, ratio, kv_heads, dim, window, lens, pad_rows, splits, dtype, index_dtype):
+    if impl == "twin" and device == "cuda":
+        pytest.skip("the twin is the CPU path")
+    case = make_case(seed, lens=lens, heads=ratio * kv_heads, kv_heads=kv_heads, dim=dim, window=window,
+                     dtype=dtype, device=device, pad_rows=pad_rows, index_dtype=index_dtype)
+    with impl_ctx(impl, device):
+        out = run(impl, device, *case, splits)
+    ref = reference(*case)
+    assert torch.isfinite(out).all()
+    if ref.norm() > 0:
+        assert rel_err(out, ref) < TOL[dtype]
+    # rows of length 0 (padding, or a live row with lens 0): exact zeros
+    q, _, _, table, slots, lens_t = case[:6]
+    cols = window if window > 0 else table.shape[1]
+    for i in range(q.shape[0]):
+        if min(int(lens_t[int(slots[i])]), cols) == 0:
+            assert (out[i] == 0).all()
+
+
+def test_only_padding_rows_give_zeros(device):
+    case = make_case(3, lens=[], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device=device,
+                     cols=8, pad_rows=3)
+    for splits in (1, 4):
+        out = decode_attention(*case, splits)
+        assert out.shape == (3, 4, 16) and (out == 0).all()
+
+
+def test_non_contiguous_query(device):
+    """q as a view into a wider projection output (row stride != H * D)."""
+    case = make_case(5, lens=[20, 3], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device=device)
+    wide = torch.randn(case[0].shape[0], 4, 48, device=device)
+    wide[:, :, 16:32] = case[0]
+    case[0] = wide[:, :, 16:32]
+    assert not case[0].is_contiguous()
+    check(decode_attention(*case, 2), case, torch.float32)
+
+
+def test_explicit_configs_agree(device):
+    """Other tile sizes / minimum chunks (what the bench tunes) give the same answer."""
+    from graphcap.kernels.attention import KernelConfig
+
+    case = make_case(11, lens=[45, 17, 2], heads=8, kv_heads=2, dim=32, window=0, dtype=torch.float32, device=device)
+    ref = reference(*case)
+    for cfg in (KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1),
+                KernelConfig(block_n=32, num_warps=2, num_stages=1, min_chunk=64, combine_warps=1)):
+        out = decode_attention_with_config(*case, 5, config=cfg)
+        assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_sliding_layer_over_window_buffers(device):
+    """The sliding-layer wiring: table = WindowBuffers ring (SWA locations), lens = its seq_lens, window = W, against
+    attention over the last W tokens read straight from req_to_token and full_to_swa."""
+    from graphcap.window import WindowBuffers
+
+    g = torch.Generator().manual_seed(7)
+    slots_n, row, w = 4, 40, 12
+    r2t = (1 + torch.randperm(slots_n * row, generator=g)).reshape(slots_n, row).to(torch.int32)
+    f2s = 1 + torch.randperm(slots_n * row + 1, generator=g)
+    f2s[0] = 0
+    pool = int(f2s.max()) + 1
+    k_swa = torch.randn(pool, 2, 16, generator=g)
+    v_swa = torch.randn(pool, 2, 16, generator=g)
+    wb = WindowBuffers(r2t.to(device), w, slots_n, f2s.to(device), max_accepted=4)
+    lens = {0: 30, 2: 5, 3: 12}
+    wb.reset(list(lens), list(lens.values()))
+    wb.advance(torch.tensor([0, 2, wb.padding_slot], device=device), torch.tensor([3, 2, 0], device=device))
+    lens[0] += 3
+    lens[2] += 2
+    slots = torch.tensor([0, 2, 3, wb.padding_slot], device=device)
+    q = torch.randn(4, 4, 16, generator=g)
+    out = decode_attention(q.to(device), k_swa.to(device), v_swa.to(device), wb.ring, slots, wb.seq_lens, w, 0.25, 3)
+    ref = torch.zeros(4, 4, 16, dtype=torch.float64)
+    for i, s in enumerate([0, 2, 3]):
+        n = lens[s]
+        locs = f2s[r2t[s, max(0, n - w):n].long()]
+        for h in range(4):
+            p = torch.softmax(k_swa[locs, h // 2].double() @ q[i, h].double() * 0.25, 0)
+            ref[i, h] = p @ v_swa[locs, h // 2].double()
+    assert rel_err(out, ref) < TOL[torch.float32]
+    assert (out[3] == 0).all()
+
+
+def test_traces_under_torch_compile_on_cpu():
+    """The op (twin path) traces with fullgraph=True: static shapes, no graph breaks."""
+    case = make_case(13, lens=[9, 30], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device="cpu")
+
+    def f(q, k, v, t, s, n):
+        return decode_attention(q, k, v, t, s, n, 0, case[7], 3) * 2
+
+    with twins_on_cpu():
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=False)
+        out = compiled(*case[:6])
+        eager = f(*case[:6])
+    torch.testing.assert_close(out, eager)
+    assert rel_err(out / 2, reference(*case)) < TOL[torch.float32]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# errors and the split heuristic
+
+
+def test_bad_inputs_name_the_argument(device):
+    case = make_case(1, lens=[5], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device=device)
+    q, k, v, t, s, n, w, sc = case
+    with pytest.raises(AttentionError, match="multiple of kv heads"):
+        decode_attention(q[:, :3], k, v, t, s, n, w, sc, 1)
+    with pytest.raises(AttentionError, match="wider than table"):
+        decode_attention(q, k, v, t, s, n, t.shape[1] + 1, sc, 1)
+    with pytest.raises(AttentionError, match="dtypes differ"):
+        decode_attention(q, k.half(), v, t, s, n, w, sc, 1)
+    with pytest.raises(AttentionError, match="num_splits"):
+        decode_attention(q, k, v, t, s, n, w, sc, 0)
+    with pytest.raises(AttentionError, match="slots has"):
+        decode_attention(q, k, v, t, s[:0], n, w, sc, 1)
+    with pytest.raises(AttentionError, match="table must be"):
+        decode_attention(q, k, v, t.float(), s, n, w, sc, 1)
+
+
+def test_choose_num_splits():
+    # batch 1-8 fills the GPU: at least one program per SM when rows are long
+    for kv_heads in (4, 16):
+        for batch in (1, 2, 4, 8):
+            s = choose_num_splits(batch, kv_heads, 8192)
+            assert batch * kv_heads * s >= 132
+    # short rows are not over-split (>= 32 keys per split); big batches need no split
+    assert choose_num_splits(1, 16, 32) == 1
+    assert choose_num_splits(1, 16, 100) <= 4
+    assert choose_num_splits(1, 4, 1024) <= 32
+    assert choose_num_splits(64, 16, 1024) == 1
+    assert choose_num_splits(64, 4, 32768) == 1
+    # long rows at mid batch: more programs (the H200 sweep's best: 33-36 splits at B=8, 4 KV heads, 8k-32k)
+    assert choose_num_splits(8, 4, 32768) >= 32
+    assert all(1 <= choose_num_splits(b, h, n) <= 64 for b in (1, 3, 64) for h in (1, 4) for n in (1, 10**6))
+    with pytest.raises(AttentionError):
+        choose_num_splits(0, 4, 10)
+
+
+def test_default_config_shapes():
+    big = default_config(512, 8, torch.bfloat16, True, smem_bytes=232448)  # H100/H200
+    assert (big.block_n, big.num_stages, big.num_warps) == (32, 3, 8)
+    small = default_config(512, 8, torch.bfloat16, True, smem_bytes=101376)  # less shared memory: fewer stages
+    assert small.num_stages * 2 * small.block_n * 512 * 2 <= 101376
+    assert default_config(256, 2, torch.bfloat16, True, smem_bytes=232448).num_warps == 4
+    assert default_config(16, 1, torch.float32, False).block_n == 16
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: Gemma 4 shapes natively
+
+GEMMA = {"sliding": dict(heads=32, kv_heads=16, dim=256, window=1024),
+         "full": dict(heads=32, kv_heads=4, dim=512, window=0)}
+
+
+def _gemma_lens(batch: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    base = [0, 1, 5000, 1023, 1024, 1025, 37, 2048]
+    extra = torch.randint(1, 6000, (max(0, batch - len(base)),), generator=g).tolist()
+    return (base + extra)[:batch] if batch > 1 else [5000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["sliding", "full"])
+@pytest.mark.parametrize("batch", [1, 8, 33])
+def test_gemma4_shapes_on_gpu(layer, batch):
+    shp = GEMMA[layer]
+    lens = _gemma_lens(batch, batch)
+    cols = shp["window"] if shp["window"] else 6000
+    case = make_case(batch, lens=lens, heads=shp["heads"], kv_heads=shp["kv_heads"], dim=shp["dim"],
+                     window=shp["window"], dtype=torch.bfloat16, device="cuda", cols=cols, page=64)
+    ref = reference(*case)
+    max_len = shp["window"] or 6000
+    for splits in sorted({1, 7, choose_num_splits(batch + 1, shp["kv_heads"], max_len)}):
+        out = decode_attention(*case, splits)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        err = rel_err(out, ref)
+        assert err < TOL[torch.bfloat16], f"splits={splits}: relative error {err:.3g}"
+        assert (out[-1] == 0).all()
+        if 0 in lens:
+            assert (out[lens.index(0)] == 0).all()
+
+
+@pytest.mark.gpu
+def test_fp16_on_gpu():
+    case = make_case(2, lens=[300, 1, 77], heads=32, kv_heads=16, dim=256, window=128, dtype=torch.float16,
+                     device="cuda", page=64)
+    check(decode_attention(*case, 4), case, torch.float16)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_under_reduce_overhead():
+    """Compiled with mode="reduce-overhead": no cudagraph skips, replays follow new lengths written in place."""
+    from torch._dynamo.utils import counters
+
+    case = make_case(4, lens=[900, 5, 2000], heads=32, kv_heads=4, dim=512, window=0, dtype=torch.bfloat16,
+                     device="cuda", cols=2048, page=64)
+    q, k, v, t, s, n, w, sc = case
+    for x in (k, v, t, s, n):
+        torch._dynamo.mark_static_address(x)
+
+    def f(q):
+        return decode_attention(q, k, v, t, s, n, w, sc, 8)
+
+    counters.clear()
+    compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    for _ in range(3):
+        out = compiled(q).clone()
+    assert not counters["inductor"]["cudagraph_skips"]
+    assert rel_err(out, reference(*case)) < TOL[torch.bfloat16]
+    n[s[0]] = 17  # a new length, written in place: the next replay must see it
+    out = compiled(q).clone()
+    assert rel_err(out, reference(q, k, v, t, s, n, w, sc)) < TOL[torch.bfloat16]
