@@ -7,6 +7,7 @@
 #   scripts/gpu-check.sh bench    bench/capture_cost.py, the main `graphcap bench`, `graphcap inspect`
 #   scripts/gpu-check.sh sweep    steps 1 and 2, and the long-context (32768) sweep at batch 8
 #   scripts/gpu-check.sh final    GPU replay tests + window-advance bench (one call)
+#   scripts/gpu-check.sh verify   attention GPU tests + quick replay cases
 # sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
 set -uo pipefail
 stage=${1:-smoke}
@@ -62,6 +63,9 @@ case $stage in
   final)  # the GPU replay tests and the window-advance bench in one call
     step pytest-gpu python3 -m pytest -q -rs tests/test_capture_gpu.py tests/test_window.py
     step window-advance python3 bench/window_advance.py --out "$LOG"
+    ;;
+  verify)  # short: the attention kernel's GPU tests and the quick GPU replay cases on the current tree
+    step pytest-verify python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_capture_gpu.py -k "attention or tiny or cudagraph"
     ;;
   sweep)
     step bench-steps gc bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2 --repeats 2 --out "$LOG/bench-steps"

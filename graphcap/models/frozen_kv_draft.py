@@ -137,10 +137,16 @@ class FrozenKVDraft(nn.Module):
             self.register_buffer(f"rope_sin_{lt}", sin, persistent=False)
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Greedy token, its logit and its margin over the runner-up (tests compare logits across backends)."""
+        """Greedy token, its logit, and the decision's margin: how far the nearest competing choice is (the
+        runner-up token, and for the centroid head also the first cluster left out). Tests compare backends only
+        where this margin exceeds the dtype's tolerance."""
+        cluster_margin = None
         if self.spec.draft.head == "centroid":
             d = self.spec.draft
-            top = (x @ self.centroids.t()).topk(d.centroid_top_k, dim=-1).indices  # [B, k]
+            cs = (x @ self.centroids.t()).float().topk(min(d.centroid_top_k + 1, d.centroids), dim=-1)
+            top = cs.indices[:, : d.centroid_top_k]  # [B, k]
+            if d.centroid_top_k < d.centroids:
+                cluster_margin = cs.values[:, d.centroid_top_k - 1] - cs.values[:, d.centroid_top_k]
             rows = self.lm_head.view(d.centroids, d.vocab // d.centroids, -1)[top]  # [B, k, T, hidden]
             logits = torch.einsum("bkth,bh->bkt", rows, x).flatten(1).float()
             cand = self.token_of_cluster[top].flatten(1)  # [B, k * T] token ids
@@ -150,7 +156,10 @@ class FrozenKVDraft(nn.Module):
         best = logits.topk(2, dim=-1)
         idx = best.indices[:, 0]
         token = idx if cand is None else cand.gather(1, idx[:, None])[:, 0]
-        return token, best.values[:, 0], best.values[:, 0] - best.values[:, 1]
+        margin = best.values[:, 0] - best.values[:, 1]
+        if cluster_margin is not None:
+            margin = torch.minimum(margin, cluster_margin)
+        return token, best.values[:, 0], margin
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
              sources: dict[str, KVSource], slots: torch.Tensor, lens: torch.Tensor):
