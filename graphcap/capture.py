@@ -15,6 +15,7 @@ or a bucket whose capture failed, runs the same function eagerly: logged once pe
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -22,6 +23,7 @@ import os
 import sys
 import time
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -98,6 +100,8 @@ class DraftGraphs:
             manifest_path = mf.manifest_path(mf.default_manifest_dir(), spec.name if spec else "unnamed",
                                              spec.hash if spec else "0", backend)
         self.manifest_path = manifest_path
+        if manifest_path:  # counters since the last timed flush reach the file at exit too
+            atexit.register(_flush_at_exit, weakref.ref(self))
         self._flush_every_s, self._last_flush = flush_every_s, 0.0
         self._created = None
 
@@ -323,6 +327,15 @@ class DraftGraphs:
         if self.manifest_path:
             mf.write_manifest(self.manifest(), self.manifest_path)
             self._last_flush = time.monotonic()
+
+
+def _flush_at_exit(ref: weakref.ref) -> None:
+    graphs = ref()
+    if graphs is not None and graphs.captured:
+        try:
+            graphs.flush()
+        except OSError as e:  # never turn interpreter exit into a traceback
+            log.warning("graphcap: could not write manifest %s at exit: %s", graphs.manifest_path, e)
 
 
 def _cache_entries(code: types.CodeType) -> int:

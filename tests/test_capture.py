@@ -132,3 +132,32 @@ def test_compiled_backend_matches_eager_and_never_recompiles(device, tmp_path):
             torch.testing.assert_close(out.scores, ref.scores, rtol=1e-3, atol=1e-3)
             assert torch.equal(wb.ring, wb_ref.ring)
         assert all(r.status == "captured" for r in graphs.buckets)
+
+
+def test_counters_reach_the_manifest_at_exit(tmp_path, device):
+    """Replays after the last timed flush are written when the process exits (no per-iteration writes)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    if device == "cuda":
+        pytest.skip("CPU subprocess check")
+    path = tmp_path / "m.json"
+    code = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        from test_capture import build, random_batch
+        from graphcap.capture import DraftGraphs
+        from graphcap.kernels import twins_on_cpu
+        with twins_on_cpu():
+            _, wb, loop = build("cpu")
+            g = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path={str(path)!r},
+                                     progress=False, flush_every_s=1e9)
+            g.capture()
+            for _ in range(3):
+                g.run(*random_batch(torch.Generator(), wb, "cpu", 3))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rec = mf.read_manifest(path).buckets[0]
+    assert (rec.replays, rec.padded_rows) == (3, 3)
