@@ -197,3 +197,15 @@ def test_inspect_and_specs_do_not_import_torch(tmp_path):
             "assert 'torch' not in sys.modules, 'torch was imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_inspect_reads_the_manifests_of_the_h200_run(capsys):
+    """Manifests written by a real GPU capture (recorded under docs/results) read back and list their buckets."""
+    d = REPO / "docs" / "results" / "h200-2026-11-29" / "manifests"
+    assert main(["inspect", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA H200" in out and "gemma4-31b-assistant" in out and "cudagraph" in out
+    assert main(["inspect", "--json", str(d / "gemma4-31b-assistant-e9b1a9dc5c052cb3-reduce-overhead.json")]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [b["batch_size"] for b in data[0]["buckets"]] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(b["status"] == "captured" and b["replays"] > 0 for b in data[0]["buckets"])
