@@ -94,6 +94,14 @@ def _device_smem_of(index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 232448)  # H100/H200: 227 KiB
 
 
+@functools.lru_cache(maxsize=None)
+def device_sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device` (132 on an H200; the same for a CPU, so CPU runs choose the GPU's splits)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _device_smem(device: torch.device | None = None) -> int:
     if not torch.cuda.is_available():
         return 232448

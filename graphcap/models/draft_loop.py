@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from graphcap.kernels.attention import device_sm_count
 from graphcap.models.frozen_kv_draft import FrozenKVDraft, KVSource
 from graphcap.window import WindowBuffers
 
@@ -43,9 +44,10 @@ class DraftLoop(nn.Module):
                                  f"{spec.name}, got {tuple(pool.shape)}")
         self.model, self.window = model, window
         self.steps = steps or spec.capture.steps
+        sms = device_sm_count(window.device)
         self.sources = sources or {
-            "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window),
-            "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1]),
+            "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window, sm_count=sms),
+            "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1], sm_count=sms),
         }
 
     def forward(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,

@@ -29,6 +29,7 @@ class KVSource:
     window: int
     max_len: int  # the longest row this source can hold (split heuristic)
     attend: Callable[[torch.Tensor, float], torch.Tensor] | None = None  # another attention (the sglang baseline)
+    sm_count: int = 132  # the GPU's multiprocessors, for the split heuristic (a constant when traced)
 
 
 class RMSNorm(nn.Module):
@@ -90,7 +91,7 @@ class DraftLayer(nn.Module):
         if src.attend is not None:
             attn = src.attend(q, self.scale)
         else:
-            splits = choose_num_splits(b, src.k_pool.shape[1], src.max_len)
+            splits = choose_num_splits(b, src.k_pool.shape[1], src.max_len, src.sm_count)
             attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale, splits)
         x = x + self.post_attn_norm(attn.reshape(b, -1) @ self.o_proj.t())
         gate, up = (self.pre_mlp_norm(x) @ self.gate_up.t()).chunk(2, dim=-1)
