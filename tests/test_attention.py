@@ -344,3 +344,32 @@ def test_cuda_graph_capture_under_reduce_overhead():
     n[s[0]] = 17  # a new length, written in place: the next replay must see it
     out = compiled(q).clone()
     assert rel_err(out, reference(q, k, v, t, s, n, w, sc)) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["sliding", "full"])
+def test_matches_sglang_decode_kernel(layer):
+    """graphcap's op against sglang's own Triton decode kernel (`decode_attention_fwd`) on the same query and pools,
+    sglang reading CSR index lists built from the same rows (as its Triton backend does). Needs sglang's kernels
+    importable (the wheels scripts/gpu-check.sh installs from ./.whl)."""
+    dec = pytest.importorskip("sglang.kernels.ops.attention.decode_attention")
+    shp = GEMMA[layer]
+    lens = [1, 700, 1024, 1500, 3000, 33, 2048, 5000]
+    cols = shp["window"] if shp["window"] else 6000
+    q, k, v, table, slots, n, w, sc = make_case(7, lens=lens, heads=shp["heads"], kv_heads=shp["kv_heads"],
+                                                dim=shp["dim"], window=shp["window"], dtype=torch.bfloat16,
+                                                device="cuda", cols=cols, page=64, pad_rows=0)
+    ours = decode_attention(q, k, v, table, slots, n, w, sc, choose_num_splits(len(lens), shp["kv_heads"], cols))
+    eff = [min(x, w) if w else x for x in lens]
+    indptr = torch.tensor([0] + eff, device="cuda").cumsum(0).to(torch.int32)
+    indices = torch.cat([table[s, :m].long() for s, m in zip(slots.tolist(), eff)])
+    splits = 16
+    b, h, d = q.shape
+    theirs = torch.empty_like(q)
+    dec.decode_attention_fwd(q, k, v, theirs, indptr, indices,
+                             torch.empty(b, h, splits, d, dtype=torch.float32, device="cuda"),
+                             torch.empty(b, h, splits, dtype=torch.float32, device="cuda"),
+                             torch.full((b,), splits, dtype=torch.int32, device="cuda"), splits, sc, 1.0, 1.0)
+    torch.cuda.synchronize()
+    err = rel_err(ours, theirs.float().cpu())
+    assert err < 1e-2, f"relative difference to sglang's kernel {err:.3g}"
