@@ -73,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
                          "rebuild_sync_host_us": host_us(rebuild_sync),
                          "advance_gpu_ns_per_row": adv_gpu * 1e3 / b, "rebuild_gpu_ns_per_row": reb_gpu * 1e3 / b})
             print(rows[-1], flush=True)
-            del wb, r2t, f2s
     hdr = ["batch", "context", "advance GPU us", "advance host us", "rebuild GPU us", "rebuild host us",
            "rebuild+sync host us", "advance ns/row", "rebuild ns/row"]
     table = tabulate([[r["batch"], r["context"], f"{r['advance_gpu_us']:.1f}", f"{r['advance_host_us']:.1f}",

@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from tabulate import tabulate
@@ -211,4 +211,4 @@ def count_syncs(fn) -> int:
     return sum("synchronizing" in str(w.message) for w in caught)
 
 
-__all__ = ["BenchConfig", "main", "parse_args", "format_table", "asdict"]
+__all__ = ["BenchConfig", "main", "parse_args", "format_table"]

@@ -104,7 +104,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                 hidden = torch.randn(n, b, spec.target.hidden, generator=g).to(device, spec.torch_dtype())
                 acc: dict[str, dict[str, list]] = {m.name: {"wall": [], "host": [], "gpu": [], "mon": []} for m in modes}
                 syncs: dict[str, int | None] = {}
-                for rep in range(cfg.repeats):
+                for _ in range(cfg.repeats):
                     for m in modes:
                         _measure(m, cfg, ctx, host_slots, slots, accepted, tokens, hidden, acc[m.name], syncs, cuda)
                     done += 1

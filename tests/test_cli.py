@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from graphcap import cli
 from graphcap.cli import layer_pattern, main
 from graphcap.manifest import manifest_path, write_manifest
 from test_manifest import CORRUPTIONS, random_manifest, write_corrupt
