@@ -5,7 +5,7 @@
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included)
 #   scripts/gpu-check.sh kernels  bench/window_advance.py and bench/attention_bw.py
 #   scripts/gpu-check.sh bench    bench/capture_cost.py, the main `graphcap bench`, `graphcap inspect`
-#   scripts/gpu-check.sh sweep    steps 1 and 2, and the long-context (32768) sweep at batch 8
+#   scripts/gpu-check.sh sweep    steps 1 and 2, and the long-context (to 32000 tokens) sweep at batch 8
 #   scripts/gpu-check.sh final    GPU replay tests + window-advance bench (one call)
 #   scripts/gpu-check.sh verify   attention GPU tests + quick replay cases
 # sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
@@ -69,7 +69,7 @@ case $stage in
     ;;
   sweep)
     step bench-steps gc bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2 --repeats 2 --out "$LOG/bench-steps"
-    step bench-long gc bench --batch 8 --context 256,2048,8192,32768 --modes graph-rebuild,graphcap \
+    step bench-long gc bench --batch 8 --context 256,2048,8192,32000 --modes graph-rebuild,graphcap \
       --out "$LOG/bench-long"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
