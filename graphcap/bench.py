@@ -59,11 +59,17 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit status 2, no usage block
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_args(argv: list[str] | None) -> BenchConfig:
     import torch
 
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="graphcap bench", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="graphcap bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--spec", default=None, help="capture spec file or built-in name (default: gemma4-31b-assistant "
                                                 "with CUDA, tiny without)")
     p.add_argument("--batch", type=_ints, default=None, help="batch sizes, e.g. 1,2,4,8 (default: 1..64 within the "

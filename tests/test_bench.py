@@ -43,4 +43,5 @@ def test_bench_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--spec", "tiny", *argv])
     assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
