@@ -206,10 +206,10 @@ class DraftGraphs:
         except torch.OutOfMemoryError as e:
             rec.status, rec.reason = "failed", f"out of memory: {str(e).splitlines()[0]}"
         except Exception as e:  # a failed bucket falls back to eager; the reason goes to the manifest
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = _describe(e)
             if "skipping cudagraphs" in str(e):
                 raise CaptureError(f"bucket {bucket.size}: Inductor would not record a CUDA graph: {reason}") from e
-            rec.status, rec.reason = "failed", f"{type(e).__name__}: {reason}"
+            rec.status, rec.reason = "failed", reason
         else:
             if self.backend == "reduce-overhead" and _cudagraph_skips() > skips0:
                 raise CaptureError(f"bucket {bucket.size}: Inductor skipped CUDA graphs "
@@ -327,6 +327,19 @@ class DraftGraphs:
         if self.manifest_path:
             mf.write_manifest(self.manifest(), self.manifest_path)
             self._last_flush = time.monotonic()
+
+
+def _describe(e: BaseException) -> str:
+    """`Type: first line`, plus the root cause when a wrapper (Dynamo, Inductor) hides it."""
+    def line(x: BaseException) -> str:
+        text = str(x).strip()
+        return f"{type(x).__name__}: {text.splitlines()[0]}" if text else type(x).__name__
+
+    root, seen = e, {id(e)}
+    while (nxt := root.__cause__ or root.__context__) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        root = nxt
+    return line(e) if root is e else f"{line(e)} (cause: {line(root)})"
 
 
 def _flush_at_exit(ref: weakref.ref) -> None:

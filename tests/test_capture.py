@@ -161,3 +161,38 @@ def test_counters_reach_the_manifest_at_exit(tmp_path, device):
     assert r.returncode == 0, r.stderr
     rec = mf.read_manifest(path).buckets[0]
     assert (rec.replays, rec.padded_rows) == (3, 3)
+
+
+def test_failed_bucket_falls_back_to_eager_and_is_recorded(device, tmp_path):
+    """A bucket whose capture fails (here: the function raises while being compiled) is marked failed with the reason,
+    and its batches run the same function eagerly, counted - results equal the plain loop's."""
+    if device == "cuda":
+        pytest.skip("CPU check of the fallback path")
+    with twins_on_cpu():
+        _, wb_ref, loop_ref = build(device)
+        _, wb, loop = build(device)
+        failing = {"on": True}
+
+        def fn(slots, accepted, tokens, hidden):
+            if failing["on"]:
+                raise RuntimeError("simulated capture failure")
+            return loop(slots, accepted, tokens, hidden)
+
+        path = tmp_path / "m.json"
+        graphs = DraftGraphs(fn, buckets=(4,), padding_slot=wb.padding_slot, example_inputs=loop.example_inputs,
+                             static_tensors=loop.static_tensors(), backend="compile", spec=SPEC, manifest_path=path,
+                             progress=False)
+        graphs.capture()
+        rec = graphs.buckets[0]
+        assert rec.status == "failed" and "simulated capture failure" in rec.reason
+        failing["on"] = False
+        g = torch.Generator().manual_seed(2)
+        for b in (3, 4):
+            batch = random_batch(g, wb, device, b)
+            ref = loop_ref(*batch)
+            out = graphs.run(*batch)
+            assert torch.equal(out.tokens, ref.tokens) and torch.equal(out.scores, ref.scores)
+        assert torch.equal(wb.ring, wb_ref.ring)
+        graphs.flush()
+        m = mf.read_manifest(path)
+        assert m.buckets[0].fallbacks == 2 and m.buckets[0].replays == 0 and m.buckets[0].status == "failed"
