@@ -60,7 +60,8 @@ class SglangBaseline:
     name = "sglang"
     MAX_SPLITS = 16
 
-    def __init__(self, model, window, k_swa, v_swa, k_full, v_full, buckets: Sequence[int]) -> None:
+    def __init__(self, model, window, k_swa, v_swa, k_full, v_full, buckets: Sequence[int],
+                 steps: int | None = None) -> None:
         from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
         from sglang.kernels.ops.attention.kv_indices import create_flashinfer_kv_indices_triton
 
@@ -95,7 +96,7 @@ class SglangBaseline:
         sources = {lt: KVSource(*self.pools[lt], window.ring if lt == "sliding" else window.req_to_token,
                                 window.window if lt == "sliding" else 0, row_len, attend=attend_with(lt))
                    for lt in self.pools}
-        self.loop = DraftLoop(model, window, k_swa, v_swa, k_full, v_full, sources=sources)
+        self.loop = DraftLoop(model, window, k_swa, v_swa, k_full, v_full, steps=steps, sources=sources)
         self.graphs = DraftGraphs.for_loop(self.loop, backend="cudagraph", buckets=buckets, steps_only=True,
                                            manifest_path=None, progress=False)
 

@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     if unknown:
         p.error(f"--modes: unknown mode {unknown[0]!r}; expected some of {', '.join(MODES)}")
     steps = a.steps or (spec.capture.steps,)
-    growth = (a.warmup + a.iters) * (max(steps) + 1)
+    growth = growth_tokens(a.warmup, a.iters, steps)
     room = spec.capture.max_context - growth
     batches = a.batch or tuple(b for b in DEFAULT_BATCHES if b <= spec.capture.buckets[-1])
     if a.context:
@@ -106,6 +106,12 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
         p.error("--iters and --repeats must be >= 1, --warmup >= 0")
     return BenchConfig(spec, tuple(batches), tuple(contexts), tuple(steps), modes, a.iters, a.warmup, a.repeats,
                        a.out, a.seed)
+
+
+def growth_tokens(warmup: int, iters: int, steps: tuple[int, ...]) -> int:
+    """Most tokens a row can gain in one measured run: warm-up, the one iteration whose syncs are counted, the
+    measured ones, each accepting up to steps + 1. Rows are allocated this much past the context."""
+    return (warmup + 1 + iters) * (max(steps) + 1)
 
 
 def main(argv: list[str] | None = None) -> int:

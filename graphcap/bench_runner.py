@@ -1,6 +1,7 @@
 """The measuring loop behind `graphcap bench` (options, output and formatting live in graphcap.bench)."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 
 from graphcap.baseline import RebuildBaseline, SglangBaseline
-from graphcap.bench import BenchConfig, count_syncs, environment, summarize
+from graphcap.bench import BenchConfig, count_syncs, environment, growth_tokens, summarize
 from graphcap.capture import DraftGraphs
 from graphcap.gpu_monitor import GpuMonitor
 from graphcap.models import DraftLoop, FrozenKVDraft
@@ -53,8 +54,7 @@ def build_modes(cfg: BenchConfig, model, state, steps: int, notes: list[str]) ->
                 _note(notes, "sglang skipped: sglang's Triton kernels and CUDA graphs need CUDA")
                 continue
             try:
-                runner = SglangBaseline(model, wb, *pools, buckets=buckets)
-                runner.loop.steps = steps
+                runner = SglangBaseline(model, wb, *pools, buckets=buckets, steps=steps)
             except ImportError as e:
                 _note(notes, f"sglang skipped: its kernels do not import here ({e})")
                 continue
@@ -77,7 +77,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     notes: list[str] = []
-    growth = (cfg.warmup + cfg.iters) * (max(cfg.steps) + 1)
+    growth = growth_tokens(cfg.warmup, cfg.iters, cfg.steps)
     bmax, cmax = max(cfg.batches), max(cfg.contexts)
     state = make_target_state(spec, [cmax] * bmax, cmax + growth, seed=cfg.seed, device=device)
     model = FrozenKVDraft(spec, seed=cfg.seed + 1, device=device)
@@ -133,7 +133,7 @@ def _measure(m: Mode, cfg, ctx, host_slots, slots, accepted, tokens, hidden, out
             syncs[m.name] = count_syncs(lambda: it(cfg.warmup))
             torch.cuda.synchronize()
     mon = GpuMonitor() if cuda else None
-    with mon or _Null():
+    with mon or contextlib.nullcontext():
         for i in range(cfg.warmup, cfg.warmup + cfg.iters):
             if cuda:
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -153,14 +153,6 @@ def _measure(m: Mode, cfg, ctx, host_slots, slots, accepted, tokens, hidden, out
             out["host"].append((t1 - t0) * 1e3)
     if mon is not None:
         out["mon"].append(mon.summary())
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 def _rows(modes, acc, syncs, b, ctx, steps, window) -> list[dict]:

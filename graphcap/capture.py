@@ -231,6 +231,7 @@ class DraftGraphs:
         if not self.captured:
             raise CaptureError("run() before capture()")
         b = slots.shape[0]
+        self._check_shapes(slots, accepted, tokens, hidden)
         if host_slots is not None:
             self._check_slots(host_slots, b)
         if b > self._buckets[-1].size:
@@ -260,8 +261,10 @@ class DraftGraphs:
             _mark_step()
             out = self._compiled(s, a, t, h)
             if _cache_entries(self._code) != self._entries_after_capture:
+                # Only visible once the call returned: this iteration did run (the windows advanced), slowly.
                 raise CaptureError(f"bucket {bucket.size}: recompiled after capture (a guard failed: a static "
-                                   "tensor or the function changed); run with TORCH_LOGS=recompiles for the guard")
+                                   "tensor or the function changed; this iteration still ran and advanced the "
+                                   "windows); run with TORCH_LOGS=recompiles for the guard, then recapture()")
         else:
             out = self.fn(s, a, t, h)
         rec.replays += 1
@@ -273,6 +276,21 @@ class DraftGraphs:
             self.flush()
         rows = DraftOutput(*(x[:b] for x in out))
         return DraftOutput(*(x.clone() for x in rows)) if copy else rows
+
+    def _check_shapes(self, slots, accepted, tokens, hidden) -> None:
+        """Host-side shape checks against the static inputs (no device sync): a clear error instead of a broadcast
+        error from deep inside copy_, raised before anything is written."""
+        ref = self._buckets[0].inputs
+        b = slots.shape[0] if slots.ndim == 1 else -1
+        if b < 1:
+            raise CaptureError(f"run: slots must be a non-empty 1-D tensor, got shape {tuple(slots.shape)}")
+        for name, x, r in (("accepted", accepted, ref[1]), ("tokens", tokens, ref[2]), ("hidden", hidden, ref[3])):
+            if tuple(x.shape) != (b, *r.shape[1:]):
+                raise CaptureError(f"run: {name} has shape {tuple(x.shape)}, expected {(b, *r.shape[1:])}")
+            if x.device != self.device:
+                raise CaptureError(f"run: {name} is on {x.device}, the captured graphs on {self.device}")
+        if slots.device != self.device:
+            raise CaptureError(f"run: slots is on {slots.device}, the captured graphs on {self.device}")
 
     def _check_slots(self, host_slots: Sequence[int], b: int) -> None:
         if len(host_slots) != b:

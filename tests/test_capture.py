@@ -88,6 +88,24 @@ def test_bad_batches_are_rejected(device, host_slots, match):
     assert torch.equal(before, wb.seq_lens)
 
 
+@pytest.mark.parametrize(
+    "mangle, match",
+    [(lambda s, a, t, h: (s[:0], a[:0], t[:0], h[:0]), r"slots must be a non-empty 1-D tensor"),
+     (lambda s, a, t, h: (s, a, t, h[:, :5]), r"hidden has shape \(3, 5\), expected \(3, 48\)"),
+     (lambda s, a, t, h: (s, a[:2], t, h), r"accepted has shape \(2,\), expected \(3,\)"),
+     (lambda s, a, t, h: (s, a, t[:, None], h), r"tokens has shape \(3, 1\), expected \(3,\)")],
+)
+def test_malformed_inputs_are_named_before_anything_is_written(device, mangle, match):
+    _, wb, loop = build(device)
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)
+    graphs.capture()
+    before = wb.seq_lens.clone(), wb.ring.clone(), [x.clone() for x in graphs._buckets[0].inputs]
+    with pytest.raises(CaptureError, match=match):
+        graphs.run(*mangle(*random_batch(torch.Generator().manual_seed(1), wb, device, 3)))
+    assert torch.equal(before[0], wb.seq_lens) and torch.equal(before[1], wb.ring)
+    assert all(torch.equal(x, y) for x, y in zip(before[2], graphs._buckets[0].inputs))
+
+
 def test_moved_static_tensor_is_caught_and_recapture_recovers(device):
     st, wb, loop = build(device)
     graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)

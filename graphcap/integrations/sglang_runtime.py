@@ -22,65 +22,36 @@ from types import SimpleNamespace
 
 import torch
 
-from graphcap.integrations.sglang import DraftCaptureConfigError, DraftCaptureOptions, FLAG
+from graphcap import manifest as mf
+from graphcap.capture import DraftGraphs
+from graphcap.integrations.sglang import FLAG, DraftCaptureConfigError, DraftCaptureOptions
 from graphcap.integrations.sglang_hooks import slot_of
+from graphcap.window import WindowBuffers
 
 log = logging.getLogger("graphcap.sglang")
 CHECK_ENV = "GRAPHCAP_SGLANG_CHECK"  # =1: after each advance, compare the window lengths with sglang's (syncs)
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# The one adapter over graphcap's window / capture APIs (written concurrently: keep every use of them here).
+# graphcap's window buffers and capture engine, bound to sglang's tables
 
 
-class WindowAdapter:
-    def __init__(self, req_to_token: torch.Tensor, window: int, full_to_swa: torch.Tensor | None,
-                 max_accepted: int) -> None:
-        from graphcap.window import WindowBuffers
+def bind_window(req_to_token: torch.Tensor, window: int, full_to_swa: torch.Tensor | None,
+                max_accepted: int) -> WindowBuffers:
+    """Every request-pool row is a slot; the padding slot is one past them (it needs no req_to_token row)."""
+    return WindowBuffers(req_to_token, window, req_to_token.shape[0], full_to_swa, max_accepted=max_accepted)
 
-        # Every request-pool row is a slot; the padding slot is one past them (no req_to_token row needed).
-        self.buffers = WindowBuffers(req_to_token, window, req_to_token.shape[0], full_to_swa,
-                                     max_accepted=max_accepted)
 
-    window = property(lambda self: self.buffers.window)
-    max_slots = property(lambda self: self.buffers.max_slots)
-    padding_slot = property(lambda self: self.buffers.padding_slot)
-    ring = property(lambda self: self.buffers.ring)
-    seq_lens = property(lambda self: self.buffers.seq_lens)
-    req_to_token = property(lambda self: self.buffers.req_to_token)
-    device = property(lambda self: self.buffers.device)
-
-    def reset(self, slots, seq_lens) -> None:
-        self.buffers.reset(slots, seq_lens)
-
-    def advance(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
-        self.buffers.advance(slots, accepted)
-
-    def window_ids(self, slot: int) -> torch.Tensor:
-        """The live window of `slot`, oldest to newest (SWA-pool ids), on the CPU."""
-        return self.buffers.window_locs(slot)
-
-    def static_tensors(self) -> dict[str, torch.Tensor]:
-        return {f"window.{k}": v for k, v in self.buffers.static_tensors().items()}
-
-    def capture_graphs(self, fn, *, buckets, example_inputs, static_tensors, backend: str, manifest_dir: str | None,
-                       name: str, steps: int):
-        from graphcap import manifest as mf
-        from graphcap.capture import DraftGraphs
-
-        # Not a capture spec (sglang's model defines the draft): a stand-in with the fields a manifest records.
-        spec = SimpleNamespace(name=name, hash=f"w{self.window}-s{steps}", source="sglang", window=self.window,
-                               capture=SimpleNamespace(steps=steps))
-        directory = manifest_dir or mf.default_manifest_dir()
-        path = mf.manifest_path(directory, name, spec.hash, backend)
-        graphs = DraftGraphs(fn, buckets=list(buckets), padding_slot=self.padding_slot, example_inputs=example_inputs,
-                             static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path)
-        graphs.capture()
-        return graphs
-
-    @staticmethod
-    def run(graphs, slots, accepted, tokens, hidden, host_slots):
-        return graphs.run(slots, accepted, tokens, hidden, host_slots=host_slots)
+def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static_tensors, backend: str,
+                   manifest_dir: str | None, name: str, steps: int) -> DraftGraphs:
+    # Not a capture spec (sglang's model defines the draft): a stand-in with the fields a manifest records.
+    spec = SimpleNamespace(name=name, hash=f"w{window.window}-s{steps}", source="sglang", window=window.window,
+                           capture=SimpleNamespace(steps=steps))
+    path = mf.manifest_path(manifest_dir or mf.default_manifest_dir(), name, spec.hash, backend)
+    graphs = DraftGraphs(fn, buckets=list(buckets), padding_slot=window.padding_slot, example_inputs=example_inputs,
+                         static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path)
+    graphs.capture()
+    return graphs
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -96,7 +67,7 @@ class SlotTracker:
     - `prepare(reqs, seq_lens)` (each draft): returns (slots, accepted, host_slots) for the captured advance.
     """
 
-    def __init__(self, window: WindowAdapter) -> None:
+    def __init__(self, window: WindowBuffers) -> None:
         self.window = window
         self.owner: dict[int, str] = {}  # slot -> rid whose window the ring row holds
         self.stale: set[int] = set()  # rows whose in-window SWA pages were freed
@@ -169,7 +140,7 @@ class GraphcapDraftAttention:
     `get_attn_backend().forward`): sliding layers read graphcap's ring (SWA-pool ids), full layers `req_to_token`,
     both through graphcap's decode kernel over the target's pools. The draft writes no KV."""
 
-    def __init__(self, window: WindowAdapter, target_pool, max_context: int) -> None:
+    def __init__(self, window: WindowBuffers, target_pool, max_context: int) -> None:
         self.window, self.token_to_kv_pool, self.max_context = window, target_pool, max_context
         self.slots: torch.Tensor | None = None
 
@@ -195,7 +166,7 @@ class SglangAssistantLoop:
     """fn(slots, accepted, tokens, hidden) -> DraftOutput: advance, then the seed step and steps - 1 more steps of
     sglang's Gemma 4 assistant (greedy: topk == 1), as `FrozenKVMTPDraftWorker.draft_forward` does them."""
 
-    def __init__(self, worker, window: WindowAdapter, attention: GraphcapDraftAttention, steps: int) -> None:
+    def __init__(self, worker, window: WindowBuffers, attention: GraphcapDraftAttention, steps: int) -> None:
         self.worker, self.window, self.attention, self.steps = worker, window, attention, steps
         self.model = worker.draft_model_runner.model
 
@@ -249,7 +220,7 @@ class SglangAssistantLoop:
 
 
 class GraphcapDraftRuntime:
-    def __init__(self, worker, options: DraftCaptureOptions, window: WindowAdapter, target_pool) -> None:
+    def __init__(self, worker, options: DraftCaptureOptions, window: WindowBuffers, target_pool) -> None:
         self.worker, self.options, self.window, self.target_pool = worker, options, window, target_pool
         self.tracker = SlotTracker(window)
         self.steps = int(worker.speculative_num_steps)
@@ -295,8 +266,8 @@ class GraphcapDraftRuntime:
             stays_off("CUDA graphs are disabled (--cuda-graph-backend-decode disabled)")
             return None
         steps = int(worker.speculative_num_steps)
-        adapter = WindowAdapter(worker.req_to_token_pool.req_to_token, int(window), full_to_swa, max_accepted=steps + 1)
-        return cls(worker, options, adapter, target_pool)
+        buffers = bind_window(worker.req_to_token_pool.req_to_token, int(window), full_to_swa, max_accepted=steps + 1)
+        return cls(worker, options, buffers, target_pool)
 
     def capture(self) -> None:
         """Replaces the worker's `_capture_cuda_graphs` (called inside its TP/PP/MoE contexts)."""
@@ -307,7 +278,7 @@ class GraphcapDraftRuntime:
                                            int(w.target_worker.model_runner.model_config.context_len))
         loop = SglangAssistantLoop(w, self.window, attention, self.steps)
         buckets = sorted(set(get_batch_sizes_to_capture(w.draft_model_runner, 1)[0]))
-        static = dict(self.window.static_tensors())
+        static = {f"window.{k}": v for k, v in self.window.static_tensors().items()}
         static.update({f"draft.{n}": t for n, t in loop.model.named_parameters()})
         static.update({f"draft.{n}": t for n, t in loop.model.named_buffers() if t is not None})
         static["pending_accepts"] = self.tracker.pending
@@ -315,7 +286,7 @@ class GraphcapDraftRuntime:
             static[f"target.k{phys}"] = self.target_pool.get_key_buffer(phys)
             static[f"target.v{phys}"] = self.target_pool.get_value_buffer(phys)
         name = "sglang-" + os.path.basename(str(w.server_args.speculative_draft_model_path or "draft").rstrip("/"))
-        self.graphs = self.window.capture_graphs(loop, buckets=buckets, example_inputs=loop.example_inputs,
+        self.graphs = capture_graphs(self.window, loop, buckets=buckets, example_inputs=loop.example_inputs,
                                                  static_tensors=static, backend=self.options.backend,
                                                  manifest_dir=self.options.manifest_dir, name=name, steps=self.steps)
         self.active = True
@@ -329,8 +300,8 @@ class GraphcapDraftRuntime:
             return fallback()
         spec_info = batch.spec_info
         slots, accepted, host_slots = self.tracker.prepare(batch.reqs, batch.seq_lens)
-        out = self.window.run(self.graphs, slots, accepted, spec_info.bonus_tokens, spec_info.hidden_states,
-                              host_slots)
+        out = self.graphs.run(slots, accepted, spec_info.bonus_tokens, spec_info.hidden_states,
+                              host_slots=host_slots)
         if os.environ.get(CHECK_ENV) == "1":
             lens = self.window.seq_lens.index_select(0, slots).to(batch.seq_lens.dtype)
             if not torch.equal(lens, batch.seq_lens):

@@ -42,7 +42,7 @@ from sglang.srt.speculative.frozen_kv_mtp_worker_v2 import FrozenKVMTPDraftWorke
 from graphcap.integrations import sglang as plugin  # noqa: E402
 from graphcap.integrations import sglang_hooks as hooks  # noqa: E402
 from graphcap.integrations.sglang_runtime import (  # noqa: E402
-    GraphcapDraftRuntime, SlotTracker, WindowAdapter, chain_tree_inputs)
+    GraphcapDraftRuntime, SlotTracker, bind_window, chain_tree_inputs)
 
 
 def _load_plugins(env: str | None) -> None:
@@ -96,11 +96,11 @@ class _Runtime:  # what the batch hooks need of a GraphcapDraftRuntime
         self.tracker, self.active = tracker, True
 
 
-def _adapter(rows=6, width=64, window=8, seed=0):
+def _window_buffers(rows=6, width=64, window=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     r2t = (1 + torch.randperm(rows * width, generator=g)).reshape(rows, width).to(torch.int32)
     f2s = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(rows * width, generator=g)])
-    return WindowAdapter(r2t, window, f2s, max_accepted=4)
+    return bind_window(r2t, window, f2s, max_accepted=4)
 
 
 def test_hooked_draft_is_sglang_draft_without_a_runtime(patched):
@@ -113,7 +113,7 @@ def test_hooked_draft_is_sglang_draft_without_a_runtime(patched):
 
 
 def test_hooked_draft_extend_for_decode_records_accepts(patched):
-    tracker = SlotTracker(_adapter())
+    tracker = SlotTracker(_window_buffers())
     bs, n, hidden = 3, 4, 5
     worker = SimpleNamespace(device="cpu", speculative_num_draft_tokens=n, _graphcap_runtime=_Runtime(tracker),
                              _build_seed_draft_input=lambda tok, hid: ("seed", tok, hid))
@@ -128,7 +128,7 @@ def test_hooked_draft_extend_for_decode_records_accepts(patched):
 
 
 def test_hooked_draft_extend_for_prefill_marks_joins(patched):
-    tracker = SlotTracker(_adapter())
+    tracker = SlotTracker(_window_buffers())
     tracker.owner.update({1: "old", 3: "x"})
     reqs = [SimpleNamespace(rid="a", kv=SimpleNamespace(req_pool_idx=1))]
     worker = SimpleNamespace(_graphcap_runtime=_Runtime(tracker), _select_last_extend_hidden=lambda b, h: h,
@@ -139,7 +139,7 @@ def test_hooked_draft_extend_for_prefill_marks_joins(patched):
 
 
 def test_hooked_evict_swa_resets_only_when_the_window_is_touched(patched):
-    tracker = SlotTracker(_adapter(window=8))
+    tracker = SlotTracker(_window_buffers(window=8))
     rt = _Runtime(tracker)
     hooks._RUNTIMES.add(rt)
     try:
@@ -162,7 +162,7 @@ def test_hooked_evict_swa_resets_only_when_the_window_is_touched(patched):
 
 
 def test_retract_hook_forgets_retracted_rows(patched):
-    tracker = SlotTracker(_adapter())
+    tracker = SlotTracker(_window_buffers())
     rt = _Runtime(tracker)
     hooks._RUNTIMES.add(rt)
     try:
@@ -216,8 +216,8 @@ class _Sim:
         self.rng.shuffle(self.free_pages)
         self.running: dict[int, SimpleNamespace] = {}  # slot -> request
         self.next_rid = 0
-        self.adapter = WindowAdapter(self.r2t, window, self.f2s, max_accepted=steps + 1)
-        self.tracker = SlotTracker(self.adapter)
+        self.buffers = bind_window(self.r2t, window, self.f2s, max_accepted=steps + 1)
+        self.tracker = SlotTracker(self.buffers)
         swa = SWAKVPool.__new__(SWAKVPool)  # only the mapping is read: no KV buffers needed
         swa.full_to_swa_index_mapping = self.f2s
         self.swa = swa
@@ -265,16 +265,16 @@ class _Sim:
             return None
         seq_lens = torch.tensor([r.length for r in reqs], dtype=torch.int64)
         slots, accepted, host = self.tracker.prepare(reqs, seq_lens)
-        self.adapter.advance(slots, accepted)  # what graphcap's captured iteration does first
+        self.buffers.advance(slots, accepted)  # what graphcap's captured iteration does first
         bs = len(reqs)
         indptr = torch.zeros(self.rows + 1, dtype=torch.int32)
         indptr, ids, lens, _ = update_sliding_window_buffer(indptr, self.translator, None, slots, self.window, seq_lens,
                                                             bs, "cpu", self.swa)
         for i, req in enumerate(reqs):
-            ours = self.adapter.window_ids(host[i]).long()
+            ours = self.buffers.window_locs(host[i]).long()
             theirs = ids[int(indptr[i]):int(indptr[i + 1])].long()
             assert torch.equal(ours, theirs), (req.rid, req.length, ours.tolist(), theirs.tolist())
-        assert torch.equal(self.adapter.seq_lens.index_select(0, slots).long(), seq_lens)
+        assert torch.equal(self.buffers.seq_lens.index_select(0, slots).long(), seq_lens)
         return reqs, slots
 
     def verify(self, reqs, slots):
