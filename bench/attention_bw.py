@@ -217,6 +217,31 @@ def sweep(layer: str, run_cfg, s0: int, base: KernelConfig, failed: set, notes: 
     return timed
 
 
+GRID_TILES = [(bn, nw, ns) for bn in (16, 32, 64) for nw in (4, 8) for ns in (1, 2, 3, 4)]
+GRID_SPLITS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 18, 24, 32, 48)
+
+
+def grid(layer: str, run_cfg, n: int, base: KernelConfig, failed: set, notes: list) -> list:
+    """Every tile config x every split count (min_chunk = BLOCK_N, so the splits are what was asked): for the shapes
+    where the heuristic misses its goal. Returns [(ms, config, splits)]."""
+    timed = []
+    for bn, nw, ns in GRID_TILES:
+        if (layer, bn, nw, ns) in failed:
+            continue
+        for s in GRID_SPLITS:
+            if s > 1 and -(-n // s) < bn:  # fewer than one tile per split: the extra splits would be empty
+                continue
+            cfg = KernelConfig(block_n=bn, num_warps=nw, num_stages=ns, min_chunk=bn)
+            try:
+                timed.append((run_cfg(cfg, s), cfg, s))
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip this tile config from now on
+                failed.add((layer, bn, nw, ns))
+                notes.append(f"{layer} BLOCK_N={bn} num_warps={nw} num_stages={ns}: {type(e).__name__}: "
+                             f"{str(e)[:160]}")
+                break
+    return timed
+
+
 def cpu_smoke() -> None:
     """Tiny shapes on CPU through Triton's interpreter, wall-clock timing: checks the script, not the GPU."""
     global DEVICE, DTYPE, bench, graph_ms, copy_bandwidth, environment
@@ -247,6 +272,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=200.0,
                     help="past this many seconds, remaining shapes skip the config sweep (default + sglang only)")
     ap.add_argument("--no-tune", action="store_true", help="measure the default configuration only")
+    ap.add_argument("--grid", action="store_true",
+                    help="instead of the small sweep: every tile config x split count (GRID_TILES x GRID_SPLITS)")
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run the script's logic on CPU at tiny shapes (TRITON_INTERPRET=1); timings are meaningless")
@@ -320,7 +347,9 @@ def main() -> None:
                     run_cfg = lambda cfg, s: graph_ms(  # noqa: E731
                         lambda: decode_attention_with_config(q, pools.k, pools.v, tab, slots, lens, w, sm, s, cfg),
                         args.rep_ms)
-                    if w and ctx > w and (layer, b) in reuse:
+                    if args.grid:
+                        timed = grid(layer, run_cfg, n, default_config(d, group, DTYPE, True), failed, notes)
+                    elif w and ctx > w and (layer, b) in reuse:
                         # a sliding layer reads the same W tokens per row at every context past W: re-time the best
                         # configuration found at ctx = W instead of sweeping again
                         timed = [(run_cfg(*reuse[layer, b]), *reuse[layer, b])]
@@ -332,6 +361,8 @@ def main() -> None:
                             reuse[layer, b] = (cfg_best, s_best)
                         row["sweep"] = [[round(t * 1e3, 1), cfg_name(c), sp]
                                         for t, c, sp in sorted(timed, key=lambda x: x[0])]
+                        if args.grid:
+                            print("  top 12:", row["sweep"][:12], flush=True)
                         if t_best < best[0]:
                             best = (t_best, cfg_name(cfg_best), s_best)
                             o_best = decode_attention_with_config(q, pools.k, pools.v, tab, slots, lens, w, sm, s_best,

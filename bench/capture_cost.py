@@ -1,12 +1,19 @@
-"""What capture costs and buys (CUDA): capture time and graph memory per bucket for both backends, and at one
+"""What capture costs and buys (CUDA): capture time and graph memory per bucket for each backend, and at one
 (batch, context, steps) point the replay time of the whole draft iteration against the eager loop and against the
-same loop in a manual CUDA graph without Inductor, plus the host time of one `run()` call.
+same loop in a manual CUDA graph without Inductor, plus the host time of one call: `run()` (copies the batch in),
+`replay()` (zero-copy: the batch already in the static inputs) and, for the manual-graph backends, the bare
+`CUDAGraph.replay()` underneath.
 
     python bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --out DIR
+    python bench/capture_cost.py ... --capture-only --backends inductor-cudagraph --out DIR2   # e.g. a warm cache
+
+Capture time depends on Inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR): empty them for a cold
+start, keep them for what a server restart sees. The output says which phases of torch.compile the time went to.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -30,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--backends", default="cudagraph,inductor-cudagraph,reduce-overhead")
+    p.add_argument("--capture-only", action="store_true", help="time the captures only (no replay timing)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -58,33 +67,54 @@ def main(argv: list[str] | None = None) -> int:
         graphs.capture()
         return wb, graphs, time.perf_counter() - t0
 
-    results, capture = {}, {}
-    runners = {"eager": make(None)[:2]}
-    for backend in ("cudagraph", "reduce-overhead"):
+    results, capture, phases = {}, {}, {}
+    backends = [x for x in a.backends.split(",") if x]
+    runners = {} if a.capture_only else {"eager": make(None)[:2]}
+    for backend in backends:
+        before = _compile_phases()
         wb, graphs, secs = make(backend)
         runners[backend], capture[backend] = (wb, graphs), (secs, graphs.buckets)
+        phases[backend] = {k: round(v - before.get(k, 0.0), 2) for k, v in _compile_phases().items()
+                           if v - before.get(k, 0.0) >= 0.05}
+        if a.capture_only:
+            graphs.flush()
+            del runners[backend]
     for name, (wb, r) in runners.items():
         wb.reset(host_slots, [a.context] * b)
-        run = r if name == "eager" else (lambda *x, r=r: r.run(*x, host_slots=host_slots))
-        for i in range(5):
-            run(state.slots, accepted[i], tokens[i], hidden[i])
-        torch.cuda.synchronize()
-        gpu, host = [], []
-        for i in range(5, n):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            t0 = time.perf_counter()
-            run(state.slots, accepted[i], tokens[i], hidden[i])
-            host.append((time.perf_counter() - t0) * 1e6)
-            e1.record()
+        calls = {"call": r} if name == "eager" else {"run()": lambda *x, r=r: r.run(*x, host_slots=host_slots)}
+        if name != "eager":
+            calls["replay()"] = lambda *x, r=r: r.replay(b)  # inputs already in place: what is left per call
+            bucket = r._buckets[r._bucket_of[b]]
+            if bucket.graph is not None:
+                calls["CUDAGraph.replay()"] = lambda *x, g=bucket.graph: g.replay()
+        res = results[name] = {}
+        for kind, run in calls.items():
+            for i in range(5):
+                run(state.slots, accepted[i], tokens[i], hidden[i])
             torch.cuda.synchronize()
-            gpu.append(e0.elapsed_time(e1))
-        results[name] = {"gpu_ms": statistics.median(gpu), "host_us": statistics.median(host)}
+            gpu, host = [], []
+            for i in range(5, n):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                t0 = time.perf_counter()
+                run(state.slots, accepted[i], tokens[i], hidden[i])
+                host.append((time.perf_counter() - t0) * 1e6)
+                e1.record()
+                torch.cuda.synchronize()
+                gpu.append(e0.elapsed_time(e1))
+            res[kind] = {"gpu_ms": statistics.median(gpu), "host_us": statistics.median(host),
+                         "host_us_p90": sorted(host)[int(0.9 * (len(host) - 1))]}
         if name != "eager":
             r.flush()
-    eager = results["eager"]["gpu_ms"]
-    rows = [[k, f"{v['gpu_ms']:.3f}", f"{eager / v['gpu_ms']:.2f}", f"{v['host_us']:.1f}"] for k, v in results.items()]
-    table = tabulate(rows, headers=["mode", "GPU ms/iter", "x eager", "host us / call"], tablefmt="github")
+    rows = []
+    if results:
+        eager = results["eager"]["call"]["gpu_ms"]
+        rows = [[k, kind, f"{v['gpu_ms']:.3f}", f"{eager / v['gpu_ms']:.2f}", f"{v['host_us']:.1f}",
+                 f"{v['host_us_p90']:.1f}"] for k, res in results.items() for kind, v in res.items()]
+    table = tabulate(rows, headers=["mode", "call", "GPU ms/iter", "x eager", "host us / call (median)", "p90"],
+                     tablefmt="github") if rows else "(--capture-only: no replay timing)"
+    ptable = tabulate([[bk] + [f"{ph.get(k, 0.0):.1f}" for k in PHASES] for bk, ph in phases.items()],
+                      headers=["backend"] + [PHASES[k] for k in PHASES], tablefmt="github")
     ctable = tabulate([[bk, f"{capture[bk][0]:.1f}"] + [f"{r.batch_size}:{r.capture_s:.2f}s/{r.pool_bytes / 2**20:.0f}MiB"
                                                       for r in capture[bk][1]] for bk in capture],
                       headers=["backend", "total s"] + [f"bucket {x}" for x in spec.capture.buckets], tablefmt="github")
@@ -92,12 +122,32 @@ def main(argv: list[str] | None = None) -> int:
     text = (f"# capture cost, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
             f"spec {spec.name} ({spec.hash}), batch {b}, context {a.context}, steps {spec.capture.steps}; "
             f"{env['device']}, driver {env['driver']}, torch {env['torch_version']}, triton {env['triton_version']}\n\n"
-            f"{table}\n\nCapture (all buckets; per bucket: capture seconds / graph memory):\n\n{ctable}\n")
+            f"{table}\n\nCapture (all buckets; per bucket: capture seconds / graph memory):\n\n{ctable}\n\n"
+            f"Where torch.compile's time went (torch._dynamo.utils.compile_times, seconds summed over buckets):\n\n"
+            f"{ptable}\n")
     print(text)
     (a.out / "capture_cost.md").write_text(text)
-    (a.out / "capture_cost.json").write_text(json.dumps({"results": results, "capture_total_s": {k: v[0] for k, v in
-                                                          capture.items()}, "env": env}, indent=1))
+    (a.out / "capture_cost.json").write_text(json.dumps(
+        {"results": results, "capture_total_s": {k: v[0] for k, v in capture.items()},
+         "capture_buckets": {k: [dataclasses.asdict(r) for r in v[1]] for k, v in capture.items()},
+         "compile_phases_s": phases, "env": env}, indent=1))
     return 0
+
+
+PHASES = {  # torch.compile's timed phases worth showing (nested: the first is the whole compile)
+    "_compile.compile_inner": "compile total", "bytecode_tracing": "Dynamo tracing",
+    "create_aot_dispatcher_function": "AOTAutograd (incl. Inductor)", "compile_fx_inner": "Inductor",
+    "Scheduler.codegen": "Inductor codegen", "async_compile.wait": "waiting for Triton kernel compiles",
+    "PyCodeCache.load_by_key_path": "loading compiled modules",
+}
+
+
+def _compile_phases() -> dict[str, float]:
+    """Seconds spent so far in each timed phase of torch.compile (Dynamo, AOTAutograd, Inductor, ...)."""
+    try:
+        return {k: float(sum(v)) for k, v in torch._dynamo.utils.compilation_time_metrics.items()}
+    except Exception:  # noqa: BLE001 - a private API: the bench must not die of it
+        return {}
 
 
 if __name__ == "__main__":

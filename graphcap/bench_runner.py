@@ -28,9 +28,10 @@ class Mode:
 
 
 def _buckets_for(cfg: BenchConfig) -> tuple[int, ...]:
+    """The buckets the measured batches dispatch to (the smallest spec bucket >= each batch; a batch above every
+    bucket gets its own): capturing only these keeps a run's compile time to what it measures."""
     spec_b = cfg.spec.capture.buckets
-    top = next((b for b in spec_b if b >= max(cfg.batches)), max(cfg.batches))
-    return tuple(b for b in spec_b if b <= top) if top in spec_b else tuple(sorted(set(spec_b) | {top}))
+    return tuple(sorted({next((s for s in spec_b if s >= b), b) for b in cfg.batches}))
 
 
 def build_modes(cfg: BenchConfig, model, state, steps: int, notes: list[str]) -> list[Mode]:
@@ -59,7 +60,7 @@ def build_modes(cfg: BenchConfig, model, state, steps: int, notes: list[str]) ->
                 _note(notes, f"sglang skipped: its kernels do not import here ({e})")
                 continue
         else:
-            backend = "reduce-overhead" if cuda else "compile"
+            backend = spec.capture.backend if cuda else "compile"
             if not cuda:
                 _note(notes, "graphcap runs Inductor-compiled without CUDA graphs on this machine: graphs need CUDA")
             runner = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, progress=False)

@@ -3,6 +3,10 @@
 Backends (constructor argument; a spec's `capture.backend` picks the default):
 - `reduce-overhead`: `torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)` - Inductor fuses the small
   ops and CUDA-graph trees record one graph per bucket, all in one shared memory pool.
+- `inductor-cudagraph`: the same Inductor-compiled code (`fullgraph=True, dynamic=False`, Inductor's own CUDA graphs
+  off), recorded per bucket with `torch.cuda.CUDAGraph` in one shared pool - what sglang does with its compiled
+  decode graphs. Same GPU work as reduce-overhead; a replay is one `cudaGraphLaunch`, without CUDA-graph trees'
+  per-call bookkeeping (Dynamo guards, input-address checks over every static tensor).
 - `cudagraph`: the same function, eager ops, recorded with `torch.cuda.CUDAGraph`, one shared pool.
 - `compile`: Inductor without CUDA graphs - the "same compiled code with graphs off" that tests compare replays
   against, and the compiled path on a CPU.
@@ -12,11 +16,13 @@ Run time: the smallest bucket >= B is chosen, the live batch is copied into its 
 at the padding slot with accepted = 0, the graph replays and views of the first B rows come back. They stay valid
 until the next `run` (a replay overwrites them); pass `copy=True` to keep them longer. B above the largest bucket,
 or a bucket whose capture failed, runs the same function eagerly: logged once per cause and counted.
+
+Zero-copy: an engine that can write its batch straight into the bucket's static inputs takes them from
+`static_inputs(B)`, fills them, and calls `replay(B)` - no input copies at all.
 """
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import logging
 import os
@@ -30,15 +36,15 @@ from dataclasses import dataclass, field
 import torch
 
 from graphcap import manifest as mf
+from graphcap.guards import (AddressGuard, CaptureError, cache_entries, cudagraph_or_error, cudagraph_skips, describe,
+                             reserved_bytes)
 from graphcap.models.draft_loop import DraftLoop, DraftOutput
 
 log = logging.getLogger("graphcap")
-BACKENDS = mf.BACKENDS  # reduce-overhead, cudagraph, compile, eager
+BACKENDS = mf.BACKENDS  # reduce-overhead, inductor-cudagraph, cudagraph, compile, eager
+GRAPH_BACKENDS = ("reduce-overhead", "inductor-cudagraph", "cudagraph")  # record CUDA graphs: need CUDA
+MANUAL_GRAPH_BACKENDS = ("inductor-cudagraph", "cudagraph")  # torch.cuda.CUDAGraph, static outputs
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # slots, accepted, tokens, hidden
-
-
-class CaptureError(RuntimeError):
-    """A guard tripped: the captured graphs would be wrong or silently slow. The message names the cause."""
 
 
 @dataclass
@@ -46,10 +52,19 @@ class _Bucket:
     size: int
     inputs: Inputs  # static input buffers, rows [B:] always padding
     record: mf.BucketRecord
-    graph: torch.cuda.CUDAGraph | None = None  # cudagraph backend
-    outputs: DraftOutput | None = None  # cudagraph backend: the graph's static outputs
+    graph: torch.cuda.CUDAGraph | None = None  # manual-graph backends
+    outputs: DraftOutput | None = None  # manual-graph backends: the graph's static outputs
     used_rows: int = 0  # live rows written by the last run (rows past it are padding again)
-    notes: list[str] = field(default_factory=list)
+    views: dict[int, tuple[Inputs, DraftOutput | None]] = field(default_factory=dict)  # first-B-row views, by B
+
+    def rows(self, b: int) -> tuple[Inputs, DraftOutput | None]:
+        """Views of the first b rows of the static inputs (and static outputs), made once per b: slicing costs
+        host time on every call otherwise."""
+        v = self.views.get(b)
+        if v is None:
+            outs = DraftOutput(*(x[:b] for x in self.outputs)) if self.outputs is not None else None
+            v = self.views[b] = (tuple(x[:b] for x in self.inputs), outs)
+        return v
 
 
 class DraftGraphs:
@@ -74,14 +89,14 @@ class DraftGraphs:
         if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
             raise ValueError(f"DraftGraphs: buckets must be positive and strictly increasing, got {list(buckets)}")
         device = example_inputs(1)[0].device
-        if backend in ("reduce-overhead", "cudagraph") and device.type != "cuda":
+        if backend in GRAPH_BACKENDS and device.type != "cuda":
             raise ValueError(f"DraftGraphs: backend {backend!r} records CUDA graphs; tensors are on {device}. "
                              "Use backend 'compile' or 'eager' on a CPU.")
         self.fn, self.backend, self.spec, self.padding_slot = fn, backend, spec, padding_slot
         self.device = device
         self._example_inputs = example_inputs
         self._static = dict(static_tensors)
-        self._addresses: dict[str, int] = {}
+        self._addresses = AddressGuard({})
         self._progress = sys.stderr.isatty() if progress is None else progress
         self._buckets = [self._new_bucket(b) for b in buckets]
         self._bucket_of = [None] * (buckets[-1] + 1)  # batch size -> bucket index
@@ -120,16 +135,16 @@ class DraftGraphs:
     def capture(self) -> None:
         """Warm up and record every bucket, largest first (so smaller ones reuse its pool memory)."""
         t_all = time.perf_counter()
-        self._addresses = {n: t.data_ptr() for n, t in self._static.items()}
-        if self.backend in ("reduce-overhead", "compile"):
+        self._addresses = AddressGuard(self._static)
+        if self.backend in ("reduce-overhead", "inductor-cudagraph", "compile"):
             self._compile()
-        pool = torch.cuda.graph_pool_handle() if self.backend == "cudagraph" else None
+        pool = torch.cuda.graph_pool_handle() if self.backend in MANUAL_GRAPH_BACKENDS else None
         order = list(reversed(self._buckets))
         for i, bucket in enumerate(order):
             self._show(f"capturing bucket {bucket.size:>4} ({i + 1}/{len(order)})")
             self._capture_bucket(bucket, pool)
         if self._code is not None:
-            self._entries_after_capture = _cache_entries(self._code)
+            self._entries_after_capture = cache_entries(self._code)
         self.captured = True
         self._created = self._created or mf.utc_now()
         ok = [b for b in self._buckets if b.record.status == "captured"]
@@ -174,50 +189,53 @@ class DraftGraphs:
         fresh = types.FunctionType(code, draft_iteration.__globals__, code.co_name, None, draft_iteration.__closure__)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(self._buckets) + 2)
         mode = "reduce-overhead" if self.backend == "reduce-overhead" else None
-        options = None if mode else {"triton.cudagraphs": False}
+        options = None if mode else {"triton.cudagraphs": False}  # inductor-cudagraph records its own graphs
         self._compiled = torch.compile(fresh, mode=mode, options=options, fullgraph=True, dynamic=False)
         self._code = code
 
     def _capture_bucket(self, bucket: _Bucket, pool) -> None:
         cuda = self.device.type == "cuda"
         rec = bucket.record
-        before = _reserved_bytes() if cuda else 0
+        before = reserved_bytes() if cuda else 0
         t0 = time.perf_counter()
-        skips0 = _cudagraph_skips()
+        skips0 = cudagraph_skips()
         try:
-            if self.backend == "cudagraph":
+            if self.backend in MANUAL_GRAPH_BACKENDS:
+                fn = self.fn if self.backend == "cudagraph" else self._compiled
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    for _ in range(2):  # Triton JIT, cuBLAS handles: nothing may compile during recording
-                        self.fn(*bucket.inputs)
+                    # Dynamo/Inductor compile, Triton JIT, cuBLAS handles: nothing may compile during recording
+                    for _ in range(2):
+                        fn(*bucket.inputs)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    bucket.outputs = self.fn(*bucket.inputs)
+                    bucket.outputs = fn(*bucket.inputs)
                 bucket.graph = graph
             elif self._compiled is not None:
-                with _cudagraph_or_error(self.backend == "reduce-overhead"):
+                with cudagraph_or_error(self.backend == "reduce-overhead"):
                     for _ in range(3):  # compile + warm up, record, first replay
-                        _mark_step()
+                        torch.compiler.cudagraph_mark_step_begin()
                         self._compiled(*bucket.inputs)
             if cuda:
                 torch.cuda.synchronize()
         except torch.OutOfMemoryError as e:
             rec.status, rec.reason = "failed", f"out of memory: {str(e).splitlines()[0]}"
         except Exception as e:  # a failed bucket falls back to eager; the reason goes to the manifest
-            reason = _describe(e)
+            reason = describe(e)
             if "skipping cudagraphs" in str(e):
                 raise CaptureError(f"bucket {bucket.size}: Inductor would not record a CUDA graph: {reason}") from e
             rec.status, rec.reason = "failed", reason
         else:
-            if self.backend == "reduce-overhead" and _cudagraph_skips() > skips0:
+            if self.backend == "reduce-overhead" and cudagraph_skips() > skips0:
                 raise CaptureError(f"bucket {bucket.size}: Inductor skipped CUDA graphs "
                                    "(see TORCH_LOGS=cudagraphs for the reason)")
             rec.status = "captured"
         rec.capture_s = time.perf_counter() - t0
-        rec.pool_bytes = max(0, _reserved_bytes() - before) if cuda else 0
+        rec.pool_bytes = max(0, reserved_bytes() - before) if cuda else 0
         if rec.status == "failed":
+            bucket.graph = bucket.outputs = None
             self._warn_once(f"capture:{bucket.size}", f"graphcap: bucket {bucket.size} not captured ({rec.reason}); "
                                                       "it will run eagerly")
 
@@ -230,8 +248,8 @@ class DraftGraphs:
         engine has on the host anyway) turns on the duplicate/range check at no device sync."""
         if not self.captured:
             raise CaptureError("run() before capture()")
-        b = slots.shape[0]
-        self._check_shapes(slots, accepted, tokens, hidden)
+        b = slots.shape[0] if slots.ndim == 1 else -1
+        self._check_shapes(b, slots, accepted, tokens, hidden)
         if host_slots is not None:
             self._check_slots(host_slots, b)
         if b > self._buckets[-1].size:
@@ -240,27 +258,54 @@ class DraftGraphs:
                                         f"{self._buckets[-1].size}; running eagerly (counted in the manifest)")
             return self._finish(self.fn(slots, accepted, tokens, hidden), b, copy)
         bucket = self._buckets[self._bucket_of[b]]
+        (s, a, t, h), _ = bucket.rows(b)
+        s.copy_(slots)
+        a.copy_(accepted)
+        t.copy_(tokens)
+        h.copy_(hidden)
+        return self._replay(bucket, b, copy)
+
+    def static_inputs(self, b: int) -> Inputs:
+        """Views of the first `b` rows of the static inputs (slots, accepted, tokens, hidden) of `b`'s bucket, for an
+        engine that writes its batch straight into them and then calls `replay(b)`. Every row must be written
+        before each `replay` (they hold the previous batch otherwise)."""
+        if not self.captured:
+            raise CaptureError("static_inputs() before capture()")
+        if not 1 <= b <= self._buckets[-1].size:
+            raise CaptureError(f"static_inputs: batch {b} outside the captured buckets 1..{self._buckets[-1].size}; "
+                               "use run() (larger batches run eagerly)")
+        return self._buckets[self._bucket_of[b]].rows(b)[0]
+
+    def replay(self, b: int, *, copy: bool = False) -> DraftOutput:
+        """One draft iteration over the batch already written into `static_inputs(b)`: the zero-copy `run`."""
+        if not self.captured:
+            raise CaptureError("replay() before capture()")
+        if not 1 <= b <= self._buckets[-1].size:
+            raise CaptureError(f"replay: batch {b} outside the captured buckets 1..{self._buckets[-1].size}")
+        return self._replay(self._buckets[self._bucket_of[b]], b, copy)
+
+    def _replay(self, bucket: _Bucket, b: int, copy: bool) -> DraftOutput:
         rec = bucket.record
-        if rec.status != "captured":
-            rec.fallbacks += 1
-            return self._finish(self.fn(slots, accepted, tokens, hidden), b, copy)
-        self._check_addresses()
+        if rec.status == "captured":
+            self._addresses.check()
+        inputs, outputs = bucket.rows(b)
         s, a, t, h = bucket.inputs
-        s[:b].copy_(slots)
-        a[:b].copy_(accepted)
-        t[:b].copy_(tokens)
-        h[:b].copy_(hidden)
         if bucket.used_rows > b:  # rows a larger batch used last time become padding again
             s[b:bucket.used_rows].fill_(self.padding_slot)
             a[b:bucket.used_rows].zero_()
         bucket.used_rows = b
+        if rec.status != "captured":
+            rec.fallbacks += 1
+            return self._finish(self.fn(*inputs), b, copy)
         if bucket.graph is not None:
             bucket.graph.replay()
-            out = bucket.outputs
-        elif self._compiled is not None:
-            _mark_step()
+            rec.replays += 1
+            rec.padded_rows += bucket.size - b
+            return self._finish(outputs, b, copy, sliced=True)
+        if self._compiled is not None:
+            torch.compiler.cudagraph_mark_step_begin()
             out = self._compiled(s, a, t, h)
-            if _cache_entries(self._code) != self._entries_after_capture:
+            if cache_entries(self._code) != self._entries_after_capture:
                 # Only visible once the call returned: this iteration did run (the windows advanced), slowly.
                 raise CaptureError(f"bucket {bucket.size}: recompiled after capture (a guard failed: a static "
                                    "tensor or the function changed; this iteration still ran and advanced the "
@@ -271,17 +316,16 @@ class DraftGraphs:
         rec.padded_rows += bucket.size - b
         return self._finish(out, b, copy)
 
-    def _finish(self, out: DraftOutput, b: int, copy: bool) -> DraftOutput:
+    def _finish(self, out: DraftOutput, b: int, copy: bool, sliced: bool = False) -> DraftOutput:
         if self.manifest_path and time.monotonic() - self._last_flush > self._flush_every_s:
             self.flush()
-        rows = DraftOutput(*(x[:b] for x in out))
+        rows = out if sliced else DraftOutput(*(x[:b] for x in out))
         return DraftOutput(*(x.clone() for x in rows)) if copy else rows
 
-    def _check_shapes(self, slots, accepted, tokens, hidden) -> None:
+    def _check_shapes(self, b, slots, accepted, tokens, hidden) -> None:
         """Host-side shape checks against the static inputs (no device sync): a clear error instead of a broadcast
         error from deep inside copy_, raised before anything is written."""
         ref = self._buckets[0].inputs
-        b = slots.shape[0] if slots.ndim == 1 else -1
         if b < 1:
             raise CaptureError(f"run: slots must be a non-empty 1-D tensor, got shape {tuple(slots.shape)}")
         for name, x, r in (("accepted", accepted, ref[1]), ("tokens", tokens, ref[2]), ("hidden", hidden, ref[3])):
@@ -302,12 +346,6 @@ class DraftGraphs:
         bad = [s for s in host_slots if not 0 <= s < self.padding_slot]
         if bad:
             raise CaptureError(f"run: slot {bad[0]} out of range [0, {self.padding_slot})")
-
-    def _check_addresses(self) -> None:
-        for name, t in self._static.items():
-            if t.data_ptr() != self._addresses[name]:
-                raise CaptureError(f"static tensor {name!r} moved since capture (reallocated or resized): the graphs "
-                                   "would read the old memory; call recapture() with the new tensors")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -347,19 +385,6 @@ class DraftGraphs:
             self._last_flush = time.monotonic()
 
 
-def _describe(e: BaseException) -> str:
-    """`Type: first line`, plus the root cause when a wrapper (Dynamo, Inductor) hides it."""
-    def line(x: BaseException) -> str:
-        text = str(x).strip()
-        return f"{type(x).__name__}: {text.splitlines()[0]}" if text else type(x).__name__
-
-    root, seen = e, {id(e)}
-    while (nxt := root.__cause__ or root.__context__) is not None and id(nxt) not in seen:
-        seen.add(id(nxt))
-        root = nxt
-    return line(e) if root is e else f"{line(e)} (cause: {line(root)})"
-
-
 def _flush_at_exit(ref: weakref.ref) -> None:
     graphs = ref()
     if graphs is not None and graphs.captured:
@@ -367,33 +392,3 @@ def _flush_at_exit(ref: weakref.ref) -> None:
             graphs.flush()
         except OSError as e:  # never turn interpreter exit into a traceback
             log.warning("graphcap: could not write manifest %s at exit: %s", graphs.manifest_path, e)
-
-
-def _cache_entries(code: types.CodeType) -> int:
-    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
-
-
-def _cudagraph_skips() -> int:
-    return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-
-
-def _mark_step() -> None:
-    torch.compiler.cudagraph_mark_step_begin()
-
-
-def _reserved_bytes() -> int:
-    return torch.cuda.memory_stats().get("reserved_bytes.all.current", 0)
-
-
-@contextlib.contextmanager
-def _cudagraph_or_error(enabled: bool):
-    """While capturing, make Inductor raise (with its reason) instead of quietly skipping CUDA graphs."""
-    cfg = torch._inductor.config.triton
-    if not enabled or not hasattr(cfg, "cudagraph_or_error"):
-        yield
-        return
-    old, cfg.cudagraph_or_error = cfg.cudagraph_or_error, True
-    try:
-        yield
-    finally:
-        cfg.cudagraph_or_error = old

@@ -22,7 +22,7 @@ from typing import Any
 
 FORMAT_VERSION = 1
 STATUSES = ("captured", "failed", "pending")
-BACKENDS = ("reduce-overhead", "cudagraph", "compile", "eager")  # graphcap.capture.BACKENDS
+BACKENDS = ("reduce-overhead", "inductor-cudagraph", "cudagraph", "compile", "eager")  # graphcap.capture.BACKENDS
 
 
 class ManifestError(ValueError):
@@ -58,7 +58,7 @@ class Manifest:
     spec_name: str
     spec_hash: str
     spec_source: str
-    backend: str  # "reduce-overhead" | "cudagraph" | "eager"
+    backend: str  # one of BACKENDS
     device: str  # GPU name, or "cpu"
     driver: str | None  # NVIDIA driver version (NVML), None where unavailable
     torch_version: str

@@ -21,7 +21,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 SPEC_DIR = Path(__file__).resolve().parent / "capture_specs"
 LAYER_TYPES = ("sliding", "full")
 DTYPES = ("float32", "float16", "bfloat16")
-BACKENDS = ("reduce-overhead", "cudagraph")
+BACKENDS = ("reduce-overhead", "inductor-cudagraph", "cudagraph")
 HEAD_KINDS = ("full", "centroid")
 
 
@@ -65,7 +65,7 @@ class CaptureSettings:
     buckets: tuple[int, ...]  # batch sizes captured, strictly increasing
     max_slots: int  # request-pool rows (sglang's max_running_requests)
     max_context: int  # req_to_token row width
-    backend: str  # "reduce-overhead" (torch.compile) or "cudagraph" (torch.cuda.CUDAGraph)
+    backend: str  # "reduce-overhead", "inductor-cudagraph" (Inductor code in torch.cuda.CUDAGraph) or "cudagraph"
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of graphcap, for the lent H200 (or any CUDA machine). Logs and tables go to
 # $GPU_WORK/logs (default /tmp/graphcap-gpu) and are packed into $OUT/gpu-<stage>.tar.gz (default OUT=out/gpu).
+#   scripts/gpu-check.sh perf     capture cost (cold and warm Inductor caches, host time per call), per-kernel
+#                                 profile of an iteration, attention GPU tests + default configs vs sglang
 #   scripts/gpu-check.sh smoke    quick: CUDA unit tests of window/attention/model + a tiny bench
-#   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included)
+#   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included), attention tuning grid
 #   scripts/gpu-check.sh kernels  bench/window_advance.py and bench/attention_bw.py
-#   scripts/gpu-check.sh bench    bench/capture_cost.py, the main `graphcap bench`, `graphcap inspect`
-#   scripts/gpu-check.sh sweep    steps 1 and 2, and the long-context (to 32000 tokens) sweep at batch 8
+#   scripts/gpu-check.sh bench    `graphcap bench`: batch 1..64 x steps 1-3 at context 2048, context 256..32000 at
+#                                 batch 8; `graphcap inspect` of the manifests
 #   scripts/gpu-check.sh final    GPU replay tests + window-advance bench (one call)
 #   scripts/gpu-check.sh verify   attention GPU tests + quick replay cases
 # sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
@@ -23,6 +25,10 @@ fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export GRAPHCAP_MANIFEST_DIR=$LOG/manifests
+# Inductor's and Triton's on-disk caches live in $WORK: later stages on the same (still warm) machine reuse what an
+# earlier stage compiled. The perf stage measures a cold start in fresh directories of its own.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor-cache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$WORK/triton-cache}
 gc() { python3 -m graphcap.cli "$@"; }
 
 {
@@ -44,20 +50,39 @@ step() {  # step NAME CMD...: run, keep the log, report the exit code and time
 }
 
 case $stage in
+  perf)
+    cold=$WORK/cold-$(date +%s)
+    step capture-cost-cold env TORCHINDUCTOR_CACHE_DIR=$cold/inductor TRITON_CACHE_DIR=$cold/triton \
+      python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 \
+      --backends cudagraph,inductor-cudagraph --out "$LOG/capture-cold"
+    step capture-cost-warm env TORCHINDUCTOR_CACHE_DIR=$cold/inductor TRITON_CACHE_DIR=$cold/triton \
+      python3 bench/capture_cost.py --spec gemma4-31b-assistant --capture-only --backends inductor-cudagraph \
+      --out "$LOG/capture-warm"
+    mkdir -p "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"  # later stages start from what this one compiled
+    cp -r "$cold/inductor/." "$TORCHINDUCTOR_CACHE_DIR/"; cp -r "$cold/triton/." "$TRITON_CACHE_DIR/"
+    step profile-iteration python3 bench/profile_iteration.py --batch 8 --context 2048 --out "$LOG/profile"
+    step attention-gpu-tests python3 -m pytest -q -rs -m gpu tests/test_attention.py
+    step attention-defaults python3 bench/attention_bw.py --no-tune --out "$LOG/attention-defaults"
+    ;;
   smoke)
     step smoke-pytest python3 -m pytest -q -x tests/test_window.py tests/test_attention.py tests/test_models.py
     step smoke-bench gc bench --spec tiny --batch 1,4 --context 64 --iters 5 --repeats 1 --out "$LOG/bench-smoke"
     ;;
-  tests)
+  tests)  # the whole suite, then the attention grid at the shapes short of 70% of copy bandwidth
     step pytest python3 -m pytest -q -rs tests/
+    step attention-grid-sliding python3 bench/attention_bw.py --grid --rep-ms 5 --layers sliding --batches 8 \
+      --contexts 1024 --out "$LOG/attention-grid-sliding"
+    step attention-grid-full python3 bench/attention_bw.py --grid --rep-ms 5 --layers full --batches 8,16 \
+      --contexts 2048,4096 --out "$LOG/attention-grid-full"
     ;;
   kernels)
     step window-advance python3 bench/window_advance.py --out "$LOG"
     step attention-bw python3 bench/attention_bw.py --out "$LOG"
     ;;
-  bench)
-    step capture-cost python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --out "$LOG"
-    step bench-main gc bench --batch 1,2,4,8,16,32,64 --context 256,2048,8192 --steps 3 --out "$LOG/bench-main"
+  bench)  # iter/s vs batch at steps 1-3, then the context sweep at batch 8 (to 32000: SWA path flat?)
+    step bench-main gc bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2,3 --out "$LOG/bench-main"
+    step bench-context gc bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
+      --out "$LOG/bench-context"
     step inspect gc inspect "$GRAPHCAP_MANIFEST_DIR"
     ;;
   final)  # the GPU replay tests and the window-advance bench in one call
@@ -66,11 +91,6 @@ case $stage in
     ;;
   verify)  # short: the attention kernel's GPU tests and the quick GPU replay cases on the current tree
     step pytest-verify python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_capture_gpu.py -k "attention or tiny or cudagraph"
-    ;;
-  sweep)
-    step bench-steps gc bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2 --repeats 2 --out "$LOG/bench-steps"
-    step bench-long gc bench --batch 8 --context 256,2048,8192,32000 --modes graph-rebuild,graphcap \
-      --out "$LOG/bench-long"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

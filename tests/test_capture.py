@@ -106,6 +106,34 @@ def test_malformed_inputs_are_named_before_anything_is_written(device, mangle, m
     assert all(torch.equal(x, y) for x, y in zip(before[2], graphs._buckets[0].inputs))
 
 
+def test_zero_copy_replay_equals_run(device):
+    """An engine that writes its batch into static_inputs(b) and calls replay(b) gets what run() gives, including
+    when a smaller batch follows a larger one in the same bucket (the rows past it must be padding again)."""
+    _, wb_ref, loop_ref = build(device)
+    _, wb, loop = build(device)
+    ref = DraftGraphs.for_loop(loop_ref, backend="eager", buckets=(2, 8), manifest_path=None, progress=False)
+    zc = DraftGraphs.for_loop(loop, backend="eager", buckets=(2, 8), manifest_path=None, progress=False)
+    ref.capture()
+    zc.capture()
+    g = torch.Generator().manual_seed(11)
+    for b in (7, 3, 8, 1, 5, 2):
+        batch = random_batch(g, wb, device, b)
+        want = ref.run(*batch, copy=True)
+        for view, x in zip(zc.static_inputs(b), batch):
+            view.copy_(x)
+        got = zc.replay(b)
+        for x, y, name in zip(got, want, got._fields):
+            assert torch.equal(x, y), f"batch {b}: {name}"
+        assert torch.equal(wb.ring, wb_ref.ring) and torch.equal(wb.seq_lens, wb_ref.seq_lens)
+        assert int(wb.seq_lens[wb.padding_slot]) == 0
+    assert [r.replays for r in zc.buckets] == [r.replays for r in ref.buckets] == [2, 4]
+    for bad in (0, 9):
+        with pytest.raises(CaptureError, match=rf"batch {bad} outside the captured buckets 1..8"):
+            zc.static_inputs(bad)
+        with pytest.raises(CaptureError, match=rf"batch {bad} outside the captured buckets 1..8"):
+            zc.replay(bad)
+
+
 def test_moved_static_tensor_is_caught_and_recapture_recovers(device):
     st, wb, loop = build(device)
     graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)
@@ -128,8 +156,9 @@ def test_bad_construction(device):
     with pytest.raises(ValueError, match="strictly increasing"):
         DraftGraphs.for_loop(loop, backend="eager", buckets=(4, 2), manifest_path=None)
     if device == "cpu":
-        with pytest.raises(ValueError, match="records CUDA graphs"):
-            DraftGraphs.for_loop(loop, backend="cudagraph", manifest_path=None)
+        for backend in ("cudagraph", "inductor-cudagraph", "reduce-overhead"):
+            with pytest.raises(ValueError, match=f"backend '{backend}' records CUDA graphs"):
+                DraftGraphs.for_loop(loop, backend=backend, manifest_path=None)
 
 
 def test_compiled_backend_matches_eager_and_never_recompiles(device, tmp_path):

@@ -269,5 +269,5 @@ def test_environment_path_for_engine_users(fresh, monkeypatch):
     assert plugin.options_of(None) == plugin.DraftCaptureOptions(enabled=True, backend="cudagraph")
     assert plugin.CHECK_SERVER_ARGS in HookRegistry._patched
     monkeypatch.setenv(plugin.ENV_VAR, '{"enabled": true, "backend": "fast"}')
-    with pytest.raises(plugin.DraftCaptureConfigError, match=r"backend must be one of reduce-overhead, cudagraph"):
+    with pytest.raises(plugin.DraftCaptureConfigError, match=r"backend must be one of reduce-overhead, inductor-cudagraph, cudagraph"):
         plugin.options_from_env()

@@ -29,7 +29,7 @@ TESTED_SGLANG = ("0.5.23",)
 FLAG = "--enable-draft-graph-capture"
 BACKEND_FLAG = "--draft-graph-capture-backend"
 MANIFEST_FLAG = "--draft-graph-manifest-dir"
-BACKENDS = ("reduce-overhead", "cudagraph")
+BACKENDS = ("reduce-overhead", "inductor-cudagraph", "cudagraph")
 ENV_VAR = "GRAPHCAP_SGLANG_DRAFT_CAPTURE"
 ATTR = "_graphcap_draft_capture"  # on ServerArgs: underscore names are bookkeeping, allowed even on a sealed record
 _DEST = {"enabled": "enable_draft_graph_capture", "backend": "draft_graph_capture_backend",
@@ -159,7 +159,9 @@ def add_arguments(parser) -> None:
                         "default: without this flag the plugin changes nothing.")
     g.add_argument(BACKEND_FLAG, dest=_DEST["backend"], choices=BACKENDS, default="reduce-overhead",
                    help="graphcap: how the draft iteration is captured: 'reduce-overhead' = torch.compile with CUDA "
-                        "graphs (Inductor fuses the small ops), 'cudagraph' = torch.cuda.CUDAGraph of the eager ops. "
+                        "graphs (Inductor fuses the small ops), 'inductor-cudagraph' = the same Inductor code recorded in "
+                        "torch.cuda.CUDAGraph (least host time per replay), 'cudagraph' = torch.cuda.CUDAGraph of the "
+                        "eager ops. "
                         "Default: %(default)s.")
     g.add_argument(MANIFEST_FLAG, dest=_DEST["manifest_dir"], default=None, metavar="DIR",
                    help="graphcap: directory for the capture manifest that `graphcap inspect DIR` lists (default: "

@@ -1,0 +1,147 @@
+"""Where one draft iteration's GPU time goes (CUDA): per-kernel times of graphcap's compiled iteration at one
+(batch, context) point, grouped by what the kernel does, beside the bytes each group must read and the replay time
+of the same iteration as a CUDA graph - the breakdown behind "graphcap / roofline floor" in docs/results.md.
+
+Kernels are timed with torch.profiler (CUPTI) on the Inductor-compiled iteration run without CUDA graphs (the same
+kernels a replay runs); the graph replay is timed with CUDA events. The difference is what the graph itself adds
+(gaps between kernels).
+
+    python bench/profile_iteration.py --batch 8 --context 2048 --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from graphcap import manifest as mf  # noqa: E402
+from graphcap.capture import DraftGraphs  # noqa: E402
+from graphcap.models import DraftLoop, FrozenKVDraft  # noqa: E402
+from graphcap.roofline import draft_iteration_bytes, measure_copy_bandwidth  # noqa: E402
+from graphcap.spec import load_spec  # noqa: E402
+from graphcap.state import make_target_state  # noqa: E402
+from graphcap.window import WindowBuffers  # noqa: E402
+
+GROUPS = (  # (group, substrings of the kernel name), first match wins
+    ("attention split-KV", ("_split_kernel",)),
+    ("attention combine", ("_combine_kernel",)),
+    ("window advance", ("window_advance", "_advance")),
+    ("matmul (cuBLAS/CUTLASS)", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk")),
+    ("topk / sort", ("topk", "sort", "radix")),
+    ("Inductor fused (norms, rope, gathers, head)", ("triton_",)),
+)
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for group, keys in GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--spec", default="gemma4-31b-assistant")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_iteration: needs CUDA", file=sys.stderr)
+        return 2
+    spec = load_spec(a.spec)
+    b, n = a.batch, a.iters
+    growth = 2 * (n + 10) * (spec.capture.steps + 1)
+    state = make_target_state(spec, [a.context] * b, a.context + growth, seed=0, device="cuda")
+    model = FrozenKVDraft(spec, seed=1, device="cuda")
+    g = torch.Generator().manual_seed(2)
+    one = torch.ones(b, dtype=torch.int32, device="cuda")  # one accepted token a row: the context stays ~constant
+    tokens = torch.randint(0, spec.draft.vocab, (b,), generator=g).cuda()
+    hidden = torch.randn(b, spec.target.hidden, generator=g).to("cuda", spec.torch_dtype())
+
+    def graphs_for(backend: str) -> DraftGraphs:
+        wb = WindowBuffers.from_spec(spec, state.req_to_token, state.full_to_swa)
+        wb.reset(state.slots.tolist(), [a.context] * b)
+        loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full)
+        gr = DraftGraphs.for_loop(loop, backend=backend, buckets=(b,), manifest_path=None, progress=False)
+        gr.capture()
+        return gr
+
+    compiled, graphed = graphs_for("compile"), graphs_for("inductor-cudagraph")
+    for _ in range(3):
+        compiled.run(state.slots, one, tokens, hidden)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            compiled.run(state.slots, one, tokens, hidden)
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list] = defaultdict(lambda: [0.0, 0])  # name -> [total us, calls]
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = per_kernel[ev.name]
+            k[0] += ev.device_time
+            k[1] += 1
+    total_us = sum(v[0] for v in per_kernel.values()) / n
+    groups: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for name, (us, calls) in per_kernel.items():
+        gr = groups[group_of(name)]
+        gr[0] += us / n
+        gr[1] += calls / n
+
+    replay = []
+    for _ in range(3):
+        graphed.run(state.slots, one, tokens, hidden)
+    for _ in range(n):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graphed.run(state.slots, one, tokens, hidden)
+        e1.record()
+        torch.cuda.synchronize()
+        replay.append(e0.elapsed_time(e1) * 1e3)
+    replay_us = statistics.median(replay)
+    gbs = measure_copy_bandwidth()
+    need = draft_iteration_bytes(spec, b, a.context)
+
+    rows = [[grp, f"{us:.1f}", f"{calls:.0f}", f"{100 * us / total_us:.1f}"]
+            for grp, (us, calls) in sorted(groups.items(), key=lambda x: -x[1][0])]
+    top = sorted(per_kernel.items(), key=lambda x: -x[1][0])[:25]
+    trows = [[name[:90], group_of(name), f"{us / n:.1f}", f"{calls / n:.0f}"] for name, (us, calls) in top]
+    env = mf.environment()
+    floor_us = sum(need.values()) / (gbs * 1e9) * 1e6
+    text = (f"# one draft iteration, kernel by kernel ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n\n"
+            f"spec {spec.name} ({spec.hash}), batch {b}, context {a.context}, steps {spec.capture.steps}; "
+            f"{env['device']}, driver {env['driver']}, torch {env['torch_version']}, triton {env['triton_version']}\n"
+            f"command: `python bench/profile_iteration.py --batch {b} --context {a.context}`\n\n"
+            f"- kernel time per iteration (sum, profiler, compiled iteration without graphs): {total_us:.1f} us\n"
+            f"- the same iteration as a CUDA graph replay (inductor-cudagraph, CUDA events, median of {n}): "
+            f"{replay_us:.1f} us\n"
+            f"- bytes it must read: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in need.items()) +
+            f"; copy bandwidth {gbs:.0f} GB/s -> floor {floor_us:.1f} us (replay / floor = {replay_us / floor_us:.2f})\n\n"
+            + tabulate(rows, headers=["group", "us / iteration", "kernels / iteration", "% of kernel time"],
+                       tablefmt="github")
+            + "\n\nTop kernels:\n\n"
+            + tabulate(trows, headers=["kernel", "group", "us / iteration", "calls / iteration"], tablefmt="github")
+            + "\n")
+    print(text)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "profile_iteration.md").write_text(text)
+    (a.out / "profile_iteration.json").write_text(json.dumps(
+        {"kernel_us": total_us, "replay_us": replay_us, "floor_us": floor_us, "bytes": need, "copy_gbps": gbs,
+         "groups": {k: v[0] for k, v in groups.items()},
+         "kernels": {k: [v[0] / n, v[1] / n] for k, v in per_kernel.items()}, "env": env}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The capture engine's guards: checks that turn a wrong or silently slow replay into an error naming the cause.
+
+- static addresses: every persistent tensor a graph reads (pools, tables, window buffers, weights) must stay where it
+  was at capture, or the graph reads freed memory;
+- recompiles: a Dynamo cache entry added after capture means a guard failed and the compiled call is no longer the
+  captured one;
+- cudagraph skips: Inductor's reduce-overhead quietly falls back to no graph on some inputs; at capture we make it
+  raise instead, and count its skip counter;
+- error descriptions: the root cause behind Dynamo's and Inductor's wrapper exceptions, for the manifest.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+
+class CaptureError(RuntimeError):
+    """A guard tripped: the captured graphs would be wrong or silently slow. The message names the cause."""
+
+
+class AddressGuard:
+    """The data pointers of the static tensors at capture time; `check()` raises if any moved."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._names = list(tensors)
+        self._tensors = list(tensors.values())
+        self._ptrs = [t.data_ptr() for t in self._tensors]
+
+    def check(self) -> None:
+        # One list comprehension over ~60 tensors: a few microseconds of host time, no device work.
+        if [t.data_ptr() for t in self._tensors] != self._ptrs:
+            name = next(n for n, t, p in zip(self._names, self._tensors, self._ptrs) if t.data_ptr() != p)
+            raise CaptureError(f"static tensor {name!r} moved since capture (reallocated or resized): the graphs "
+                               "would read the old memory; call recapture() with the new tensors")
+
+
+def describe(e: BaseException) -> str:
+    """`Type: first line`, plus the root cause when a wrapper (Dynamo, Inductor) hides it."""
+    def line(x: BaseException) -> str:
+        text = str(x).strip()
+        return f"{type(x).__name__}: {text.splitlines()[0]}" if text else type(x).__name__
+
+    root, seen = e, {id(e)}
+    while (nxt := root.__cause__ or root.__context__) is not None and id(nxt) not in seen:
+        seen.add(id(nxt))
+        root = nxt
+    return line(e) if root is e else f"{line(e)} (cause: {line(root)})"
+
+
+def cache_entries(code: types.CodeType) -> int:
+    """Dynamo cache entries (one per compiled specialisation) of a code object."""
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+
+
+def cudagraph_skips() -> int:
+    return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
+def reserved_bytes() -> int:
+    return torch.cuda.memory_stats().get("reserved_bytes.all.current", 0)
+
+
+@contextlib.contextmanager
+def cudagraph_or_error(enabled: bool):
+    """While capturing, make Inductor raise (with its reason) instead of quietly skipping CUDA graphs."""
+    cfg = torch._inductor.config.triton
+    if not enabled or not hasattr(cfg, "cudagraph_or_error"):
+        yield
+        return
+    old, cfg.cudagraph_or_error = cfg.cudagraph_or_error, True
+    try:
+        yield
+    finally:
+        cfg.cudagraph_or_error = old
