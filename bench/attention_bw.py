@@ -200,7 +200,7 @@ def sweep(layer: str, run_cfg, s0: int, base: KernelConfig, failed: set, notes: 
     Returns [(ms, config, splits)]."""
     timed = []
     for bn, nw, ns in TUNE[layer]:
-        cfg = KernelConfig(block_n=bn, num_warps=nw, num_stages=ns, min_chunk=max(bn, base.min_chunk))
+        cfg = KernelConfig(block_n=bn, num_warps=nw, num_stages=ns, min_chunk=max(bn, base.min_chunk), max_chunk=0)
         if (layer, bn, nw, ns) in failed:
             continue
         try:
@@ -212,7 +212,7 @@ def sweep(layer: str, run_cfg, s0: int, base: KernelConfig, failed: set, notes: 
     for _, cfg, _ in timed[:2]:
         for s in sorted({max(1, s0 // 2), s0 * 2, s0 * 4} - {s0}):
             for mc in (cfg.block_n, 4 * cfg.block_n):
-                c2 = KernelConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, mc)
+                c2 = KernelConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, mc, max_chunk=0)
                 timed.append((run_cfg(c2, min(s, 256)), c2, min(s, 256)))
     return timed
 
@@ -231,7 +231,7 @@ def grid(layer: str, run_cfg, n: int, base: KernelConfig, failed: set, notes: li
         for s in GRID_SPLITS:
             if s > 1 and -(-n // s) < bn:  # fewer than one tile per split: the extra splits would be empty
                 continue
-            cfg = KernelConfig(block_n=bn, num_warps=nw, num_stages=ns, min_chunk=bn)
+            cfg = KernelConfig(block_n=bn, num_warps=nw, num_stages=ns, min_chunk=bn, max_chunk=0)
             try:
                 timed.append((run_cfg(cfg, s), cfg, s))
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip this tile config from now on

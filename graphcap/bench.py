@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     else:
         contexts = tuple(c for c in DEFAULT_CONTEXTS if c <= room) or tuple(
             c for c in (spec.window // 2, spec.window, 2 * spec.window, 4 * spec.window) if 1 <= c <= room)
+    if not contexts:
+        p.error(f"spec {spec.name}: max_context {spec.capture.max_context} leaves no room for a context plus the "
+                f"{growth} tokens {a.warmup} + {a.iters} iterations grow it by; lower --iters or pass --context")
     if max(contexts) > room:
         p.error(f"--context {max(contexts)} + {growth} tokens of growth exceeds max_context "
                 f"{spec.capture.max_context} of spec {spec.name}")

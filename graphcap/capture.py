@@ -78,7 +78,7 @@ class DraftGraphs:
         padding_slot: int,
         example_inputs: Callable[[int], Inputs],
         static_tensors: dict[str, torch.Tensor],
-        backend: str = "reduce-overhead",
+        backend: str = "inductor-cudagraph",
         spec=None,
         manifest_path: str | os.PathLike | None = "default",
         progress: bool | None = None,

@@ -236,7 +236,7 @@ def parse_spec(data: dict[str, Any], source: str = "<spec>") -> CaptureSpec:
     c = top.table_of("capture")
     cap = CaptureSettings(
         steps=c.int("steps"), top_k=c.int("top_k"), buckets=c.int_list("buckets"), max_slots=c.int("max_slots"),
-        max_context=c.int("max_context"), backend=c.str("backend", BACKENDS, default="reduce-overhead"),
+        max_context=c.int("max_context"), backend=c.str("backend", BACKENDS, default="inductor-cudagraph"),
     )
     c.done()
     if cap.top_k != 1:

@@ -175,10 +175,31 @@ def test_explicit_configs_agree(device):
 
     case = make_case(11, lens=[45, 17, 2], heads=8, kv_heads=2, dim=32, window=0, dtype=torch.float32, device=device)
     ref = reference(*case)
-    for cfg in (KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1),
-                KernelConfig(block_n=32, num_warps=2, num_stages=1, min_chunk=64, combine_warps=1)):
+    for cfg in (KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1, max_chunk=0),
+                KernelConfig(block_n=32, num_warps=2, num_stages=1, min_chunk=64, combine_warps=1, max_chunk=0),
+                KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1, max_chunk=16)):
         out = decode_attention_with_config(*case, 5, config=cfg)
         assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_adaptation_never_changes_the_answer(device, seed):
+    """However the row-adaptive split count lands (one wave's worth, more for long rows, capped by the static grid;
+    batches of mixed lengths, empty rows), the answer is the float64 reference's."""
+    from graphcap.kernels.attention import KernelConfig
+
+    g = torch.Generator().manual_seed(100 + seed)
+    b = int(torch.randint(1, 6, (1,), generator=g))
+    lens = torch.randint(0, 120, (b,), generator=g).tolist()
+    case = make_case(200 + seed, lens=lens, heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32,
+                     device=device)
+    ref = reference(*case)
+    for splits in (1, 2, 3, 8):
+        for max_chunk, wave in ((0, 0), (16, 4), (48, 6), (1024, 1), (1024, 0)):  # small waves: rows use < splits
+            cfg = KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1,
+                               max_chunk=max_chunk, wave=wave)
+            out = decode_attention_with_config(*case, splits, config=cfg)
+            assert rel_err(out, ref) < TOL[torch.float32], (splits, max_chunk, lens)
 
 
 def test_sliding_layer_over_window_buffers(device):
@@ -251,19 +272,22 @@ def test_bad_inputs_name_the_argument(device):
 
 
 def test_choose_num_splits():
-    # batch 1-8 fills the GPU: at least one program per SM when rows are long
+    from graphcap.kernels.attention import wave_splits
+
+    # one wave: batch x kv heads x splits fills the 2 x 132 resident programs without spilling into a second wave
+    # (the H200 grid: 8 splits at batch 8 / 4 KV heads, 4 at batch 16, 2 at batch 8 / 16 KV heads)
+    assert [wave_splits(b, 4) for b in (8, 16)] == [8, 4] and wave_splits(8, 16) == 2
     for kv_heads in (4, 16):
         for batch in (1, 2, 4, 8):
-            s = choose_num_splits(batch, kv_heads, 8192)
-            assert batch * kv_heads * s >= 132
-    # short rows are not over-split (>= 32 keys per split); big batches need no split
+            w = wave_splits(batch, kv_heads)
+            assert 132 <= batch * kv_heads * w <= 264
+    # batch x kv heads already (nearly) a wave: no split; short rows are not over-split (>= 32 keys per split)
+    assert wave_splits(16, 16) == 1 and choose_num_splits(64, 16, 1024) == 1
     assert choose_num_splits(1, 16, 32) == 1
     assert choose_num_splits(1, 16, 100) <= 4
     assert choose_num_splits(1, 4, 1024) <= 32
-    assert choose_num_splits(64, 16, 1024) == 1
-    assert choose_num_splits(64, 4, 32768) == 1
-    # long rows at mid batch: more programs (the H200 sweep's best: 33-36 splits at B=8, 4 KV heads, 8k-32k)
-    assert choose_num_splits(8, 4, 32768) >= 32
+    # long rows: programs of <= 1024 keys (the grid covers the longest row; short rows use a wave's worth)
+    assert choose_num_splits(8, 4, 32768) == 32 and choose_num_splits(64, 4, 32768) == 32
     assert all(1 <= choose_num_splits(b, h, n) <= 64 for b in (1, 3, 64) for h in (1, 4) for n in (1, 10**6))
     with pytest.raises(AttentionError):
         choose_num_splits(0, 4, 10)
@@ -271,7 +295,7 @@ def test_choose_num_splits():
 
 def test_default_config_shapes():
     big = default_config(512, 8, torch.bfloat16, True, smem_bytes=232448)  # H100/H200
-    assert (big.block_n, big.num_stages, big.num_warps) == (32, 3, 8)
+    assert (big.block_n, big.num_stages, big.num_warps) == (32, 3, 4)
     small = default_config(512, 8, torch.bfloat16, True, smem_bytes=101376)  # less shared memory: fewer stages
     assert small.num_stages * 2 * small.block_n * 512 * 2 <= 101376
     assert default_config(256, 2, torch.bfloat16, True, smem_bytes=232448).num_warps == 4

@@ -38,10 +38,11 @@ def test_bench_runs_on_cpu_and_writes_outputs(tmp_path, capsys, device):
     (["--batch", "0"], "expected positive integers"),
     (["--batch", "64"], "exceeds max_slots 16"),
     (["--context", "4096"], "exceeds max_context 128"),
+    (["--iters", "200", "--batch", "1"], "leaves no room for a context"),
 ])
 def test_bench_rejects_bad_options(argv, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        bench.parse_args(["--spec", "tiny", *argv])
+    with pytest.raises(SystemExit) as e:  # explicit iteration counts: the defaults differ with and without CUDA
+        bench.parse_args(["--spec", "tiny", "--iters", "4", "--warmup", "1", *argv])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1

@@ -94,7 +94,7 @@ def test_padding_waste():
 def test_for_spec_and_environment():
     spec = load_spec("tiny")
     m = Manifest.for_spec(spec)
-    assert (m.spec_name, m.spec_hash, m.backend, m.steps, m.window) == ("tiny", spec.hash, "reduce-overhead", 3, 16)
+    assert (m.spec_name, m.spec_hash, m.backend, m.steps, m.window) == ("tiny", spec.hash, "inductor-cudagraph", 3, 16)
     assert [b.batch_size for b in m.buckets] == [1, 2, 4, 8] and {b.status for b in m.buckets} == {"pending"}
     env = environment()
     assert set(env) == {"device", "driver", "torch_version", "triton_version", "graphcap_version"}

@@ -62,7 +62,7 @@ class DraftCaptureConfigError(ValueError):
 @dataclass(frozen=True)
 class DraftCaptureOptions:
     enabled: bool = False
-    backend: str = "reduce-overhead"
+    backend: str = "inductor-cudagraph"
     manifest_dir: str | None = None  # None: graphcap's default ($GRAPHCAP_MANIFEST_DIR or ~/.cache/graphcap/...)
 
     def to_json(self) -> str:
@@ -157,7 +157,7 @@ def add_arguments(parser) -> None:
                         "sliding-window state in graphcap's static buffers, advanced in place by each verify's "
                         "accepted tokens, and capture the whole draft iteration per decode batch bucket. Off by "
                         "default: without this flag the plugin changes nothing.")
-    g.add_argument(BACKEND_FLAG, dest=_DEST["backend"], choices=BACKENDS, default="reduce-overhead",
+    g.add_argument(BACKEND_FLAG, dest=_DEST["backend"], choices=BACKENDS, default="inductor-cudagraph",
                    help="graphcap: how the draft iteration is captured: 'reduce-overhead' = torch.compile with CUDA "
                         "graphs (Inductor fuses the small ops), 'inductor-cudagraph' = the same Inductor code recorded in "
                         "torch.cuda.CUDAGraph (least host time per replay), 'cudagraph' = torch.cuda.CUDAGraph of the "
@@ -170,7 +170,7 @@ def add_arguments(parser) -> None:
 
 def options_from_namespace(args) -> DraftCaptureOptions:
     return DraftCaptureOptions(enabled=bool(getattr(args, _DEST["enabled"], False)),
-                               backend=getattr(args, _DEST["backend"], None) or "reduce-overhead",
+                               backend=getattr(args, _DEST["backend"], None) or "inductor-cudagraph",
                                manifest_dir=getattr(args, _DEST["manifest_dir"], None))
 
 
@@ -209,7 +209,7 @@ def _after_add_cli_args(result, parser, *args, **kwargs):
 
 def _after_from_cli_args(result, cls, args, *rest, **kwargs):
     opts = options_from_namespace(args)
-    if not opts.enabled and (opts.backend != "reduce-overhead" or opts.manifest_dir is not None):
+    if not opts.enabled and (opts.backend != "inductor-cudagraph" or opts.manifest_dir is not None):
         log.warning("graphcap: %s/%s given without %s: they have no effect", BACKEND_FLAG, MANIFEST_FLAG, FLAG)
     attach_options(result, opts)
     if opts.enabled:

@@ -17,8 +17,13 @@ system but is never assumed.
 
 Kernel ("flash-decoding", split-KV):
 1. `_split_kernel`, grid (B, Hkv * head_tiles, num_splits): program (b, kv head, split) covers a contiguous chunk of
-   the row's [0, len) - chunk = max(round_up(cdiv(len, num_splits), BLOCK_N), min_chunk), computed in-kernel from
-   the row's own length, so short rows use fewer splits and the rest exit at once. It loads each K/V tile once for
+   the row's [0, len). How many of the num_splits a row uses is decided in-kernel from its own length: enough to
+   fill one wave of the GPU (`wave_splits`: B x Hkv x splits <= 2 programs per SM), more only when the row is so
+   long that a program would cover more than `max_chunk` tokens (then several waves balance rows of different
+   lengths); chunk = max(round_up(cdiv(len, used), BLOCK_N), min_chunk). Programs past the row's end exit at once.
+   So the static split count (the grid, fixed per capture bucket) can be sized for the longest row the layer may
+   see while a short row still runs as one full wave - measured on the H200: one program more than the GPU holds
+   costs a whole second wave (docs/results/attention.md). It loads each K/V tile once for
    the whole query-head group (tl.dot with the group padded to >= 16 rows), runs an online softmax in fp32 and
    writes a normalised partial output [B, H, S, D] fp32 and its log-sum-exp [B, H, S] (base 2; -inf for an empty
    chunk). With num_splits == 1 it writes the final output directly and the second kernel is skipped.
@@ -61,23 +66,27 @@ class KernelConfig:
     block_n: int = 32  # keys per tile
     num_warps: int = 4
     num_stages: int = 2
-    min_chunk: int = 64  # fewest keys one split covers (rows shorter than splits x this use fewer splits)
+    min_chunk: int = 32  # fewest keys one split covers (rows shorter than splits x this use fewer splits)
     combine_warps: int = 4  # warps of the second (combine) kernel
+    # Split adaptation (0 = off: every row uses num_splits, as tuning sweeps want): at most this many keys per
+    # program before a row uses more splits than one wave needs.
+    max_chunk: int = 1024
+    wave: int = 0  # programs one wave holds (0: two per SM of the device, what the default tiles allow)
 
 
 def default_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: int | None = None
                    ) -> KernelConfig:
     """The launch configuration the op uses.
 
-    GPU values: the best or near-best configuration at nearly every point of the H200 sweep in
-    docs/results/attention.md (BLOCK_N 32, 3 stages; 4 warps for head dim <= 256, 8 for 512). Three stages of K and V
-    tiles need 3 x 2 x BLOCK_N x D x 2 bytes of shared memory (192 KiB at D = 512): where the device has less
-    (`smem_bytes`, read from the current device when None), stages and then tile size step down.
+    GPU values: the best or near-best configuration of the H200 sweeps in docs/results/attention.md (BLOCK_N 32,
+    3 stages, 4 warps for head dims 256 and 512: the 2026-11-30 grid found 4 warps 4-14% faster than 8 at D = 512).
+    Three stages of K and V tiles need 3 x 2 x BLOCK_N x D x 2 bytes of shared memory (192 KiB at D = 512): where
+    the device has less (`smem_bytes`, read from the current device when None), stages and then tile size step down.
     On CPU (Triton's interpreter) small tiles keep the tests fast.
     """
     if not on_gpu:
-        return KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1)
-    warps = 8 if head_dim >= 512 else 4
+        return KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1, max_chunk=64)
+    warps = 4
     if smem_bytes is None:
         smem_bytes = _device_smem()
     elem = dtype.itemsize
@@ -85,7 +94,7 @@ def default_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool, 
     for block_n, stages in ((32, 3), (32, 2), (16, 2), (16, 1)):
         if stages * 2 * block_n * block_d * elem + 8192 <= smem_bytes:  # + room for q and the reductions
             break
-    return KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=64)
+    return KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=block_n)
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,26 +118,25 @@ def _device_smem(device: torch.device | None = None) -> int:
     return _device_smem_of(index)
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int = 132) -> int:
-    """Static split count for `decode_attention` (depends only on static numbers: choose it per capture bucket).
+def wave_splits(batch: int, kv_heads: int, sm_count: int = 132, wave: int = 0) -> int:
+    """Splits per row that fill one wave: batch x kv_heads x splits <= `wave` programs (default 2 x sm_count: two
+    programs of the default tiles are resident per SM), 1 when batch x kv_heads alone is within 10% of that."""
+    bh, slots = batch * kv_heads, wave or 2 * max(1, sm_count)
+    return 1 if 10 * bh >= 9 * slots else max(1, slots // bh)
 
-    About two programs per SM (batch x kv_heads x splits >= 2 x sm_count), eight per SM when rows are long
-    (max_len >= 8192) and batch x kv_heads is between 32 and sm_count, never more splits than `max_len` has 32-token
-    chunks, at most 64. Fitted to the best split counts of the H200 sweep (docs/results/attention.md). `max_len`: the
-    longest row the layer can see (W for sliding layers, the context bound for full layers); rows shorter than that
-    use fewer splits at run time (`KernelConfig.min_chunk`), so a generous bound costs only empty programs.
+
+def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int = 132, max_chunk: int = 1024) -> int:
+    """Static split count (the grid) for `decode_attention`: depends only on static numbers, so choose it per
+    capture bucket. Enough for a short row to fill one wave (`wave_splits`) and for the longest row (`max_len`: W
+    for sliding layers, the context bound for full layers) to keep programs at <= `max_chunk` keys; never more
+    than `max_len` has 32-token chunks, at most 64. Rows use fewer at run time (see the module docstring), so a
+    generous `max_len` costs only programs that exit at once. Fitted to the H200 sweeps (docs/results/attention.md).
     """
     if batch < 1 or kv_heads < 1:
         raise AttentionError(f"choose_num_splits: batch ({batch}) and kv_heads ({kv_heads}) must be >= 1")
-    bh = batch * kv_heads
-    sms = max(1, sm_count)
-    target = 2 * sms
-    if max_len >= 8192 and 32 <= bh < sms:
-        target = 8 * sms
-    # batch x kv heads already within 10% of the target: no split (a second short wave costs more than it gives)
-    splits = 1 if 10 * bh >= 9 * target else -(-target // bh)
-    cap = max(1, -(-max(1, max_len) // 32))
-    return int(max(1, min(splits, cap, 64)))
+    n = max(1, max_len)
+    splits = max(wave_splits(batch, kv_heads, sm_count), -(-n // max(1, max_chunk)))
+    return int(max(1, min(splits, -(-n // 32), 64)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,7 +227,7 @@ def decode_attention_torch(
 @triton.jit
 def _split_kernel(
     q, k_pool, v_pool, table, slots, lens, out, part, lse,
-    sm_scale_log2, cols, num_splits, min_chunk,
+    sm_scale_log2, cols, num_splits, min_chunk, wave, max_chunk,
     stride_qb, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_t, stride_ob, stride_oh,
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_TILES: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -233,7 +241,8 @@ def _split_kernel(
 
     slot = tl.load(slots + b).to(tl.int64)
     length = tl.maximum(tl.minimum(tl.load(lens + slot).to(tl.int32), cols), 0)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N, min_chunk)
+    used = tl.minimum(num_splits, tl.maximum(wave, tl.cdiv(length, max_chunk)))  # splits this row uses
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, used), BLOCK_N) * BLOCK_N, min_chunk)
     start = split * chunk
     end = tl.minimum(start + chunk, length)
 
@@ -330,6 +339,11 @@ def _launch(
     if b == 0:
         return out
     single = num_splits == 1
+    if config.max_chunk > 0:  # adapt per row (module docstring); else every row uses num_splits
+        wave = min(num_splits, wave_splits(b, hkv, device_sm_count(q.device), config.wave))
+        max_chunk = config.max_chunk
+    else:
+        wave, max_chunk = num_splits, 1 << 30
     if single:  # placeholders, never touched
         part = torch.empty((1,), dtype=torch.float32, device=q.device)
         lse = part
@@ -338,7 +352,7 @@ def _launch(
         lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     wrap_triton(_split_kernel)[(b, hkv * head_tiles, num_splits)](
         q, k_pool, v_pool, table, slots, lens, out, part, lse,
-        float(sm_scale) * LOG2E, cols, num_splits, config.min_chunk,
+        float(sm_scale) * LOG2E, cols, num_splits, config.min_chunk, wave, max_chunk,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         table.stride(0), out.stride(0), out.stride(1),
         H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
