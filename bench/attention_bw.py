@@ -87,11 +87,45 @@ def environment(sglang_note: str) -> dict:
     }
 
 
+L2_MODE = "dirty"  # --l2: how the L2 is emptied before each timed call (see bench_clean)
+_FLUSH: list = []
+
+
 def bench(fn, rep_ms: float) -> float:
-    """Median milliseconds (triton.testing.do_bench: L2 flushed before each call, flush not timed)."""
+    """Median milliseconds. `--l2 dirty` (default): triton.testing.do_bench, which empties the L2 before each call
+    by writing 256 MB - the timed call then also pays for writing those dirty lines back to memory as its reads
+    evict them. `--l2 clean`: `bench_clean`."""
     import triton.testing
 
+    if L2_MODE == "clean":
+        return bench_clean(fn, rep_ms)
     return float(triton.testing.do_bench(fn, warmup=max(2, rep_ms / 4), rep=rep_ms, return_mode="median"))
+
+
+def bench_clean(fn, rep_ms: float) -> float:
+    """Median milliseconds with the L2 emptied by *reading* 256 MB before each call (clean lines: evicting them
+    costs no write-back), CUDA events around the call alone - as in a draft iteration, where the kernels before
+    attention read weights and leave little dirty data behind."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(64 << 20, dtype=torch.float32, device=DEVICE).uniform_())
+    buf = _FLUSH[0]
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    n = int(min(1000, max(10, rep_ms / max(1e-3, (time.perf_counter() - t0) * 1e3))))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        buf.sum()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return float(times[len(times) // 2])
 
 
 def graph_ms(fn, rep_ms: float) -> float:
@@ -272,6 +306,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=200.0,
                     help="past this many seconds, remaining shapes skip the config sweep (default + sglang only)")
     ap.add_argument("--no-tune", action="store_true", help="measure the default configuration only")
+    ap.add_argument("--l2", choices=("dirty", "clean"), default="dirty",
+                    help="empty the L2 before each timed call by writing (do_bench, default) or by reading 256 MB")
     ap.add_argument("--grid", action="store_true",
                     help="instead of the small sweep: every tile config x split count (GRID_TILES x GRID_SPLITS)")
     ap.add_argument("--no-sglang", action="store_true")
@@ -283,11 +319,14 @@ def main() -> None:
         args.batches, args.contexts = "1,3", "16,40"
     elif not torch.cuda.is_available():
         sys.exit("attention_bw: needs a CUDA GPU")
+    global L2_MODE
+    L2_MODE = args.l2
     t0 = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False
 
     fwd, sg_note = (None, "skipped (--no-sglang)") if args.no_sglang else import_sglang()
     env = environment(sg_note)
+    env["l2"] = args.l2
     print(json.dumps(env, indent=1), flush=True)
     copy_gbs = copy_bandwidth(args.rep_ms)
     env["copy_gbps"] = round(copy_gbs, 1)
@@ -427,7 +466,9 @@ def render(env: dict, rows: list[dict], notes: list[str]) -> str:
     lines = [f"# decode attention bandwidth ({env['gpu']}, {env['date']})", "",
              f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; sglang: {env['sglang']}; "
              f"copy bandwidth {env.get('copy_gbps')} GB/s (read + write); {env.get('elapsed_s')} s. Times: median GPU "
-             "time of one call replayed in a CUDA graph, L2 flushed; 'eager' = the registered op called from Python.", "",
+             "time of one call replayed in a CUDA graph, L2 emptied before each call by "
+             f"{'reading' if env.get('l2') == 'clean' else 'writing'} 256 MB (--l2 {env.get('l2', 'dirty')}); "
+             "'eager' = the registered op called from Python.", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         sg = r.get("sglang_best_us")

@@ -161,9 +161,12 @@ def manifest_path(directory: str | Path, spec_name: str, spec_hash: str, backend
 
 
 def list_manifests(directory: str | Path) -> list[Path]:
-    """The `*.json` files in `directory`, sorted; [] if it does not exist."""
+    """The manifests in `directory` by name (`*-{backend}.json`, as `manifest_path` writes them), sorted; [] if it
+    does not exist. Other JSON files beside them (a bench's results, say) are not manifests and are left alone."""
     d = Path(directory)
-    return sorted(p for p in d.glob("*.json") if p.is_file()) if d.is_dir() else []
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.glob("*.json") if p.is_file() and any(p.stem.endswith(f"-{b}") for b in BACKENDS))
 
 
 # ---------------------------------------------------------------------------------------------------------------

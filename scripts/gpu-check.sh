@@ -5,7 +5,7 @@
 #                                 profile of an iteration, attention GPU tests + default configs vs sglang
 #   scripts/gpu-check.sh smoke    quick: CUDA unit tests of window/attention/model + a tiny bench
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included), attention tuning grid
-#   scripts/gpu-check.sh kernels  bench/window_advance.py and bench/attention_bw.py
+#   scripts/gpu-check.sh kernels  bench/window_advance.py, bench/attention_bw.py defaults (L2 emptied dirty / clean)
 #   scripts/gpu-check.sh bench    `graphcap bench`: batch 1..64 x steps 1-3 at context 2048, context 256..32000 at
 #                                 batch 8; `graphcap inspect` of the manifests
 #   scripts/gpu-check.sh final    GPU replay tests + window-advance bench (one call)
@@ -75,9 +75,10 @@ case $stage in
     step attention-grid-full python3 bench/attention_bw.py --grid --rep-ms 5 --layers full --batches 8,16 \
       --contexts 2048,4096 --out "$LOG/attention-grid-full"
     ;;
-  kernels)
+  kernels)  # window advance; attention defaults vs sglang with the L2 emptied by writing (do_bench) and by reading
     step window-advance python3 bench/window_advance.py --out "$LOG"
-    step attention-bw python3 bench/attention_bw.py --out "$LOG"
+    step attention-defaults-dirty python3 bench/attention_bw.py --no-tune --out "$LOG/attention-dirty"
+    step attention-defaults-clean python3 bench/attention_bw.py --no-tune --l2 clean --out "$LOG/attention-clean"
     ;;
   bench)  # iter/s vs batch at steps 1-3, then the context sweep at batch 8 (to 32000: SWA path flat?)
     step bench-main gc bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2,3 --out "$LOG/bench-main"

@@ -208,3 +208,15 @@ def test_inspect_reads_the_manifests_of_the_h200_run(capsys):
     data = json.loads(capsys.readouterr().out)
     assert [b["batch_size"] for b in data[0]["buckets"]] == [1, 2, 4, 8, 16, 32, 64]
     assert all(b["status"] == "captured" and b["replays"] > 0 for b in data[0]["buckets"])
+
+
+def test_inspect_reads_the_inductor_cudagraph_manifest_of_the_h200_run(capsys):
+    """The 2026-11-30 capture-cost run's manifest (backend inductor-cudagraph, all seven buckets) reads back."""
+    d = REPO / "docs" / "results" / "h200-2026-11-30" / "capture-cold"
+    path = d / "gemma4-31b-assistant-71beb232c64e347c-inductor-cudagraph.json"
+    assert main(["inspect", "--json", str(path)]) == 0
+    data = json.loads(capsys.readouterr().out)[0]
+    assert data["backend"] == "inductor-cudagraph" and data["device"] == "NVIDIA H200"
+    assert [b["batch_size"] for b in data["buckets"]] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(b["status"] == "captured" and b["pool_bytes"] > 0 for b in data["buckets"])
+    assert sum(b["replays"] for b in data["buckets"]) > 0

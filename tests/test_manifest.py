@@ -122,9 +122,13 @@ def test_manifest_path_and_listing(tmp_path):
     assert manifest_path(tmp_path, "tiny", "ab12", "cudagraph") == tmp_path / "tiny-ab12-cudagraph.json"
     assert manifest_path(tmp_path, "../evil/name", "h", "eager").parent == tmp_path
     assert list_manifests(tmp_path / "missing") == []
-    for name in ("b.json", "a.json", "notes.txt"):
+    names = ("tiny-ab12-reduce-overhead.json", "gemma-cd34-inductor-cudagraph.json", "bench.json", "notes.txt",
+             "capture_cost.json", "x-eager.json")
+    for name in names:
         (tmp_path / name).write_text("{}")
-    assert list_manifests(tmp_path) == [tmp_path / "a.json", tmp_path / "b.json"]
+    # by name, as the writer names them: a bench's JSON beside the manifests is not one
+    assert list_manifests(tmp_path) == [tmp_path / n for n in sorted(
+        ("tiny-ab12-reduce-overhead.json", "gemma-cd34-inductor-cudagraph.json", "x-eager.json"))]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -164,7 +168,7 @@ CORRUPTIONS = {
 def write_corrupt(tmp_path: Path, case: str) -> Path:
     m = random_manifest(random.Random(case), backend="cudagraph")
     m.buckets = m.buckets[:1]
-    path = write_manifest(m, tmp_path / f"{case}.json")
+    path = write_manifest(m, tmp_path / f"{case}-cudagraph.json")  # a manifest's name: listed in directory mode
     path.write_text(CORRUPTIONS[case][0](path.read_text()))
     return path
 
