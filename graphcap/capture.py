@@ -277,7 +277,9 @@ class DraftGraphs:
         return self._buckets[self._bucket_of[b]].rows(b)[0]
 
     def replay(self, b: int, *, copy: bool = False) -> DraftOutput:
-        """One draft iteration over the batch already written into `static_inputs(b)`: the zero-copy `run`."""
+        """One draft iteration over the batch already written into `static_inputs(b)`: the zero-copy `run`. No
+        input checks (shapes are the static buffers'; the engine vouches that its slots are distinct and in range,
+        as `run`'s `host_slots` would check)."""
         if not self.captured:
             raise CaptureError("replay() before capture()")
         if not 1 <= b <= self._buckets[-1].size:

@@ -8,6 +8,7 @@
 #   scripts/gpu-check.sh kernels  bench/window_advance.py, bench/attention_bw.py defaults (L2 emptied dirty / clean)
 #   scripts/gpu-check.sh bench    `graphcap bench`: batch 1..64 x steps 1-3 at context 2048, context 256..32000 at
 #                                 batch 8; `graphcap inspect` of the manifests
+#   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
 #   scripts/gpu-check.sh final    GPU replay tests + window-advance bench (one call)
 #   scripts/gpu-check.sh verify   attention GPU tests + quick replay cases
 # sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
@@ -89,6 +90,10 @@ case $stage in
   final)  # the GPU replay tests and the window-advance bench in one call
     step pytest-gpu python3 -m pytest -q -rs tests/test_capture_gpu.py tests/test_window.py
     step window-advance python3 bench/window_advance.py --out "$LOG"
+    ;;
+  capture-all)  # the replay-equality test for the gemma4 spec over every bucket (compile-heavy: ~25 s per bucket)
+    step pytest-capture-all env GRAPHCAP_GPU_ALL_BUCKETS=1 python3 -m pytest -q -rs tests/test_capture_gpu.py \
+      -k "gemma4 and (inductor-cudagraph or reduce-overhead)"
     ;;
   verify)  # short: the attention kernel's GPU tests and the quick GPU replay cases on the current tree
     step pytest-verify python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_capture_gpu.py -k "attention or tiny or cudagraph"
