@@ -46,3 +46,25 @@ def test_bench_rejects_bad_options(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_only_the_buckets_the_measured_batches_use_are_captured():
+    """Capturing costs compile time per bucket: a run captures the smallest spec bucket >= each measured batch, and
+    nothing else (a batch above every bucket gets a bucket of its own size)."""
+    import random
+
+    from graphcap.bench_runner import _buckets_for
+
+    rng = random.Random(3)
+    for _ in range(50):
+        cfg = bench.parse_args(["--spec", "gemma4-31b-assistant", "--iters", "4", "--warmup", "1",
+                                "--batch", ",".join(map(str, rng.sample(range(1, 100), rng.randint(1, 6))))])
+        spec_b = cfg.spec.capture.buckets
+        got = _buckets_for(cfg)
+        assert list(got) == sorted(set(got))
+        for b in cfg.batches:  # every batch has a bucket that holds it: a spec bucket, or its own when above all
+            g = min(x for x in got if x >= b)
+            assert g in spec_b or (g == b and b > spec_b[-1])
+        for g in got:  # and every captured bucket is the one some batch dispatches to
+            below = max([x for x in spec_b if x < g], default=0)
+            assert any(below < b <= g for b in cfg.batches)
