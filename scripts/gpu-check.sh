@@ -11,9 +11,12 @@
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
 #   scripts/gpu-check.sh final    GPU replay tests + window-advance bench (one call)
 #   scripts/gpu-check.sh verify   attention GPU tests + quick replay cases
+# Several stages run in one call in order: scripts/gpu-check.sh kernels capture-all.
 # sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
+# The lent machine's .git may be stale: `git rev-parse --short HEAD > .gpu-commit` here (ignored; carry it) records
+# the commit the tree is at in env-<stage>.txt.
 set -uo pipefail
-stage=${1:-smoke}
+[ $# -eq 0 ] && set -- smoke
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}            # what comes back: one tarball per stage and the command log
 WORK=${GPU_WORK:-/tmp/graphcap-gpu}
@@ -32,13 +35,12 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor-cache}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$WORK/triton-cache}
 gc() { python3 -m graphcap.cli "$@"; }
 
-{
+env_report() {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit,clocks.max.sm --format=csv
   python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
   python3 -c 'import sglang; print("sglang", sglang.__version__)' 2>&1 | tail -1
-  git log -1 --oneline 2>/dev/null || true
-} > "$LOG/env-$stage.txt" 2>&1
-cat "$LOG/env-$stage.txt"
+  if [ -f .gpu-commit ]; then echo "tree at commit $(cat .gpu-commit)"; else echo "tree commit not recorded (.gpu-commit)"; fi
+}
 
 step() {  # step NAME CMD...: run, keep the log, report the exit code and time
   local name=$1; shift
@@ -50,6 +52,10 @@ step() {  # step NAME CMD...: run, keep the log, report the exit code and time
   tail -n 25 "$LOG/$name.log"
 }
 
+run_stage() {
+local stage=$1
+env_report > "$LOG/env-$stage.txt" 2>&1
+cat "$LOG/env-$stage.txt"
 case $stage in
   perf)
     cold=$WORK/cold-$(date +%s)
@@ -100,6 +106,12 @@ case $stage in
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
-tar czf "$OUT/gpu-$stage.tar.gz" -C "$WORK" logs
-cp "$LOG/commands.txt" "$OUT/commands-$stage.txt"
+}
+
+for stage in "$@"; do
+  run_stage "$stage"
+done
+name=$(IFS=-; echo "$*")
+tar czf "$OUT/gpu-$name.tar.gz" -C "$WORK" logs
+cp "$LOG/commands.txt" "$OUT/commands-$name.txt"
 cat "$LOG/commands.txt"
