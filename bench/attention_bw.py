@@ -146,13 +146,12 @@ def graph_ms(fn, rep_ms: float) -> float:
 
 
 def copy_bandwidth(rep_ms: float) -> float:
-    n = 2 << 30  # 2 GiB
-    src = torch.empty(n, dtype=torch.uint8, device=DEVICE).random_()
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src), max(rep_ms, 50))
-    del src, dst
+    """GB/s, bytes read + written: the same measurement as the draft-phase bench's roofline."""
+    from graphcap.roofline import measure_copy_bandwidth
+
+    gbs = measure_copy_bandwidth()
     torch.cuda.empty_cache()
-    return 2 * n / (ms * 1e-3) / 1e9  # GB/s, bytes read + written
+    return gbs
 
 
 class Pools:
@@ -255,7 +254,7 @@ GRID_TILES = [(bn, nw, ns) for bn in (16, 32, 64) for nw in (4, 8) for ns in (1,
 GRID_SPLITS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 18, 24, 32, 48)
 
 
-def grid(layer: str, run_cfg, n: int, base: KernelConfig, failed: set, notes: list) -> list:
+def grid(layer: str, run_cfg, n: int, failed: set, notes: list) -> list:
     """Every tile config x every split count (min_chunk = BLOCK_N, so the splits are what was asked): for the shapes
     where the heuristic misses its goal. Returns [(ms, config, splits)]."""
     timed = []
@@ -387,7 +386,7 @@ def main() -> None:
                         lambda: decode_attention_with_config(q, pools.k, pools.v, tab, slots, lens, w, sm, s, cfg),
                         args.rep_ms)
                     if args.grid:
-                        timed = grid(layer, run_cfg, n, default_config(d, group, DTYPE, True), failed, notes)
+                        timed = grid(layer, run_cfg, n, failed, notes)
                     elif w and ctx > w and (layer, b) in reuse:
                         # a sliding layer reads the same W tokens per row at every context past W: re-time the best
                         # configuration found at ctx = W instead of sweeping again

@@ -24,7 +24,7 @@ import torch
 from tabulate import tabulate
 
 from graphcap import manifest as mf
-from graphcap.capture import DraftGraphs
+from graphcap.capture import GRAPH_BACKENDS, DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec
 from graphcap.state import make_target_state
@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capture-only", action="store_true", help="time the captures only (no replay timing)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
+    backends = [x for x in a.backends.split(",") if x]
+    bad = [x for x in backends if x not in GRAPH_BACKENDS]
+    if bad or not backends:
+        p.error(f"--backends: {bad[0] if bad else a.backends!r} is not one of {', '.join(GRAPH_BACKENDS)}")
     if not torch.cuda.is_available():
         print("capture_cost: needs CUDA (CUDA graphs)", file=sys.stderr)
         return 2
@@ -68,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         return wb, graphs, time.perf_counter() - t0
 
     results, capture, phases = {}, {}, {}
-    backends = [x for x in a.backends.split(",") if x]
     runners = {} if a.capture_only else {"eager": make(None)[:2]}
     for backend in backends:
         before = _compile_phases()

@@ -5,8 +5,8 @@ Backends (constructor argument; a spec's `capture.backend` picks the default):
   ops and CUDA-graph trees record one graph per bucket, all in one shared memory pool.
 - `inductor-cudagraph`: the same Inductor-compiled code (`fullgraph=True, dynamic=False`, Inductor's own CUDA graphs
   off), recorded per bucket with `torch.cuda.CUDAGraph` in one shared pool - what sglang does with its compiled
-  decode graphs. Same GPU work as reduce-overhead; a replay is one `cudaGraphLaunch`, without CUDA-graph trees'
-  per-call bookkeeping (Dynamo guards, input-address checks over every static tensor).
+  decode graphs. The same compiled kernels as reduce-overhead; a replay is one `cudaGraphLaunch`, without
+  CUDA-graph trees' per-call bookkeeping (Dynamo guards, input-address checks over every static tensor).
 - `cudagraph`: the same function, eager ops, recorded with `torch.cuda.CUDAGraph`, one shared pool.
 - `compile`: Inductor without CUDA graphs - the "same compiled code with graphs off" that tests compare replays
   against, and the compiled path on a CPU.
@@ -39,10 +39,11 @@ from graphcap import manifest as mf
 from graphcap.guards import (AddressGuard, CaptureError, cache_entries, cudagraph_or_error, cudagraph_skips, describe,
                              reserved_bytes)
 from graphcap.models.draft_loop import DraftLoop, DraftOutput
+from graphcap.spec import DEFAULT_BACKEND
 
 log = logging.getLogger("graphcap")
 BACKENDS = mf.BACKENDS  # reduce-overhead, inductor-cudagraph, cudagraph, compile, eager
-GRAPH_BACKENDS = ("reduce-overhead", "inductor-cudagraph", "cudagraph")  # record CUDA graphs: need CUDA
+GRAPH_BACKENDS = mf.CAPTURE_BACKENDS  # reduce-overhead, inductor-cudagraph, cudagraph: record CUDA graphs
 MANUAL_GRAPH_BACKENDS = ("inductor-cudagraph", "cudagraph")  # torch.cuda.CUDAGraph, static outputs
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # slots, accepted, tokens, hidden
 
@@ -78,7 +79,7 @@ class DraftGraphs:
         padding_slot: int,
         example_inputs: Callable[[int], Inputs],
         static_tensors: dict[str, torch.Tensor],
-        backend: str = "inductor-cudagraph",
+        backend: str = DEFAULT_BACKEND,
         spec=None,
         manifest_path: str | os.PathLike | None = "default",
         progress: bool | None = None,
@@ -269,22 +270,21 @@ class DraftGraphs:
         """Views of the first `b` rows of the static inputs (slots, accepted, tokens, hidden) of `b`'s bucket, for an
         engine that writes its batch straight into them and then calls `replay(b)`. Every row must be written
         before each `replay` (they hold the previous batch otherwise)."""
-        if not self.captured:
-            raise CaptureError("static_inputs() before capture()")
-        if not 1 <= b <= self._buckets[-1].size:
-            raise CaptureError(f"static_inputs: batch {b} outside the captured buckets 1..{self._buckets[-1].size}; "
-                               "use run() (larger batches run eagerly)")
-        return self._buckets[self._bucket_of[b]].rows(b)[0]
+        return self._bucket_for("static_inputs", b).rows(b)[0]
 
     def replay(self, b: int, *, copy: bool = False) -> DraftOutput:
         """One draft iteration over the batch already written into `static_inputs(b)`: the zero-copy `run`. No
         input checks (shapes are the static buffers'; the engine vouches that its slots are distinct and in range,
         as `run`'s `host_slots` would check)."""
+        return self._replay(self._bucket_for("replay", b), b, copy)
+
+    def _bucket_for(self, caller: str, b: int) -> _Bucket:
         if not self.captured:
-            raise CaptureError("replay() before capture()")
-        if not 1 <= b <= self._buckets[-1].size:
-            raise CaptureError(f"replay: batch {b} outside the captured buckets 1..{self._buckets[-1].size}")
-        return self._replay(self._buckets[self._bucket_of[b]], b, copy)
+            raise CaptureError(f"{caller}() before capture()")
+        if type(b) is not int or not 1 <= b <= self._buckets[-1].size:
+            raise CaptureError(f"{caller}: batch {b!r} is not an int in the captured buckets' range "
+                               f"1..{self._buckets[-1].size}; use run() (larger batches run eagerly)")
+        return self._buckets[self._bucket_of[b]]
 
     def _replay(self, bucket: _Bucket, b: int, copy: bool) -> DraftOutput:
         rec = bucket.record

@@ -20,9 +20,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from graphcap.spec import BACKENDS as CAPTURE_BACKENDS  # no torch: `graphcap inspect` stays light
+
 FORMAT_VERSION = 1
 STATUSES = ("captured", "failed", "pending")
-BACKENDS = ("reduce-overhead", "inductor-cudagraph", "cudagraph", "compile", "eager")  # graphcap.capture.BACKENDS
+BACKENDS = CAPTURE_BACKENDS + ("compile", "eager")  # what graphcap.capture.DraftGraphs accepts
 
 
 class ManifestError(ValueError):

@@ -21,7 +21,10 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 SPEC_DIR = Path(__file__).resolve().parent / "capture_specs"
 LAYER_TYPES = ("sliding", "full")
 DTYPES = ("float32", "float16", "bfloat16")
+# How a spec may capture (graphcap.capture adds "compile" and "eager", which record no graphs); the one list
+# spec files, the capture engine, manifests and the sglang flag all read.
 BACKENDS = ("reduce-overhead", "inductor-cudagraph", "cudagraph")
+DEFAULT_BACKEND = "inductor-cudagraph"
 HEAD_KINDS = ("full", "centroid")
 
 
@@ -236,7 +239,7 @@ def parse_spec(data: dict[str, Any], source: str = "<spec>") -> CaptureSpec:
     c = top.table_of("capture")
     cap = CaptureSettings(
         steps=c.int("steps"), top_k=c.int("top_k"), buckets=c.int_list("buckets"), max_slots=c.int("max_slots"),
-        max_context=c.int("max_context"), backend=c.str("backend", BACKENDS, default="inductor-cudagraph"),
+        max_context=c.int("max_context"), backend=c.str("backend", BACKENDS, default=DEFAULT_BACKEND),
     )
     c.done()
     if cap.top_k != 1:

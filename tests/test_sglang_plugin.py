@@ -5,8 +5,6 @@ the flag nothing is patched. Only sglang.srt.server_args / plugins are imported 
 run in a fresh interpreter (test_sglang_runtime.py)."""
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
@@ -15,13 +13,10 @@ import subprocess
 import sys
 
 import pytest
+from sglang_required import require_sglang_plugin
 
-pytest.importorskip("sglang", reason="the real sglang package is not installed (make test installs "
-                                     "requirements/sglang-cpu.txt)")
+require_sglang_plugin()
 pytestmark = pytest.mark.sglang
-if not any(ep.name == "graphcap" for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")):
-    pytest.skip("graphcap is not installed as a distribution here, so sglang cannot discover its plugin entry point "
-                "(make test installs it with pip install -e .)", allow_module_level=True)
 
 from graphcap.integrations import sglang as plugin  # noqa: E402  (after the skip)
 

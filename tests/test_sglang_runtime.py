@@ -4,24 +4,16 @@ scheduler, Triton backend and Frozen-KV MTP worker with torchvision stubbed and 
 they must not share a process with the rest of the suite."""
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from sglang_required import require_sglang_plugin
 
-pytest.importorskip("sglang", reason="the real sglang package is not installed (make test installs "
-                                     "requirements/sglang-cpu.txt)")
+require_sglang_plugin(runtime=True)
 pytestmark = pytest.mark.sglang
-if not any(ep.name == "graphcap" for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")):
-    pytest.skip("graphcap is not installed as a distribution here, so sglang cannot discover its plugin entry point "
-                "(make test installs it with pip install -e .)", allow_module_level=True)
-if importlib.util.find_spec("tvm_ffi") is None:
-    pytest.skip("sglang's runtime dependency apache-tvm-ffi is missing here (make test installs "
-                "requirements/sglang-cpu.txt)", allow_module_level=True)
 
 HERE = Path(__file__).resolve().parent
 

@@ -23,13 +23,14 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from graphcap.spec import BACKENDS, DEFAULT_BACKEND  # light: no torch
+
 log = logging.getLogger("graphcap.sglang")
 
 TESTED_SGLANG = ("0.5.23",)
 FLAG = "--enable-draft-graph-capture"
 BACKEND_FLAG = "--draft-graph-capture-backend"
 MANIFEST_FLAG = "--draft-graph-manifest-dir"
-BACKENDS = ("reduce-overhead", "inductor-cudagraph", "cudagraph")
 ENV_VAR = "GRAPHCAP_SGLANG_DRAFT_CAPTURE"
 ATTR = "_graphcap_draft_capture"  # on ServerArgs: underscore names are bookkeeping, allowed even on a sealed record
 _DEST = {"enabled": "enable_draft_graph_capture", "backend": "draft_graph_capture_backend",
@@ -62,7 +63,7 @@ class DraftCaptureConfigError(ValueError):
 @dataclass(frozen=True)
 class DraftCaptureOptions:
     enabled: bool = False
-    backend: str = "inductor-cudagraph"
+    backend: str = DEFAULT_BACKEND
     manifest_dir: str | None = None  # None: graphcap's default ($GRAPHCAP_MANIFEST_DIR or ~/.cache/graphcap/...)
 
     def to_json(self) -> str:
@@ -157,12 +158,11 @@ def add_arguments(parser) -> None:
                         "sliding-window state in graphcap's static buffers, advanced in place by each verify's "
                         "accepted tokens, and capture the whole draft iteration per decode batch bucket. Off by "
                         "default: without this flag the plugin changes nothing.")
-    g.add_argument(BACKEND_FLAG, dest=_DEST["backend"], choices=BACKENDS, default="inductor-cudagraph",
+    g.add_argument(BACKEND_FLAG, dest=_DEST["backend"], choices=BACKENDS, default=DEFAULT_BACKEND,
                    help="graphcap: how the draft iteration is captured: 'reduce-overhead' = torch.compile with CUDA "
                         "graphs (Inductor fuses the small ops), 'inductor-cudagraph' = the same Inductor code recorded in "
-                        "torch.cuda.CUDAGraph (least host time per replay), 'cudagraph' = torch.cuda.CUDAGraph of the "
-                        "eager ops. "
-                        "Default: %(default)s.")
+                        "torch.cuda.CUDAGraph (no per-call torch.compile bookkeeping), 'cudagraph' = "
+                        "torch.cuda.CUDAGraph of the eager ops. Default: %(default)s.")
     g.add_argument(MANIFEST_FLAG, dest=_DEST["manifest_dir"], default=None, metavar="DIR",
                    help="graphcap: directory for the capture manifest that `graphcap inspect DIR` lists (default: "
                         "$GRAPHCAP_MANIFEST_DIR, else ~/.cache/graphcap/manifests).")
@@ -170,7 +170,7 @@ def add_arguments(parser) -> None:
 
 def options_from_namespace(args) -> DraftCaptureOptions:
     return DraftCaptureOptions(enabled=bool(getattr(args, _DEST["enabled"], False)),
-                               backend=getattr(args, _DEST["backend"], None) or "inductor-cudagraph",
+                               backend=getattr(args, _DEST["backend"], None) or DEFAULT_BACKEND,
                                manifest_dir=getattr(args, _DEST["manifest_dir"], None))
 
 
@@ -209,7 +209,7 @@ def _after_add_cli_args(result, parser, *args, **kwargs):
 
 def _after_from_cli_args(result, cls, args, *rest, **kwargs):
     opts = options_from_namespace(args)
-    if not opts.enabled and (opts.backend != "inductor-cudagraph" or opts.manifest_dir is not None):
+    if not opts.enabled and (opts.backend != DEFAULT_BACKEND or opts.manifest_dir is not None):
         log.warning("graphcap: %s/%s given without %s: they have no effect", BACKEND_FLAG, MANIFEST_FLAG, FLAG)
     attach_options(result, opts)
     if opts.enabled:
