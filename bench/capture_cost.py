@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--backends", default="cudagraph,inductor-cudagraph,reduce-overhead")
     p.add_argument("--capture-only", action="store_true", help="time the captures only (no replay timing)")
+    p.add_argument("--buckets", default="", help="capture only these buckets (default: the spec's); e.g. 8")
+    p.add_argument("--census", action="store_true",
+                   help="record --batch's iteration once more as a debug graph: its nodes by type (graph.dot kept)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     backends = [x for x in a.backends.split(",") if x]
@@ -49,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         print("capture_cost: needs CUDA (CUDA graphs)", file=sys.stderr)
         return 2
     spec = load_spec(a.spec)
+    try:
+        buckets = [int(x) for x in a.buckets.split(",") if x] or list(spec.capture.buckets)
+    except ValueError:
+        p.error(f"--buckets: {a.buckets!r} is not a comma-separated list of batch sizes")
+    if sorted(set(buckets)) != buckets or buckets[0] < 1 or a.batch > buckets[-1]:
+        p.error(f"--buckets {a.buckets}: needs increasing positive sizes, the largest >= --batch {a.batch}")
     a.out.mkdir(parents=True, exist_ok=True)
     b, n = a.batch, a.iters
     growth = 3 * (n + 10) * (spec.capture.steps + 1)
@@ -66,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         if backend is None:
             return wb, loop, loop
         path = mf.manifest_path(a.out, spec.name, spec.hash, backend)
-        graphs = DraftGraphs.for_loop(loop, backend=backend, manifest_path=path, progress=False)
+        graphs = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=path, progress=False)
         t0 = time.perf_counter()
         graphs.capture()
         return wb, graphs, time.perf_counter() - t0
 
-    results, capture, phases = {}, {}, {}
+    results, capture, phases, census = {}, {}, {}, {}
     runners = {} if a.capture_only else {"eager": make(None)[:2]}
     for backend in backends:
         before = _compile_phases()
@@ -90,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             bucket = r._buckets[r._bucket_of[b]]
             if bucket.graph is not None:
                 calls["CUDAGraph.replay()"] = lambda *x, g=bucket.graph: g.replay()
+                calls["CUDAGraph.replay(), GPU busy"] = calls["CUDAGraph.replay()"]
+            if a.census and name == "inductor-cudagraph":
+                census[name] = graph_census(r._compiled, bucket.inputs, a.out / f"graph-{name}-b{b}.dot")
         res = results[name] = {}
         for kind, run in calls.items():
             for i in range(5):
@@ -98,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             gpu, host = [], []
             for i in range(5, n):
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if kind.endswith("GPU busy"):  # the launch overlaps GPU work, as in a serving loop
+                    torch.cuda._sleep(2_000_000)  # ~1 ms of spinning at H200 clocks
                 e0.record()
                 t0 = time.perf_counter()
                 run(state.slots, accepted[i], tokens[i], hidden[i])
@@ -120,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                       headers=["backend"] + [PHASES[k] for k in PHASES], tablefmt="github")
     ctable = tabulate([[bk, f"{capture[bk][0]:.1f}"] + [f"{r.batch_size}:{r.capture_s:.2f}s/{r.pool_bytes / 2**20:.0f}MiB"
                                                       for r in capture[bk][1]] for bk in capture],
-                      headers=["backend", "total s"] + [f"bucket {x}" for x in spec.capture.buckets], tablefmt="github")
+                      headers=["backend", "total s"] + [f"bucket {x}" for x in buckets], tablefmt="github")
     env = mf.environment()
     text = (f"# capture cost, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
             f"spec {spec.name} ({spec.hash}), batch {b}, context {a.context}, steps {spec.capture.steps}; "
@@ -128,13 +142,41 @@ def main(argv: list[str] | None = None) -> int:
             f"{table}\n\nCapture (all buckets; per bucket: capture seconds / graph memory):\n\n{ctable}\n\n"
             f"Where torch.compile's time went (torch._dynamo.utils.compile_times, seconds summed over buckets):\n\n"
             f"{ptable}\n")
+    if census:
+        text += ("\nNodes of one recorded iteration (bucket of --batch; cudaGraphDebugDotPrint, file graph-*.dot):\n\n"
+                 + tabulate([[k, v["nodes"], v["edges"], ", ".join(f"{t} {c}" for t, c in v["by_type"].items()),
+                              ", ".join(f"{t} {c}" for t, c in v["kernels"][:12])] for k, v in census.items()],
+                            headers=["backend", "nodes", "edges", "by type", "most frequent kernels"],
+                            tablefmt="github") + "\n")
     print(text)
     (a.out / "capture_cost.md").write_text(text)
     (a.out / "capture_cost.json").write_text(json.dumps(
         {"results": results, "capture_total_s": {k: v[0] for k, v in capture.items()},
          "capture_buckets": {k: [dataclasses.asdict(r) for r in v[1]] for k, v in capture.items()},
-         "compile_phases_s": phases, "env": env}, indent=1))
+         "compile_phases_s": phases, "census": census, "env": env}, indent=1))
     return 0
+
+
+def graph_census(fn, inputs, dot_path: Path) -> dict:
+    """Record `fn(*inputs)` once more into a debug-mode CUDA graph (it runs: the windows advance by the inputs'
+    accepted counts, padding rows' 0 here), dump it as DOT and count nodes by type and kernels by name."""
+    import collections
+    import re
+
+    g = torch.cuda.CUDAGraph()
+    g.enable_debug_mode()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        fn(*inputs)
+    g.debug_dump(str(dot_path))
+    del g
+    text = dot_path.read_text(errors="replace")
+    types = re.findall(r'label="\{?\s*([A-Z_]+)\b', text)
+    kernels = re.findall(r'\|\s*name\s*\|\s*([^|\\}]+)', text)
+    short = [re.sub(r"^(void\s+)?", "", k).split("(")[0].split("<")[0].strip()[:60] for k in kernels]
+    return {"nodes": len(types), "edges": len(re.findall(r"->", text)),
+            "by_type": dict(collections.Counter(types).most_common()),
+            "kernels": collections.Counter(short).most_common()}
 
 
 PHASES = {  # torch.compile's timed phases worth showing (nested: the first is the whole compile)

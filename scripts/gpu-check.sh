@@ -5,7 +5,9 @@
 #                                 profile of an iteration, attention GPU tests + default configs vs sglang
 #   scripts/gpu-check.sh smoke    quick: CUDA unit tests of window/attention/model + a tiny bench
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included), attention tuning grid
-#   scripts/gpu-check.sh kernels  bench/window_advance.py, bench/attention_bw.py defaults (L2 emptied dirty / clean)
+#   scripts/gpu-check.sh kernels  bench/window_advance.py, bench/attention_bw.py defaults timed three ways (L2
+#                                 emptied by writing / by reading; in-graph among other work)
+#   scripts/gpu-check.sh host     host time per call (GPU idle / busy) and a census of the graph's nodes, batch 8
 #   scripts/gpu-check.sh bench    `graphcap bench`: batch 1..64 x steps 1-3 at context 2048, context 256..32000 at
 #                                 batch 8; `graphcap inspect` of the manifests
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
@@ -42,11 +44,11 @@ env_report() {
   if [ -f .gpu-commit ]; then echo "tree at commit $(cat .gpu-commit)"; else echo "tree commit not recorded (.gpu-commit)"; fi
 }
 
-step() {  # step NAME CMD...: run, keep the log, report the exit code and time
+step() {  # step NAME CMD...: run, keep the log, report the exit code and time ($STEP_LIMIT s at most, if set)
   local name=$1; shift
   echo "== $name: $*" | tee -a "$LOG/commands.txt"
   local t0=$SECONDS
-  "$@" > "$LOG/$name.log" 2>&1
+  timeout "${STEP_LIMIT:-0}" "$@" > "$LOG/$name.log" 2>&1
   local rc=$?
   echo "   rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG/commands.txt"
   tail -n 25 "$LOG/$name.log"
@@ -86,6 +88,12 @@ case $stage in
     step window-advance python3 bench/window_advance.py --out "$LOG"
     step attention-defaults-dirty python3 bench/attention_bw.py --no-tune --out "$LOG/attention-dirty"
     step attention-defaults-clean python3 bench/attention_bw.py --no-tune --l2 clean --out "$LOG/attention-clean"
+    step attention-defaults-in-graph python3 bench/attention_bw.py --no-tune --l2 in-graph \
+      --out "$LOG/attention-in-graph"
+    ;;
+  host)  # host time of run()/replay()/the bare graph launch (GPU idle and busy); the graph's nodes by type
+    step host-time python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --buckets 8 \
+      --backends cudagraph,inductor-cudagraph --census --out "$LOG/host-time"
     ;;
   bench)  # iter/s vs batch at steps 1-3, then the context sweep at batch 8 (to 32000: SWA path flat?)
     step bench-main gc bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2,3 --out "$LOG/bench-main"
@@ -97,8 +105,9 @@ case $stage in
     step pytest-gpu python3 -m pytest -q -rs tests/test_capture_gpu.py tests/test_window.py
     step window-advance python3 bench/window_advance.py --out "$LOG"
     ;;
-  capture-all)  # the replay-equality test for the gemma4 spec over every bucket (compile-heavy: ~25 s per bucket)
-    step pytest-capture-all env GRAPHCAP_GPU_ALL_BUCKETS=1 python3 -m pytest -q -rs tests/test_capture_gpu.py \
+  capture-all)  # the replay-equality test for the gemma4 spec over every bucket (compile-heavy: ~25 s per bucket);
+    # cut at 560 s so that what ran still comes back inside the lent machine's 600 s per call
+    STEP_LIMIT=${STEP_LIMIT:-560} step pytest-capture-all env GRAPHCAP_GPU_ALL_BUCKETS=1 python3 -m pytest -q -rs tests/test_capture_gpu.py \
       -k "gemma4 and (inductor-cudagraph or reduce-overhead)"
     ;;
   verify)  # short: the attention kernel's GPU tests and the quick GPU replay cases on the current tree
