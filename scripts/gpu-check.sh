@@ -7,6 +7,7 @@
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included), attention tuning grid
 #   scripts/gpu-check.sh kernels  bench/window_advance.py, bench/attention_bw.py defaults timed three ways (L2
 #                                 emptied by writing / by reading; in-graph among other work)
+#   scripts/gpu-check.sh capture-warm  all buckets from the warm caches an earlier stage left, host time, census
 #   scripts/gpu-check.sh host     host time per call (GPU idle / busy) and a census of the graph's nodes, batch 8
 #   scripts/gpu-check.sh bench    `graphcap bench`: batch 1..64 x steps 1-3 at context 2048, context 256..32000 at
 #                                 batch 8; `graphcap inspect` of the manifests
@@ -90,6 +91,10 @@ case $stage in
     step attention-defaults-clean python3 bench/attention_bw.py --no-tune --l2 clean --out "$LOG/attention-clean"
     step attention-defaults-in-graph python3 bench/attention_bw.py --no-tune --l2 in-graph \
       --out "$LOG/attention-in-graph"
+    ;;
+  capture-warm)  # every bucket captured from warm caches (what a server restart pays; run after capture-all or bench)
+    step capture-warm-all python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 \
+      --backends cudagraph,inductor-cudagraph --census --out "$LOG/capture-warm-all"
     ;;
   host)  # host time of run()/replay()/the bare graph launch (GPU idle and busy); the graph's nodes by type
     step host-time python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --buckets 8 \
