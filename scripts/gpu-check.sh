@@ -8,6 +8,7 @@
 #   scripts/gpu-check.sh kernels  bench/window_advance.py, bench/attention_bw.py defaults timed three ways (L2
 #                                 emptied by writing / by reading; in-graph among other work)
 #   scripts/gpu-check.sh capture-warm  all buckets from the warm caches an earlier stage left, host time, census
+#   scripts/gpu-check.sh host-affinity  host time per call, 3 runs free / 3 pinned to a core near the GPU
 #   scripts/gpu-check.sh host     host time per call (GPU idle / busy) and a census of the graph's nodes, batch 8
 #   scripts/gpu-check.sh bench    `graphcap bench`: batch 1..64 x steps 1-3 at context 2048, context 256..32000 at
 #                                 batch 8; `graphcap inspect` of the manifests
@@ -95,6 +96,17 @@ case $stage in
   capture-warm)  # every bucket captured from warm caches (what a server restart pays; run after capture-all or bench)
     step capture-warm-all python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 \
       --backends cudagraph,inductor-cudagraph --census --out "$LOG/capture-warm-all"
+    ;;
+  host-affinity)  # host time per call, three runs free and three pinned to one core of the GPU's NUMA node
+    nvidia-smi topo -m > "$LOG/topo.txt" 2>&1; cat "$LOG/topo.txt"
+    cpus=$(nvidia-smi topo -m 2>/dev/null | awk '$1 == "GPU0" {for (i = 2; i <= NF; i++) if ($i ~ /^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$/) {print $i; exit}}')
+    core=${cpus%%[-,]*}
+    for i in 1 2 3; do
+      step host-free-$i python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 \
+        --buckets 8 --backends inductor-cudagraph --out "$LOG/host-free-$i"
+      step host-pinned-$i taskset -c "${core:-0}" python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 \
+        --context 2048 --buckets 8 --backends inductor-cudagraph --out "$LOG/host-pinned-$i"
+    done
     ;;
   host)  # host time of run()/replay()/the bare graph launch (GPU idle and busy); the graph's nodes by type
     step host-time python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --buckets 8 \
