@@ -160,9 +160,6 @@ def main(argv: list[str] | None = None) -> int:
 def graph_census(fn, inputs, dot_path: Path) -> dict:
     """Record `fn(*inputs)` once more into a debug-mode CUDA graph (it runs: the windows advance by the inputs'
     accepted counts, padding rows' 0 here), dump it as DOT and count nodes by type and kernels by name."""
-    import collections
-    import re
-
     try:  # keep_graph: the cudaGraph_t survives capture_end, so it can be printed (torch >= 2.7)
         g = torch.cuda.CUDAGraph(keep_graph=True)
     except TypeError:
@@ -175,10 +172,18 @@ def graph_census(fn, inputs, dot_path: Path) -> dict:
     del g
     if not dot_path.exists():
         return {"nodes": 0, "edges": 0, "by_type": {"(no dump written)": 1}, "kernels": []}
-    text = dot_path.read_text(errors="replace")
-    types = re.findall(r'label="\{?\s*([A-Z_]+)\b', text)
-    kernels = re.findall(r'\|\s*name\s*\|\s*([^|\\}]+)', text)
-    short = [re.sub(r"^(void\s+)?", "", k).split("(")[0].split("<")[0].strip()[:60] for k in kernels]
+    return parse_dot(dot_path.read_text(errors="replace"))
+
+
+def parse_dot(text: str) -> dict:
+    """Nodes by type, edges, and kernels by (shortened) name in a cudaGraphDebugDotPrint dump."""
+    import collections
+    import re
+
+    types = re.findall(r'label="\{\s*([A-Z_]+)\b', text)
+    # kernel nodes: "{ID | 3 (topoId: 209) | name\<\<\<grid,block,smem\>\>\>}"
+    kernels = [k.strip() for k in re.findall(r"\{ID \| \d+ \(topoId: \d+\) \| ([^\\{}|]+)", text)]
+    short = [re.sub(r"^_ZN\w*?(cublasLt|cutlass)\w*", r"\1 ...", k)[:60] for k in kernels]
     return {"nodes": len(types), "edges": len(re.findall(r"->", text)),
             "by_type": dict(collections.Counter(types).most_common()),
             "kernels": collections.Counter(short).most_common()}

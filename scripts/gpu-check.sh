@@ -14,7 +14,7 @@
 #                                 batch 8; `graphcap inspect` of the manifests
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
 #   scripts/gpu-check.sh final    GPU replay tests + window-advance bench (one call)
-#   scripts/gpu-check.sh verify   attention GPU tests + quick replay cases
+#   scripts/gpu-check.sh verify   after a kernel change: kernel/model tests, attention timing, census, replay tests
 # Several stages run in one call in order: scripts/gpu-check.sh kernels capture-all.
 # sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
 # The lent machine's .git may be stale: `git rev-parse --short HEAD > .gpu-commit` here (ignored; carry it) records
@@ -127,8 +127,15 @@ case $stage in
     STEP_LIMIT=${STEP_LIMIT:-560} step pytest-capture-all env GRAPHCAP_GPU_ALL_BUCKETS=1 python3 -m pytest -q -rs tests/test_capture_gpu.py \
       -k "gemma4 and (inductor-cudagraph or reduce-overhead)"
     ;;
-  verify)  # short: the attention kernel's GPU tests and the quick GPU replay cases on the current tree
-    step pytest-verify python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_capture_gpu.py -k "attention or tiny or cudagraph"
+  verify)  # after a kernel change: attention + model tests on CUDA, attention timed (in-graph, dirty L2), the
+    # graph census and host time at batch 8, replay tests (tiny: every backend; gemma4 1/8/64: inductor-cudagraph)
+    step pytest-kernels python3 -m pytest -q -rs tests/test_attention.py tests/test_models.py tests/test_window.py
+    step attention-in-graph python3 bench/attention_bw.py --no-tune --l2 in-graph --out "$LOG/attention-in-graph"
+    step attention-dirty python3 bench/attention_bw.py --no-tune --out "$LOG/attention-dirty"
+    step host-time python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --buckets 8 \
+      --backends cudagraph,inductor-cudagraph --census --out "$LOG/host-time"
+    STEP_LIMIT=${STEP_LIMIT:-240} step pytest-replay python3 -m pytest -q -rs tests/test_capture_gpu.py \
+      -k "tiny or (gemma4 and inductor-cudagraph)"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -26,8 +26,13 @@ Kernel ("flash-decoding", split-KV):
    costs a whole second wave (docs/results/attention.md). It loads each K/V tile once for
    the whole query-head group (tl.dot with the group padded to >= 16 rows), runs an online softmax in fp32 and
    writes a normalised partial output [B, H, S, D] fp32 and its log-sum-exp [B, H, S] (base 2; -inf for an empty
-   chunk). With num_splits == 1 it writes the final output directly and the second kernel is skipped.
-2. `_combine_kernel`, grid (B, H): merges the splits; an all-empty row gives zeros.
+   chunk). With num_splits == 1 it writes the final output directly and no merge is needed.
+2. Merging the splits: with `sem` (zeroed int32 counters, one per row and kv-head tile, allocated once by the
+   caller) the last program of each (row, kv head) to finish - counted with one acq_rel atomic - merges all splits
+   in the same kernel and sets the counter back to 0. Without it (or with too few counters for the batch),
+   `_combine_kernel`, grid (B, H), merges them as a second kernel. An all-empty row gives zeros either way. The
+   merge in the split kernel saves a launch and a graph node per layer and step (on the H200 the second kernel
+   cost ~1.4 us plus the gap before it; docs/results/attention.md).
 Grid and temporaries depend only on static shapes (B, H, D, num_splits), never on GPU values: the op can be captured
 in a CUDA graph and traced by torch.compile (it is a `torch.library.triton_op`).
 
@@ -143,7 +148,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int = 1
 # checks (static: shapes, dtypes, devices, strides - nothing that needs a GPU value)
 
 
-def _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits) -> None:
+def _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, sem=None) -> None:
     def t(name, x, ndim, dtypes):
         if not isinstance(x, torch.Tensor):
             raise AttentionError(f"decode_attention: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -185,6 +190,11 @@ def _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits) 
     for name, x in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("table", table)):
         if x.numel() and x.stride(-1) != 1:
             raise AttentionError(f"decode_attention: {name}'s last dimension must be contiguous (stride 1)")
+    if sem is not None:
+        t("sem", sem, 1, (torch.int32,))
+        if sem.device != q.device or (sem.numel() and sem.stride(0) != 1):
+            raise AttentionError(f"decode_attention: sem must be a contiguous int32 tensor on {q.device}, "
+                                 f"got one on {sem.device} with stride {sem.stride()}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -226,12 +236,12 @@ def decode_attention_torch(
 
 @triton.jit
 def _split_kernel(
-    q, k_pool, v_pool, table, slots, lens, out, part, lse,
+    q, k_pool, v_pool, table, slots, lens, out, part, lse, sem,
     sm_scale_log2, cols, num_splits, min_chunk, wave, max_chunk,
     stride_qb, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_t, stride_ob, stride_oh,
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_TILES: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE: tl.constexpr, F32_DOT: tl.constexpr,
+    SINGLE: tl.constexpr, FUSED: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -295,6 +305,35 @@ def _split_kernel(
         tl.store(lse + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=mask_g)
         tl.store(part + row[:, None] * D + offs_d[None, :], o,
                  mask=(mask_g & has)[:, None] & mask_d[None, :])  # an empty chunk writes only its lse
+        if FUSED:
+            # The last of the row's num_splits programs to finish merges the splits (no second kernel): all threads'
+            # stores are ordered before one acq_rel atomic (barrier + release); the winner's reads after it
+            # (acquire + barrier) see every split's partial. It leaves the counter at 0 for the next launch.
+            tl.debug_barrier()
+            counter = sem + b * tl.num_programs(1) + pid_h
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
+            if done == num_splits - 1:
+                first = (b * H + heads) * num_splits  # [BLOCK_G]
+                m_c = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                den = tl.zeros([BLOCK_G], tl.float32)
+                acc_c = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+                for s_i in range(0, num_splits):
+                    l_s = tl.load(lse + first + s_i, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
+                    m_new = tl.maximum(m_c, l_s)
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_c - m_ref)
+                    w_s = tl.exp2(l_s - m_ref)
+                    live = mask_g & (l_s > float("-inf"))  # an empty split wrote no partial: read none
+                    pv = tl.load(part + (first + s_i)[:, None] * D + offs_d[None, :],
+                                 mask=live[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
+                    acc_c = acc_c * alpha[:, None] + w_s[:, None] * pv
+                    den = den * alpha + w_s
+                    m_c = m_new
+                o_c = tl.where(den[:, None] > 0, acc_c / tl.where(den > 0, den, 1.0)[:, None], 0.0)
+                tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                         o_c.to(out.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+                tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -322,16 +361,31 @@ def _combine_kernel(
     tl.store(out + b * stride_ob + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=mask_d)
 
 
+def semaphore_count(batch: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Counters `decode_attention` needs in `sem` for a batch of `batch` rows (one per row and kv-head tile)."""
+    return batch * kv_heads * _head_tiles(heads // kv_heads, head_dim)
+
+
+def _block_g(group: int, d: int) -> int:
+    block_g = max(16, triton.next_power_of_2(group))
+    if block_g > 16 and (block_g > 64 or d >= 512):  # keep the [group, D] fp32 accumulator in registers
+        block_g = 16 if d >= 512 else min(block_g, 64)
+    return block_g
+
+
+def _head_tiles(group: int, d: int) -> int:
+    return triton.cdiv(group, _block_g(group, d))
+
+
 def _launch(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, config: KernelConfig,
+    sem: torch.Tensor | None = None,
 ) -> torch.Tensor:
     b, h, d = q.shape
     hkv = k_pool.shape[1]
     group = h // hkv
-    block_g = max(16, triton.next_power_of_2(group))
-    if block_g > 16 and (block_g > 64 or d >= 512):  # keep the [group, D] fp32 accumulator in registers
-        block_g = 16 if d >= 512 else min(block_g, 64)
+    block_g = _block_g(group, d)
     head_tiles = triton.cdiv(group, block_g)
     block_d = max(16, triton.next_power_of_2(d))
     cols = window if window > 0 else table.shape[1]
@@ -339,6 +393,9 @@ def _launch(
     if b == 0:
         return out
     single = num_splits == 1
+    # Merge the splits in the split kernel itself when counters are given and enough for this batch (a batch past
+    # them, e.g. an eager fallback above the largest bucket, takes the two-kernel path).
+    fused = not single and sem is not None and sem.numel() >= b * hkv * head_tiles
     if config.max_chunk > 0:  # adapt per row (module docstring); else every row uses num_splits
         wave = min(num_splits, wave_splits(b, hkv, device_sm_count(q.device), config.wave))
         max_chunk = config.max_chunk
@@ -351,18 +408,18 @@ def _launch(
         part = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     wrap_triton(_split_kernel)[(b, hkv * head_tiles, num_splits)](
-        q, k_pool, v_pool, table, slots, lens, out, part, lse,
+        q, k_pool, v_pool, table, slots, lens, out, part, lse, sem if fused else part,
         float(sm_scale) * LOG2E, cols, num_splits, config.min_chunk, wave, max_chunk,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         table.stride(0), out.stride(0), out.stride(1),
         H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
-        BLOCK_N=config.block_n, SINGLE=single,
+        BLOCK_N=config.block_n, SINGLE=single, FUSED=fused,
         # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16 tiles
         # returns garbage (seen with triton 3.9), so the tiles are upcast there.
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if not single:
+    if not single and not fused:
         wrap_triton(_combine_kernel)[(b, h)](
             part, lse, out, num_splits, out.stride(0), out.stride(1),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
@@ -374,12 +431,13 @@ def _launch(
 def decode_attention_with_config(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, config: KernelConfig | None = None,
+    sem: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernels with an explicit launch configuration (for tuning; not a registered op)."""
-    _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
+    _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, sem)
     if config is None:
         config = _config_for(q, k_pool)
-    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, config)
+    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, config, sem)
 
 
 def _config_for(q: torch.Tensor, k_pool: torch.Tensor) -> KernelConfig:
@@ -387,17 +445,25 @@ def _config_for(q: torch.Tensor, k_pool: torch.Tensor) -> KernelConfig:
     return default_config(q.shape[2], q.shape[1] // k_pool.shape[1], q.dtype, q.is_cuda, smem_bytes=smem)
 
 
-@triton_op("graphcap::decode_attention", mutates_args=())
+@triton_op("graphcap::decode_attention", mutates_args=("sem",))
 def decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
-    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int,
+    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, sem: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over `table[slots[b], :min(lens[slots[b]], window or table.shape[1])]` per batch row.
 
     q [B, H, D] (RoPE applied), k_pool/v_pool [P, Hkv, D] (read in place), table [rows, cols] int32/int64 locations,
     slots [B], lens indexed by slot. Returns [B, H, D] in q's dtype; rows of length 0 give zeros.
+    `sem`: zeroed int32 counters (`semaphore_count` of them, allocated once, e.g. `new_semaphores`): the last split
+    of each row then merges the splits itself, one kernel instead of two. Each call leaves them zero again; calls on
+    different streams at the same time must not share them.
     """
-    _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
+    _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, sem)
     if not use_triton(q):
         return decode_attention_torch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
-    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, _config_for(q, k_pool))
+    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, _config_for(q, k_pool), sem)
+
+
+def new_semaphores(batch: int, heads: int, kv_heads: int, head_dim: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed counters for `decode_attention(..., sem=)` at batches up to `batch`."""
+    return torch.zeros(semaphore_count(batch, heads, kv_heads, head_dim), dtype=torch.int32, device=device)

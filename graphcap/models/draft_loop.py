@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from graphcap.kernels.attention import device_sm_count
+from graphcap.kernels.attention import device_sm_count, semaphore_count
 from graphcap.models.frozen_kv_draft import FrozenKVDraft, KVSource
 from graphcap.window import WindowBuffers
 
@@ -45,9 +45,16 @@ class DraftLoop(nn.Module):
         self.model, self.window = model, window
         self.steps = steps or spec.capture.steps
         sms = device_sm_count(window.device)
+        # One set of attention counters for all layers (their kernels run one after another on one stream), sized
+        # for the largest capture bucket; a larger (eager fallback) batch takes the two-kernel path.
+        rows = max(spec.capture.buckets)
+        sem = torch.zeros(max(semaphore_count(rows, spec.draft.heads, spec.attention(lt).kv_heads,
+                                              spec.attention(lt).head_dim) for lt in ("sliding", "full")),
+                          dtype=torch.int32, device=window.device)
         self.sources = sources or {
-            "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window, sm_count=sms),
-            "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1], sm_count=sms),
+            "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window, sm_count=sms, sem=sem),
+            "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1], sm_count=sms,
+                             sem=sem),
         }
 
     def forward(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
@@ -79,6 +86,8 @@ class DraftLoop(nn.Module):
         out.update({f"window.{n}": t for n, t in self.window.static_tensors().items()})
         for lt, src in self.sources.items():
             out[f"{lt}.k_pool"], out[f"{lt}.v_pool"] = src.k_pool, src.v_pool
+            if src.sem is not None:
+                out[f"{lt}.attention_counters"] = src.sem
         return out
 
     def example_inputs(self, batch: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
