@@ -185,6 +185,20 @@ def test_merged_splits_match_float64_and_leave_counters_zero(device, seed, ratio
             assert rel_err(out, ref) < TOL[torch.float32]
 
 
+def test_every_argument_reaches_the_registered_op(monkeypatch):
+    """torch 2.11's custom-op wrapper fails (IndexError) when a mutated argument is left to its default: the public
+    function must pass all of the op's arguments, `sem` included."""
+    import graphcap.kernels.attention as attn
+
+    schema = torch.ops.graphcap.decode_attention.default._schema
+    seen = []
+    monkeypatch.setattr(attn, "_decode_attention_op", lambda *a, **k: seen.append((a, k)) or a[0])
+    case = make_case(2, lens=[5], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device="cpu")
+    attn.decode_attention(*case, 2)
+    (args, kwargs), = seen
+    assert len(args) == len(schema.arguments) and not kwargs and args[-1] is None
+
+
 def test_too_few_counters_take_the_two_kernel_path(device):
     case = make_case(9, lens=[30, 7, 44], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device=device)
     sem = torch.full((3,), 7, dtype=torch.int32, device=device)  # a batch of 4 x 2 kv heads needs 8

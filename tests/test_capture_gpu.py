@@ -25,6 +25,7 @@ pytestmark = pytest.mark.gpu
 # cold); tiny covers every bucket. GRAPHCAP_GPU_ALL_BUCKETS=1 runs gemma4 over all of its buckets too
 # (scripts/gpu-check.sh capture-all).
 _ALL = os.environ.get("GRAPHCAP_GPU_ALL_BUCKETS") == "1"
+_MERGED = os.environ.get("GRAPHCAP_GPU_MERGED_SPLITS") == "1"  # attention merges its splits in one kernel
 CASES = [("tiny", None, 16), ("gemma4-31b-assistant", None if _ALL else (1, 8, 64), 28 if _ALL else 24)]
 
 
@@ -40,7 +41,7 @@ def _world(spec, n_slots, base_ctx, iters=64):
 def _loop(spec, st, model, lens):
     wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
     wb.reset(list(range(len(lens))), lens)
-    return DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full)
+    return DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, merged_splits=_MERGED)
 
 
 @pytest.mark.parametrize("spec_name, buckets, iters", CASES)

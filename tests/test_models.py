@@ -15,12 +15,12 @@ from graphcap.state import make_target_state
 from graphcap.window import WindowBuffers
 
 
-def build(spec, seq_lens, device, seed=0, capacity=None):
+def build(spec, seq_lens, device, seed=0, capacity=None, merged_splits=False):
     st = make_target_state(spec, seq_lens, capacity, seed=seed, device=device)
     wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
     wb.reset(st.slots.tolist(), seq_lens)
     model = FrozenKVDraft(spec, seed=seed + 1, device=device)
-    return st, wb, DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full)
+    return st, wb, DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, merged_splits=merged_splits)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,11 +90,13 @@ def reference_iteration(loop: DraftLoop, st, lens: list[int], tokens, hidden):
     return torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(margins, 1), h
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_draft_loop_matches_float64_reference(device, seed):
+@pytest.mark.parametrize("seed, merged_splits", [(0, False), (1, False), (2, True)])
+def test_draft_loop_matches_float64_reference(device, seed, merged_splits):
     spec = load_spec("tiny")  # W = 16: lengths below, at and far past the window, and length 1
     lens0 = [1, 5, 16, 40, 97, 3]
-    st, wb, loop = build(spec, lens0, device, seed=seed)
+    st, wb, loop = build(spec, lens0, device, seed=seed, merged_splits=merged_splits)
+    if merged_splits:  # the full layer splits its rows (the sliding one, W = 16, needs no split)
+        assert loop.sources["full"].sem is not None
     g = torch.Generator().manual_seed(seed)
     accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=g)
     tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=g)

@@ -445,7 +445,6 @@ def _config_for(q: torch.Tensor, k_pool: torch.Tensor) -> KernelConfig:
     return default_config(q.shape[2], q.shape[1] // k_pool.shape[1], q.dtype, q.is_cuda, smem_bytes=smem)
 
 
-@triton_op("graphcap::decode_attention", mutates_args=("sem",))
 def decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, sem: torch.Tensor | None = None,
@@ -458,6 +457,17 @@ def decode_attention(
     of each row then merges the splits itself, one kernel instead of two. Each call leaves them zero again; calls on
     different streams at the same time must not share them.
     """
+    # Every argument passed, `sem` too: torch 2.11's custom-op wrapper indexes a mutated argument in the arguments
+    # as given, so leaving `sem` to its default fails there (IndexError; seen on the H200, fixed in later torch).
+    return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, sem)
+
+
+@triton_op("graphcap::decode_attention", mutates_args=("sem",))
+def _decode_attention_op(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
+    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, sem: torch.Tensor | None,
+) -> torch.Tensor:
+    """The registered op behind `decode_attention` (traceable by torch.compile, capturable in a CUDA graph)."""
     _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, sem)
     if not use_triton(q):
         return decode_attention_torch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)

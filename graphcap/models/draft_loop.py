@@ -32,7 +32,10 @@ class DraftLoop(nn.Module):
 
     def __init__(self, model: FrozenKVDraft, window: WindowBuffers, k_swa: torch.Tensor, v_swa: torch.Tensor,
                  k_full: torch.Tensor, v_full: torch.Tensor, steps: int | None = None,
-                 sources: dict[str, KVSource] | None = None) -> None:
+                 sources: dict[str, KVSource] | None = None, merged_splits: bool = False) -> None:
+        """`merged_splits`: attention merges its splits inside the split kernel (decode_attention's `sem`): one
+        kernel and graph node fewer per layer and step. Off by default until an H200 run has checked it at the
+        Gemma 4 shapes (docs/results/attention.md); on CUDA it has been checked on the tiny spec only."""
         super().__init__()
         spec = model.spec
         if window.window != spec.window:
@@ -50,7 +53,7 @@ class DraftLoop(nn.Module):
         rows = max(spec.capture.buckets)
         sem = torch.zeros(max(semaphore_count(rows, spec.draft.heads, spec.attention(lt).kv_heads,
                                               spec.attention(lt).head_dim) for lt in ("sliding", "full")),
-                          dtype=torch.int32, device=window.device)
+                          dtype=torch.int32, device=window.device) if merged_splits else None
         self.sources = sources or {
             "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window, sm_count=sms, sem=sem),
             "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1], sm_count=sms,
