@@ -34,7 +34,8 @@ Kernel ("flash-decoding", split-KV):
    merge in the split kernel saves a launch and a graph node per layer and step (on the H200 the second kernel
    cost ~1.4 us plus the gap before it; docs/results/attention.md).
 Grid and temporaries depend only on static shapes (B, H, D, num_splits), never on GPU values: the op can be captured
-in a CUDA graph and traced by torch.compile (it is a `torch.library.triton_op`).
+in a CUDA graph and traced by torch.compile (it is a `torch.library.triton_op`). Those host-side decisions (launch
+configuration, split count, query tiling, counters) live in `attention_plan`.
 
 `decode_attention_torch` is the plain-torch twin (static shapes: gathers `table[slots, :cols]` with a mask, masked
 softmax in fp32). It is the CPU path and a test reference; it materialises [B, cols, Hkv, D] in fp32, so it is meant
@@ -42,106 +43,28 @@ for small shapes.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
+from graphcap.kernels.attention_plan import (  # noqa: F401 - re-exported: the op's public planning helpers
+    AttentionError,
+    KernelConfig,
+    _device_smem,
+    choose_num_splits,
+    default_config,
+    device_sm_count,
+    query_block,
+    semaphore_count,
+    wave_splits,
+)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 256
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-class AttentionError(ValueError):
-    """Bad input to decode_attention; the message names the argument and what was wrong."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# launch configuration
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    block_n: int = 32  # keys per tile
-    num_warps: int = 4
-    num_stages: int = 2
-    min_chunk: int = 32  # fewest keys one split covers (rows shorter than splits x this use fewer splits)
-    combine_warps: int = 4  # warps of the second (combine) kernel
-    # Split adaptation (0 = off: every row uses num_splits, as tuning sweeps want): at most this many keys per
-    # program before a row uses more splits than one wave needs.
-    max_chunk: int = 1024
-    wave: int = 0  # programs one wave holds (0: two per SM of the device, what the default tiles allow)
-
-
-def default_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: int | None = None
-                   ) -> KernelConfig:
-    """The launch configuration the op uses.
-
-    GPU values: the best or near-best configuration of the H200 sweeps in docs/results/attention.md (BLOCK_N 32,
-    3 stages, 4 warps for head dims 256 and 512: the 2026-11-30 grid found 4 warps 4-14% faster than 8 at D = 512).
-    Three stages of K and V tiles need 3 x 2 x BLOCK_N x D x 2 bytes of shared memory (192 KiB at D = 512): where
-    the device has less (`smem_bytes`, read from the current device when None), stages and then tile size step down.
-    On CPU (Triton's interpreter) small tiles keep the tests fast.
-    """
-    if not on_gpu:
-        return KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1, max_chunk=64)
-    warps = 4
-    if smem_bytes is None:
-        smem_bytes = _device_smem()
-    elem = dtype.itemsize
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    for block_n, stages in ((32, 3), (32, 2), (16, 2), (16, 1)):
-        if stages * 2 * block_n * block_d * elem + 8192 <= smem_bytes:  # + room for q and the reductions
-            break
-    return KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=block_n)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_smem_of(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 232448)  # H100/H200: 227 KiB
-
-
-@functools.lru_cache(maxsize=None)
-def device_sm_count(device: torch.device) -> int:
-    """Multiprocessors of `device` (132 on an H200; the same for a CPU, so CPU runs choose the GPU's splits)."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _device_smem(device: torch.device | None = None) -> int:
-    if not torch.cuda.is_available():
-        return 232448
-    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    return _device_smem_of(index)
-
-
-def wave_splits(batch: int, kv_heads: int, sm_count: int = 132, wave: int = 0) -> int:
-    """Splits per row that fill one wave: batch x kv_heads x splits <= `wave` programs (default 2 x sm_count: two
-    programs of the default tiles are resident per SM), 1 when batch x kv_heads alone is within 10% of that."""
-    bh, slots = batch * kv_heads, wave or 2 * max(1, sm_count)
-    return 1 if 10 * bh >= 9 * slots else max(1, slots // bh)
-
-
-def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int = 132, max_chunk: int = 1024) -> int:
-    """Static split count (the grid) for `decode_attention`: depends only on static numbers, so choose it per
-    capture bucket. Enough for a short row to fill one wave (`wave_splits`) and for the longest row (`max_len`: W
-    for sliding layers, the context bound for full layers) to keep programs at <= `max_chunk` keys; never more
-    than `max_len` has 32-token chunks, at most 64. Rows use fewer at run time (see the module docstring), so a
-    generous `max_len` costs only programs that exit at once. Fitted to the H200 sweeps (docs/results/attention.md).
-    """
-    if batch < 1 or kv_heads < 1:
-        raise AttentionError(f"choose_num_splits: batch ({batch}) and kv_heads ({kv_heads}) must be >= 1")
-    n = max(1, max_len)
-    splits = max(wave_splits(batch, kv_heads, sm_count), -(-n // max(1, max_chunk)))
-    return int(max(1, min(splits, -(-n // 32), 64)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -241,7 +164,7 @@ def _split_kernel(
     stride_qb, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_t, stride_ob, stride_oh,
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_TILES: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE: tl.constexpr, FUSED: tl.constexpr, F32_DOT: tl.constexpr,
+    SINGLE: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -305,7 +228,7 @@ def _split_kernel(
         tl.store(lse + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=mask_g)
         tl.store(part + row[:, None] * D + offs_d[None, :], o,
                  mask=(mask_g & has)[:, None] & mask_d[None, :])  # an empty chunk writes only its lse
-        if FUSED:
+        if MERGE_IN_KERNEL:
             # The last of the row's num_splits programs to finish merges the splits (no second kernel): all threads'
             # stores are ordered before one acq_rel atomic (barrier + release); the winner's reads after it
             # (acquire + barrier) see every split's partial. It leaves the counter at 0 for the next launch.
@@ -361,22 +284,6 @@ def _combine_kernel(
     tl.store(out + b * stride_ob + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=mask_d)
 
 
-def semaphore_count(batch: int, heads: int, kv_heads: int, head_dim: int) -> int:
-    """Counters `decode_attention` needs in `sem` for a batch of `batch` rows (one per row and kv-head tile)."""
-    return batch * kv_heads * _head_tiles(heads // kv_heads, head_dim)
-
-
-def _block_g(group: int, d: int) -> int:
-    block_g = max(16, triton.next_power_of_2(group))
-    if block_g > 16 and (block_g > 64 or d >= 512):  # keep the [group, D] fp32 accumulator in registers
-        block_g = 16 if d >= 512 else min(block_g, 64)
-    return block_g
-
-
-def _head_tiles(group: int, d: int) -> int:
-    return triton.cdiv(group, _block_g(group, d))
-
-
 def _launch(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, config: KernelConfig,
@@ -385,7 +292,7 @@ def _launch(
     b, h, d = q.shape
     hkv = k_pool.shape[1]
     group = h // hkv
-    block_g = _block_g(group, d)
+    block_g = query_block(group, d)
     head_tiles = triton.cdiv(group, block_g)
     block_d = max(16, triton.next_power_of_2(d))
     cols = window if window > 0 else table.shape[1]
@@ -395,7 +302,7 @@ def _launch(
     single = num_splits == 1
     # Merge the splits in the split kernel itself when counters are given and enough for this batch (a batch past
     # them, e.g. an eager fallback above the largest bucket, takes the two-kernel path).
-    fused = not single and sem is not None and sem.numel() >= b * hkv * head_tiles
+    merge_in_kernel = not single and sem is not None and sem.numel() >= b * hkv * head_tiles
     if config.max_chunk > 0:  # adapt per row (module docstring); else every row uses num_splits
         wave = min(num_splits, wave_splits(b, hkv, device_sm_count(q.device), config.wave))
         max_chunk = config.max_chunk
@@ -408,18 +315,18 @@ def _launch(
         part = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     wrap_triton(_split_kernel)[(b, hkv * head_tiles, num_splits)](
-        q, k_pool, v_pool, table, slots, lens, out, part, lse, sem if fused else part,
+        q, k_pool, v_pool, table, slots, lens, out, part, lse, sem if merge_in_kernel else part,
         float(sm_scale) * LOG2E, cols, num_splits, config.min_chunk, wave, max_chunk,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         table.stride(0), out.stride(0), out.stride(1),
         H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
-        BLOCK_N=config.block_n, SINGLE=single, FUSED=fused,
+        BLOCK_N=config.block_n, SINGLE=single, MERGE_IN_KERNEL=merge_in_kernel,
         # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16 tiles
         # returns garbage (seen with triton 3.9), so the tiles are upcast there.
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if not single and not fused:
+    if not single and not merge_in_kernel:
         wrap_triton(_combine_kernel)[(b, h)](
             part, lse, out, num_splits, out.stride(0), out.stride(1),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),

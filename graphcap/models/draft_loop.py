@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from graphcap.kernels.attention import device_sm_count, semaphore_count
+from graphcap.kernels.attention_plan import device_sm_count, semaphore_count
 from graphcap.models.frozen_kv_draft import FrozenKVDraft, KVSource
 from graphcap.window import WindowBuffers
 

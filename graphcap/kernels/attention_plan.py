@@ -1,0 +1,110 @@
+"""Host-side planning for `graphcap.kernels.attention` (FlashInfer's split of planning from the run): the launch
+configuration, the split count per capture bucket, the query-head tiling and the counters the split merge needs.
+Everything here depends on static numbers only (shapes, the device's properties), never on GPU values, so it is
+decided once per bucket at capture and is constant in the replayed graph."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+class AttentionError(ValueError):
+    """Bad input to decode_attention; the message names the argument and what was wrong."""
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_n: int = 32  # keys per tile
+    num_warps: int = 4
+    num_stages: int = 2
+    min_chunk: int = 32  # fewest keys one split covers (rows shorter than splits x this use fewer splits)
+    combine_warps: int = 4  # warps of the second (combine) kernel
+    # Split adaptation (0 = off: every row uses num_splits, as tuning sweeps want): at most this many keys per
+    # program before a row uses more splits than one wave needs.
+    max_chunk: int = 1024
+    wave: int = 0  # programs one wave holds (0: two per SM of the device, what the default tiles allow)
+
+
+def default_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: int | None = None
+                   ) -> KernelConfig:
+    """The launch configuration the op uses.
+
+    GPU values: the best or near-best configuration of the H200 sweeps in docs/results/attention.md (BLOCK_N 32,
+    3 stages, 4 warps for head dims 256 and 512: the 2026-11-30 grid found 4 warps 4-14% faster than 8 at D = 512).
+    Three stages of K and V tiles need 3 x 2 x BLOCK_N x D x 2 bytes of shared memory (192 KiB at D = 512): where
+    the device has less (`smem_bytes`, read from the current device when None), stages and then tile size step down.
+    On CPU (Triton's interpreter) small tiles keep the tests fast.
+    """
+    if not on_gpu:
+        return KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1, max_chunk=64)
+    warps = 4
+    if smem_bytes is None:
+        smem_bytes = _device_smem()
+    elem = dtype.itemsize
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    for block_n, stages in ((32, 3), (32, 2), (16, 2), (16, 1)):
+        if stages * 2 * block_n * block_d * elem + 8192 <= smem_bytes:  # + room for q and the reductions
+            break
+    return KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=block_n)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_smem_of(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 232448)  # H100/H200: 227 KiB
+
+
+@functools.lru_cache(maxsize=None)
+def device_sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device` (132 on an H200; the same for a CPU, so CPU runs choose the GPU's splits)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _device_smem(device: torch.device | None = None) -> int:
+    if not torch.cuda.is_available():
+        return 232448
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _device_smem_of(index)
+
+
+def wave_splits(batch: int, kv_heads: int, sm_count: int = 132, wave: int = 0) -> int:
+    """Splits per row that fill one wave: batch x kv_heads x splits <= `wave` programs (default 2 x sm_count: two
+    programs of the default tiles are resident per SM), 1 when batch x kv_heads alone is within 10% of that."""
+    bh, slots = batch * kv_heads, wave or 2 * max(1, sm_count)
+    return 1 if 10 * bh >= 9 * slots else max(1, slots // bh)
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int = 132, max_chunk: int = 1024) -> int:
+    """Static split count (the grid) for `decode_attention`: depends only on static numbers, so choose it per
+    capture bucket. Enough for a short row to fill one wave (`wave_splits`) and for the longest row (`max_len`: W
+    for sliding layers, the context bound for full layers) to keep programs at <= `max_chunk` keys; never more
+    than `max_len` has 32-token chunks, at most 64. Rows use fewer at run time (see the module docstring), so a
+    generous `max_len` costs only programs that exit at once. Fitted to the H200 sweeps (docs/results/attention.md).
+    """
+    if batch < 1 or kv_heads < 1:
+        raise AttentionError(f"choose_num_splits: batch ({batch}) and kv_heads ({kv_heads}) must be >= 1")
+    n = max(1, max_len)
+    splits = max(wave_splits(batch, kv_heads, sm_count), -(-n // max(1, max_chunk)))
+    return int(max(1, min(splits, -(-n // 32), 64)))
+
+
+def semaphore_count(batch: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Counters `decode_attention` needs in `sem` for a batch of `batch` rows (one per row and kv-head tile)."""
+    return batch * kv_heads * _head_tiles(heads // kv_heads, head_dim)
+
+
+def query_block(group: int, d: int) -> int:
+    """Query heads one program holds (the GQA group padded to a tl.dot tile of >= 16 rows)."""
+    block_g = max(16, triton.next_power_of_2(group))
+    if block_g > 16 and (block_g > 64 or d >= 512):  # keep the [group, D] fp32 accumulator in registers
+        block_g = 16 if d >= 512 else min(block_g, 64)
+    return block_g
+
+
+def _head_tiles(group: int, d: int) -> int:
+    return triton.cdiv(group, query_block(group, d))
