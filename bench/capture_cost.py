@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     text = (f"# capture cost, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
             f"spec {spec.name} ({spec.hash}), batch {b}, context {a.context}, steps {spec.capture.steps}; "
             f"{env['device']}, driver {env['driver']}, torch {env['torch_version']}, triton {env['triton_version']}\n\n"
-            f"{table}\n\nCapture (all buckets; per bucket: capture seconds / graph memory):\n\n{ctable}\n\n"
+            f"{table}\n\nCapture (buckets {buckets}; per bucket: capture seconds / graph memory):\n\n{ctable}\n\n"
             f"Where torch.compile's time went (torch._dynamo.utils.compile_times, seconds summed over buckets):\n\n"
             f"{ptable}\n")
     if census:
