@@ -2,8 +2,9 @@
 the same run and against sglang's own Triton `decode_attention_fwd` on the same data.
 
 bandwidth = bytes of K and V actually read (per row min(len, W) or len tokens x kv heads x head dim x 2 bytes, K and
-V) / median time of `triton.testing.do_bench` over replays of a CUDA graph holding one call (how the draft runs it;
-L2 flushed before each replay). The registered op's eager time (host launch overhead included) is reported beside.
+V) / median time of a CUDA graph holding one call (how the draft runs it), the L2 emptied before each call by
+writing (`--l2 dirty`, triton's do_bench), by reading (`--l2 clean`), or timed among 256 MB reads inside one graph
+(`--l2 in-graph`). The registered op's eager time (host launch overhead included) is reported beside.
 Pools are random bf16 with page-shuffled allocation (page 64), read through per-token location tables exactly as the
 draft does (sliding: a [B, W] ring, full: req_to_token rows).
 
@@ -337,7 +338,7 @@ def main() -> None:
     ap.add_argument("--layers", default="sliding,full")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--contexts", default="256,1024,2048,4096,8192,32768")
-    ap.add_argument("--rep-ms", type=float, default=10.0, help="do_bench rep per measurement")
+    ap.add_argument("--rep-ms", type=float, default=10.0, help="milliseconds of repeats per measurement")
     ap.add_argument("--budget-s", type=float, default=200.0,
                     help="past this many seconds, remaining shapes skip the config sweep (default + sglang only)")
     ap.add_argument("--no-tune", action="store_true", help="measure the default configuration only")
@@ -348,7 +349,8 @@ def main() -> None:
                     help="instead of the small sweep: every tile config x split count (GRID_TILES x GRID_SPLITS)")
     ap.add_argument("--no-sglang", action="store_true")
     ap.add_argument("--merged-splits", action="store_true",
-                    help="time the op with counters (sem): splits merged in the split kernel, no second kernel")
+                    help="time the default configuration with counters (sem): splits merged in the split kernel, "
+                         "no second kernel (the tuning sweep and sglang's column are unchanged)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run the script's logic on CPU at tiny shapes (TRITON_INTERPRET=1); timings are meaningless")
     args = ap.parse_args()

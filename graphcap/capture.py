@@ -120,6 +120,7 @@ class DraftGraphs:
             atexit.register(_flush_at_exit, weakref.ref(self))
         self._flush_every_s, self._last_flush = flush_every_s, 0.0
         self._created = None
+        self._env: dict | None = None  # device, driver, versions: read once (NVML), not at every flush
 
     @classmethod
     def for_loop(cls, loop: DraftLoop, backend: str | None = None, buckets: Sequence[int] | None = None,
@@ -161,7 +162,17 @@ class DraftGraphs:
         print(summary, file=sys.stderr)
 
     def recapture(self, static_tensors: dict[str, torch.Tensor] | None = None) -> None:
-        """Capture again, e.g. after the engine reallocated a KV pool (pass the new tensors)."""
+        """Capture again after a static tensor moved in place (its storage reallocated or resized, which the address
+        guard reports): the graphs are recorded over the tensors' new addresses. `static_tensors` replaces entries
+        by name (the names of `for_loop`'s `static_tensors()`; an unknown name is an error) for tensors the function
+        itself reads through the same objects. A function that should read *new* tensor objects needs a new
+        `DraftLoop` and `DraftGraphs`. Until the capture finishes nothing replays (run() raises)."""
+        if static_tensors is not None:
+            unknown = sorted(set(static_tensors) - set(self._static))
+            if unknown:
+                raise CaptureError(f"recapture: unknown static tensor name(s) {unknown}; known names are the "
+                                   f"static_tensors() of the loop, e.g. {sorted(self._static)[:3]}")
+        self.captured = False
         if static_tensors is not None:
             self._static.update(static_tensors)
         self._buckets = [self._new_bucket(b.size) for b in self._buckets]
@@ -170,8 +181,7 @@ class DraftGraphs:
 
     def _new_bucket(self, size: int) -> _Bucket:
         inputs = tuple(t.clone() for t in self._example_inputs(size))
-        return _Bucket(size, inputs, mf.BucketRecord(batch_size=size, status="pending", reason=None, capture_s=0.0,
-                                                     pool_bytes=0, replays=0, fallbacks=0, padded_rows=0))
+        return _Bucket(size, inputs, mf.BucketRecord(size))
 
     def _compile(self) -> None:
         for t in self._static.values():
@@ -222,7 +232,7 @@ class DraftGraphs:
             if cuda:
                 torch.cuda.synchronize()
         except torch.OutOfMemoryError as e:
-            rec.status, rec.reason = "failed", f"out of memory: {str(e).splitlines()[0]}"
+            rec.status, rec.reason = "failed", f"out of memory: {describe(e)}"
         except Exception as e:  # a failed bucket falls back to eager; the reason goes to the manifest
             reason = describe(e)
             if "skipping cudagraphs" in str(e):
@@ -259,7 +269,10 @@ class DraftGraphs:
                                         f"{self._buckets[-1].size}; running eagerly (counted in the manifest)")
             return self._finish(self.fn(slots, accepted, tokens, hidden), b, copy)
         bucket = self._buckets[self._bucket_of[b]]
+        if bucket.record.status == "captured":
+            self._addresses.check()  # before anything is written
         (s, a, t, h), _ = bucket.rows(b)
+        bucket.used_rows = max(bucket.used_rows, b)  # written rows: padding again at the next smaller batch
         s.copy_(slots)
         a.copy_(accepted)
         t.copy_(tokens)
@@ -270,13 +283,18 @@ class DraftGraphs:
         """Views of the first `b` rows of the static inputs (slots, accepted, tokens, hidden) of `b`'s bucket, for an
         engine that writes its batch straight into them and then calls `replay(b)`. Every row must be written
         before each `replay` (they hold the previous batch otherwise)."""
-        return self._bucket_for("static_inputs", b).rows(b)[0]
+        bucket = self._bucket_for("static_inputs", b)
+        bucket.used_rows = max(bucket.used_rows, b)  # the engine writes them: padding again at a smaller batch
+        return bucket.rows(b)[0]
 
     def replay(self, b: int, *, copy: bool = False) -> DraftOutput:
         """One draft iteration over the batch already written into `static_inputs(b)`: the zero-copy `run`. No
         input checks (shapes are the static buffers'; the engine vouches that its slots are distinct and in range,
         as `run`'s `host_slots` would check)."""
-        return self._replay(self._bucket_for("replay", b), b, copy)
+        bucket = self._bucket_for("replay", b)
+        if bucket.record.status == "captured":
+            self._addresses.check()
+        return self._replay(bucket, b, copy)
 
     def _bucket_for(self, caller: str, b: int) -> _Bucket:
         if not self.captured:
@@ -288,8 +306,6 @@ class DraftGraphs:
 
     def _replay(self, bucket: _Bucket, b: int, copy: bool) -> DraftOutput:
         rec = bucket.record
-        if rec.status == "captured":
-            self._addresses.check()
         inputs, outputs = bucket.rows(b)
         s, a, t, h = bucket.inputs
         if bucket.used_rows > b:  # rows a larger batch used last time become padding again
@@ -320,7 +336,11 @@ class DraftGraphs:
 
     def _finish(self, out: DraftOutput, b: int, copy: bool, sliced: bool = False) -> DraftOutput:
         if self.manifest_path and time.monotonic() - self._last_flush > self._flush_every_s:
-            self.flush()
+            try:
+                self.flush()
+            except OSError as e:  # the iteration ran: return its outputs, retry at the next interval
+                self._last_flush = time.monotonic()
+                self._warn_once("flush", f"graphcap: could not write manifest {self.manifest_path}: {e}")
         rows = out if sliced else DraftOutput(*(x[:b] for x in out))
         return DraftOutput(*(x.clone() for x in rows)) if copy else rows
 
@@ -333,10 +353,16 @@ class DraftGraphs:
         for name, x, r in (("accepted", accepted, ref[1]), ("tokens", tokens, ref[2]), ("hidden", hidden, ref[3])):
             if tuple(x.shape) != (b, *r.shape[1:]):
                 raise CaptureError(f"run: {name} has shape {tuple(x.shape)}, expected {(b, *r.shape[1:])}")
+        for name, x, r in (("slots", slots, ref[0]), ("accepted", accepted, ref[1]), ("tokens", tokens, ref[2]),
+                           ("hidden", hidden, ref[3])):
             if x.device != self.device:
                 raise CaptureError(f"run: {name} is on {x.device}, the captured graphs on {self.device}")
-        if slots.device != self.device:
-            raise CaptureError(f"run: slots is on {slots.device}, the captured graphs on {self.device}")
+            # integer inputs may be any integer dtype (copied into the static buffers); hidden must match exactly
+            ok = x.dtype == r.dtype if r.is_floating_point() else not (x.is_floating_point() or x.is_complex()
+                                                                       or x.dtype == torch.bool)
+            if not ok:
+                want = r.dtype if r.is_floating_point() else "an integer dtype"
+                raise CaptureError(f"run: {name} has dtype {x.dtype}, expected {want}")
 
     def _check_slots(self, host_slots: Sequence[int], b: int) -> None:
         if len(host_slots) != b:
@@ -367,7 +393,9 @@ class DraftGraphs:
         return [b.record for b in self._buckets]
 
     def manifest(self) -> mf.Manifest:
-        env = mf.environment()
+        if self._env is None:
+            self._env = mf.environment()
+        env = self._env
         spec = self.spec
         return mf.Manifest(
             format_version=mf.FORMAT_VERSION,

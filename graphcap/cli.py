@@ -83,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except OSError as e:  # a path the system refuses (permissions, name too long, ...): one line, no traceback
+        _error(f"{e.filename}: {e.strerror}" if e.filename else str(e))
+        return 2
 
 
 def _error(message: str) -> None:
@@ -105,14 +108,14 @@ def cmd_inspect(path: str | None, as_json: bool = False) -> int:
         directory = default_manifest_dir()
         files = list_manifests(directory)
         if not files:
-            print(f"no manifests in {directory}")
+            print("[]" if as_json else f"no manifests in {directory}")
             return 0
     else:
         p = Path(path)
         if p.is_dir():
             files = list_manifests(p)
             if not files:
-                print(f"no manifests in {p}")
+                print("[]" if as_json else f"no manifests in {p}")
                 return 0
         elif p.exists():
             files = [p]

@@ -57,12 +57,17 @@ def make_target_state(
         caps = [capacity] * n
     else:
         caps = list(capacity)
+    if len(caps) != n:
+        raise ValueError(f"make_target_state: {len(caps)} capacities for {n} seq_lens")
     for s, c in zip(seq_lens, caps):
         if not 0 <= s <= c <= max_context:
             raise ValueError(f"make_target_state: need 0 <= seq_len {s} <= capacity {c} <= max_context {max_context}")
     g = torch.Generator().manual_seed(seed)
     if slots is None:
         slots = torch.randperm(max_slots, generator=g)[:n].tolist()
+    slots = list(slots)
+    if len(slots) != n or len(set(slots)) != n or not all(0 <= x < max_slots for x in slots):
+        raise ValueError(f"make_target_state: slots {slots} must be {n} distinct values in [0, {max_slots})")
 
     pages_per_row = [-(-c // page) for c in caps]
     n_pages = 1 + sum(pages_per_row)  # page 0 holds location 0, the padding location

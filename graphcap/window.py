@@ -81,7 +81,7 @@ class WindowBuffers:
 
         Off the hot path: validates on the host, then O(min(len, W)) work per slot.
         """
-        slots_t, lens_t = self._as_index(slots), self._as_index(seq_lens)
+        slots_t, lens_t = self._as_index(slots, "reset", "slots"), self._as_index(seq_lens, "reset", "seq_lens")
         if slots_t.shape != lens_t.shape:
             raise WindowError(f"reset: {slots_t.numel()} slots but {lens_t.numel()} seq_lens")
         s, lens = slots_t.tolist(), lens_t.tolist()
@@ -102,6 +102,7 @@ class WindowBuffers:
         integer tensors on the buffers' device. Padding rows use `padding_slot` with `accepted = 0`.
         `checked=True` validates first on the host (syncs): for debugging, never inside a captured graph.
         """
+        self._check_advance_static(slots, accepted)  # shapes, dtypes, device: no sync, nothing written yet
         if checked:
             self._check_advance(slots, accepted)
         window_advance(self.ring, self.seq_lens, self.req_to_token, self.full_to_swa, slots, accepted,
@@ -116,15 +117,29 @@ class WindowBuffers:
         return self.ring[slot].cpu()[pos % self.window]
 
     # -----------------------------------------------------------------------------------------------------------
-    def _as_index(self, x: IntsLike) -> torch.Tensor:
+    def _as_index(self, x: IntsLike, call: str, name: str) -> torch.Tensor:
         if isinstance(x, torch.Tensor):
             t = x
         else:
             xs = list(x)
             t = torch.as_tensor(xs) if xs else torch.empty(0, dtype=torch.int64)
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise WindowError(f"expected integer slots/lengths, got dtype {t.dtype}")
+            raise WindowError(f"{call}: {name} must be integers, got dtype {t.dtype}")
+        if t.ndim > 1:
+            raise WindowError(f"{call}: {name} must be 1-D, got shape {tuple(t.shape)}")
         return t.reshape(-1).to(self.device, torch.int64)
+
+    def _check_advance_static(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        for name, x in (("slots", slots), ("accepted", accepted)):
+            if not isinstance(x, torch.Tensor):
+                raise WindowError(f"advance: {name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+                raise WindowError(f"advance: {name} must be an integer tensor, got dtype {x.dtype}")
+            if x.device != self.device:
+                raise WindowError(f"advance: {name} is on {x.device}, the window buffers on {self.device}")
+        if slots.ndim != 1 or slots.shape != accepted.shape:
+            raise WindowError(f"advance: slots {tuple(slots.shape)} and accepted {tuple(accepted.shape)} must be "
+                              "equal 1-D shapes")
 
     def _check_slots(self, call: str, slots: list[int], allow_padding: bool) -> None:
         seen: set[int] = set()
@@ -154,8 +169,6 @@ class WindowBuffers:
                                   f"location of the full pool [0, {pool})")
 
     def _check_advance(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
-        if slots.shape != accepted.shape or slots.ndim != 1:
-            raise WindowError(f"advance: slots {tuple(slots.shape)} and accepted {tuple(accepted.shape)} must be equal 1-D shapes")
         s, a = slots.tolist(), accepted.tolist()
         self._check_slots("advance", s, allow_padding=True)
         lens = self.seq_lens.tolist()

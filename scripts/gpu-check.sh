@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of graphcap, for the lent H200 (or any CUDA machine). Logs and tables go to
-# $GPU_WORK/logs (default /tmp/graphcap-gpu) and are packed into $OUT/gpu-<stage>.tar.gz (default OUT=out/gpu).
+# $GPU_WORK/logs (default /tmp/graphcap-gpu) and are packed into $OUT/gpu-<stages joined by ->.tar.gz (default OUT=out/gpu).
 #   scripts/gpu-check.sh perf     capture cost (cold and warm Inductor caches, host time per call), per-kernel
 #                                 profile of an iteration, attention GPU tests + default configs vs sglang
-#   scripts/gpu-check.sh smoke    quick: CUDA unit tests of window/attention/model + a tiny bench
+#   scripts/gpu-check.sh smoke    quick (the default stage): CUDA unit tests of window/attention/model + a tiny bench
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included), attention tuning grid
 #   scripts/gpu-check.sh kernels  bench/window_advance.py, bench/attention_bw.py defaults timed three ways (L2
 #                                 emptied by writing / by reading; in-graph among other work)
@@ -13,7 +13,6 @@
 #   scripts/gpu-check.sh bench    `graphcap bench`: batch 1..64 x steps 1-3 at context 2048, context 256..32000 at
 #                                 batch 8; `graphcap inspect` of the manifests
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
-#   scripts/gpu-check.sh final    GPU replay tests + window-advance bench (one call)
 #   scripts/gpu-check.sh verify   the merged-splits attention: kernel/model tests, in-graph timing, census, replays
 # Several stages run in one call in order: scripts/gpu-check.sh kernels capture-all.
 # sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
@@ -93,7 +92,8 @@ case $stage in
     step attention-defaults-in-graph python3 bench/attention_bw.py --no-tune --l2 in-graph \
       --out "$LOG/attention-in-graph"
     ;;
-  capture-warm)  # every bucket captured from warm caches (what a server restart pays; run after capture-all or bench)
+  capture-warm)  # every bucket captured from warm caches (what a server restart pays; run after perf, whose
+    # capture_cost run builds KV pools of the same shapes - Inductor's cache is keyed on them)
     step capture-warm-all python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 \
       --backends cudagraph,inductor-cudagraph --census --out "$LOG/capture-warm-all"
     ;;
@@ -117,10 +117,6 @@ case $stage in
     step bench-context gc bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
       --out "$LOG/bench-context"
     step inspect gc inspect "$GRAPHCAP_MANIFEST_DIR"
-    ;;
-  final)  # the GPU replay tests and the window-advance bench in one call
-    step pytest-gpu python3 -m pytest -q -rs tests/test_capture_gpu.py tests/test_window.py
-    step window-advance python3 bench/window_advance.py --out "$LOG"
     ;;
   capture-all)  # the replay-equality test for the gemma4 spec over every bucket (compile-heavy: ~25 s per bucket);
     # cut at 560 s so that what ran still comes back inside the lent machine's 600 s per call

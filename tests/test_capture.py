@@ -64,12 +64,24 @@ def test_dispatch_padding_fallback_and_manifest(tmp_path, device):
 
 
 def test_views_until_next_run_and_copies(device):
+    """run() returns views of the static outputs (the next run overwrites them); copy=True keeps the values. Both
+    against the plain loop on a twin state."""
+    _, wb_ref, loop_ref = build(device)
     _, wb, loop = build(device)
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)
+    graphs = DraftGraphs.for_loop(loop, backend="cudagraph" if device == "cuda" else "eager", buckets=(4,),
+                                  manifest_path=None, progress=False)
     graphs.capture()
     g = torch.Generator().manual_seed(3)
-    kept = graphs.run(*random_batch(g, wb, device, 3), copy=True)
-    assert kept.tokens.shape[0] == 3 and kept.tokens.is_contiguous()
+    first, second = random_batch(g, wb, device, 3), random_batch(g, wb, device, 3)
+    want = loop_ref(*first)
+    kept = graphs.run(*first, copy=True)
+    view = graphs.run(*second)
+    want2 = loop_ref(*second)
+    for x, y in zip(kept, want):
+        torch.testing.assert_close(x.float(), y.float(), rtol=1e-4, atol=1e-4)
+    for x, y in zip(view, want2):
+        torch.testing.assert_close(x.float(), y.float(), rtol=1e-4, atol=1e-4)
+    assert kept.tokens.is_contiguous() and kept.tokens.shape == (3, SPEC.capture.steps)
 
 
 @pytest.mark.parametrize(
@@ -104,6 +116,62 @@ def test_malformed_inputs_are_named_before_anything_is_written(device, mangle, m
         graphs.run(*mangle(*random_batch(torch.Generator().manual_seed(1), wb, device, 3)))
     assert torch.equal(before[0], wb.seq_lens) and torch.equal(before[1], wb.ring)
     assert all(torch.equal(x, y) for x, y in zip(before[2], graphs._buckets[0].inputs))
+
+
+@pytest.mark.parametrize("abandon", ["static_inputs", "run_after_guard"])
+def test_rows_written_without_a_replay_become_padding_again(device, abandon):
+    """An engine that wrote a larger batch and gave up (or a run() stopped by the address guard) must not replay
+    those rows as live at the next smaller batch: only the new batch's windows advance (vs the plain loop)."""
+    _, wb_ref, loop_ref = build(device)
+    st, wb, loop = build(device)
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(8,), manifest_path=None, progress=False)
+    graphs.capture()
+    g = torch.Generator().manual_seed(13)
+    big = random_batch(g, wb, device, 7)
+    if abandon == "static_inputs":
+        for view, x in zip(graphs.static_inputs(7), big):
+            view.copy_(x)
+    else:
+        k = st.k_full
+        old = k.data
+        k.set_(k.clone())  # the guard stops the run
+        with pytest.raises(CaptureError, match="moved since capture"):
+            graphs.run(*big)
+        k.set_(old)
+    small = random_batch(g, wb, device, 3)
+    ref = loop_ref(*small)
+    out = graphs.run(*small)
+    torch.testing.assert_close(out.scores, ref.scores, rtol=1e-4, atol=1e-4)
+    assert torch.equal(wb.seq_lens, wb_ref.seq_lens) and torch.equal(wb.ring, wb_ref.ring)
+
+
+def test_wrong_dtypes_are_named_before_anything_is_written(device):
+    _, wb, loop = build(device)
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)
+    graphs.capture()
+    before = wb.seq_lens.clone()
+    for b in (3, 6):  # a bucket, and the eager path above the largest bucket
+        s, a, t, h = random_batch(torch.Generator().manual_seed(2), wb, device, b)
+        with pytest.raises(CaptureError, match=r"hidden has dtype torch.float64, expected torch.float32"):
+            graphs.run(s, a, t, h.double())
+        with pytest.raises(CaptureError, match=r"accepted has dtype torch.float32, expected an integer dtype"):
+            graphs.run(s, a.float(), t, h)
+    assert torch.equal(before, wb.seq_lens)
+
+
+def test_unwritable_manifest_does_not_lose_the_iteration(device, tmp_path, caplog):
+    _, wb_ref, loop_ref = build(device)
+    _, wb, loop = build(device)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=blocker / "m.json",
+                                  progress=False, flush_every_s=0.0)
+    with pytest.raises(OSError):  # at capture the write is part of the call: the error is the caller's
+        graphs.capture()
+    batch = random_batch(torch.Generator().manual_seed(4), wb, device, 3)
+    out = graphs.run(*batch)  # the periodic flush fails: warned, the outputs still come back
+    torch.testing.assert_close(out.scores, loop_ref(*batch).scores, rtol=1e-4, atol=1e-4)
+    assert "could not write manifest" in caplog.text
 
 
 def test_zero_copy_replay_equals_run(device):
@@ -144,8 +212,12 @@ def test_moved_static_tensor_is_caught_and_recapture_recovers(device):
     g = torch.Generator().manual_seed(5)
     with pytest.raises(CaptureError, match=r"static tensor 'sliding.k_pool' moved since capture.*recapture"):
         graphs.run(*random_batch(g, wb, device, 2))
+    with pytest.raises(CaptureError, match=r"unknown static tensor name\(s\) \['slidng.k_pool'\]"):
+        graphs.recapture({"slidng.k_pool": st.k_swa})
     graphs.recapture()
-    graphs.run(*random_batch(g, wb, device, 2))
+    _, wb_ref, loop_ref = build(device)
+    batch = random_batch(g, wb, device, 2)
+    torch.testing.assert_close(graphs.run(*batch).scores, loop_ref(*batch).scores, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_construction(device):

@@ -76,6 +76,15 @@ def test_inspect_honours_env_dir(tmp_path, capsys, monkeypatch):
 def test_inspect_empty_explicit_dir(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == f"no manifests in {tmp_path}"
+    assert main(["inspect", "--json", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out) == []  # JSON even when there is nothing to list
+
+
+def test_inspect_path_the_system_refuses_is_one_line(tmp_path, capsys):
+    name = str(tmp_path / ("x" * 300))  # longer than a file name may be
+    assert main(["inspect", name]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "File name too long" in err
 
 
 def one_line_error(capsys, *fragments: str) -> str:

@@ -9,6 +9,7 @@ import torch
 
 from graphcap.baseline import RebuildBaseline
 from graphcap.capture import DraftGraphs
+from graphcap.kernels.attention_plan import semaphore_count
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec
 from graphcap.state import make_target_state
@@ -96,7 +97,9 @@ def test_draft_loop_matches_float64_reference(device, seed, merged_splits):
     lens0 = [1, 5, 16, 40, 97, 3]
     st, wb, loop = build(spec, lens0, device, seed=seed, merged_splits=merged_splits)
     if merged_splits:  # the full layer splits its rows (the sliding one, W = 16, needs no split)
-        assert loop.sources["full"].sem is not None
+        sem = loop.sources["full"].sem
+        assert sem is not None and sem.numel() >= semaphore_count(len(lens0), spec.draft.heads,
+                                                                  spec.full.kv_heads, spec.full.head_dim)
     g = torch.Generator().manual_seed(seed)
     accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=g)
     tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=g)
@@ -104,6 +107,8 @@ def test_draft_loop_matches_float64_reference(device, seed, merged_splits):
     out = loop(st.slots, accepted.to(device), tokens.to(device), hidden.to(device))
     lens = [n + a for n, a in zip(lens0, accepted.tolist())]
     assert wb.seq_lens[st.slots].tolist() == lens
+    if merged_splits:
+        assert (sem == 0).all(), "the merged kernel left a counter set"
     ref_tok, ref_score, ref_margin, ref_h = reference_iteration(loop, st, lens, tokens, hidden)
     torch.testing.assert_close(out.scores.cpu().double(), ref_score, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out.hidden.cpu().double(), ref_h, rtol=1e-3, atol=1e-3)
@@ -161,3 +166,14 @@ def test_padding_rows_change_nothing(device):
     torch.testing.assert_close(a.scores, b.scores[:3], rtol=1e-5, atol=1e-5)
     assert torch.equal(wb_a.ring, wb_b.ring) and torch.equal(wb_a.seq_lens, wb_b.seq_lens)
     assert int(wb_b.seq_lens[wb_b.padding_slot]) == 0
+
+
+def test_bad_state_and_loop_arguments_are_named():
+    spec = load_spec("tiny")
+    with pytest.raises(ValueError, match=r"1 capacities for 3 seq_lens"):
+        make_target_state(spec, [5, 6, 7], [40])
+    with pytest.raises(ValueError, match=r"slots \[1, 1\] must be 2 distinct values"):
+        make_target_state(spec, [5, 6], slots=[1, 1])
+    st, wb, loop = build(spec, [5, 9], "cpu")
+    with pytest.raises(ValueError, match="merged_splits applies to the default sources"):
+        DraftLoop(loop.model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, sources=loop.sources, merged_splits=True)

@@ -145,7 +145,13 @@ def wb(device):
         (lambda wb: wb.advance(_t(wb, [2]), _t(wb, [2]), checked=True), rf"advance: slot 2 would reach length {ROW + 1}"),
         (lambda wb: wb.advance(_t(wb, [1]), _t(wb, [4]), checked=True), r"accepted count 4 for slot 1 exceeds max_accepted=3"),
         (lambda wb: wb.advance(_t(wb, [SLOTS]), _t(wb, [1]), checked=True), rf"padding slot {SLOTS} got accepted count 1"),
-        (lambda wb: wb.reset([0], [1.5]), r"integer"),
+        (lambda wb: wb.reset([0], [1.5]), r"reset: seq_lens must be integers, got dtype torch.float32"),
+        (lambda wb: wb.reset(torch.tensor([[0, 1]]), [1, 2]), r"reset: slots must be 1-D, got shape \(1, 2\)"),
+        # advance's static checks run without checked=True (no sync needed): nothing is written on a bad call
+        (lambda wb: wb.advance(_t(wb, [0]), _t(wb, [1]).float()),
+         r"advance: accepted must be an integer tensor, got dtype torch.float32"),
+        (lambda wb: wb.advance(_t(wb, [0, 1]), _t(wb, [1])), r"advance: slots \(2,\) and accepted \(1,\)"),
+        (lambda wb: wb.advance([0], _t(wb, [1])), r"advance: slots must be a torch.Tensor, got list"),
     ],
 )
 def test_bad_input_is_rejected_and_changes_nothing(wb, call, match):

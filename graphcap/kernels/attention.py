@@ -20,7 +20,8 @@ Kernel ("flash-decoding", split-KV):
    the row's [0, len). How many of the num_splits a row uses is decided in-kernel from its own length: enough to
    fill one wave of the GPU (`wave_splits`: B x Hkv x splits <= 2 programs per SM), more only when the row is so
    long that a program would cover more than `max_chunk` tokens (then several waves balance rows of different
-   lengths); chunk = max(round_up(cdiv(len, used), BLOCK_N), min_chunk). Programs past the row's end exit at once.
+   lengths); chunk = max(round_up(cdiv(len, used), BLOCK_N), min_chunk). Programs past the row's end read no
+   keys (they still write an empty partial's lse, and take the merge counter when merging in-kernel).
    So the static split count (the grid, fixed per capture bucket) can be sized for the longest row the layer may
    see while a short row still runs as one full wave - measured on the H200: one program more than the GPU holds
    costs a whole second wave (docs/results/attention.md). It loads each K/V tile once for
@@ -302,7 +303,7 @@ def _launch(
     single = num_splits == 1
     # Merge the splits in the split kernel itself when counters are given and enough for this batch (a batch past
     # them, e.g. an eager fallback above the largest bucket, takes the two-kernel path).
-    merge_in_kernel = not single and sem is not None and sem.numel() >= b * hkv * head_tiles
+    merge_in_kernel = not single and sem is not None and sem.numel() >= semaphore_count(b, h, hkv, d)
     if config.max_chunk > 0:  # adapt per row (module docstring); else every row uses num_splits
         wave = min(num_splits, wave_splits(b, hkv, device_sm_count(q.device), config.wave))
         max_chunk = config.max_chunk

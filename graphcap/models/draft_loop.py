@@ -48,9 +48,12 @@ class DraftLoop(nn.Module):
         self.model, self.window = model, window
         self.steps = steps or spec.capture.steps
         sms = device_sm_count(window.device)
+        if sources is not None and merged_splits:
+            raise ValueError("DraftLoop: merged_splits applies to the default sources; with sources=, give each "
+                             "KVSource its own sem")
         # One set of attention counters for all layers (their kernels run one after another on one stream), sized
-        # for the largest capture bucket; a larger (eager fallback) batch takes the two-kernel path.
-        rows = max(spec.capture.buckets)
+        # for every batch the loop can see: a bucket (padding rows included) or an eager batch of distinct slots.
+        rows = max(max(spec.capture.buckets), window.max_slots)
         sem = torch.zeros(max(semaphore_count(rows, spec.draft.heads, spec.attention(lt).kv_heads,
                                               spec.attention(lt).head_dim) for lt in ("sliding", "full")),
                           dtype=torch.int32, device=window.device) if merged_splits else None
