@@ -271,3 +271,25 @@ def test_environment_path_for_engine_users(fresh, monkeypatch):
     monkeypatch.setenv(plugin.ENV_VAR, '{"enabled": true, "backend": "fast"}')
     with pytest.raises(plugin.DraftCaptureConfigError, match=r"backend must be one of reduce-overhead, inductor-cudagraph, cudagraph"):
         plugin.options_from_env()
+
+
+def test_half_installed_hooks_refuse_to_serve(fresh, monkeypatch):
+    """sglang logs a hook it could not install and carries on: graphcap must then refuse (naming the hooks) rather
+    than serve with windows that never advance. Checked before anything else of the worker is touched."""
+    from types import SimpleNamespace
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from graphcap.integrations import sglang_hooks as hooks
+
+    monkeypatch.setattr(HookRegistry, "_patched", set(plugin.WORKER_HOOKS) - {plugin.WORKER_EXTEND_DECODE})
+    monkeypatch.setenv(plugin.ENV_VAR, "")  # attach_options exports it: removed again after the test
+    server_args = SimpleNamespace()
+    plugin.attach_options(server_args, plugin.DraftCaptureOptions(enabled=True))
+    worker = SimpleNamespace(server_args=server_args)
+    called = []
+    with pytest.raises(plugin.DraftCaptureConfigError, match=plugin.WORKER_EXTEND_DECODE.replace(".", r"\.")):
+        hooks.around_init_cuda_graphs(lambda *a, **k: called.append(1), worker)
+    assert not called and not hasattr(worker, hooks.RUNTIME_ATTR)
+    monkeypatch.setattr(HookRegistry, "_patched", set(plugin.WORKER_HOOKS))
+    assert plugin.unpatched_worker_hooks() == []

@@ -109,6 +109,18 @@ def register() -> None:
         register_runtime_hooks(workers=SCHEDULER_MODULE in sys.modules)
 
 
+def unpatched_worker_hooks() -> list[str]:
+    """The worker hooks sglang did not install (it logs a failed patch and carries on). graphcap must not serve a
+    worker half-hooked: without the decode-extend hook the windows never advance, without the SWA-eviction hook a
+    freed location could be read. Empty when sglang's registry does not say (an older/newer layout)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    patched = getattr(HookRegistry, "_patched", None)
+    if not isinstance(patched, (set, frozenset)):
+        return []
+    return [t for t in WORKER_HOOKS if t not in patched]
+
+
 def register_runtime_hooks(workers: bool) -> None:
     """The hooks that do the work; `workers`: also those on the draft worker and schedule batch (a scheduler process)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType

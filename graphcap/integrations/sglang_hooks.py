@@ -38,12 +38,16 @@ def around_init_cuda_graphs(original, worker, *args, **kwargs):
     """sglang's `init_cuda_graphs` runs `TpModelWorker.init_cuda_graphs` and then `_capture_cuda_graphs` (its own
     FrozenKVMTPCudaGraphRunner) inside the draft's TP/PP/MoE contexts. When graphcap serves this worker, the second
     call captures graphcap's loop instead, in the same contexts; otherwise everything runs as stock sglang."""
-    from graphcap.integrations.sglang import options_of
+    from graphcap.integrations.sglang import DraftCaptureConfigError, options_of, unpatched_worker_hooks
     from graphcap.integrations.sglang_runtime import GraphcapDraftRuntime
 
     opts = options_of(getattr(worker, "server_args", None))
     if not opts.enabled:
         return original(worker, *args, **kwargs)
+    missing = unpatched_worker_hooks()
+    if missing:
+        raise DraftCaptureConfigError(f"graphcap: sglang did not install its hooks on {', '.join(missing)} (sglang's "
+                                      "log says why); --enable-draft-graph-capture cannot run without them")
     runtime = GraphcapDraftRuntime.for_worker(worker, opts)  # raises DraftCaptureConfigError, or None: stays off
     if runtime is None:
         return original(worker, *args, **kwargs)
