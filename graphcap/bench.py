@@ -8,8 +8,8 @@ Modes:
   in-graph metadata and no sync buy;
 - sglang: steps in plain torch ops with sglang's own Triton decode kernel over CSR lists rebuilt by sglang's own index
   builder, `.item()` sync, steps in one CUDA graph (where sglang's kernels import);
-- graphcap: one reduce-overhead replay per iteration, window advanced in place inside it (on a CPU: Inductor-compiled,
-  no graphs - graphs need CUDA).
+- graphcap: one replay per iteration with the spec's capture backend (inductor-cudagraph by default), window advanced
+  in place inside it (on a CPU: Inductor-compiled, no graphs - graphs need CUDA).
 Every iteration is a real one: random accepted counts in [1, steps + 1] per row advance the state (their KV locations
 are already allocated in req_to_token, as after a verify), so windows slide and wrap as in serving.
 """
@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
                                                 "with CUDA, tiny without)")
     p.add_argument("--batch", type=_ints, default=None, help="batch sizes, e.g. 1,2,4,8 (default: 1..64 within the "
                                                              "spec's buckets)")
-    p.add_argument("--context", type=_ints, default=None, help="context lengths at the start of each measured run")
+    p.add_argument("--context", type=_ints, default=None, help="context lengths at the start of each measured run (default: "
+                   f"{','.join(map(str, DEFAULT_CONTEXTS))}, those the spec's max_context leaves room for)")
     p.add_argument("--steps", type=_ints, default=None, help="draft steps (default: the spec's)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--iters", type=int, default=50 if cuda else 4, help="measured iterations per run")
