@@ -3,7 +3,8 @@ iterations, random batch sizes covering every bucket, random accepted counts, re
 iterations. Capture must change nothing:
 - reduce-overhead and inductor-cudagraph replays == the same compiled code with CUDA graphs off, exactly; cudagraph
   replays == eager, exactly;
-- against plain eager: logits within bf16 tolerance, tokens equal wherever eager's top-1 margin exceeds it;
+- against plain eager: the chosen token's logit and the last hidden state within bf16 tolerance wherever the
+  earlier steps chose the same tokens (more than half of all steps), tokens equal wherever eager's margin exceeds it;
 - replays under torch.cuda.set_sync_debug_mode("error"), no cudagraph skips, no recompiles (the engine's guard raises).
 """
 from __future__ import annotations
@@ -68,7 +69,7 @@ def test_replay_equals_the_same_function_without_graphs(spec_name, buckets, iter
     sizes = list(buckets) + [max(1, b - 1) for b in buckets]
     # bf16 through 4 layers: ~1-2% relative on the logits; fp32 far less.
     atol, rtol = (0.1, 0.05) if spec.dtype == "bfloat16" else (1e-3, 1e-3)
-    decided_total = agree = 0
+    decided_total = agree = compared = steps_total = 0
     for it in range(iters):
         b = sizes[it % len(sizes)]
         slots = torch.randperm(n_slots, generator=g)[:b]
@@ -101,18 +102,27 @@ def test_replay_equals_the_same_function_without_graphs(spec_name, buckets, iter
         assert torch.equal(graphed.window.ring, eager.window.ring)
         assert torch.equal(graphed.window.seq_lens, eager.window.seq_lens)
         # A step's inputs include the previous step's token: compare a row's step only while all earlier steps
-        # agreed, and only where eager's decision margin (runner-up token, first cluster left out) exceeds the
-        # tolerance - a near-tie may flip under fused bf16 rounding.
+        # agreed. Where both chose the same token its logit is the same quantity computed two ways: within bf16
+        # tolerance. Tokens must agree where eager's decision margin (runner-up token; for the centroid head also
+        # the first cluster left out) exceeds the tolerance - a near-tie may flip under fused bf16 rounding. The
+        # centroid head's cluster margin (the 32nd against the 33rd of 2048 centroid scores) is almost never that
+        # wide, so for gemma4 the logit and hidden-state comparisons carry the check.
         same = out.tokens == base.tokens
         prefix = torch.cumprod(same.int(), dim=1).bool()
         comparable = torch.cat([torch.ones_like(prefix[:, :1]), prefix[:, :-1]], dim=1)
         thr = atol + rtol * base.scores.abs()
-        decided = comparable & (base.margins > 2 * thr)
         close = (out.scores - base.scores).abs() <= thr
-        assert close[decided].all(), f"iteration {it}: logits beyond bf16 tolerance"
+        both = comparable & same
+        assert close[both].all(), f"iteration {it}: logits of the same token beyond bf16 tolerance"
+        rows = prefix[:, -1]  # every step agreed: the last hidden state is the same computation
+        h_out, h_ref = out.hidden[rows].float(), base.hidden[rows].float()
+        assert torch.allclose(h_out, h_ref, atol=atol, rtol=rtol), f"iteration {it}: hidden beyond bf16 tolerance"
+        decided = comparable & (base.margins > 2 * thr)
+        compared += int(both.sum())
         decided_total += int(decided.sum())
         agree += int(same[decided].sum())
-    assert decided_total > 0, "no token was decided by a clear margin: the comparison with eager checked nothing"
+        steps_total += same.numel()
+    assert compared > steps_total // 2, f"only {compared} of {steps_total} draft steps could be compared with eager"
     assert agree == decided_total, f"{decided_total - agree} of {decided_total} decided tokens differ from eager"
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     assert all(r.status == "captured" for r in gr.buckets)
