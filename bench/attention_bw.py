@@ -8,7 +8,7 @@ writing (`--l2 dirty`, triton's do_bench), by reading (`--l2 clean`), or timed a
 Pools are random bf16 with page-shuffled allocation (page 64), read through per-token location tables exactly as the
 draft does (sliding: a [B, W] ring, full: req_to_token rows).
 
-Per shape it measures: the op as registered (default config, `choose_num_splits`), a small sweep of kernel configs
+Per shape it measures: the op as registered (default config, `splits_for`), a small sweep of kernel configs
 (BLOCK_N, num_warps, num_stages) and split choices (splits, min_chunk), keeping the best; sglang's kernel at
 num_kv_splits 8 (its default) and the best of 8/16/32. Outputs are checked: ours vs sglang (relative error), and ours
 vs a float64 recomputation of two rows.
@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphcap.kernels.attention import (  # noqa: E402
     KernelConfig,
-    choose_num_splits,
     decode_attention,
     decode_attention_with_config,
     default_config,
     new_semaphores,
+    splits_for,
 )
 
 PAGE = 64
@@ -291,11 +291,11 @@ GRID_TILES = [(bn, nw, ns) for bn in (16, 32, 64) for nw in (4, 8) for ns in (1,
 GRID_SPLITS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 18, 24, 32, 48)
 
 
-def grid(layer: str, run_cfg, n: int, failed: set, notes: list) -> list:
+def grid(layer: str, run_cfg, n: int, failed: set, notes: list, tiles=GRID_TILES) -> list:
     """Every tile config x every split count (min_chunk = BLOCK_N, so the splits are what was asked): for the shapes
     where the heuristic misses its goal. Returns [(ms, config, splits)]."""
     timed = []
-    for bn, nw, ns in GRID_TILES:
+    for bn, nw, ns in tiles:
         if (layer, bn, nw, ns) in failed:
             continue
         for s in GRID_SPLITS:
@@ -345,6 +345,8 @@ def main() -> None:
     ap.add_argument("--l2", choices=("dirty", "clean", "in-graph"), default="dirty",
                     help="empty the L2 before each timed call by writing (do_bench, default) or by reading 256 MB; "
                          "in-graph: 8 calls each after a 256 MB read inside one graph, the reads' time subtracted")
+    ap.add_argument("--grid-splits", action="store_true",
+                    help="like --grid with the default tile config only: every split count (checks the split rule)")
     ap.add_argument("--grid", action="store_true",
                     help="instead of the small sweep: every tile config x split count (GRID_TILES x GRID_SPLITS)")
     ap.add_argument("--no-sglang", action="store_true")
@@ -375,7 +377,6 @@ def main() -> None:
 
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
-    sm_count = env["sm_count"]
     rows_out, notes = [], []
     failed: set = set()  # configurations that did not compile (e.g. out of shared memory): tried once
     reuse: dict = {}
@@ -409,7 +410,7 @@ def main() -> None:
                 tab[slots] = table  # row b of the batch reads table row slots[b]
                 nbytes = b * n * per_tok
                 gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
-                s0 = choose_num_splits(b, hkv, n, sm_count)
+                s0 = splits_for(q, pools.k, n)  # what the draft layers use for rows of n tokens
                 row = dict(layer=layer, batch=b, ctx=ctx, tokens_read=n, mbytes=round(nbytes / 1e6, 2), splits=s0)
 
                 sem = new_semaphores(b, h, hkv, d, DEVICE) if args.merged_splits else None
@@ -428,8 +429,10 @@ def main() -> None:
                     run_cfg = lambda cfg, s: graph_ms(  # noqa: E731
                         lambda: decode_attention_with_config(q, pools.k, pools.v, tab, slots, lens, w, sm, s, cfg),
                         args.rep_ms)
-                    if args.grid:
-                        timed = grid(layer, run_cfg, n, failed, notes)
+                    if args.grid or args.grid_splits:
+                        dc = default_config(d, group, DTYPE, True)
+                        tiles = [(dc.block_n, dc.num_warps, dc.num_stages)] if args.grid_splits else GRID_TILES
+                        timed = grid(layer, run_cfg, n, failed, notes, tiles)
                     elif w and ctx > w and (layer, b) in reuse:
                         # a sliding layer reads the same W tokens per row at every context past W: re-time the best
                         # configuration found at ctx = W instead of sweeping again
@@ -442,7 +445,7 @@ def main() -> None:
                             reuse[layer, b] = (cfg_best, s_best)
                         row["sweep"] = [[round(t * 1e3, 1), cfg_name(c), sp]
                                         for t, c, sp in sorted(timed, key=lambda x: x[0])]
-                        if args.grid:
+                        if args.grid or args.grid_splits:
                             print("  top 12:", row["sweep"][:12], flush=True)
                         if t_best < best[0]:
                             best = (t_best, cfg_name(cfg_best), s_best)

@@ -13,7 +13,8 @@
 #   scripts/gpu-check.sh bench    `graphcap bench`: batch 1..64 x steps 1-3 at context 2048, context 256..32000 at
 #                                 batch 8; `graphcap inspect` of the manifests
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
-#   scripts/gpu-check.sh splits   attention tile/split grid timed in-graph where 70% is missed; gemma4 replay tests
+#   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
+#                                 kernel/model tests, gemma4 replay tests
 #   scripts/gpu-check.sh verify   the merged-splits attention: kernel/model tests, in-graph timing, census, replays
 # Several stages run in one call in order: scripts/gpu-check.sh kernels capture-all.
 # sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
@@ -124,13 +125,18 @@ case $stage in
     STEP_LIMIT=${STEP_LIMIT:-560} step pytest-capture-all env GRAPHCAP_GPU_ALL_BUCKETS=1 python3 -m pytest -q -rs tests/test_capture_gpu.py \
       -k "gemma4 and (inductor-cudagraph or reduce-overhead)"
     ;;
-  splits)  # the points short of 70% of copy bandwidth: every tile config x split count timed in-graph (as the draft
-    # runs the kernel), then the gemma4 replay tests (inductor-cudagraph, buckets 1/8/64)
-    for shape in "sliding 8 2048" "full 8 2048"; do
-      set -- $shape
-      step "attention-grid-in-graph-$1-b$2" python3 bench/attention_bw.py --grid --no-sglang --l2 in-graph --rep-ms 5 \
-        --budget-s 240 --layers "$1" --batches "$2" --contexts "$3" --out "$LOG/attention-grid-in-graph-$1-b$2"
-    done
+  splits)  # the split rule (attention_plan.target_programs): every split count at the default tiles, timed in-graph
+    # (as the draft runs the kernel), sliding and full layers over the batches; then the defaults at all 84 points
+    # in-graph beside sglang's kernel, the kernel/model tests on CUDA, the gemma4 replay tests
+    step attention-split-sweep-sliding python3 bench/attention_bw.py --grid-splits --no-sglang --l2 in-graph \
+      --rep-ms 5 --budget-s 400 --layers sliding --batches 1,2,4,8,16,32 --contexts 2048 \
+      --out "$LOG/attention-split-sweep-sliding"
+    step attention-split-sweep-full python3 bench/attention_bw.py --grid-splits --no-sglang --l2 in-graph \
+      --rep-ms 5 --budget-s 400 --layers full --batches 1,2,4,8,16,32 --contexts 1024,2048,4096 \
+      --out "$LOG/attention-split-sweep-full"
+    step attention-in-graph-sglang python3 bench/attention_bw.py --no-tune --l2 in-graph \
+      --out "$LOG/attention-in-graph-sglang"
+    step pytest-kernels python3 -m pytest -q -rs tests/test_attention.py tests/test_models.py
     STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-gemma4 python3 -m pytest -q -rs tests/test_capture_gpu.py \
       -k "gemma4 and inductor-cudagraph"
     ;;

@@ -328,11 +328,19 @@ def test_bad_inputs_name_the_argument(device):
 
 
 def test_choose_num_splits():
-    from graphcap.kernels.attention import wave_splits
+    from graphcap.kernels.attention import splits_for, target_programs, wave_splits
 
-    # one wave: batch x kv heads x splits fills the 2 x 132 resident programs without spilling into a second wave
-    # (the H200 grid: 8 splits at batch 8 / 4 KV heads, 4 at batch 16, 2 at batch 8 / 16 KV heads)
+    # batch x kv heads x splits fills the programs asked for without spilling past them
     assert [wave_splits(b, 4) for b in (8, 16)] == [8, 4] and wave_splits(8, 16) == 2
+    assert wave_splits(8, 16, 528) == 4 and wave_splits(3, 5, 7) == 1
+    # two waves of resident programs, by shared memory per program (CPU plans as an H200 would): one 3-stage
+    # program per SM at D = 512 (192 KiB of tiles), two at D = 256 - the in-graph H200 grids' best split counts
+    # at batch 8: full layer 8 splits (256 programs), sliding 4 (512 programs), both 256 keys per program
+    full_p, sliding_p = (target_programs(d, torch.bfloat16, torch.device("cpu")) for d in (512, 256))
+    assert (full_p, sliding_p) == (264, 528)
+    assert choose_num_splits(8, 4, 2048, full_p) == 8 and choose_num_splits(8, 16, 1024, sliding_p) == 4
+    q = torch.randn(8, 32, 256, dtype=torch.bfloat16)
+    assert splits_for(q, torch.empty(10, 16, 256, dtype=torch.bfloat16), 1024) == 4
     for kv_heads in (4, 16):
         for batch in (1, 2, 4, 8):
             w = wave_splits(batch, kv_heads)

@@ -116,7 +116,9 @@ def test_replay_equals_the_same_function_without_graphs(spec_name, buckets, iter
         assert close[both].all(), f"iteration {it}: logits of the same token beyond bf16 tolerance"
         rows = prefix[:, -1]  # every step agreed: the last hidden state is the same computation
         h_out, h_ref = out.hidden[rows].float(), base.hidden[rows].float()
-        assert torch.allclose(h_out, h_ref, atol=atol, rtol=rtol), f"iteration {it}: hidden beyond bf16 tolerance"
+        # per row, relative to its norm: thousands of elements per row, so elementwise bounds catch rounding tails
+        h_err = ((h_out - h_ref).norm(dim=-1) / h_ref.norm(dim=-1).clamp_min(1e-6)).max() if len(h_ref) else 0.0
+        assert h_err <= rtol, f"iteration {it}: last hidden state {float(h_err):.3g} from eager (bf16 bound {rtol})"
         decided = comparable & (base.margins > 2 * thr)
         compared += int(both.sum())
         decided_total += int(decided.sum())

@@ -148,14 +148,14 @@ class GraphcapDraftAttention:
         self.slots = slots
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        from graphcap.kernels.attention import choose_num_splits, decode_attention, device_sm_count
+        from graphcap.kernels.attention import decode_attention, splits_for
 
         sliding = layer.sliding_window_size is not None and layer.sliding_window_size > -1
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         vb = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         table, w = (self.window.ring, self.window.window) if sliding else (self.window.req_to_token, 0)
-        splits = choose_num_splits(q3.shape[0], kb.shape[1], w or self.max_context, device_sm_count(q3.device))
+        splits = splits_for(q3, kb, w or self.max_context)
         o = decode_attention(q3, kb, vb, table, self.slots, self.window.seq_lens, w, float(layer.scaling), splits)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 

@@ -18,13 +18,13 @@ system but is never assumed.
 Kernel ("flash-decoding", split-KV):
 1. `_split_kernel`, grid (B, Hkv * head_tiles, num_splits): program (b, kv head, split) covers a contiguous chunk of
    the row's [0, len). How many of the num_splits a row uses is decided in-kernel from its own length: enough to
-   fill one wave of the GPU (`wave_splits`: B x Hkv x splits <= 2 programs per SM), more only when the row is so
-   long that a program would cover more than `max_chunk` tokens (then several waves balance rows of different
-   lengths); chunk = max(round_up(cdiv(len, used), BLOCK_N), min_chunk). Programs past the row's end read no
-   keys (they still write an empty partial's lse, and take the merge counter when merging in-kernel).
-   So the static split count (the grid, fixed per capture bucket) can be sized for the longest row the layer may
-   see while a short row still runs as one full wave - measured on the H200: one program more than the GPU holds
-   costs a whole second wave (docs/results/attention.md). It loads each K/V tile once for
+   fill the GPU (`wave_splits`: B x Hkv x splits <= `target_programs`, two waves of the programs it holds at once),
+   more only when the row is so long that a program would cover more than `max_chunk` tokens (then several waves
+   balance rows of different lengths); chunk = max(round_up(cdiv(len, used), BLOCK_N), min_chunk). Programs past
+   the row's end read no keys (they still write an empty partial's lse, and take the merge counter when merging
+   in-kernel). So the static split count (the grid, fixed per capture bucket) can be sized for the longest row the
+   layer may see while a short row still fills the GPU - measured on the H200: one program past two waves costs a
+   whole third wave (docs/results/attention.md). It loads each K/V tile once for
    the whole query-head group (tl.dot with the group padded to >= 16 rows), runs an online softmax in fp32 and
    writes a normalised partial output [B, H, S, D] fp32 and its log-sum-exp [B, H, S] (base 2; -inf for an empty
    chunk). With num_splits == 1 it writes the final output directly and no merge is needed.
@@ -59,6 +59,8 @@ from graphcap.kernels.attention_plan import (  # noqa: F401 - re-exported: the o
     device_sm_count,
     query_block,
     semaphore_count,
+    splits_for,
+    target_programs,
     wave_splits,
 )
 
@@ -305,7 +307,7 @@ def _launch(
     # them, e.g. an eager fallback above the largest bucket, takes the two-kernel path).
     merge_in_kernel = not single and sem is not None and sem.numel() >= semaphore_count(b, h, hkv, d)
     if config.max_chunk > 0:  # adapt per row (module docstring); else every row uses num_splits
-        wave = min(num_splits, wave_splits(b, hkv, device_sm_count(q.device), config.wave))
+        wave = min(num_splits, wave_splits(b, hkv, config.wave or target_programs(d, q.dtype, q.device)))
         max_chunk = config.max_chunk
     else:
         wave, max_chunk = num_splits, 1 << 30

@@ -25,7 +25,7 @@ class KernelConfig:
     # Split adaptation (0 = off: every row uses num_splits, as tuning sweeps want): at most this many keys per
     # program before a row uses more splits than one wave needs.
     max_chunk: int = 1024
-    wave: int = 0  # programs one wave holds (0: two per SM of the device, what the default tiles allow)
+    wave: int = 0  # programs the split adaptation fills (0: `target_programs` for the device and these tiles)
 
 
 def default_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: int | None = None
@@ -43,18 +43,27 @@ def default_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool, 
     warps = 4
     if smem_bytes is None:
         smem_bytes = _device_smem()
-    elem = dtype.itemsize
-    block_d = max(16, triton.next_power_of_2(head_dim))
     for block_n, stages in ((32, 3), (32, 2), (16, 2), (16, 1)):
-        if stages * 2 * block_n * block_d * elem + 8192 <= smem_bytes:  # + room for q and the reductions
+        cfg = KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=block_n)
+        if program_smem(cfg, head_dim, dtype.itemsize) <= smem_bytes:
             break
-    return KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=block_n)
+    return cfg
+
+
+_H200_SMEM = 232448  # shared memory one block may opt into on an H100/H200 (227 KiB)
+_H200_SMEM_PER_SM = 233472  # and per multiprocessor (228 KiB)
 
 
 @functools.lru_cache(maxsize=None)
 def _device_smem_of(index: int) -> int:
     props = torch.cuda.get_device_properties(index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 232448)  # H100/H200: 227 KiB
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or _H200_SMEM)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_smem_per_sm(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_multiprocessor", 0) or _H200_SMEM_PER_SM)
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,30 +76,57 @@ def device_sm_count(device: torch.device) -> int:
 
 def _device_smem(device: torch.device | None = None) -> int:
     if not torch.cuda.is_available():
-        return 232448
+        return _H200_SMEM
     index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
     return _device_smem_of(index)
 
 
-def wave_splits(batch: int, kv_heads: int, sm_count: int = 132, wave: int = 0) -> int:
-    """Splits per row that fill one wave: batch x kv_heads x splits <= `wave` programs (default 2 x sm_count: two
-    programs of the default tiles are resident per SM), 1 when batch x kv_heads alone is within 10% of that."""
-    bh, slots = batch * kv_heads, wave or 2 * max(1, sm_count)
+def program_smem(config: KernelConfig, head_dim: int, elem_bytes: int) -> int:
+    """Shared memory one split program asks for: `num_stages` K and V tiles, plus room for q and the reductions."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return config.num_stages * 2 * config.block_n * block_d * elem_bytes + 8192
+
+
+@functools.lru_cache(maxsize=None)
+def target_programs(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Programs one attention call should launch to fill the GPU: two waves of the programs it holds at once
+    (SMs x programs per SM, bounded by shared memory and by threads). Fitted to the 2026-11-30 in-graph grids on
+    the H200 (docs/results/attention.md): at D = 512 (one 3-stage program per SM) 256 programs of 256 keys were
+    best and 288 a cliff; at D = 256 (two per SM) 512 programs, not 256 (40.0 vs 45.5 us at batch 8 / W = 1024).
+    Always the GPU configuration, also on CPU, so CPU runs choose what the H200 would."""
+    on_cuda = device.type == "cuda"
+    cfg = default_config(head_dim, 1, dtype, True, None if on_cuda else _H200_SMEM)
+    smem = _device_smem_per_sm(device) if on_cuda else _H200_SMEM_PER_SM
+    per_sm = max(1, min(smem // program_smem(cfg, head_dim, dtype.itemsize), 2048 // (32 * cfg.num_warps)))
+    return 2 * per_sm * device_sm_count(device)
+
+
+def wave_splits(batch: int, kv_heads: int, programs: int = 264) -> int:
+    """Splits per row that fill `programs` (`target_programs`): batch x kv_heads x splits <= programs, 1 when
+    batch x kv_heads alone is within 10% of that."""
+    bh, slots = batch * kv_heads, max(1, programs)
     return 1 if 10 * bh >= 9 * slots else max(1, slots // bh)
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_len: int, sm_count: int = 132, max_chunk: int = 1024) -> int:
+def choose_num_splits(batch: int, kv_heads: int, max_len: int, programs: int = 264, max_chunk: int = 1024) -> int:
     """Static split count (the grid) for `decode_attention`: depends only on static numbers, so choose it per
-    capture bucket. Enough for a short row to fill one wave (`wave_splits`) and for the longest row (`max_len`: W
-    for sliding layers, the context bound for full layers) to keep programs at <= `max_chunk` keys; never more
-    than `max_len` has 32-token chunks, at most 64. Rows use fewer at run time (see the module docstring), so a
-    generous `max_len` costs only programs that exit at once. Fitted to the H200 sweeps (docs/results/attention.md).
+    capture bucket. Enough for a short row to fill the GPU (`wave_splits` of `programs`, from `target_programs`)
+    and for the longest row (`max_len`: W for sliding layers, the context bound for full layers) to keep programs
+    at <= `max_chunk` keys; never more than `max_len` has 32-token chunks, at most 64. Rows use fewer at run time
+    (see the module docstring), so a generous `max_len` costs only programs that exit at once.
     """
     if batch < 1 or kv_heads < 1:
         raise AttentionError(f"choose_num_splits: batch ({batch}) and kv_heads ({kv_heads}) must be >= 1")
     n = max(1, max_len)
-    splits = max(wave_splits(batch, kv_heads, sm_count), -(-n // max(1, max_chunk)))
+    splits = max(wave_splits(batch, kv_heads, programs), -(-n // max(1, max_chunk)))
     return int(max(1, min(splits, -(-n // 32), 64)))
+
+
+def splits_for(q: torch.Tensor, k_pool: torch.Tensor, max_len: int) -> int:
+    """`choose_num_splits` for a call of the op on `q` [B, H, D] over `k_pool` [.., Hkv, D] whose rows are at most
+    `max_len` long: what the draft layers and the sglang plugin use per bucket."""
+    return choose_num_splits(q.shape[0], k_pool.shape[1], max_len,
+                             target_programs(q.shape[-1], q.dtype, q.device))
 
 
 def semaphore_count(batch: int, heads: int, kv_heads: int, head_dim: int) -> int:

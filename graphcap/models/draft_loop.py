@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from graphcap.kernels.attention_plan import device_sm_count, semaphore_count
+from graphcap.kernels.attention_plan import semaphore_count, target_programs
 from graphcap.models.frozen_kv_draft import FrozenKVDraft, KVSource
 from graphcap.window import WindowBuffers
 
@@ -47,7 +47,8 @@ class DraftLoop(nn.Module):
                                  f"{spec.name}, got {tuple(pool.shape)}")
         self.model, self.window = model, window
         self.steps = steps or spec.capture.steps
-        sms = device_sm_count(window.device)
+        dt = model.embed.dtype
+        progs = {lt: target_programs(spec.attention(lt).head_dim, dt, window.device) for lt in ("sliding", "full")}
         if sources is not None and merged_splits:
             raise ValueError("DraftLoop: merged_splits applies to the default sources; with sources=, give each "
                              "KVSource its own sem")
@@ -58,9 +59,10 @@ class DraftLoop(nn.Module):
                                               spec.attention(lt).head_dim) for lt in ("sliding", "full")),
                           dtype=torch.int32, device=window.device) if merged_splits else None
         self.sources = sources or {
-            "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window, sm_count=sms, sem=sem),
-            "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1], sm_count=sms,
-                             sem=sem),
+            "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window,
+                                programs=progs["sliding"], sem=sem),
+            "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1],
+                             programs=progs["full"], sem=sem),
         }
 
     def forward(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,

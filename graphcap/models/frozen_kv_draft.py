@@ -28,8 +28,8 @@ class KVSource:
     table: torch.Tensor  # sliding: WindowBuffers.ring; full: req_to_token
     window: int
     max_len: int  # the longest row this source can hold (split heuristic)
+    programs: int = 264  # programs one attention call should launch (`target_programs`; a constant when traced)
     attend: Callable[[torch.Tensor, float], torch.Tensor] | None = None  # another attention (the sglang baseline)
-    sm_count: int = 132  # the GPU's multiprocessors, for the split heuristic (a constant when traced)
     sem: torch.Tensor | None = None  # zeroed counters: the kernel merges its splits itself (decode_attention's sem)
 
 
@@ -92,7 +92,7 @@ class DraftLayer(nn.Module):
         if src.attend is not None:
             attn = src.attend(q, self.scale)
         else:
-            splits = choose_num_splits(b, src.k_pool.shape[1], src.max_len, src.sm_count)
+            splits = choose_num_splits(b, src.k_pool.shape[1], src.max_len, src.programs)
             attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale, splits,
                                     src.sem)
         x = x + self.post_attn_norm(attn.reshape(b, -1) @ self.o_proj.t())
