@@ -339,6 +339,8 @@ def test_choose_num_splits():
     full_p, sliding_p = (target_programs(d, torch.bfloat16, torch.device("cpu")) for d in (512, 256))
     assert (full_p, sliding_p) == (264, 528)
     assert choose_num_splits(8, 4, 2048, full_p) == 8 and choose_num_splits(8, 16, 1024, sliding_p) == 4
+    # ... but never programs of one 32-key tile: batch 1 takes 16 splits of the sliding window (the sweep's best)
+    assert choose_num_splits(1, 16, 1024, sliding_p) == 16 and choose_num_splits(1, 4, 2048, full_p) == 32
     q = torch.randn(8, 32, 256, dtype=torch.bfloat16)
     assert splits_for(q, torch.empty(10, 16, 256, dtype=torch.bfloat16), 1024) == 4
     for kv_heads in (4, 16):
