@@ -39,7 +39,6 @@ from graphcap.kernels.attention import (  # noqa: E402
     decode_attention,
     decode_attention_with_config,
     default_config,
-    new_semaphores,
     splits_for,
 )
 
@@ -350,9 +349,6 @@ def main() -> None:
     ap.add_argument("--grid", action="store_true",
                     help="instead of the small sweep: every tile config x split count (GRID_TILES x GRID_SPLITS)")
     ap.add_argument("--no-sglang", action="store_true")
-    ap.add_argument("--merged-splits", action="store_true",
-                    help="time the default configuration with counters (sem): splits merged in the split kernel, "
-                         "no second kernel (the tuning sweep and sglang's column are unchanged)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="run the script's logic on CPU at tiny shapes (TRITON_INTERPRET=1); timings are meaningless")
     args = ap.parse_args()
@@ -369,7 +365,6 @@ def main() -> None:
     fwd, sg_note = (None, "skipped (--no-sglang)") if args.no_sglang else import_sglang()
     env = environment(sg_note)
     env["l2"] = args.l2
-    env["merged_splits"] = args.merged_splits
     print(json.dumps(env, indent=1), flush=True)
     copy_gbs = copy_bandwidth(args.rep_ms)
     env["copy_gbps"] = round(copy_gbs, 1)
@@ -413,11 +408,10 @@ def main() -> None:
                 s0 = splits_for(q, pools.k, n)  # what the draft layers use for rows of n tokens
                 row = dict(layer=layer, batch=b, ctx=ctx, tokens_read=n, mbytes=round(nbytes / 1e6, 2), splits=s0)
 
-                sem = new_semaphores(b, h, hkv, d, DEVICE) if args.merged_splits else None
-                out = decode_attention(q, pools.k, pools.v, tab, slots, lens, w, sm, s0, sem)
+                out = decode_attention(q, pools.k, pools.v, tab, slots, lens, w, sm, s0)
                 table_b = table  # = tab[slots]: batch row i's locations
                 row["err_ref"] = check_rows(out, q, pools, table_b, n, sm)
-                op = lambda: decode_attention(q, pools.k, pools.v, tab, slots, lens, w, sm, s0, sem)  # noqa: E731
+                op = lambda: decode_attention(q, pools.k, pools.v, tab, slots, lens, w, sm, s0)  # noqa: E731
                 ms = graph_ms(op, args.rep_ms)
                 eager_ms = bench(op, args.rep_ms)
                 row.update(default_us=round(ms * 1e3, 1), default_gbps=round(gbs(ms)),
@@ -519,9 +513,7 @@ def render(env: dict, rows: list[dict], notes: list[str]) -> str:
              f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; sglang: {env['sglang']}; "
              f"copy bandwidth {env.get('copy_gbps')} GB/s (read + write); {env.get('elapsed_s')} s. Times: median GPU "
              f"time of one call {L2_TEXT.get(env.get('l2', 'dirty'), '?')} (--l2 {env.get('l2', 'dirty')}); "
-             "'eager' = the registered op called from Python."
-             + (" Ours with counters: splits merged in the split kernel (--merged-splits)." if env.get("merged_splits")
-                else ""), "",
+             "'eager' = the registered op called from Python.", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         sg = r.get("sglang_best_us")

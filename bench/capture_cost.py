@@ -40,8 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="cudagraph,inductor-cudagraph,reduce-overhead")
     p.add_argument("--capture-only", action="store_true", help="time the captures only (no replay timing)")
     p.add_argument("--buckets", default="", help="capture only these buckets (default: the spec's); e.g. 8")
-    p.add_argument("--merged-splits", action="store_true",
-                   help="the draft loop's attention merges its splits in the split kernel (DraftLoop merged_splits)")
     p.add_argument("--census", action="store_true",
                    help="record --batch's iteration once more as a debug graph: its nodes by type (graph.dot kept)")
     p.add_argument("--out", type=Path, required=True)
@@ -73,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def make(backend: str | None):
         wb = WindowBuffers.from_spec(spec, state.req_to_token, state.full_to_swa)
-        loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full, merged_splits=a.merged_splits)
+        loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full)
         if backend is None:
             return wb, loop, loop
         path = mf.manifest_path(a.out, spec.name, spec.hash, backend)

@@ -15,7 +15,6 @@
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
 #                                 kernel/model tests, gemma4 replay tests
-#   scripts/gpu-check.sh verify   the merged-splits attention: kernel/model tests, in-graph timing, census, replays
 # Several stages run in one call in order: scripts/gpu-check.sh kernels capture-all.
 # sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
 # The lent machine's .git may be stale: `git rev-parse --short HEAD > .gpu-commit` here (ignored; carry it) records
@@ -139,18 +138,6 @@ case $stage in
     step pytest-kernels python3 -m pytest -q -rs tests/test_attention.py tests/test_models.py
     STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-gemma4 python3 -m pytest -q -rs tests/test_capture_gpu.py \
       -k "gemma4 and inductor-cudagraph"
-    ;;
-  verify)  # the splits merged in the split kernel (DraftLoop merged_splits), before it may become the default:
-    # kernel/model tests on CUDA, attention timed in-graph both ways, census + host time, gemma4 replay tests
-    step pytest-kernels python3 -m pytest -q -rs tests/test_attention.py tests/test_models.py
-    step attention-in-graph python3 bench/attention_bw.py --no-tune --no-sglang --l2 in-graph \
-      --out "$LOG/attention-in-graph"
-    step attention-in-graph-merged python3 bench/attention_bw.py --no-tune --no-sglang --l2 in-graph --merged-splits \
-      --out "$LOG/attention-in-graph-merged"
-    step host-time-merged python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 \
-      --buckets 8 --backends inductor-cudagraph --census --merged-splits --out "$LOG/host-time-merged"
-    STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-merged env GRAPHCAP_GPU_MERGED_SPLITS=1 python3 -m pytest -q -rs \
-      tests/test_capture_gpu.py -k "gemma4 and inductor-cudagraph"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -19,7 +19,6 @@ from graphcap.kernels.attention import (
     decode_attention_torch,
     decode_attention_with_config,
     default_config,
-    new_semaphores,
 )
 
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -152,41 +151,9 @@ def test_random_cases(impl, device, seed, ratio, kv_heads, dim, window, lens, pa
             assert (out[i] == 0).all()
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    seed=st.integers(0, 2**20),
-    ratio=st.sampled_from([1, 2, 8, 32, 128]),  # 128 at D <= 32: two query-head tiles per kv head
-    kv_heads=st.integers(1, 2),
-    dim=st.sampled_from([16, 32]),
-    window=st.sampled_from([0, 5, 16]),
-    lens=st.lists(st.integers(0, 45), min_size=1, max_size=4),
-    pad_rows=st.integers(0, 2),
-    splits=st.lists(st.integers(2, 9), min_size=2, max_size=3),
-)
-def test_merged_splits_match_float64_and_leave_counters_zero(device, seed, ratio, kv_heads, dim, window, lens,
-                                                             pad_rows, splits):
-    """`sem` given: the last split of each row merges the splits in the same kernel. Several calls in a row on the
-    same counters (each must leave them at zero for the next), against the float64 reference and against the
-    two-kernel path."""
-    case = make_case(seed, lens=lens, heads=ratio * kv_heads, kv_heads=kv_heads, dim=dim, window=window,
-                     dtype=torch.float32, device=device, pad_rows=pad_rows)
-    q = case[0]
-    sem = new_semaphores(q.shape[0], q.shape[1], kv_heads, dim, device)
-    assert sem.numel() >= q.shape[0] * kv_heads * -(-q.shape[1] // kv_heads // 64)  # rows x kv heads x head tiles
-    ref = reference(*case)
-    for n in splits:
-        out = decode_attention(*case, n, sem)
-        assert (sem == 0).all(), "counters not left at zero"
-        two_kernels = decode_attention(*case, n)
-        assert torch.isfinite(out).all()
-        torch.testing.assert_close(out, two_kernels, rtol=1e-5, atol=1e-6)
-        if ref.norm() > 0:
-            assert rel_err(out, ref) < TOL[torch.float32]
-
-
 def test_every_argument_reaches_the_registered_op(monkeypatch):
-    """torch 2.11's custom-op wrapper fails (IndexError) when a mutated argument is left to its default: the public
-    function must pass all of the op's arguments, `sem` included."""
+    """torch 2.11's custom-op wrapper failed (IndexError) on a mutated argument left to its default: the public
+    function passes all of the op's arguments, positionally."""
     import graphcap.kernels.attention as attn
 
     schema = torch.ops.graphcap.decode_attention.default._schema
@@ -195,14 +162,7 @@ def test_every_argument_reaches_the_registered_op(monkeypatch):
     case = make_case(2, lens=[5], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device="cpu")
     attn.decode_attention(*case, 2)
     (args, kwargs), = seen
-    assert len(args) == len(schema.arguments) and not kwargs and args[-1] is None
-
-
-def test_too_few_counters_take_the_two_kernel_path(device):
-    case = make_case(9, lens=[30, 7, 44], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device=device)
-    sem = torch.full((3,), 7, dtype=torch.int32, device=device)  # a batch of 4 x 2 kv heads needs 8
-    check(decode_attention(*case, 4, sem), case, torch.float32)
-    assert (sem == 7).all(), "counters too few for the batch must not be touched"
+    assert len(args) == len(schema.arguments) and not kwargs and args[-1] == 2
 
 
 def test_only_padding_rows_give_zeros(device):
@@ -323,8 +283,6 @@ def test_bad_inputs_name_the_argument(device):
         decode_attention(q, k, v, t, s[:0], n, w, sc, 1)
     with pytest.raises(AttentionError, match="table must be"):
         decode_attention(q, k, v, t.float(), s, n, w, sc, 1)
-    with pytest.raises(AttentionError, match="sem"):
-        decode_attention(q, k, v, t, s, n, w, sc, 2, torch.zeros(64, dtype=torch.int64, device=q.device))
 
 
 def test_choose_num_splits():
@@ -393,15 +351,12 @@ def test_gemma4_shapes_on_gpu(layer, batch):
                      window=shp["window"], dtype=torch.bfloat16, device="cuda", cols=cols, page=64)
     ref = reference(*case)
     max_len = shp["window"] or 6000
-    sem = new_semaphores(batch + 1, shp["heads"], shp["kv_heads"], shp["dim"], "cuda")
     for splits in sorted({1, 7, choose_num_splits(batch + 1, shp["kv_heads"], max_len)}):
-        for counters in (None, sem):  # two kernels, and the splits merged in the split kernel
-            out = decode_attention(*case, splits, counters)
-            torch.cuda.synchronize()
-            assert torch.isfinite(out).all()
-            err = rel_err(out, ref)
-            assert err < TOL[torch.bfloat16], f"splits={splits}, merged={counters is not None}: error {err:.3g}"
-            assert (sem == 0).all(), "the merged kernel left a counter set"
+        out = decode_attention(*case, splits)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        err = rel_err(out, ref)
+        assert err < TOL[torch.bfloat16], f"splits={splits}: relative error {err:.3g}"
         assert (out[-1] == 0).all()
         if 0 in lens:
             assert (out[lens.index(0)] == 0).all()

@@ -26,7 +26,6 @@ pytestmark = pytest.mark.gpu
 # cold); tiny covers every bucket. GRAPHCAP_GPU_ALL_BUCKETS=1 runs gemma4 over all of its buckets too
 # (scripts/gpu-check.sh capture-all).
 _ALL = os.environ.get("GRAPHCAP_GPU_ALL_BUCKETS") == "1"
-_MERGED = os.environ.get("GRAPHCAP_GPU_MERGED_SPLITS") == "1"  # attention merges its splits in one kernel
 CASES = [("tiny", None, 16), ("gemma4-31b-assistant", None if _ALL else (1, 8, 64), 28 if _ALL else 24)]
 
 
@@ -39,10 +38,10 @@ def _world(spec, n_slots, base_ctx, iters=64):
     return st, model, lens
 
 
-def _loop(spec, st, model, lens, merged_splits=_MERGED):
+def _loop(spec, st, model, lens):
     wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
     wb.reset(list(range(len(lens))), lens)
-    return DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, merged_splits=merged_splits)
+    return DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full)
 
 
 @pytest.mark.parametrize("spec_name, buckets, iters", CASES)
@@ -56,7 +55,7 @@ def test_replay_equals_the_same_function_without_graphs(spec_name, buckets, iter
     st, model, lens = _world(spec, n_slots, base_ctx, iters)
     graphed = _loop(spec, st, model, lens)
     twin = _loop(spec, st, model, lens)  # the same function without CUDA graphs
-    eager = _loop(spec, st, model, lens, merged_splits=False)  # plain eager draft_loop, two-kernel attention
+    eager = _loop(spec, st, model, lens)  # plain eager draft_loop
     gr = DraftGraphs.for_loop(graphed, backend=backend, buckets=buckets, manifest_path=tmp_path / "m.json")
     gr.capture()
     tw = None

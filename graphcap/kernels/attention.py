@@ -21,22 +21,18 @@ Kernel ("flash-decoding", split-KV):
    fill the GPU (`wave_splits`: B x Hkv x splits <= `target_programs`, two waves of the programs it holds at once),
    more only when the row is so long that a program would cover more than `max_chunk` tokens (then several waves
    balance rows of different lengths); chunk = max(round_up(cdiv(len, used), BLOCK_N), min_chunk). Programs past
-   the row's end read no keys (they still write an empty partial's lse, and take the merge counter when merging
-   in-kernel). So the static split count (the grid, fixed per capture bucket) can be sized for the longest row the
-   layer may see while a short row still fills the GPU - measured on the H200: one program past two waves costs a
-   whole third wave (docs/results/attention.md). It loads each K/V tile once for
-   the whole query-head group (tl.dot with the group padded to >= 16 rows), runs an online softmax in fp32 and
-   writes a normalised partial output [B, H, S, D] fp32 and its log-sum-exp [B, H, S] (base 2; -inf for an empty
-   chunk). With num_splits == 1 it writes the final output directly and no merge is needed.
-2. Merging the splits: with `sem` (zeroed int32 counters, one per row and kv-head tile, allocated once by the
-   caller) the last program of each (row, kv head) to finish - counted with one acq_rel atomic - merges all splits
-   in the same kernel and sets the counter back to 0. Without it (or with too few counters for the batch),
-   `_combine_kernel`, grid (B, H), merges them as a second kernel. An all-empty row gives zeros either way. The
-   merge in the split kernel saves a launch and a graph node per layer and step (on the H200 the second kernel
-   cost ~1.4 us plus the gap before it; docs/results/attention.md).
+   the row's end read no keys (they still write an empty partial's lse). So the static split count (the grid,
+   fixed per capture bucket) can be sized for the longest row the layer may see while a short row still fills the
+   GPU - measured on the H200: one program past two waves costs a whole third wave (docs/results/attention.md).
+   It loads each K/V tile once for the whole query-head group (tl.dot with the group padded to >= 16 rows), runs
+   an online softmax in fp32 and writes a normalised partial output [B, H, S, D] fp32 and its log-sum-exp
+   [B, H, S] (base 2; -inf for an empty chunk). With num_splits == 1 it writes the final output directly and the second kernel is skipped.
+2. `_combine_kernel`, grid (B, H): merges the splits; an all-empty row gives zeros. (Merging in the split kernel
+   instead - the last program of a row merging all partials - was slower on the H200 at nearly every shape: that
+   one program merges serially; docs/results/attention.md.)
 Grid and temporaries depend only on static shapes (B, H, D, num_splits), never on GPU values: the op can be captured
 in a CUDA graph and traced by torch.compile (it is a `torch.library.triton_op`). Those host-side decisions (launch
-configuration, split count, query tiling, counters) live in `attention_plan`.
+configuration, split count, query tiling) live in `attention_plan`.
 
 `decode_attention_torch` is the plain-torch twin (static shapes: gathers `table[slots, :cols]` with a mask, masked
 softmax in fp32). It is the CPU path and a test reference; it materialises [B, cols, Hkv, D] in fp32, so it is meant
@@ -58,7 +54,6 @@ from graphcap.kernels.attention_plan import (  # noqa: F401 - re-exported: the o
     default_config,
     device_sm_count,
     query_block,
-    semaphore_count,
     splits_for,
     target_programs,
     wave_splits,
@@ -74,7 +69,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # checks (static: shapes, dtypes, devices, strides - nothing that needs a GPU value)
 
 
-def _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, sem=None) -> None:
+def _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits) -> None:
     def t(name, x, ndim, dtypes):
         if not isinstance(x, torch.Tensor):
             raise AttentionError(f"decode_attention: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -116,11 +111,6 @@ def _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, 
     for name, x in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("table", table)):
         if x.numel() and x.stride(-1) != 1:
             raise AttentionError(f"decode_attention: {name}'s last dimension must be contiguous (stride 1)")
-    if sem is not None:
-        t("sem", sem, 1, (torch.int32,))
-        if sem.device != q.device or (sem.numel() and sem.stride(0) != 1):
-            raise AttentionError(f"decode_attention: sem must be a contiguous int32 tensor on {q.device}, "
-                                 f"got one on {sem.device} with stride {sem.stride()}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,12 +152,12 @@ def decode_attention_torch(
 
 @triton.jit
 def _split_kernel(
-    q, k_pool, v_pool, table, slots, lens, out, part, lse, sem,
+    q, k_pool, v_pool, table, slots, lens, out, part, lse,
     sm_scale_log2, cols, num_splits, min_chunk, wave, max_chunk,
     stride_qb, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_t, stride_ob, stride_oh,
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_TILES: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, F32_DOT: tl.constexpr,
+    SINGLE: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -231,35 +221,6 @@ def _split_kernel(
         tl.store(lse + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=mask_g)
         tl.store(part + row[:, None] * D + offs_d[None, :], o,
                  mask=(mask_g & has)[:, None] & mask_d[None, :])  # an empty chunk writes only its lse
-        if MERGE_IN_KERNEL:
-            # The last of the row's num_splits programs to finish merges the splits (no second kernel): all threads'
-            # stores are ordered before one acq_rel atomic (barrier + release); the winner's reads after it
-            # (acquire + barrier) see every split's partial. It leaves the counter at 0 for the next launch.
-            tl.debug_barrier()
-            counter = sem + b * tl.num_programs(1) + pid_h
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            tl.debug_barrier()
-            if done == num_splits - 1:
-                first = (b * H + heads) * num_splits  # [BLOCK_G]
-                m_c = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                den = tl.zeros([BLOCK_G], tl.float32)
-                acc_c = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-                for s_i in range(0, num_splits):
-                    l_s = tl.load(lse + first + s_i, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
-                    m_new = tl.maximum(m_c, l_s)
-                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp2(m_c - m_ref)
-                    w_s = tl.exp2(l_s - m_ref)
-                    live = mask_g & (l_s > float("-inf"))  # an empty split wrote no partial: read none
-                    pv = tl.load(part + (first + s_i)[:, None] * D + offs_d[None, :],
-                                 mask=live[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-                    acc_c = acc_c * alpha[:, None] + w_s[:, None] * pv
-                    den = den * alpha + w_s
-                    m_c = m_new
-                o_c = tl.where(den[:, None] > 0, acc_c / tl.where(den > 0, den, 1.0)[:, None], 0.0)
-                tl.store(out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                         o_c.to(out.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-                tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -290,7 +251,6 @@ def _combine_kernel(
 def _launch(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, config: KernelConfig,
-    sem: torch.Tensor | None = None,
 ) -> torch.Tensor:
     b, h, d = q.shape
     hkv = k_pool.shape[1]
@@ -303,9 +263,6 @@ def _launch(
     if b == 0:
         return out
     single = num_splits == 1
-    # Merge the splits in the split kernel itself when counters are given and enough for this batch (a batch past
-    # them, e.g. an eager fallback above the largest bucket, takes the two-kernel path).
-    merge_in_kernel = not single and sem is not None and sem.numel() >= semaphore_count(b, h, hkv, d)
     if config.max_chunk > 0:  # adapt per row (module docstring); else every row uses num_splits
         wave = min(num_splits, wave_splits(b, hkv, config.wave or target_programs(d, q.dtype, q.device)))
         max_chunk = config.max_chunk
@@ -318,18 +275,18 @@ def _launch(
         part = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     wrap_triton(_split_kernel)[(b, hkv * head_tiles, num_splits)](
-        q, k_pool, v_pool, table, slots, lens, out, part, lse, sem if merge_in_kernel else part,
+        q, k_pool, v_pool, table, slots, lens, out, part, lse,
         float(sm_scale) * LOG2E, cols, num_splits, config.min_chunk, wave, max_chunk,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         table.stride(0), out.stride(0), out.stride(1),
         H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
-        BLOCK_N=config.block_n, SINGLE=single, MERGE_IN_KERNEL=merge_in_kernel,
+        BLOCK_N=config.block_n, SINGLE=single,
         # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16 tiles
         # returns garbage (seen with triton 3.9), so the tiles are upcast there.
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if not single and not merge_in_kernel:
+    if not single:
         wrap_triton(_combine_kernel)[(b, h)](
             part, lse, out, num_splits, out.stride(0), out.stride(1),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
@@ -341,13 +298,12 @@ def _launch(
 def decode_attention_with_config(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, config: KernelConfig | None = None,
-    sem: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernels with an explicit launch configuration (for tuning; not a registered op)."""
-    _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, sem)
+    _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
     if config is None:
         config = _config_for(q, k_pool)
-    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, config, sem)
+    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, config)
 
 
 def _config_for(q: torch.Tensor, k_pool: torch.Tensor) -> KernelConfig:
@@ -357,33 +313,25 @@ def _config_for(q: torch.Tensor, k_pool: torch.Tensor) -> KernelConfig:
 
 def decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
-    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, sem: torch.Tensor | None = None,
+    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int,
 ) -> torch.Tensor:
     """Decode attention over `table[slots[b], :min(lens[slots[b]], window or table.shape[1])]` per batch row.
 
     q [B, H, D] (RoPE applied), k_pool/v_pool [P, Hkv, D] (read in place), table [rows, cols] int32/int64 locations,
     slots [B], lens indexed by slot. Returns [B, H, D] in q's dtype; rows of length 0 give zeros.
-    `sem`: zeroed int32 counters (`semaphore_count` of them, allocated once, e.g. `new_semaphores`): the last split
-    of each row then merges the splits itself, one kernel instead of two. Each call leaves them zero again; calls on
-    different streams at the same time must not share them.
     """
-    # Every argument passed, `sem` too: torch 2.11's custom-op wrapper indexes a mutated argument in the arguments
-    # as given, so leaving `sem` to its default fails there (IndexError; seen on the H200, fixed in later torch).
-    return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, sem)
+    # Every argument passed, positionally: torch 2.11's custom-op wrapper indexed a mutated argument in the arguments
+    # as given and failed (IndexError) on one left to its default (seen on the H200, fixed in later torch).
+    return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
 
 
-@triton_op("graphcap::decode_attention", mutates_args=("sem",))
+@triton_op("graphcap::decode_attention", mutates_args=())
 def _decode_attention_op(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
-    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, sem: torch.Tensor | None,
+    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int,
 ) -> torch.Tensor:
     """The registered op behind `decode_attention` (traceable by torch.compile, capturable in a CUDA graph)."""
-    _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, sem)
+    _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
     if not use_triton(q):
         return decode_attention_torch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
-    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, _config_for(q, k_pool), sem)
-
-
-def new_semaphores(batch: int, heads: int, kv_heads: int, head_dim: int, device: torch.device | str) -> torch.Tensor:
-    """Zeroed counters for `decode_attention(..., sem=)` at batches up to `batch`."""
-    return torch.zeros(semaphore_count(batch, heads, kv_heads, head_dim), dtype=torch.int32, device=device)
+    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, _config_for(q, k_pool))

@@ -1,5 +1,5 @@
 """Host-side planning for `graphcap.kernels.attention` (FlashInfer's split of planning from the run): the launch
-configuration, the split count per capture bucket, the query-head tiling and the counters the split merge needs.
+configuration, the split count per capture bucket and the query-head tiling.
 Everything here depends on static numbers only (shapes, the device's properties), never on GPU values, so it is
 decided once per bucket at capture and is constant in the replayed graph."""
 from __future__ import annotations
@@ -132,18 +132,9 @@ def splits_for(q: torch.Tensor, k_pool: torch.Tensor, max_len: int) -> int:
                              target_programs(q.shape[-1], q.dtype, q.device))
 
 
-def semaphore_count(batch: int, heads: int, kv_heads: int, head_dim: int) -> int:
-    """Counters `decode_attention` needs in `sem` for a batch of `batch` rows (one per row and kv-head tile)."""
-    return batch * kv_heads * _head_tiles(heads // kv_heads, head_dim)
-
-
 def query_block(group: int, d: int) -> int:
     """Query heads one program holds (the GQA group padded to a tl.dot tile of >= 16 rows)."""
     block_g = max(16, triton.next_power_of_2(group))
     if block_g > 16 and (block_g > 64 or d >= 512):  # keep the [group, D] fp32 accumulator in registers
         block_g = 16 if d >= 512 else min(block_g, 64)
     return block_g
-
-
-def _head_tiles(group: int, d: int) -> int:
-    return triton.cdiv(group, query_block(group, d))

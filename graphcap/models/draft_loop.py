@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from graphcap.kernels.attention_plan import semaphore_count, target_programs
+from graphcap.kernels.attention_plan import target_programs
 from graphcap.models.frozen_kv_draft import FrozenKVDraft, KVSource
 from graphcap.window import WindowBuffers
 
@@ -32,10 +32,7 @@ class DraftLoop(nn.Module):
 
     def __init__(self, model: FrozenKVDraft, window: WindowBuffers, k_swa: torch.Tensor, v_swa: torch.Tensor,
                  k_full: torch.Tensor, v_full: torch.Tensor, steps: int | None = None,
-                 sources: dict[str, KVSource] | None = None, merged_splits: bool = False) -> None:
-        """`merged_splits`: attention merges its splits inside the split kernel (decode_attention's `sem`): one
-        kernel and graph node fewer per layer and step. Off by default until an H200 run has checked it at the
-        Gemma 4 shapes (docs/results/attention.md); on CUDA it has been checked on the tiny spec only."""
+                 sources: dict[str, KVSource] | None = None) -> None:
         super().__init__()
         spec = model.spec
         if window.window != spec.window:
@@ -49,20 +46,10 @@ class DraftLoop(nn.Module):
         self.steps = steps or spec.capture.steps
         dt = model.embed.dtype
         progs = {lt: target_programs(spec.attention(lt).head_dim, dt, window.device) for lt in ("sliding", "full")}
-        if sources is not None and merged_splits:
-            raise ValueError("DraftLoop: merged_splits applies to the default sources; with sources=, give each "
-                             "KVSource its own sem")
-        # One set of attention counters for all layers (their kernels run one after another on one stream), sized
-        # for every batch the loop can see: a bucket (padding rows included) or an eager batch of distinct slots.
-        rows = max(max(spec.capture.buckets), window.max_slots)
-        sem = torch.zeros(max(semaphore_count(rows, spec.draft.heads, spec.attention(lt).kv_heads,
-                                              spec.attention(lt).head_dim) for lt in ("sliding", "full")),
-                          dtype=torch.int32, device=window.device) if merged_splits else None
         self.sources = sources or {
-            "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window,
-                                programs=progs["sliding"], sem=sem),
+            "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window, programs=progs["sliding"]),
             "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1],
-                             programs=progs["full"], sem=sem),
+                             programs=progs["full"]),
         }
 
     def forward(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
@@ -94,8 +81,6 @@ class DraftLoop(nn.Module):
         out.update({f"window.{n}": t for n, t in self.window.static_tensors().items()})
         for lt, src in self.sources.items():
             out[f"{lt}.k_pool"], out[f"{lt}.v_pool"] = src.k_pool, src.v_pool
-            if src.sem is not None:
-                out[f"{lt}.attention_counters"] = src.sem
         return out
 
     def example_inputs(self, batch: int, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -30,7 +30,6 @@ class KVSource:
     max_len: int  # the longest row this source can hold (split heuristic)
     programs: int = 264  # programs one attention call should launch (`target_programs`; a constant when traced)
     attend: Callable[[torch.Tensor, float], torch.Tensor] | None = None  # another attention (the sglang baseline)
-    sem: torch.Tensor | None = None  # zeroed counters: the kernel merges its splits itself (decode_attention's sem)
 
 
 class RMSNorm(nn.Module):
@@ -93,8 +92,7 @@ class DraftLayer(nn.Module):
             attn = src.attend(q, self.scale)
         else:
             splits = choose_num_splits(b, src.k_pool.shape[1], src.max_len, src.programs)
-            attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale, splits,
-                                    src.sem)
+            attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale, splits)
         x = x + self.post_attn_norm(attn.reshape(b, -1) @ self.o_proj.t())
         gate, up = (self.pre_mlp_norm(x) @ self.gate_up.t()).chunk(2, dim=-1)
         x = x + self.post_mlp_norm((nn.functional.gelu(gate, approximate="tanh") * up) @ self.down.t())
