@@ -13,6 +13,7 @@
 #   scripts/gpu-check.sh bench    `graphcap bench`: batch 1..64 x steps 1-3 at context 2048, context 256..32000 at
 #                                 batch 8; `graphcap inspect` of the manifests
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
+#   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
 #                                 kernel/model tests, gemma4 replay tests
 # Several stages run in one call in order: scripts/gpu-check.sh kernels capture-all.
@@ -123,6 +124,14 @@ case $stage in
     # cut at 560 s so that what ran still comes back inside the lent machine's 600 s per call
     STEP_LIMIT=${STEP_LIMIT:-560} step pytest-capture-all env GRAPHCAP_GPU_ALL_BUCKETS=1 python3 -m pytest -q -rs tests/test_capture_gpu.py \
       -k "gemma4 and (inductor-cudagraph or reduce-overhead)"
+    ;;
+  check)  # the tree as it stands: the whole suite on CUDA, the attention defaults in-graph beside sglang's kernel,
+    # the draft-phase bench at batch 8 over contexts
+    step pytest python3 -m pytest -q -rs -p no:cacheprovider tests/
+    step attention-in-graph-sglang python3 bench/attention_bw.py --no-tune --l2 in-graph \
+      --out "$LOG/attention-in-graph-sglang"
+    step bench-context gc bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
+      --out "$LOG/bench-context"
     ;;
   splits)  # the split rule (attention_plan.target_programs): every split count at the default tiles, timed in-graph
     # (as the draft runs the kernel), sliding and full layers over the batches; then the defaults at all 84 points
