@@ -38,7 +38,6 @@ export GRAPHCAP_MANIFEST_DIR=$LOG/manifests
 # earlier stage compiled. The perf stage measures a cold start in fresh directories of its own.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor-cache}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$WORK/triton-cache}
-gc() { python3 -m graphcap.cli "$@"; }
 
 env_report() {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit,clocks.max.sm --format=csv
@@ -78,7 +77,7 @@ case $stage in
     ;;
   smoke)
     step smoke-pytest python3 -m pytest -q -x tests/test_window.py tests/test_attention.py tests/test_models.py
-    step smoke-bench gc bench --spec tiny --batch 1,4 --context 64 --iters 5 --repeats 1 --out "$LOG/bench-smoke"
+    step smoke-bench python3 -m graphcap.cli bench --spec tiny --batch 1,4 --context 64 --iters 5 --repeats 1 --out "$LOG/bench-smoke"
     ;;
   tests)  # the whole suite, then the attention grid at the shapes short of 70% of copy bandwidth
     step pytest python3 -m pytest -q -rs tests/
@@ -115,22 +114,26 @@ case $stage in
       --backends cudagraph,inductor-cudagraph --census --out "$LOG/host-time"
     ;;
   bench)  # iter/s vs batch at steps 1-3, then the context sweep at batch 8 (to 32000: SWA path flat?)
-    step bench-main gc bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2,3 --out "$LOG/bench-main"
-    step bench-context gc bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
+    step bench-main python3 -m graphcap.cli bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2,3 --out "$LOG/bench-main"
+    step bench-context python3 -m graphcap.cli bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
       --out "$LOG/bench-context"
-    step inspect gc inspect "$GRAPHCAP_MANIFEST_DIR"
+    step inspect python3 -m graphcap.cli inspect "$GRAPHCAP_MANIFEST_DIR"
     ;;
   capture-all)  # the replay-equality test for the gemma4 spec over every bucket (compile-heavy: ~25 s per bucket);
     # cut at 560 s so that what ran still comes back inside the lent machine's 600 s per call
     STEP_LIMIT=${STEP_LIMIT:-560} step pytest-capture-all env GRAPHCAP_GPU_ALL_BUCKETS=1 python3 -m pytest -q -rs tests/test_capture_gpu.py \
       -k "gemma4 and (inductor-cudagraph or reduce-overhead)"
     ;;
+  bench8)  # the draft-phase bench at batch 8 over contexts (the check stage's last step alone)
+    step bench-context python3 -m graphcap.cli bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
+      --out "$LOG/bench-context"
+    ;;
   check)  # the tree as it stands: the whole suite on CUDA, the attention defaults in-graph beside sglang's kernel,
     # the draft-phase bench at batch 8 over contexts
     step pytest python3 -m pytest -q -rs -p no:cacheprovider tests/
     step attention-in-graph-sglang python3 bench/attention_bw.py --no-tune --l2 in-graph \
       --out "$LOG/attention-in-graph-sglang"
-    step bench-context gc bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
+    step bench-context python3 -m graphcap.cli bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
       --out "$LOG/bench-context"
     ;;
   splits)  # the split rule (attention_plan.target_programs): every split count at the default tiles, timed in-graph
