@@ -77,7 +77,8 @@ case $stage in
     ;;
   smoke)
     step smoke-pytest python3 -m pytest -q -x tests/test_window.py tests/test_attention.py tests/test_models.py
-    step smoke-bench python3 -m graphcap.cli bench --spec tiny --batch 1,4 --context 64 --iters 5 --repeats 1 --out "$LOG/bench-smoke"
+    step smoke-bench python3 -m graphcap.cli bench --spec tiny --batch 1,4 --context 64 --iters 5 --repeats 1 \
+      --out "$LOG/bench-smoke"
     ;;
   tests)  # the whole suite, then the attention grid at the shapes short of 70% of copy bandwidth
     step pytest python3 -m pytest -q -rs tests/
@@ -114,7 +115,8 @@ case $stage in
       --backends cudagraph,inductor-cudagraph --census --out "$LOG/host-time"
     ;;
   bench)  # iter/s vs batch at steps 1-3, then the context sweep at batch 8 (to 32000: SWA path flat?)
-    step bench-main python3 -m graphcap.cli bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2,3 --out "$LOG/bench-main"
+    step bench-main python3 -m graphcap.cli bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2,3 \
+      --out "$LOG/bench-main"
     step bench-context python3 -m graphcap.cli bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
       --out "$LOG/bench-context"
     step inspect python3 -m graphcap.cli inspect "$GRAPHCAP_MANIFEST_DIR"

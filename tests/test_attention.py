@@ -198,8 +198,8 @@ def test_explicit_configs_agree(device):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_split_adaptation_never_changes_the_answer(device, seed):
-    """However the row-adaptive split count lands (one wave's worth, more for long rows, capped by the static grid;
-    batches of mixed lengths, empty rows), the answer is the float64 reference's."""
+    """However the row-adaptive split count lands (enough to fill the GPU, more for long rows, capped by the static
+    grid; batches of mixed lengths, empty rows), the answer is the float64 reference's."""
     from graphcap.kernels.attention import KernelConfig
 
     g = torch.Generator().manual_seed(100 + seed)

@@ -26,7 +26,8 @@ Kernel ("flash-decoding", split-KV):
    GPU - measured on the H200: one program past two waves costs a whole third wave (docs/results/attention.md).
    It loads each K/V tile once for the whole query-head group (tl.dot with the group padded to >= 16 rows), runs
    an online softmax in fp32 and writes a normalised partial output [B, H, S, D] fp32 and its log-sum-exp
-   [B, H, S] (base 2; -inf for an empty chunk). With num_splits == 1 it writes the final output directly and the second kernel is skipped.
+   [B, H, S] (base 2; -inf for an empty chunk). With num_splits == 1 it writes the final output directly and the
+   second kernel is skipped.
 2. `_combine_kernel`, grid (B, H): merges the splits; an all-empty row gives zeros. (Merging in the split kernel
    instead - the last program of a row merging all partials - was slower on the H200 at nearly every shape: that
    one program merges serially; docs/results/attention.md.)

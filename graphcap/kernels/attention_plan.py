@@ -23,7 +23,7 @@ class KernelConfig:
     min_chunk: int = 32  # fewest keys one split covers (rows shorter than splits x this use fewer splits)
     combine_warps: int = 4  # warps of the second (combine) kernel
     # Split adaptation (0 = off: every row uses num_splits, as tuning sweeps want): at most this many keys per
-    # program before a row uses more splits than one wave needs.
+    # program before a row uses more splits than filling the GPU needs.
     max_chunk: int = 1024
     wave: int = 0  # programs the split adaptation fills (0: `target_programs` for the device and these tiles)
 
