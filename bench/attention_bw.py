@@ -378,7 +378,6 @@ def main() -> None:
     for layer in args.layers.split(","):
         shp = LAYERS[layer]
         h, hkv, d, w = shp["heads"], shp["kv_heads"], shp["dim"], shp["window"]
-        group = h // hkv
         per_tok = hkv * d * DTYPE.itemsize * 2  # K and V
         need = max(b * (min(c, w) if w else c) for b in batches for c in contexts)
         tokens = max(need, 1 << 19) + 2 * PAGE * max(batches)  # sliding: a pool larger than the windows, like sglang's
@@ -424,7 +423,7 @@ def main() -> None:
                         lambda: decode_attention_with_config(q, pools.k, pools.v, tab, slots, lens, w, sm, s, cfg),
                         args.rep_ms)
                     if args.grid or args.grid_splits:
-                        dc = default_config(d, group, DTYPE, True)
+                        dc = default_config(d, DTYPE, True)
                         tiles = [(dc.block_n, dc.num_warps, dc.num_stages)] if args.grid_splits else GRID_TILES
                         timed = grid(layer, run_cfg, n, failed, notes, tiles)
                     elif w and ctx > w and (layer, b) in reuse:
@@ -432,7 +431,7 @@ def main() -> None:
                         # configuration found at ctx = W instead of sweeping again
                         timed = [(run_cfg(*reuse[layer, b]), *reuse[layer, b])]
                     else:
-                        timed = sweep(layer, run_cfg, s0, default_config(d, group, DTYPE, True), failed, notes)
+                        timed = sweep(layer, run_cfg, s0, default_config(d, DTYPE, True), failed, notes)
                     if timed:
                         t_best, cfg_best, s_best = min(timed, key=lambda x: x[0])
                         if w and ctx == w:

@@ -318,12 +318,12 @@ def test_choose_num_splits():
 
 
 def test_default_config_shapes():
-    big = default_config(512, 8, torch.bfloat16, True, smem_bytes=232448)  # H100/H200
+    big = default_config(512, torch.bfloat16, True, smem_bytes=232448)  # H100/H200
     assert (big.block_n, big.num_stages, big.num_warps) == (32, 3, 4)
-    small = default_config(512, 8, torch.bfloat16, True, smem_bytes=101376)  # less shared memory: fewer stages
+    small = default_config(512, torch.bfloat16, True, smem_bytes=101376)  # less shared memory: fewer stages
     assert small.num_stages * 2 * small.block_n * 512 * 2 <= 101376
-    assert default_config(256, 2, torch.bfloat16, True, smem_bytes=232448).num_warps == 4
-    assert default_config(16, 1, torch.float32, False).block_n == 16
+    assert default_config(256, torch.bfloat16, True, smem_bytes=232448).num_warps == 4
+    assert default_config(16, torch.float32, False).block_n == 16
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -303,13 +303,13 @@ def decode_attention_with_config(
     """The kernels with an explicit launch configuration (for tuning; not a registered op)."""
     _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
     if config is None:
-        config = _config_for(q, k_pool)
+        config = _config_for(q)
     return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, config)
 
 
-def _config_for(q: torch.Tensor, k_pool: torch.Tensor) -> KernelConfig:
+def _config_for(q: torch.Tensor) -> KernelConfig:
     smem = _device_smem(q.device) if q.is_cuda else None
-    return default_config(q.shape[2], q.shape[1] // k_pool.shape[1], q.dtype, q.is_cuda, smem_bytes=smem)
+    return default_config(q.shape[2], q.dtype, q.is_cuda, smem_bytes=smem)
 
 
 def decode_attention(
@@ -335,4 +335,4 @@ def _decode_attention_op(
     _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
     if not use_triton(q):
         return decode_attention_torch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
-    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, _config_for(q, k_pool))
+    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, _config_for(q))

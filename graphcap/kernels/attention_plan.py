@@ -28,8 +28,7 @@ class KernelConfig:
     wave: int = 0  # programs the split adaptation fills (0: `target_programs` for the device and these tiles)
 
 
-def default_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: int | None = None
-                   ) -> KernelConfig:
+def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: int | None = None) -> KernelConfig:
     """The launch configuration the op uses.
 
     GPU values: the best or near-best configuration of the H200 sweeps in docs/results/attention.md (BLOCK_N 32,
@@ -96,7 +95,7 @@ def target_programs(head_dim: int, dtype: torch.dtype, device: torch.device) -> 
     best and 288 a cliff; at D = 256 (two per SM) 512 programs, not 256 (40.0 vs 45.5 us at batch 8 / W = 1024).
     Always the GPU configuration, also on CPU, so CPU runs choose what the H200 would."""
     on_cuda = device.type == "cuda"
-    cfg = default_config(head_dim, 1, dtype, True, None if on_cuda else _H200_SMEM)
+    cfg = default_config(head_dim, dtype, True, None if on_cuda else _H200_SMEM)
     smem = _device_smem_per_sm(device) if on_cuda else _H200_SMEM_PER_SM
     per_sm = max(1, min(smem // program_smem(cfg, head_dim, dtype.itemsize), 2048 // (32 * cfg.num_warps)))
     return 2 * per_sm * device_sm_count(device)

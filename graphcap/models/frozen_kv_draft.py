@@ -8,6 +8,7 @@ does not ship a trained draft. What is simplified against Gemma 4 is listed in d
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,12 @@ class KVSource:
     max_len: int  # the longest row this source can hold (split heuristic)
     programs: int = 264  # programs one attention call should launch (`target_programs`; a constant when traced)
     attend: Callable[[torch.Tensor, float], torch.Tensor] | None = None  # another attention (the sglang baseline)
+
+
+def random_weight(out_f: int, in_f: int, gen: torch.Generator, dtype: torch.dtype, device) -> nn.Parameter:
+    """[out_f, in_f] N(0, 1/in_f) (drawn in fp32 from `gen`, so a seed gives the same model in every dtype)."""
+    t = torch.randn(out_f, in_f, generator=gen, device=device, dtype=torch.float32) / math.sqrt(in_f)
+    return nn.Parameter(t.to(dtype), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
@@ -68,10 +75,7 @@ class DraftLayer(nn.Module):
         self.layer_type, self.heads, self.head_dim = layer_type, heads, shape.head_dim
         self.scale = shape.head_dim ** -0.5
 
-        def w(out_f: int, in_f: int) -> nn.Parameter:
-            t = torch.randn(out_f, in_f, generator=gen, device=device, dtype=torch.float32) / math.sqrt(in_f)
-            return nn.Parameter(t.to(dtype), requires_grad=False)
-
+        w = functools.partial(random_weight, gen=gen, dtype=dtype, device=device)
         self.input_norm = RMSNorm(hd, dtype, device)
         self.q_proj = w(heads * shape.head_dim, hd)
         self.q_norm = RMSNorm(shape.head_dim, dtype, device)
@@ -111,14 +115,9 @@ class FrozenKVDraft(nn.Module):
         gen = torch.Generator(device=device).manual_seed(seed)
         ht, hd = spec.target.hidden, d.hidden
 
-        def w(out_f: int, in_f: int) -> nn.Parameter:
-            t = torch.randn(out_f, in_f, generator=gen, device=device, dtype=torch.float32) / math.sqrt(in_f)
-            return nn.Parameter(t.to(dtype), requires_grad=False)
-
+        w = functools.partial(random_weight, gen=gen, dtype=dtype, device=device)
         # The target's input embedding (shared with the target in Gemma 4; owned here for a standalone model).
-        self.embed = nn.Parameter(
-            (torch.randn(d.vocab, ht, generator=gen, device=device, dtype=torch.float32) / math.sqrt(ht)).to(dtype),
-            requires_grad=False)
+        self.embed = w(d.vocab, ht)
         self.embed_scale = math.sqrt(ht)
         self.pre_proj = w(hd, 2 * ht)
         self.layers = nn.ModuleList(DraftLayer(spec, lt, gen, dtype, device) for lt in d.layers)
