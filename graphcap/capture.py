@@ -39,11 +39,9 @@ from graphcap import manifest as mf
 from graphcap.guards import (AddressGuard, CaptureError, cache_entries, cudagraph_or_error, cudagraph_skips, describe,
                              reserved_bytes)
 from graphcap.models.draft_loop import DraftLoop, DraftOutput
-from graphcap.spec import DEFAULT_BACKEND
+from graphcap.spec import ALL_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS  # GRAPH_BACKENDS: bench/ imports it here
 
 log = logging.getLogger("graphcap")
-BACKENDS = mf.BACKENDS  # reduce-overhead, inductor-cudagraph, cudagraph, compile, eager
-GRAPH_BACKENDS = mf.CAPTURE_BACKENDS  # reduce-overhead, inductor-cudagraph, cudagraph: record CUDA graphs
 MANUAL_GRAPH_BACKENDS = ("inductor-cudagraph", "cudagraph")  # torch.cuda.CUDAGraph, static outputs
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # slots, accepted, tokens, hidden
 
@@ -85,8 +83,8 @@ class DraftGraphs:
         progress: bool | None = None,
         flush_every_s: float = 10.0,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        if backend not in ALL_BACKENDS:
+            raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
             raise ValueError(f"DraftGraphs: buckets must be positive and strictly increasing, got {list(buckets)}")
         device = example_inputs(1)[0].device

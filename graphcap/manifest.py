@@ -20,11 +20,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from graphcap.spec import BACKENDS as CAPTURE_BACKENDS  # no torch: `graphcap inspect` stays light
+from graphcap.spec import ALL_BACKENDS  # no torch: `graphcap inspect` stays light
 
 FORMAT_VERSION = 1
 STATUSES = ("captured", "failed", "pending")
-BACKENDS = CAPTURE_BACKENDS + ("compile", "eager")  # what graphcap.capture.DraftGraphs accepts
 
 
 class ManifestError(ValueError):
@@ -60,7 +59,7 @@ class Manifest:
     spec_name: str
     spec_hash: str
     spec_source: str
-    backend: str  # one of BACKENDS
+    backend: str  # one of ALL_BACKENDS
     device: str  # GPU name, or "cpu"
     driver: str | None  # NVIDIA driver version (NVML), None where unavailable
     torch_version: str
@@ -78,8 +77,9 @@ class Manifest:
     def for_spec(cls, spec: Any, backend: str | None = None, env: dict[str, Any] | None = None) -> Manifest:
         """A fresh manifest for a `CaptureSpec`: every bucket "pending", environment filled by `environment()`."""
         backend = backend or spec.capture.backend
-        if backend not in BACKENDS:
-            raise ValueError(f"Manifest.for_spec: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        if backend not in ALL_BACKENDS:
+            raise ValueError(f"Manifest.for_spec: unknown backend {backend!r}; "
+                             f"expected one of {', '.join(ALL_BACKENDS)}")
         now = utc_now()
         return cls(
             format_version=FORMAT_VERSION, spec_name=spec.name, spec_hash=spec.hash, spec_source=spec.source,
@@ -168,7 +168,7 @@ def list_manifests(directory: str | Path) -> list[Path]:
     d = Path(directory)
     if not d.is_dir():
         return []
-    return sorted(p for p in d.glob("*.json") if p.is_file() and any(p.stem.endswith(f"-{b}") for b in BACKENDS))
+    return sorted(p for p in d.glob("*.json") if p.is_file() and any(p.stem.endswith(f"-{b}") for b in ALL_BACKENDS))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,8 +232,9 @@ def parse_manifest(data: dict[str, Any], source: str = "<manifest>") -> Manifest
         if v < 1:
             raise ManifestError(source, "format_version", f"must be >= 1, got {v}")
     values = _fields(data, _MANIFEST_FIELDS, source, "")
-    if values["backend"] not in BACKENDS:
-        raise ManifestError(source, "backend", f"unknown backend {values['backend']!r}; expected one of {', '.join(BACKENDS)}")
+    if values["backend"] not in ALL_BACKENDS:
+        raise ManifestError(source, "backend",
+                            f"unknown backend {values['backend']!r}; expected one of {', '.join(ALL_BACKENDS)}")
     for key in ("created", "updated"):
         try:
             datetime.fromisoformat(values[key])

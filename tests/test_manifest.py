@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap.manifest import (
-    BACKENDS, FORMAT_VERSION, STATUSES, BucketRecord, Manifest, ManifestError, default_manifest_dir, environment,
+    FORMAT_VERSION, STATUSES, BucketRecord, Manifest, ManifestError, default_manifest_dir, environment,
     list_manifests, manifest_path, read_manifest, write_manifest,
 )
-from graphcap.spec import load_spec
+from graphcap.spec import ALL_BACKENDS, load_spec
 
 
 def random_manifest(rng: random.Random, spec_name: str = "tiny", backend: str | None = None) -> Manifest:
@@ -32,7 +32,7 @@ def random_manifest(rng: random.Random, spec_name: str = "tiny", backend: str | 
         ))
     return Manifest(
         format_version=FORMAT_VERSION, spec_name=spec_name, spec_hash=f"{rng.getrandbits(64):016x}",
-        spec_source=f"/specs/{spec_name}.toml", backend=backend or rng.choice(BACKENDS),
+        spec_source=f"/specs/{spec_name}.toml", backend=backend or rng.choice(ALL_BACKENDS),
         device=rng.choice(["cpu", "NVIDIA H200"]), driver=rng.choice([None, "570.133.20"]),
         torch_version="2.13.0+cu130", triton_version=rng.choice([None, "3.9.0"]), graphcap_version="0.1.0",
         created="2026-01-02T03:04:05+00:00", updated="2026-01-02T03:04:05+00:00", steps=rng.randint(1, 8),
