@@ -391,20 +391,13 @@ class DraftGraphs:
         return [b.record for b in self._buckets]
 
     def manifest(self) -> mf.Manifest:
+        """What was captured and how it ran so far; the bucket records are copies (the counters keep moving)."""
         if self._env is None:
             self._env = mf.environment()
-        env = self._env
-        spec = self.spec
-        return mf.Manifest(
-            format_version=mf.FORMAT_VERSION,
-            spec_name=spec.name if spec else "(none)", spec_hash=spec.hash if spec else "", spec_source=spec.source if spec else "",
-            backend=self.backend, device=env["device"], driver=env["driver"], torch_version=env["torch_version"],
-            triton_version=env["triton_version"], graphcap_version=env["graphcap_version"],
-            created=self._created or mf.utc_now(), updated=mf.utc_now(),
-            steps=spec.capture.steps if spec else 0, window=spec.window if spec else 0,
-            buckets=[dataclasses.replace(b.record) for b in self._buckets],
-            oversize_fallbacks=self.oversize_fallbacks, notes=[],
-        )
+        m = mf.Manifest.for_spec(self.spec, self.backend, self._env, created=self._created,
+                                 buckets=[dataclasses.replace(b.record) for b in self._buckets])
+        m.oversize_fallbacks = self.oversize_fallbacks
+        return m
 
     def flush(self) -> None:
         """Write the manifest now (run() also does, at most every `flush_every_s`)."""

@@ -74,17 +74,29 @@ class Manifest:
     notes: list[str] = field(default_factory=list)
 
     @classmethod
-    def for_spec(cls, spec: Any, backend: str | None = None, env: dict[str, Any] | None = None) -> Manifest:
-        """A fresh manifest for a `CaptureSpec`: every bucket "pending", environment filled by `environment()`."""
+    def for_spec(cls, spec: Any, backend: str | None = None, env: dict[str, Any] | None = None, *,
+                 buckets: list[BucketRecord] | None = None, created: str | None = None) -> Manifest:
+        """A manifest for a `CaptureSpec` (or a stand-in with its name, hash, source, window and capture.steps; None
+        for a function captured without one, which then needs `backend` and `buckets`). Fresh by default: the spec's
+        buckets all "pending", created now, the environment from `environment()`; a running capture
+        (`DraftGraphs.manifest()`) passes its own `buckets`, `created` and (read once) `env`."""
+        if spec is None and (backend is None or buckets is None):
+            raise ValueError("Manifest.for_spec: without a spec, backend and buckets must be given")
         backend = backend or spec.capture.backend
         if backend not in ALL_BACKENDS:
             raise ValueError(f"Manifest.for_spec: unknown backend {backend!r}; "
                              f"expected one of {', '.join(ALL_BACKENDS)}")
+        if buckets is None:
+            buckets = [BucketRecord(b) for b in spec.capture.buckets]
         now = utc_now()
+        if spec is None:
+            name, spec_hash, source, steps, window = "(none)", "", "", 0, 0
+        else:
+            name, spec_hash, source, steps, window = spec.name, spec.hash, spec.source, spec.capture.steps, spec.window
         return cls(
-            format_version=FORMAT_VERSION, spec_name=spec.name, spec_hash=spec.hash, spec_source=spec.source,
-            backend=backend, **(environment() if env is None else env), created=now, updated=now,
-            steps=spec.capture.steps, window=spec.window, buckets=[BucketRecord(b) for b in spec.capture.buckets],
+            format_version=FORMAT_VERSION, spec_name=name, spec_hash=spec_hash, spec_source=source, backend=backend,
+            **(environment() if env is None else env), created=created or now, updated=now, steps=steps,
+            window=window, buckets=buckets,
         )
 
     def bucket(self, batch_size: int) -> BucketRecord:

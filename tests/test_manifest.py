@@ -108,6 +108,22 @@ def test_for_spec_and_environment():
         m.bucket(3)
 
 
+def test_for_spec_with_a_running_captures_records():
+    """What DraftGraphs.manifest() builds on: its own records, creation time and environment; no spec at all."""
+    env = dict(device="cpu", driver=None, torch_version="t", triton_version=None, graphcap_version="g")
+    recs = [BucketRecord(3, "captured", replays=5)]
+    m = Manifest.for_spec(load_spec("tiny"), "eager", env, buckets=recs, created="2026-01-02T03:04:05+00:00")
+    assert m.buckets is recs and m.created == "2026-01-02T03:04:05+00:00" and m.updated >= m.created
+    assert (m.backend, m.device, m.spec_name) == ("eager", "cpu", "tiny")
+    bare = Manifest.for_spec(None, "compile", env, buckets=[])
+    assert (bare.spec_name, bare.spec_hash, bare.spec_source, bare.steps, bare.window) == ("(none)", "", "", 0, 0)
+    assert bare.created == bare.updated
+    with pytest.raises(ValueError, match="without a spec"):
+        Manifest.for_spec(None, "eager", env)
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        Manifest.for_spec(None, "fast", env, buckets=[])
+
+
 def test_default_manifest_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("GRAPHCAP_MANIFEST_DIR", str(tmp_path / "x"))
     assert default_manifest_dir() == tmp_path / "x"
