@@ -40,6 +40,7 @@ from graphcap.guards import (AddressGuard, CaptureError, cache_entries, cudagrap
                              reserved_bytes)
 from graphcap.models.draft_loop import DraftLoop, DraftOutput
 from graphcap.spec import ALL_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS  # GRAPH_BACKENDS: bench/ imports it here
+from graphcap.window import check_slots
 
 log = logging.getLogger("graphcap")
 MANUAL_GRAPH_BACKENDS = ("inductor-cudagraph", "cudagraph")  # torch.cuda.CUDAGraph, static outputs
@@ -260,7 +261,9 @@ class DraftGraphs:
         b = slots.shape[0] if slots.ndim == 1 else -1
         self._check_shapes(b, slots, accepted, tokens, hidden)
         if host_slots is not None:
-            self._check_slots(host_slots, b)
+            if len(host_slots) != b:
+                raise CaptureError(f"run: {len(host_slots)} host_slots for a batch of {b}")
+            check_slots(host_slots, self.padding_slot, error=CaptureError, call="run", arg="host_slots")
         if b > self._buckets[-1].size:
             self.oversize_fallbacks += 1
             self._warn_once("oversize", f"graphcap: batch {b} is larger than the largest bucket "
@@ -361,17 +364,6 @@ class DraftGraphs:
             if not ok:
                 want = r.dtype if r.is_floating_point() else "an integer dtype"
                 raise CaptureError(f"run: {name} has dtype {x.dtype}, expected {want}")
-
-    def _check_slots(self, host_slots: Sequence[int], b: int) -> None:
-        if len(host_slots) != b:
-            raise CaptureError(f"run: {len(host_slots)} host_slots for a batch of {b}")
-        if len(set(host_slots)) != b:
-            seen: set[int] = set()
-            dup = next(s for s in host_slots if s in seen or seen.add(s))
-            raise CaptureError(f"run: slot {dup} appears more than once in one batch")
-        bad = [s for s in host_slots if not 0 <= s < self.padding_slot]
-        if bad:
-            raise CaptureError(f"run: slot {bad[0]} out of range [0, {self.padding_slot})")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
