@@ -1,16 +1,8 @@
-"""Per-bucket capture of one whole draft iteration, and the run-time dispatcher around the captured graphs.
+"""`DraftGraphs`: one captured draft iteration per batch bucket, and the run-time dispatcher around them.
 
-Backends (constructor argument; a spec's `capture.backend` picks the default):
-- `reduce-overhead`: `torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)` - Inductor fuses the small
-  ops and CUDA-graph trees record one graph per bucket, all in one shared memory pool.
-- `inductor-cudagraph`: the same Inductor-compiled code (`fullgraph=True, dynamic=False`, Inductor's own CUDA graphs
-  off), recorded per bucket with `torch.cuda.CUDAGraph` in one shared pool - what sglang does with its compiled
-  decode graphs. The same compiled kernels as reduce-overhead; a replay is one `cudaGraphLaunch`, without
-  CUDA-graph trees' per-call bookkeeping (Dynamo guards, input-address checks over every static tensor).
-- `cudagraph`: the same function, eager ops, recorded with `torch.cuda.CUDAGraph`, one shared pool.
-- `compile`: Inductor without CUDA graphs - the "same compiled code with graphs off" that tests compare replays
-  against, and the compiled path on a CPU.
-- `eager`: no capture; the same static-buffer dispatch (CPU runs, debugging).
+How a bucket is recorded, per backend (`reduce-overhead`, `inductor-cudagraph`, `cudagraph`, `compile`, `eager`), is
+graphcap.recording's; this module owns the buckets' static inputs, capturing them in order, the guards at run time,
+the dispatch and the manifest.
 
 Run time: the smallest bucket >= B is chosen, the live batch is copied into its first B rows, the other rows point
 at the padding slot with accepted = 0, the graph replays and views of the first B rows come back. They stay valid
@@ -36,16 +28,13 @@ from dataclasses import dataclass, field
 import torch
 
 from graphcap import manifest as mf
-from graphcap.guards import (AddressGuard, CaptureError, cache_entries, cudagraph_or_error, cudagraph_skips, describe,
-                             reserved_bytes)
+from graphcap.guards import AddressGuard, CaptureError, cache_entries
 from graphcap.models.draft_loop import DraftLoop, DraftOutput
-from graphcap.spec import DEFAULT_BACKEND
+from graphcap.recording import COMPILED_BACKENDS, MANUAL_GRAPH_BACKENDS, Inputs, compile_iteration, record_bucket
+from graphcap.spec import ALL_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS  # GRAPH_BACKENDS: bench/ imports it here
+from graphcap.window import check_slots
 
 log = logging.getLogger("graphcap")
-BACKENDS = mf.BACKENDS  # reduce-overhead, inductor-cudagraph, cudagraph, compile, eager
-GRAPH_BACKENDS = mf.CAPTURE_BACKENDS  # reduce-overhead, inductor-cudagraph, cudagraph: record CUDA graphs
-MANUAL_GRAPH_BACKENDS = ("inductor-cudagraph", "cudagraph")  # torch.cuda.CUDAGraph, static outputs
-Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # slots, accepted, tokens, hidden
 
 
 @dataclass
@@ -85,8 +74,8 @@ class DraftGraphs:
         progress: bool | None = None,
         flush_every_s: float = 10.0,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        if backend not in ALL_BACKENDS:
+            raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
             raise ValueError(f"DraftGraphs: buckets must be positive and strictly increasing, got {list(buckets)}")
         device = example_inputs(1)[0].device
@@ -138,13 +127,20 @@ class DraftGraphs:
         """Warm up and record every bucket, largest first (so smaller ones reuse its pool memory)."""
         t_all = time.perf_counter()
         self._addresses = AddressGuard(self._static)
-        if self.backend in ("reduce-overhead", "inductor-cudagraph", "compile"):
-            self._compile()
+        if self.backend in COMPILED_BACKENDS:
+            static = [*self._static.values(), *(t for b in self._buckets for t in b.inputs)]
+            self._compiled, self._code = compile_iteration(self.fn, self.backend, static, len(self._buckets),
+                                                           tag=f"{id(self):x}")
         pool = torch.cuda.graph_pool_handle() if self.backend in MANUAL_GRAPH_BACKENDS else None
         order = list(reversed(self._buckets))
         for i, bucket in enumerate(order):
             self._show(f"capturing bucket {bucket.size:>4} ({i + 1}/{len(order)})")
-            self._capture_bucket(bucket, pool)
+            rec = bucket.record
+            bucket.graph, bucket.outputs = record_bucket(bucket.inputs, rec, self.backend, self.fn, self._compiled,
+                                                         pool)
+            if rec.status == "failed":
+                self._warn_once(f"capture:{bucket.size}", f"graphcap: bucket {bucket.size} not captured "
+                                                          f"({rec.reason}); it will run eagerly")
         if self._code is not None:
             self._entries_after_capture = cache_entries(self._code)
         self.captured = True
@@ -183,73 +179,6 @@ class DraftGraphs:
         inputs = tuple(t.clone() for t in self._example_inputs(size))
         return _Bucket(size, inputs, mf.BucketRecord(size))
 
-    def _compile(self) -> None:
-        for t in self._static.values():
-            torch._dynamo.mark_static_address(t)
-        for b in self._buckets:
-            for t in b.inputs:
-                torch._dynamo.mark_static_address(t)
-        # A fresh code object per instance: its own Dynamo cache (one entry per bucket), so recompiles are counted
-        # exactly and other compiled code in the process cannot push it past the recompile limit.
-        target = self.fn
-
-        def draft_iteration(slots, accepted, tokens, hidden):
-            return target(slots, accepted, tokens, hidden)
-
-        code = draft_iteration.__code__.replace(co_name=f"draft_iteration_{id(self):x}")
-        fresh = types.FunctionType(code, draft_iteration.__globals__, code.co_name, None, draft_iteration.__closure__)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(self._buckets) + 2)
-        mode = "reduce-overhead" if self.backend == "reduce-overhead" else None
-        options = None if mode else {"triton.cudagraphs": False}  # inductor-cudagraph records its own graphs
-        self._compiled = torch.compile(fresh, mode=mode, options=options, fullgraph=True, dynamic=False)
-        self._code = code
-
-    def _capture_bucket(self, bucket: _Bucket, pool) -> None:
-        cuda = self.device.type == "cuda"
-        rec = bucket.record
-        before = reserved_bytes() if cuda else 0
-        t0 = time.perf_counter()
-        skips0 = cudagraph_skips()
-        try:
-            if self.backend in MANUAL_GRAPH_BACKENDS:
-                fn = self.fn if self.backend == "cudagraph" else self._compiled
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    # Dynamo/Inductor compile, Triton JIT, cuBLAS handles: nothing may compile during recording
-                    for _ in range(2):
-                        fn(*bucket.inputs)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    bucket.outputs = fn(*bucket.inputs)
-                bucket.graph = graph
-            elif self._compiled is not None:
-                with cudagraph_or_error(self.backend == "reduce-overhead"):
-                    for _ in range(3):  # compile + warm up, record, first replay
-                        torch.compiler.cudagraph_mark_step_begin()
-                        self._compiled(*bucket.inputs)
-            if cuda:
-                torch.cuda.synchronize()
-        except torch.OutOfMemoryError as e:
-            rec.status, rec.reason = "failed", f"out of memory: {describe(e)}"
-        except Exception as e:  # a failed bucket falls back to eager; the reason goes to the manifest
-            reason = describe(e)
-            if "skipping cudagraphs" in str(e):
-                raise CaptureError(f"bucket {bucket.size}: Inductor would not record a CUDA graph: {reason}") from e
-            rec.status, rec.reason = "failed", reason
-        else:
-            if self.backend == "reduce-overhead" and cudagraph_skips() > skips0:
-                raise CaptureError(f"bucket {bucket.size}: Inductor skipped CUDA graphs "
-                                   "(see TORCH_LOGS=cudagraphs for the reason)")
-            rec.status = "captured"
-        rec.capture_s = time.perf_counter() - t0
-        rec.pool_bytes = max(0, reserved_bytes() - before) if cuda else 0
-        if rec.status == "failed":
-            bucket.graph = bucket.outputs = None
-            self._warn_once(f"capture:{bucket.size}", f"graphcap: bucket {bucket.size} not captured ({rec.reason}); "
-                                                      "it will run eagerly")
-
     # -----------------------------------------------------------------------------------------------------------
     # run time
 
@@ -262,7 +191,9 @@ class DraftGraphs:
         b = slots.shape[0] if slots.ndim == 1 else -1
         self._check_shapes(b, slots, accepted, tokens, hidden)
         if host_slots is not None:
-            self._check_slots(host_slots, b)
+            if len(host_slots) != b:
+                raise CaptureError(f"run: {len(host_slots)} host_slots for a batch of {b}")
+            check_slots(host_slots, self.padding_slot, error=CaptureError, call="run", arg="host_slots")
         if b > self._buckets[-1].size:
             self.oversize_fallbacks += 1
             self._warn_once("oversize", f"graphcap: batch {b} is larger than the largest bucket "
@@ -364,17 +295,6 @@ class DraftGraphs:
                 want = r.dtype if r.is_floating_point() else "an integer dtype"
                 raise CaptureError(f"run: {name} has dtype {x.dtype}, expected {want}")
 
-    def _check_slots(self, host_slots: Sequence[int], b: int) -> None:
-        if len(host_slots) != b:
-            raise CaptureError(f"run: {len(host_slots)} host_slots for a batch of {b}")
-        if len(set(host_slots)) != b:
-            seen: set[int] = set()
-            dup = next(s for s in host_slots if s in seen or seen.add(s))
-            raise CaptureError(f"run: slot {dup} appears more than once in one batch")
-        bad = [s for s in host_slots if not 0 <= s < self.padding_slot]
-        if bad:
-            raise CaptureError(f"run: slot {bad[0]} out of range [0, {self.padding_slot})")
-
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -393,20 +313,13 @@ class DraftGraphs:
         return [b.record for b in self._buckets]
 
     def manifest(self) -> mf.Manifest:
+        """What was captured and how it ran so far; the bucket records are copies (the counters keep moving)."""
         if self._env is None:
             self._env = mf.environment()
-        env = self._env
-        spec = self.spec
-        return mf.Manifest(
-            format_version=mf.FORMAT_VERSION,
-            spec_name=spec.name if spec else "(none)", spec_hash=spec.hash if spec else "", spec_source=spec.source if spec else "",
-            backend=self.backend, device=env["device"], driver=env["driver"], torch_version=env["torch_version"],
-            triton_version=env["triton_version"], graphcap_version=env["graphcap_version"],
-            created=self._created or mf.utc_now(), updated=mf.utc_now(),
-            steps=spec.capture.steps if spec else 0, window=spec.window if spec else 0,
-            buckets=[dataclasses.replace(b.record) for b in self._buckets],
-            oversize_fallbacks=self.oversize_fallbacks, notes=[],
-        )
+        m = mf.Manifest.for_spec(self.spec, self.backend, self._env, created=self._created,
+                                 buckets=[dataclasses.replace(b.record) for b in self._buckets])
+        m.oversize_fallbacks = self.oversize_fallbacks
+        return m
 
     def flush(self) -> None:
         """Write the manifest now (run() also does, at most every `flush_every_s`)."""

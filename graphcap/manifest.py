@@ -20,11 +20,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from graphcap.spec import BACKENDS as CAPTURE_BACKENDS  # no torch: `graphcap inspect` stays light
+from graphcap.spec import ALL_BACKENDS  # no torch: `graphcap inspect` stays light
 
 FORMAT_VERSION = 1
 STATUSES = ("captured", "failed", "pending")
-BACKENDS = CAPTURE_BACKENDS + ("compile", "eager")  # what graphcap.capture.DraftGraphs accepts
 
 
 class ManifestError(ValueError):
@@ -60,7 +59,7 @@ class Manifest:
     spec_name: str
     spec_hash: str
     spec_source: str
-    backend: str  # one of BACKENDS
+    backend: str  # one of ALL_BACKENDS
     device: str  # GPU name, or "cpu"
     driver: str | None  # NVIDIA driver version (NVML), None where unavailable
     torch_version: str
@@ -75,16 +74,29 @@ class Manifest:
     notes: list[str] = field(default_factory=list)
 
     @classmethod
-    def for_spec(cls, spec: Any, backend: str | None = None, env: dict[str, Any] | None = None) -> Manifest:
-        """A fresh manifest for a `CaptureSpec`: every bucket "pending", environment filled by `environment()`."""
+    def for_spec(cls, spec: Any, backend: str | None = None, env: dict[str, Any] | None = None, *,
+                 buckets: list[BucketRecord] | None = None, created: str | None = None) -> Manifest:
+        """A manifest for a `CaptureSpec` (or a stand-in with its name, hash, source, window and capture.steps; None
+        for a function captured without one, which then needs `backend` and `buckets`). Fresh by default: the spec's
+        buckets all "pending", created now, the environment from `environment()`; a running capture
+        (`DraftGraphs.manifest()`) passes its own `buckets`, `created` and (read once) `env`."""
+        if spec is None and (backend is None or buckets is None):
+            raise ValueError("Manifest.for_spec: without a spec, backend and buckets must be given")
         backend = backend or spec.capture.backend
-        if backend not in BACKENDS:
-            raise ValueError(f"Manifest.for_spec: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        if backend not in ALL_BACKENDS:
+            raise ValueError(f"Manifest.for_spec: unknown backend {backend!r}; "
+                             f"expected one of {', '.join(ALL_BACKENDS)}")
+        if buckets is None:
+            buckets = [BucketRecord(b) for b in spec.capture.buckets]
         now = utc_now()
+        if spec is None:
+            name, spec_hash, source, steps, window = "(none)", "", "", 0, 0
+        else:
+            name, spec_hash, source, steps, window = spec.name, spec.hash, spec.source, spec.capture.steps, spec.window
         return cls(
-            format_version=FORMAT_VERSION, spec_name=spec.name, spec_hash=spec.hash, spec_source=spec.source,
-            backend=backend, **(environment() if env is None else env), created=now, updated=now,
-            steps=spec.capture.steps, window=spec.window, buckets=[BucketRecord(b) for b in spec.capture.buckets],
+            format_version=FORMAT_VERSION, spec_name=name, spec_hash=spec_hash, spec_source=source, backend=backend,
+            **(environment() if env is None else env), created=created or now, updated=now, steps=steps,
+            window=window, buckets=buckets,
         )
 
     def bucket(self, batch_size: int) -> BucketRecord:
@@ -168,7 +180,7 @@ def list_manifests(directory: str | Path) -> list[Path]:
     d = Path(directory)
     if not d.is_dir():
         return []
-    return sorted(p for p in d.glob("*.json") if p.is_file() and any(p.stem.endswith(f"-{b}") for b in BACKENDS))
+    return sorted(p for p in d.glob("*.json") if p.is_file() and any(p.stem.endswith(f"-{b}") for b in ALL_BACKENDS))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,8 +244,9 @@ def parse_manifest(data: dict[str, Any], source: str = "<manifest>") -> Manifest
         if v < 1:
             raise ManifestError(source, "format_version", f"must be >= 1, got {v}")
     values = _fields(data, _MANIFEST_FIELDS, source, "")
-    if values["backend"] not in BACKENDS:
-        raise ManifestError(source, "backend", f"unknown backend {values['backend']!r}; expected one of {', '.join(BACKENDS)}")
+    if values["backend"] not in ALL_BACKENDS:
+        raise ManifestError(source, "backend",
+                            f"unknown backend {values['backend']!r}; expected one of {', '.join(ALL_BACKENDS)}")
     for key in ("created", "updated"):
         try:
             datetime.fromisoformat(values[key])

@@ -21,10 +21,13 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 SPEC_DIR = Path(__file__).resolve().parent / "capture_specs"
 LAYER_TYPES = ("sliding", "full")
 DTYPES = ("float32", "float16", "bfloat16")
-# How a spec may capture (graphcap.capture adds "compile" and "eager", which record no graphs); the one list
-# spec files, the capture engine, manifests and the sglang flag all read.
-BACKENDS = ("reduce-overhead", "inductor-cudagraph", "cudagraph")
+# The backends, listed here only (spec files, DraftGraphs, manifests and the sglang flag all read them).
+# GRAPH_BACKENDS record CUDA graphs: what a spec or the sglang flag may pick. ALL_BACKENDS adds the two that record
+# none ("compile": Inductor alone, the reference and the CPU path; "eager"): what DraftGraphs runs, a manifest names.
+GRAPH_BACKENDS = ("reduce-overhead", "inductor-cudagraph", "cudagraph")
+ALL_BACKENDS = GRAPH_BACKENDS + ("compile", "eager")
 DEFAULT_BACKEND = "inductor-cudagraph"
+BACKENDS = GRAPH_BACKENDS  # the former name, still imported by graphcap/integrations/sglang.py
 HEAD_KINDS = ("full", "centroid")
 
 
@@ -239,7 +242,7 @@ def parse_spec(data: dict[str, Any], source: str = "<spec>") -> CaptureSpec:
     c = top.table_of("capture")
     cap = CaptureSettings(
         steps=c.int("steps"), top_k=c.int("top_k"), buckets=c.int_list("buckets"), max_slots=c.int("max_slots"),
-        max_context=c.int("max_context"), backend=c.str("backend", BACKENDS, default=DEFAULT_BACKEND),
+        max_context=c.int("max_context"), backend=c.str("backend", GRAPH_BACKENDS, default=DEFAULT_BACKEND),
     )
     c.done()
     if cap.top_k != 1:

@@ -85,7 +85,7 @@ class WindowBuffers:
         if slots_t.shape != lens_t.shape:
             raise WindowError(f"reset: {slots_t.numel()} slots but {lens_t.numel()} seq_lens")
         s, lens = slots_t.tolist(), lens_t.tolist()
-        self._check_slots("reset", s, allow_padding=False)
+        check_slots(s, self.max_slots, error=WindowError, call="reset")
         row_len = self.req_to_token.shape[1]
         for slot, n in zip(s, lens):
             if not 0 <= n <= row_len:
@@ -141,18 +141,6 @@ class WindowBuffers:
             raise WindowError(f"advance: slots {tuple(slots.shape)} and accepted {tuple(accepted.shape)} must be "
                               "equal 1-D shapes")
 
-    def _check_slots(self, call: str, slots: list[int], allow_padding: bool) -> None:
-        seen: set[int] = set()
-        for s in slots:
-            if allow_padding and s == self.padding_slot:
-                continue
-            if not 0 <= s < self.max_slots:
-                hint = f" (the padding slot {self.padding_slot} may only advance by 0)" if allow_padding else ""
-                raise WindowError(f"{call}: slot {s} out of range [0, {self.max_slots}){hint}")
-            if s in seen:
-                raise WindowError(f"{call}: slot {s} appears more than once in one call")
-            seen.add(s)
-
     def _check_locs(self, call: str, slots: list[int], starts: list[int], ends: list[int]) -> None:
         """The req_to_token entries about to be read must be valid locations of the pool they index."""
         if self.full_to_swa is None:
@@ -170,7 +158,7 @@ class WindowBuffers:
 
     def _check_advance(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
         s, a = slots.tolist(), accepted.tolist()
-        self._check_slots("advance", s, allow_padding=True)
+        check_slots(s, self.max_slots, error=WindowError, call="advance", padding=self.padding_slot)
         lens = self.seq_lens.tolist()
         row_len = self.req_to_token.shape[1]
         for slot, n in zip(s, a):
@@ -184,6 +172,25 @@ class WindowBuffers:
                 raise WindowError(f"advance: slot {slot} would reach length {lens[slot] + n}, past its req_to_token row "
                                   f"({row_len} positions)")
         self._check_locs("advance", s, [lens[x] for x in s], [lens[x] + n for x, n in zip(s, a)])
+
+
+def check_slots(slots: Sequence[int], limit: int, *, error: type[Exception], call: str, arg: str = "slots",
+                padding: int | None = None) -> None:
+    """Raise `error("<call>: ...")`, naming the first bad slot of `slots` (the argument `arg`), unless each is in
+    [0, limit) and appears once; `padding` (the padding slot), where given, may appear any number of times. The one
+    slot check behind WindowBuffers (a WindowError) and DraftGraphs.run's `host_slots` (a CaptureError)."""
+    live = slots if padding is None else [s for s in slots if s != padding]
+    # The common case in a few C calls: run() checks every batch.
+    if not live or (len(set(live)) == len(live) and min(live) >= 0 and max(live) < limit):
+        return
+    seen: set[int] = set()
+    for s in live:
+        if not 0 <= s < limit:
+            besides = f" (or the padding slot {padding})" if padding is not None else ""
+            raise error(f"{call}: slot {s} out of range [0, {limit}){besides} in {arg}")
+        if s in seen:
+            raise error(f"{call}: slot {s} appears more than once in {arg}")
+        seen.add(s)
 
 
 def _check_index_tensor(name: str, t: torch.Tensor, ndim: int) -> None:

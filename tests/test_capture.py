@@ -86,7 +86,8 @@ def test_views_until_next_run_and_copies(device):
 
 @pytest.mark.parametrize(
     "host_slots, match",
-    [([1, 1, 2], r"slot 1 appears more than once"), ([1, 2, SPEC.capture.max_slots], r"out of range"),
+    [([1, 1, 2], r"run: slot 1 appears more than once in host_slots"),
+     ([1, 2, SPEC.capture.max_slots], r"run: slot (\d+) out of range \[0, \1\) in host_slots"),
      ([1, 2], r"2 host_slots for a batch of 3")],
 )
 def test_bad_batches_are_rejected(device, host_slots, match):

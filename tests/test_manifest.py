@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphcap.manifest import (
-    BACKENDS, FORMAT_VERSION, STATUSES, BucketRecord, Manifest, ManifestError, default_manifest_dir, environment,
+    FORMAT_VERSION, STATUSES, BucketRecord, Manifest, ManifestError, default_manifest_dir, environment,
     list_manifests, manifest_path, read_manifest, write_manifest,
 )
-from graphcap.spec import load_spec
+from graphcap.spec import ALL_BACKENDS, load_spec
 
 
 def random_manifest(rng: random.Random, spec_name: str = "tiny", backend: str | None = None) -> Manifest:
@@ -32,7 +32,7 @@ def random_manifest(rng: random.Random, spec_name: str = "tiny", backend: str | 
         ))
     return Manifest(
         format_version=FORMAT_VERSION, spec_name=spec_name, spec_hash=f"{rng.getrandbits(64):016x}",
-        spec_source=f"/specs/{spec_name}.toml", backend=backend or rng.choice(BACKENDS),
+        spec_source=f"/specs/{spec_name}.toml", backend=backend or rng.choice(ALL_BACKENDS),
         device=rng.choice(["cpu", "NVIDIA H200"]), driver=rng.choice([None, "570.133.20"]),
         torch_version="2.13.0+cu130", triton_version=rng.choice([None, "3.9.0"]), graphcap_version="0.1.0",
         created="2026-01-02T03:04:05+00:00", updated="2026-01-02T03:04:05+00:00", steps=rng.randint(1, 8),
@@ -106,6 +106,22 @@ def test_for_spec_and_environment():
     assert m.bucket(4) is m.buckets[2]
     with pytest.raises(KeyError):
         m.bucket(3)
+
+
+def test_for_spec_with_a_running_captures_records():
+    """What DraftGraphs.manifest() builds on: its own records, creation time and environment; no spec at all."""
+    env = dict(device="cpu", driver=None, torch_version="t", triton_version=None, graphcap_version="g")
+    recs = [BucketRecord(3, "captured", replays=5)]
+    m = Manifest.for_spec(load_spec("tiny"), "eager", env, buckets=recs, created="2026-01-02T03:04:05+00:00")
+    assert m.buckets is recs and m.created == "2026-01-02T03:04:05+00:00" and m.updated >= m.created
+    assert (m.backend, m.device, m.spec_name) == ("eager", "cpu", "tiny")
+    bare = Manifest.for_spec(None, "compile", env, buckets=[])
+    assert (bare.spec_name, bare.spec_hash, bare.spec_source, bare.steps, bare.window) == ("(none)", "", "", 0, 0)
+    assert bare.created == bare.updated
+    with pytest.raises(ValueError, match="without a spec"):
+        Manifest.for_spec(None, "eager", env)
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        Manifest.for_spec(None, "fast", env, buckets=[])
 
 
 def test_default_manifest_dir(monkeypatch, tmp_path):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from graphcap.kernels import twins_on_cpu
 from graphcap.kernels.window_update import window_advance, window_advance_torch
-from graphcap.window import WindowBuffers, WindowError
+from graphcap.window import WindowBuffers, WindowError, check_slots
 
 ROW = 48  # req_to_token row length in these tests
 SLOTS = 6
@@ -159,6 +159,23 @@ def test_bad_input_is_rejected_and_changes_nothing(wb, call, match):
     with pytest.raises(WindowError, match=match):
         call(wb)
     assert torch.equal(ring, wb.ring) and torch.equal(lens, wb.seq_lens)
+
+
+def test_check_slots_names_the_first_bad_slot_in_the_callers_error():
+    """The one slot check behind reset/advance (WindowError) and DraftGraphs.run's host_slots (CaptureError)."""
+    class Mine(Exception):
+        pass
+
+    check_slots([], 4, error=Mine, call="f")
+    check_slots([3, 0, 4, 4, 1], 4, error=Mine, call="f", padding=4)  # the padding slot, any number of times
+    with pytest.raises(Mine, match=r"^f: slot 9 out of range \[0, 4\) in xs$"):
+        check_slots([9, 1, 1], 4, error=Mine, call="f", arg="xs")  # the first problem in order, not duplicates first
+    with pytest.raises(Mine, match=r"^f: slot 1 appears more than once in slots$"):
+        check_slots([1, 1, 9], 4, error=Mine, call="f")
+    with pytest.raises(Mine, match=r"^f: slot 4 out of range \[0, 4\) in slots$"):
+        check_slots([0, 4], 4, error=Mine, call="f")  # the padding slot only where allowed
+    with pytest.raises(Mine, match=r"^f: slot -1 out of range \[0, 4\) \(or the padding slot 4\) in slots$"):
+        check_slots([4, -1], 4, error=Mine, call="f", padding=4)
 
 
 def test_corrupt_req_to_token_is_named(wb):

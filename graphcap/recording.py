@@ -1,0 +1,104 @@
+"""Recording one draft iteration per batch bucket, per backend: the capture procedure behind `DraftGraphs.capture`.
+
+Backends (DraftGraphs' constructor argument; a spec's `capture.backend` picks the default; the lists themselves are
+graphcap.spec's `GRAPH_BACKENDS` and `ALL_BACKENDS`):
+- `reduce-overhead`: `torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)` - Inductor fuses the small
+  ops and CUDA-graph trees record one graph per bucket, all in one shared memory pool.
+- `inductor-cudagraph`: the same Inductor-compiled code (`fullgraph=True, dynamic=False`, Inductor's own CUDA graphs
+  off), recorded per bucket with `torch.cuda.CUDAGraph` in one shared pool - what sglang does with its compiled
+  decode graphs. The same compiled kernels as reduce-overhead; a replay is one `cudaGraphLaunch`, without
+  CUDA-graph trees' per-call bookkeeping (Dynamo guards, input-address checks over every static tensor).
+- `cudagraph`: the same function, eager ops, recorded with `torch.cuda.CUDAGraph`, one shared pool.
+- `compile`: Inductor without CUDA graphs - the "same compiled code with graphs off" that tests compare replays
+  against, and the compiled path on a CPU.
+- `eager`: no capture; the same static-buffer dispatch (CPU runs, debugging).
+
+Nothing here knows about dispatch: a bucket is its static inputs and its manifest record going in, and a graph with
+its static outputs (manual-graph backends) coming out.
+"""
+from __future__ import annotations
+
+import time
+import types
+from collections.abc import Callable, Iterable
+
+import torch
+
+from graphcap import manifest as mf
+from graphcap.guards import CaptureError, cudagraph_or_error, cudagraph_skips, describe, reserved_bytes
+from graphcap.models.draft_loop import DraftOutput
+
+# How each backend records (which backends exist is graphcap.spec's to say).
+COMPILED_BACKENDS = ("reduce-overhead", "inductor-cudagraph", "compile")  # go through torch.compile
+MANUAL_GRAPH_BACKENDS = ("inductor-cudagraph", "cudagraph")  # torch.cuda.CUDAGraph, static outputs
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # slots, accepted, tokens, hidden
+DraftFn = Callable[..., DraftOutput]
+
+
+def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor], buckets: int,
+                      tag: str) -> tuple[DraftFn, types.CodeType]:
+    """`fn` under torch.compile for `backend` (one of COMPILED_BACKENDS), and the code object Dynamo caches it under
+    (`draft_iteration_<tag>`), whose entries count the recompiles. Every tensor of `static` (the persistent tensors
+    and each bucket's static inputs) is marked with `mark_static_address`, so no replay copies it."""
+    for t in static:
+        torch._dynamo.mark_static_address(t)
+
+    # A fresh code object per DraftGraphs: its own Dynamo cache (one entry per bucket), so recompiles are counted
+    # exactly and other compiled code in the process cannot push it past the recompile limit.
+    def draft_iteration(slots, accepted, tokens, hidden):
+        return fn(slots, accepted, tokens, hidden)
+
+    code = draft_iteration.__code__.replace(co_name=f"draft_iteration_{tag}")
+    fresh = types.FunctionType(code, draft_iteration.__globals__, code.co_name, None, draft_iteration.__closure__)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets + 2)
+    mode = "reduce-overhead" if backend == "reduce-overhead" else None
+    options = None if mode else {"triton.cudagraphs": False}  # inductor-cudagraph records its own graphs
+    return torch.compile(fresh, mode=mode, options=options, fullgraph=True, dynamic=False), code
+
+
+def record_bucket(inputs: Inputs, rec: mf.BucketRecord, backend: str, fn: DraftFn, compiled: DraftFn | None,
+                  pool) -> tuple[torch.cuda.CUDAGraph | None, DraftOutput | None]:
+    """Warm up and record one bucket over its static `inputs`, filling `rec` (status, reason, capture_s,
+    pool_bytes). Returns the graph and its static outputs for the manual-graph backends, else (None, None). A capture
+    that fails leaves the bucket to run eagerly ("failed", the reason recorded); Inductor declining to record a CUDA
+    graph is a CaptureError instead (the graphs would be silently slow)."""
+    cuda = inputs[0].is_cuda
+    graph = outputs = None
+    before = reserved_bytes() if cuda else 0
+    t0 = time.perf_counter()
+    skips0 = cudagraph_skips()
+    try:
+        if backend in MANUAL_GRAPH_BACKENDS:
+            run = fn if backend == "cudagraph" else compiled
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                # Dynamo/Inductor compile, Triton JIT, cuBLAS handles: nothing may compile during recording
+                for _ in range(2):
+                    run(*inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = run(*inputs)
+        elif compiled is not None:
+            with cudagraph_or_error(backend == "reduce-overhead"):
+                for _ in range(3):  # compile + warm up, record, first replay
+                    torch.compiler.cudagraph_mark_step_begin()
+                    compiled(*inputs)
+        if cuda:
+            torch.cuda.synchronize()
+    except torch.OutOfMemoryError as e:
+        rec.status, rec.reason = "failed", f"out of memory: {describe(e)}"
+    except Exception as e:  # a failed bucket falls back to eager; the reason goes to the manifest
+        reason = describe(e)
+        if "skipping cudagraphs" in str(e):
+            raise CaptureError(f"bucket {rec.batch_size}: Inductor would not record a CUDA graph: {reason}") from e
+        rec.status, rec.reason = "failed", reason
+    else:
+        if backend == "reduce-overhead" and cudagraph_skips() > skips0:
+            raise CaptureError(f"bucket {rec.batch_size}: Inductor skipped CUDA graphs "
+                               "(see TORCH_LOGS=cudagraphs for the reason)")
+        rec.status = "captured"
+    rec.capture_s = time.perf_counter() - t0
+    rec.pool_bytes = max(0, reserved_bytes() - before) if cuda else 0
+    return (None, None) if rec.status == "failed" else (graph, outputs)
