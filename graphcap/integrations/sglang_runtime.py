@@ -249,8 +249,10 @@ class GraphcapDraftRuntime:
             raise DraftCaptureConfigError(f"{FLAG}: the unified KV pool (--enable-unified-memory) is not supported")
         from sglang.srt.utils import require_gathered_buffer
 
-        if require_gathered_buffer():
-            raise DraftCaptureConfigError(f"{FLAG}: attention data parallelism (--attn-dp-size > 1) is not supported")
+        if require_gathered_buffer():  # backstop: the start-up check already refuses attention DP by its flags
+            raise DraftCaptureConfigError(
+                f"{FLAG}: sglang gathers the draft's inputs across ranks here (attention data parallelism, "
+                "--attn-dp-size > 1, or a MoE all-to-all / --moe-dense-tp-size layout); this is not supported")
         window = getattr(worker.draft_model_runner, "sliding_window_size", None) or getattr(backend, "sliding_window_size", None)
         if not window or window < 1:
             raise DraftCaptureConfigError(f"{FLAG}: the draft model has no sliding window; graphcap serves SWA-hybrid "
@@ -262,8 +264,8 @@ class GraphcapDraftRuntime:
         if worker.target_worker.device != "cuda":
             stays_off(f"the device is {worker.target_worker.device} (graphcap captures CUDA graphs)")
             return None
-        if cuda_graph_fully_disabled():
-            stays_off("CUDA graphs are disabled (--cuda-graph-backend-decode disabled)")
+        if cuda_graph_fully_disabled():  # backstop: the start-up check refuses this; a record it missed stays off
+            stays_off("sglang's cuda_graph_config disables CUDA graphs for decode and prefill")
             return None
         steps = int(worker.speculative_num_steps)
         buffers = bind_window(worker.req_to_token_pool.req_to_token, int(window), full_to_swa, max_accepted=steps + 1)
