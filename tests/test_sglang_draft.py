@@ -3,6 +3,7 @@ graphcap's half of a draft iteration. Nothing here imports sglang's scheduler, w
 a fresh interpreter: test_sglang_runtime.py)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from types import SimpleNamespace
@@ -10,10 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from graphcap import manifest as mf
 from graphcap.capture import DraftGraphs
 from graphcap.integrations import sglang_hooks as hooks
-from graphcap.integrations.sglang import DraftCaptureOptions
-from graphcap.integrations.sglang_runtime import CHECK_ENV, GraphcapDraftRuntime, SlotTracker, bind_window
+from graphcap.integrations.sglang import DraftCaptureOptions, sglang_tp_rank
+from graphcap.integrations.sglang_runtime import (CHECK_ENV, GraphcapDraftRuntime, SlotTracker, bind_window,
+                                                  capture_graphs)
 from graphcap.models.draft_loop import DraftOutput
 
 
@@ -328,3 +331,27 @@ def test_check_mode_off_trusts_sglang(device, monkeypatch):
     batch.seq_lens_sum += 1
     assert rt.iterate(batch)[1] == batch.seq_lens_sum  # used as given: the check is a debugging aid (it syncs)
 
+
+# -----------------------------------------------------------------------------------------------------------------
+# The manifest under tensor parallelism
+
+
+@pytest.mark.parametrize("rank, writes", [(None, True), (0, True), (1, False), (3, False)])
+def test_only_tp_rank_0_writes_the_manifest(tmp_path, rank, writes):
+    """Every TP rank captures; one manifest per server, from the rank sglang's runtime context names 0 (a process
+    where sglang set no rank writes it, as a single GPU does)."""
+    pytest.importorskip("sglang", reason="the real sglang package is not installed")
+    from sglang.srt.runtime_context import get_parallel
+
+    window = _window()
+    scope = get_parallel().override(tp_rank=rank, tp_size=4) if rank is not None else contextlib.nullcontext()
+    with scope:
+        assert sglang_tp_rank() == rank
+        graphs = capture_graphs(window, _iteration(window), buckets=[1, 2], example_inputs=_example_inputs(window),
+                                static_tensors=window.static_tensors(), backend="eager", manifest_dir=str(tmp_path),
+                                name="sglang-test", steps=3)
+    graphs.run(*_example_inputs(window)(2))
+    graphs.flush()
+    names = [p.name for p in mf.list_manifests(tmp_path)]
+    assert names == (["sglang-test-w8-s3-eager.json"] if writes else [])
+    assert sglang_tp_rank(SimpleNamespace(tp_rank=2)) == 2  # a worker that carries its rank (older sglang layouts)

@@ -121,6 +121,20 @@ def unpatched_worker_hooks() -> list[str]:
     return [t for t in WORKER_HOOKS if t not in patched]
 
 
+def sglang_tp_rank(worker=None) -> int | None:
+    """The TP rank sglang gives this process: the worker's own `tp_rank` where its layout keeps one, else sglang's
+    runtime context (0.5.23); None where neither says (a process sglang did not set up)."""
+    rank = getattr(worker, "tp_rank", None)
+    if isinstance(rank, int):
+        return rank
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank)
+    except Exception:  # RuntimeError: not published in this process; ImportError: another sglang layout
+        return None
+
+
 def register_runtime_hooks(workers: bool) -> None:
     """The hooks that do the work; `workers`: also those on the draft worker and schedule batch (a scheduler process)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType

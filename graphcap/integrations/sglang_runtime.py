@@ -26,7 +26,7 @@ import torch
 from graphcap import manifest as mf
 from graphcap.capture import DraftGraphs
 from graphcap.guards import CaptureError
-from graphcap.integrations.sglang import FLAG, DraftCaptureConfigError, DraftCaptureOptions
+from graphcap.integrations.sglang import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
 from graphcap.integrations.sglang_hooks import slot_of
 from graphcap.models.draft_loop import DraftOutput
 from graphcap.window import WindowBuffers
@@ -46,11 +46,15 @@ def bind_window(req_to_token: torch.Tensor, window: int, full_to_swa: torch.Tens
 
 
 def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static_tensors, backend: str,
-                   manifest_dir: str | None, name: str, steps: int) -> DraftGraphs:
+                   manifest_dir: str | None, name: str, steps: int, tp_rank: int | None = None) -> DraftGraphs:
+    """Capture `fn` per bucket. Only TP rank 0 writes the manifest (`tp_rank` None: `sglang_tp_rank()`): every rank
+    captures the same buckets and replays the same batches, so one file per server, as without TP. Rank 0 also
+    writes it where the rank is unknown."""
     # Not a capture spec (sglang's model defines the draft): a stand-in with the fields a manifest records.
     spec = SimpleNamespace(name=name, hash=f"w{window.window}-s{steps}", source="sglang", window=window.window,
                            capture=SimpleNamespace(steps=steps))
-    path = mf.manifest_path(manifest_dir or mf.default_manifest_dir(), name, spec.hash, backend)
+    rank = sglang_tp_rank() if tp_rank is None else tp_rank
+    path = None if rank else mf.manifest_path(manifest_dir or mf.default_manifest_dir(), name, spec.hash, backend)
     graphs = DraftGraphs(fn, buckets=list(buckets), padding_slot=window.padding_slot, example_inputs=example_inputs,
                          static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path)
     graphs.capture()
@@ -341,7 +345,8 @@ class GraphcapDraftRuntime:
         name = "sglang-" + os.path.basename(str(w.server_args.speculative_draft_model_path or "draft").rstrip("/"))
         self.attach(capture_graphs(self.window, loop, buckets=buckets, example_inputs=loop.example_inputs,
                                    static_tensors=static, backend=self.options.backend,
-                                   manifest_dir=self.options.manifest_dir, name=name, steps=self.steps))
+                                   manifest_dir=self.options.manifest_dir, name=name, steps=self.steps,
+                                   tp_rank=sglang_tp_rank(w)))
 
     def attach(self, graphs: DraftGraphs) -> None:
         """Serve the draft phase from `graphs` (captured)."""
