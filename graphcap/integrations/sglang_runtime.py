@@ -2,7 +2,8 @@
 capture engine. Installed by the hooks in `graphcap.integrations.sglang_hooks`; see docs/sglang.md for what of this
 ran against real sglang code (the slot bookkeeping, the window equivalence, the tree inputs) and what is written but
 unexercised here (everything that needs a GPU sglang server with the assistant's weights: `SglangAssistantLoop`,
-`GraphcapDraftAttention`, `GraphcapDraftRuntime.capture/draft`).
+`GraphcapDraftAttention`, `GraphcapDraftRuntime.capture` and the sglang half of `draft`; `iterate`, graphcap's half,
+runs in tests/test_sglang_draft.py around a stand-in iteration).
 
 Per iteration, instead of sglang's `FrozenKVMTPDraftWorker.draft` (`GraphcapDraftRuntime.iterate`):
 1. host: rows whose request is new to the row, was retracted, or lost in-window SWA pages are rebuilt
