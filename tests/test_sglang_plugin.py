@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -220,6 +221,12 @@ def _resolved(sa, **fields):
      r"--speculative-draft-attention-backend trtllm_mha is not supported"),
     (["--enable-unified-memory"], None, r"--enable-unified-memory"),
     (["--pp-size", "2"], None, r"--pp-size 2 is not supported"),
+    (["--attn-dp-size", "2"], None, r"attention data parallelism \(--attn-dp-size 2\) is not supported"),
+    (["--dp-size", "2", "--enable-dp-attention"], None, r"\(--enable-dp-attention with --dp-size 2\)"),
+    # what sglang's handle_deprecated_dp_attention declares for the same flags (it needs the stubbed torchvision)
+    (["--dp-size", "2", "--enable-dp-attention"],
+     dict(speculative_algorithm="FROZEN_KV_MTP", attn_dp_size=2, dp_size=1, enable_dp_attention=False),
+     r"attention data parallelism \(--attn-dp-size 2\)"),
     (["--draft-graph-manifest-dir", "/proc/graphcap-cannot-exist"], None, r"--draft-graph-manifest-dir .*cannot create"),
 ])
 def test_unsupported_settings_are_named(fresh, argv, resolved, match):
@@ -231,6 +238,40 @@ def test_unsupported_settings_are_named(fresh, argv, resolved, match):
         _resolved(sa, **resolved)
     with pytest.raises(plugin.DraftCaptureConfigError, match=match):
         plugin.validate_server_args(sa)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--disable-cuda-graph"], "--disable-cuda-graph"),
+    (["--cuda-graph-backend-decode", "disabled"], "--cuda-graph-backend-decode disabled"),
+    (["--disable-decode-cuda-graph"], "--disable-decode-cuda-graph"),
+    (["--disable-cuda-graph", "--cuda-graph-backend-decode", "full"], None),  # sglang's precedence: decode keeps graphs
+    ([], None),
+])
+def test_disabled_cuda_graphs_are_refused_at_start_up(fresh, argv, named):
+    """Refused by the launcher's check (not after the model has loaded), on the cuda_graph_config that sglang's own
+    resolution hook makes of the flags; refused exactly when sglang would capture no draft graph either."""
+    from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config
+
+    fresh.load_plugins()
+    sa = _parse(ENABLED + argv)
+    parse_cuda_graph_config(sa)
+    _resolved(sa, speculative_algorithm="FROZEN_KV_MTP", device="cuda")
+    if named is None:
+        assert plugin.validate_server_args(sa).enabled
+    else:
+        with pytest.raises(plugin.DraftCaptureConfigError, match=rf"CUDA graphs are disabled \({re.escape(named)}\)"):
+            plugin.validate_server_args(sa)
+
+
+def test_start_up_check_on_a_cpu_device_stays_off_before_refusing_graphs(fresh):
+    """Off a GPU sglang's resolution disables CUDA graphs itself: that is the safe 'stays off', not an error."""
+    from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config
+
+    fresh.load_plugins()
+    sa = _parse(ENABLED + ["--disable-cuda-graph"])
+    parse_cuda_graph_config(sa)
+    _resolved(sa, speculative_algorithm="FROZEN_KV_MTP", device="cpu")
+    assert not plugin.validate_server_args(sa).enabled
 
 
 @pytest.mark.parametrize("argv, resolved, why", [

@@ -121,6 +121,20 @@ def unpatched_worker_hooks() -> list[str]:
     return [t for t in WORKER_HOOKS if t not in patched]
 
 
+def sglang_tp_rank(worker=None) -> int | None:
+    """The TP rank sglang gives this process: the worker's own `tp_rank` where its layout keeps one, else sglang's
+    runtime context (0.5.23); None where neither says (a process sglang did not set up)."""
+    rank = getattr(worker, "tp_rank", None)
+    if isinstance(rank, int):
+        return rank
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank)
+    except Exception:  # RuntimeError: not published in this process; ImportError: another sglang layout
+        return None
+
+
 def register_runtime_hooks(workers: bool) -> None:
     """The hooks that do the work; `workers`: also those on the draft worker and schedule batch (a scheduler process)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -281,9 +295,19 @@ def validate_server_args(server_args) -> DraftCaptureOptions:
         raise DraftCaptureConfigError(f"{FLAG}: --pp-size {pp} is not supported (the draft runs on one stage)")
     if get("speculative_adaptive"):
         raise DraftCaptureConfigError(f"{FLAG}: --speculative-adaptive is not supported with FROZEN_KV_MTP")
+    attn_dp = _attention_dp(get)
+    if attn_dp is not None:
+        raise DraftCaptureConfigError(
+            f"{FLAG}: attention data parallelism ({attn_dp}) is not supported: sglang then gathers the draft's "
+            "attention inputs across ranks, which graphcap's captured iteration does not do. Drop one of the two.")
     device = get("device")
     if resolved and device not in (None, "cuda"):
         return _stays_off(server_args, opts, f"--device {device}: graphcap captures CUDA graphs")
+    graphs_off = _cuda_graphs_off(get)
+    if graphs_off is not None:  # after the device: off a GPU, staying off is the safe answer
+        raise DraftCaptureConfigError(
+            f"{FLAG} captures the draft into CUDA graphs, but {graphs_off}. Drop {FLAG} (sglang then runs its "
+            "draft eagerly) or enable CUDA graphs.")
     if opts.manifest_dir is not None:
         try:
             os.makedirs(opts.manifest_dir, exist_ok=True)
@@ -292,6 +316,36 @@ def validate_server_args(server_args) -> DraftCaptureOptions:
         if not os.access(opts.manifest_dir, os.W_OK):
             raise DraftCaptureConfigError(f"{MANIFEST_FLAG} {opts.manifest_dir}: not writable")
     return opts
+
+
+def _attention_dp(get) -> str | None:
+    """The flag that turned attention DP on, or None. Resolution turns the deprecated `--dp-size N
+    --enable-dp-attention` into `attn_dp_size` = N; before it, that spelling has to be read as such."""
+    width = int(get("attn_dp_size") or 1)
+    if width > 1:
+        return f"--attn-dp-size {width}"
+    dp = int(get("dp_size") or 1)
+    if get("enable_dp_attention") and dp > 1:
+        return f"--enable-dp-attention with --dp-size {dp}"
+    return None
+
+
+def _cuda_graphs_off(get) -> str | None:
+    """Why CUDA graphs are off for both decode and prefill - sglang's `cuda_graph_fully_disabled()`, under which
+    sglang captures no draft graph either - from the resolved `cuda_graph_config`. None while it is unresolved (the
+    launcher checks a resolved record) or when a phase keeps its graphs."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+
+    cfg = get("cuda_graph_config")
+    if any(getattr(getattr(cfg, phase, None), "backend", None) != Backend.DISABLED for phase in Phase.ALL):
+        return None
+    given = [flag for flag, on in (("--disable-cuda-graph", get("disable_cuda_graph")),
+                                   ("--disable-decode-cuda-graph", get("disable_decode_cuda_graph")),
+                                   ("--cuda-graph-backend-decode disabled",
+                                    get("cuda_graph_backend_decode") == Backend.DISABLED)) if on]
+    if given:
+        return f"CUDA graphs are disabled ({', '.join(given)})"
+    return "sglang's resolved cuda_graph_config disables CUDA graphs for decode and prefill"
 
 
 def _stays_off(server_args, opts: DraftCaptureOptions, why: str) -> DraftCaptureOptions:

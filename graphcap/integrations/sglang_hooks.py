@@ -12,6 +12,7 @@ import weakref
 log = logging.getLogger("graphcap.sglang")
 RUNTIME_ATTR = "_graphcap_runtime"  # on the FrozenKVMTPDraftWorker
 _RUNTIMES: weakref.WeakSet = weakref.WeakSet()  # live runtimes in this process (the batch hooks reach them here)
+_WARNED: set[str] = set()  # per-iteration conditions already logged in this process (warn once, not every iteration)
 
 
 def slot_of(req) -> int | None:
@@ -108,6 +109,11 @@ def _evicted_swa_len(req) -> int | None:
         from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
         return int(req.kv.get_evicted_seqlen(ComponentType.SWA))
-    except Exception:  # a layout this code was not written for: reset to be safe
-        log.debug("graphcap: cannot read the SWA eviction frontier of request %s", getattr(req, "rid", "?"))
+    except Exception as e:  # a layout this code was not written for: reset to be safe
+        if "evicted_swa_len" not in _WARNED:  # runs per request and iteration: once is enough to act on
+            _WARNED.add("evicted_swa_len")
+            log.warning("graphcap: cannot read sglang's SWA eviction frontier (req.kv.get_evicted_seqlen(SWA)) of "
+                        "request %s (%s: %s). graphcap rebuilds a request's window after every SWA eviction check "
+                        "it cannot read (safe, but each rebuild syncs with the GPU). Logged once per process.",
+                        getattr(req, "rid", "?"), type(e).__name__, e)
         return 1 << 62

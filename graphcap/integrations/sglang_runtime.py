@@ -2,17 +2,19 @@
 capture engine. Installed by the hooks in `graphcap.integrations.sglang_hooks`; see docs/sglang.md for what of this
 ran against real sglang code (the slot bookkeeping, the window equivalence, the tree inputs) and what is written but
 unexercised here (everything that needs a GPU sglang server with the assistant's weights: `SglangAssistantLoop`,
-`GraphcapDraftAttention`, `GraphcapDraftRuntime.capture/draft`).
+`GraphcapDraftAttention`, `GraphcapDraftRuntime.capture` and the sglang half of `draft`; `iterate`, graphcap's half,
+runs in tests/test_sglang_draft.py around a stand-in iteration).
 
-Per iteration, instead of sglang's `FrozenKVMTPDraftWorker.draft`:
-1. host: the batch's request-pool rows (`req.kv.req_pool_idx`, already on the host); rows whose request is new to the
-   row, was retracted, or lost in-window SWA pages are rebuilt (`WindowBuffers.reset`, one sync, join-time only);
-2. device: the accepted counts the last verify left per row (scattered by `on_accept`, no sync) are gathered;
+Per iteration, instead of sglang's `FrozenKVMTPDraftWorker.draft` (`GraphcapDraftRuntime.iterate`):
+1. host: rows whose request is new to the row, was retracted, or lost in-window SWA pages are rebuilt
+   (`WindowBuffers.reset`: 2 + N syncs, rebuild iterations only);
+2. device: the rows (sglang's `req_pool_indices`) and the accepted counts the last verify left per row (scattered by
+   `on_accept`) go straight into the bucket's static inputs - no host-to-device copy, no temporary, no sync;
 3. one replay of graphcap's captured iteration: `window.advance(slots, accepted)`, then the seed step and the other
    steps of sglang's own assistant model, its attention reading graphcap's ring (sliding layers) and `req_to_token`
    (full layers) through graphcap's decode kernel;
-4. the chain's tree inputs go to sglang's own `build_tree_kernel_efficient` and `FrozenKVMTPVerifyInput`. The
-   `seq_lens.sum().item()` sync is gone where the scheduler has host lengths (`seq_lens_sum` / `seq_lens_cpu`).
+4. the chain's tree inputs go to sglang's own `build_tree_kernel_efficient` and `FrozenKVMTPVerifyInput`, with the
+   scheduler's host lengths (`seq_lens_sum` / `seq_lens_cpu`) instead of a `seq_lens.sum().item()` sync.
 """
 from __future__ import annotations
 
@@ -24,12 +26,14 @@ import torch
 
 from graphcap import manifest as mf
 from graphcap.capture import DraftGraphs
-from graphcap.integrations.sglang import FLAG, DraftCaptureConfigError, DraftCaptureOptions
+from graphcap.guards import CaptureError
+from graphcap.integrations.sglang import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
 from graphcap.integrations.sglang_hooks import slot_of
+from graphcap.models.draft_loop import DraftOutput
 from graphcap.window import WindowBuffers
 
 log = logging.getLogger("graphcap.sglang")
-CHECK_ENV = "GRAPHCAP_SGLANG_CHECK"  # =1: after each advance, compare the window lengths with sglang's (syncs)
+CHECK_ENV = "GRAPHCAP_SGLANG_CHECK"  # =1: after each replay, check every length against sglang's (syncs)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -43,11 +47,15 @@ def bind_window(req_to_token: torch.Tensor, window: int, full_to_swa: torch.Tens
 
 
 def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static_tensors, backend: str,
-                   manifest_dir: str | None, name: str, steps: int) -> DraftGraphs:
+                   manifest_dir: str | None, name: str, steps: int, tp_rank: int | None = None) -> DraftGraphs:
+    """Capture `fn` per bucket. Only TP rank 0 writes the manifest (`tp_rank` None: `sglang_tp_rank()`): every rank
+    captures the same buckets and replays the same batches, so one file per server, as without TP. Rank 0 also
+    writes it where the rank is unknown."""
     # Not a capture spec (sglang's model defines the draft): a stand-in with the fields a manifest records.
     spec = SimpleNamespace(name=name, hash=f"w{window.window}-s{steps}", source="sglang", window=window.window,
                            capture=SimpleNamespace(steps=steps))
-    path = mf.manifest_path(manifest_dir or mf.default_manifest_dir(), name, spec.hash, backend)
+    rank = sglang_tp_rank() if tp_rank is None else tp_rank
+    path = None if rank else mf.manifest_path(manifest_dir or mf.default_manifest_dir(), name, spec.hash, backend)
     graphs = DraftGraphs(fn, buckets=list(buckets), padding_slot=window.padding_slot, example_inputs=example_inputs,
                          static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path)
     graphs.capture()
@@ -64,7 +72,9 @@ class SlotTracker:
     - `on_join(reqs)` (after a prefill), `on_retract(slots)`, `on_evict(slot, ...)`: host bookkeeping only; the rows
       are rebuilt at the next draft, from req_to_token as it is then.
     - `on_accept(req_pool_indices, accept_lens)` (after each verify): device scatter into `pending[slot]`, no sync.
-    - `prepare(reqs, seq_lens)` (each draft): returns (slots, accepted, host_slots) for the captured advance.
+    - each draft: `rebuild(reqs, seq_lens)` (host rows; syncs only when a row is rebuilt), then
+      `take_accepted(slots, out)` (device gather straight into the captured graph's input, no sync).
+      `prepare(reqs, seq_lens)` does both for a caller that has no device copy of the rows.
     """
 
     def __init__(self, window: WindowBuffers) -> None:
@@ -96,28 +106,75 @@ class SlotTracker:
             self.stats["evictions_in_window"] += 1
 
     def on_accept(self, req_pool_indices: torch.Tensor, accept_lens: torch.Tensor) -> None:
-        self.pending.index_put_((req_pool_indices.to(torch.long),), accept_lens.to(torch.int32), accumulate=True)
+        # index_add_: the sums index_put_(accumulate=True) makes (a row given twice adds twice), no index tuple
+        self.pending.index_add_(0, req_pool_indices.to(torch.long), accept_lens.to(torch.int32))
 
-    def prepare(self, reqs, seq_lens: torch.Tensor):
+    def rebuild(self, reqs, seq_lens: torch.Tensor) -> list[int]:
+        """Rebuild the rows whose request is new to them, came back, or lost in-window pages; returns the batch's
+        rows as host ints. `seq_lens` [B] (device) are the requests' lengths now."""
         host_slots = [slot_of(r) for r in reqs]
-        rids = [r.rid for r in reqs]
-        dev = self.window.device
-        rows = [i for i, (s, rid) in enumerate(zip(host_slots, rids)) if self.owner.get(s) != rid or s in self.stale]
-        slots = torch.tensor(host_slots, dtype=torch.int64).to(dev, non_blocking=True)
-        if rows:  # joins, retract-and-return, in-window eviction: rebuild from req_to_token (validates: one sync)
+        rows = [i for i, (s, r) in enumerate(zip(host_slots, reqs)) if self.owner.get(s) != r.rid or s in self.stale]
+        if rows:  # WindowBuffers.reset validates on the host first: 2 + len(rows) syncs, rebuild iterations only
             rs = [host_slots[i] for i in rows]
             rows_t = torch.tensor(rows, dtype=torch.int64).to(seq_lens.device, non_blocking=True)
             self.window.reset(rs, seq_lens.index_select(0, rows_t))
-            rs_t = torch.tensor(rs, dtype=torch.int64).to(dev, non_blocking=True)
-            self.pending.index_fill_(0, rs_t, 0)
+            rs_t = torch.tensor(rs, dtype=torch.int64).to(self.window.device, non_blocking=True)
+            self.pending.index_fill_(0, rs_t, 0)  # the rebuilt length already holds what they accepted
             for s, i in zip(rs, rows):
-                self.owner[s] = rids[i]
+                self.owner[s] = reqs[i].rid
                 self.stale.discard(s)
             self.stats["resets"] += len(rs)
             self.stats["reset_syncs"] += 1
-        accepted = self.pending.index_select(0, slots)
+        return host_slots
+
+    def take_accepted(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The counts waiting for `slots` (device), then cleared. With `out` (the captured graph's static input) the
+        gather writes there: one copy, no temporary."""
+        accepted = torch.index_select(self.pending, 0, slots, out=out) if out is not None else \
+            self.pending.index_select(0, slots)
         self.pending.index_fill_(0, slots, 0)
-        return slots, accepted, host_slots
+        return accepted
+
+    def prepare(self, reqs, seq_lens: torch.Tensor):
+        """`rebuild` + `take_accepted` with the rows copied from the host: (slots, accepted, host_slots)."""
+        host_slots = self.rebuild(reqs, seq_lens)
+        slots = torch.tensor(host_slots, dtype=torch.int64).to(self.window.device, non_blocking=True)
+        return slots, self.take_accepted(slots), host_slots
+
+
+def check_inputs(host_slots: list[int], padding_slot: int, tokens: torch.Tensor, hidden: torch.Tensor,
+                 static_tokens: torch.Tensor, static_hidden: torch.Tensor) -> None:
+    """What `DraftGraphs.run` checks before it writes, for the zero-copy path (`static_inputs` + `replay`): host ints
+    and tensor metadata only, no sync. Distinct rows matter: two rows advancing one ring would race."""
+    b = len(host_slots)
+    if len(set(host_slots)) != b or not all(s is not None and 0 <= s < padding_slot for s in host_slots):
+        raise CaptureError(f"graphcap: the batch's request-pool rows {host_slots} must be distinct and in "
+                           f"[0, {padding_slot})")
+    for name, x, ref in (("bonus_tokens", tokens, static_tokens), ("hidden_states", hidden, static_hidden)):
+        if x.shape != ref.shape or (ref.is_floating_point() and x.dtype != ref.dtype):
+            raise CaptureError(f"graphcap: spec_info.{name} is {tuple(x.shape)} {x.dtype}; the captured iteration "
+                               f"takes {tuple(ref.shape)} {ref.dtype}")
+
+
+def check_lengths(window: WindowBuffers, batch, host_slots: list[int], seq_lens_sum: int, source: str) -> None:
+    """GRAPHCAP_SGLANG_CHECK=1, after the replay: graphcap's window lengths and every length that goes on to sglang
+    (`seq_lens_sum`, `seq_lens_cpu`), and the rows replayed, must agree with `batch.seq_lens`. One sync (plus the
+    host mirror's read); raises naming each field that disagreed."""
+    seq_lens, rows_dev = batch.seq_lens, batch.req_pool_indices
+    ours = window.seq_lens.index_select(0, rows_dev.to(window.device)).to(seq_lens.device, seq_lens.dtype)
+    theirs, lens, rows = torch.stack([seq_lens, ours, rows_dev.to(seq_lens.device, seq_lens.dtype)]).tolist()
+    bad = []
+    if rows != list(host_slots):
+        bad.append(f"batch.req_pool_indices {rows} != the requests' req_pool_idx {list(host_slots)}")
+    if lens != theirs:
+        bad.append(f"graphcap's window lengths {lens} != batch.seq_lens {theirs}")
+    cpu = getattr(batch, "seq_lens_cpu", None)
+    if cpu is not None and cpu.tolist() != theirs:
+        bad.append(f"batch.seq_lens_cpu {cpu.tolist()} != batch.seq_lens {theirs}")
+    if seq_lens_sum != sum(theirs):
+        bad.append(f"seq_lens_sum {seq_lens_sum} (from {source}) != sum(batch.seq_lens) = {sum(theirs)}")
+    if bad:
+        raise RuntimeError(f"graphcap ({CHECK_ENV}=1), rows {list(host_slots)}: " + "; ".join(bad))
 
 
 def chain_tree_inputs(draft_tokens: torch.Tensor):
@@ -173,8 +230,6 @@ class SglangAssistantLoop:
     def __call__(self, slots, accepted, tokens, hidden):
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-        from graphcap.models.draft_loop import DraftOutput
-
         self.window.advance(slots, accepted)
         lens = self.window.seq_lens.index_select(0, slots).to(torch.int64)
         positions = (lens - 1).clamp(min=0)
@@ -224,7 +279,8 @@ class GraphcapDraftRuntime:
         self.worker, self.options, self.window, self.target_pool = worker, options, window, target_pool
         self.tracker = SlotTracker(window)
         self.steps = int(worker.speculative_num_steps)
-        self.graphs = None
+        self.graphs: DraftGraphs | None = None
+        self.max_bucket = 0
         self.active = False
         self.host_syncs = 0  # draft iterations that had to sum seq_lens on the device (no host lengths given)
 
@@ -249,8 +305,10 @@ class GraphcapDraftRuntime:
             raise DraftCaptureConfigError(f"{FLAG}: the unified KV pool (--enable-unified-memory) is not supported")
         from sglang.srt.utils import require_gathered_buffer
 
-        if require_gathered_buffer():
-            raise DraftCaptureConfigError(f"{FLAG}: attention data parallelism (--attn-dp-size > 1) is not supported")
+        if require_gathered_buffer():  # backstop: the start-up check already refuses attention DP by its flags
+            raise DraftCaptureConfigError(
+                f"{FLAG}: sglang gathers the draft's inputs across ranks here (attention data parallelism, "
+                "--attn-dp-size > 1, or a MoE all-to-all / --moe-dense-tp-size layout); this is not supported")
         window = getattr(worker.draft_model_runner, "sliding_window_size", None) or getattr(backend, "sliding_window_size", None)
         if not window or window < 1:
             raise DraftCaptureConfigError(f"{FLAG}: the draft model has no sliding window; graphcap serves SWA-hybrid "
@@ -262,8 +320,8 @@ class GraphcapDraftRuntime:
         if worker.target_worker.device != "cuda":
             stays_off(f"the device is {worker.target_worker.device} (graphcap captures CUDA graphs)")
             return None
-        if cuda_graph_fully_disabled():
-            stays_off("CUDA graphs are disabled (--cuda-graph-backend-decode disabled)")
+        if cuda_graph_fully_disabled():  # backstop: the start-up check refuses this; a record it missed stays off
+            stays_off("sglang's cuda_graph_config disables CUDA graphs for decode and prefill")
             return None
         steps = int(worker.speculative_num_steps)
         buffers = bind_window(worker.req_to_token_pool.req_to_token, int(window), full_to_swa, max_accepted=steps + 1)
@@ -286,10 +344,48 @@ class GraphcapDraftRuntime:
             static[f"target.k{phys}"] = self.target_pool.get_key_buffer(phys)
             static[f"target.v{phys}"] = self.target_pool.get_value_buffer(phys)
         name = "sglang-" + os.path.basename(str(w.server_args.speculative_draft_model_path or "draft").rstrip("/"))
-        self.graphs = capture_graphs(self.window, loop, buckets=buckets, example_inputs=loop.example_inputs,
-                                                 static_tensors=static, backend=self.options.backend,
-                                                 manifest_dir=self.options.manifest_dir, name=name, steps=self.steps)
-        self.active = True
+        self.attach(capture_graphs(self.window, loop, buckets=buckets, example_inputs=loop.example_inputs,
+                                   static_tensors=static, backend=self.options.backend,
+                                   manifest_dir=self.options.manifest_dir, name=name, steps=self.steps,
+                                   tp_rank=sglang_tp_rank(w)))
+
+    def attach(self, graphs: DraftGraphs) -> None:
+        """Serve the draft phase from `graphs` (captured)."""
+        self.graphs, self.max_bucket, self.active = graphs, graphs.buckets[-1].batch_size, True
+
+    def iterate(self, batch) -> tuple[DraftOutput, int]:
+        """graphcap's half of a draft: rebuilds, then one replay, its inputs written straight into the bucket's
+        static inputs (the rows from sglang's device `req_pool_indices`, the accepted counts gathered there from the
+        pending buffer). Returns the outputs and the seq_lens_sum that goes on to sglang."""
+        spec_info = batch.spec_info
+        tokens, hidden = spec_info.bonus_tokens, spec_info.hidden_states
+        host_slots = self.tracker.rebuild(batch.reqs, batch.seq_lens)
+        slots = batch.req_pool_indices  # the same rows, on the device already: nothing rebuilt from host ints
+        b = len(host_slots)
+        if 1 <= b <= self.max_bucket:
+            s, a, t, h = self.graphs.static_inputs(b)
+            check_inputs(host_slots, self.window.padding_slot, tokens, hidden, t, h)
+            s.copy_(slots)
+            self.tracker.take_accepted(s, out=a)
+            t.copy_(tokens)
+            h.copy_(hidden)
+            out = self.graphs.replay(b)
+        else:  # above the largest bucket: run() copies and runs eagerly (counted in the manifest); empty: it refuses
+            out = self.graphs.run(slots, self.tracker.take_accepted(slots), tokens, hidden, host_slots=host_slots)
+        seq_lens_sum, source = self._seq_lens_sum(batch)
+        if os.environ.get(CHECK_ENV) == "1":
+            check_lengths(self.window, batch, host_slots, seq_lens_sum, source)
+        return out, seq_lens_sum
+
+    def _seq_lens_sum(self, batch) -> tuple[int, str]:
+        """sum(seq_lens) for sglang's tree, from the scheduler's host lengths where it has them; with the field it
+        came from (GRAPHCAP_SGLANG_CHECK names it)."""
+        if isinstance(getattr(batch, "seq_lens_sum", None), int):
+            return batch.seq_lens_sum, "batch.seq_lens_sum"
+        if getattr(batch, "seq_lens_cpu", None) is not None:
+            return int(batch.seq_lens_cpu.sum()), "batch.seq_lens_cpu"
+        self.host_syncs += 1  # what sglang does every iteration; counted
+        return int(torch.sum(batch.seq_lens).item()), "a device sum of batch.seq_lens"
 
     def draft(self, batch, fallback):
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -298,29 +394,14 @@ class GraphcapDraftRuntime:
 
         if self.graphs is None:  # defensive: around_draft calls this only after a successful capture
             return fallback()
-        spec_info = batch.spec_info
-        slots, accepted, host_slots = self.tracker.prepare(batch.reqs, batch.seq_lens)
-        out = self.graphs.run(slots, accepted, spec_info.bonus_tokens, spec_info.hidden_states,
-                              host_slots=host_slots)
-        if os.environ.get(CHECK_ENV) == "1":
-            lens = self.window.seq_lens.index_select(0, slots).to(batch.seq_lens.dtype)
-            if not torch.equal(lens, batch.seq_lens):
-                raise RuntimeError(f"graphcap: window lengths {lens.tolist()} != sglang's seq_lens "
-                                   f"{batch.seq_lens.tolist()} for slots {host_slots}")
+        out, seq_lens_sum = self.iterate(batch)
         parent_list, top_scores_index, draft_tokens = chain_tree_inputs(out.tokens)
-        seq_lens_sum = getattr(batch, "seq_lens_sum", None)
-        if not isinstance(seq_lens_sum, int):
-            if batch.seq_lens_cpu is not None:
-                seq_lens_sum = int(batch.seq_lens_cpu.sum())
-            else:
-                seq_lens_sum = int(torch.sum(batch.seq_lens).item())  # what sglang does every iteration; counted
-                self.host_syncs += 1
         batch.seq_lens_sum = seq_lens_sum
         batch.return_hidden_states = False
         w = self.worker
         (tree_mask, position, retrieve_index, retrieve_next_token, retrieve_next_sibling,
          draft_tokens) = build_tree_kernel_efficient(
-            spec_info.bonus_tokens, parent_list, top_scores_index, draft_tokens, batch.seq_lens, seq_lens_sum,
+            batch.spec_info.bonus_tokens, parent_list, top_scores_index, draft_tokens, batch.seq_lens, seq_lens_sum,
             1, self.steps, w.speculative_num_draft_tokens)
         return FrozenKVMTPVerifyInput(
             draft_token=draft_tokens, custom_mask=tree_mask, positions=position, retrieve_index=retrieve_index,

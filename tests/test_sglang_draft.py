@@ -1,0 +1,357 @@
+"""The sglang plugin's draft-phase pieces that run in this process: the schedule-batch hooks' logging, and (below)
+graphcap's half of a draft iteration. Nothing here imports sglang's scheduler, worker or batch modules (those run in
+a fresh interpreter: test_sglang_runtime.py)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from graphcap import manifest as mf
+from graphcap.capture import DraftGraphs
+from graphcap.integrations import sglang_hooks as hooks
+from graphcap.integrations.sglang import DraftCaptureOptions, sglang_tp_rank
+from graphcap.integrations.sglang_runtime import (CHECK_ENV, GraphcapDraftRuntime, SlotTracker, bind_window,
+                                                  capture_graphs)
+from graphcap.models.draft_loop import DraftOutput
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture
+def glog():
+    """graphcap's log records (a handler of its own: sglang's argument parsing may re-configure the root logger)."""
+    h = _Records()
+    logger = logging.getLogger("graphcap")
+    logger.addHandler(h)
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield h
+    logger.removeHandler(h)
+    logger.setLevel(old)
+
+
+def _window(device="cpu", rows=6, width=64, window=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r2t = (1 + torch.randperm(rows * width, generator=g)).reshape(rows, width).to(torch.int32)
+    f2s = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(rows * width, generator=g)])
+    return bind_window(r2t.to(device), window, f2s.to(device), max_accepted=4)
+
+
+class _Runtime:  # what the batch hooks need of a GraphcapDraftRuntime
+    def __init__(self, tracker):
+        self.tracker, self.active = tracker, True
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Schedule-batch hooks
+
+
+def test_unreadable_eviction_frontier_warns_once_and_still_resets(monkeypatch, glog):
+    """A request whose SWA frontier cannot be read is rebuilt every time (safe), and the user hears about it once,
+    at warning level - not at debug level, and not once per request and iteration."""
+    monkeypatch.setattr(hooks, "_WARNED", set(), raising=False)  # a fresh process
+    tracker = SlotTracker(_window())
+    rt = _Runtime(tracker)
+    hooks._RUNTIMES.add(rt)
+    try:
+        calls = []
+        batch = SimpleNamespace()
+        for i in range(3):
+            req = SimpleNamespace(rid=f"r{i}", kv=SimpleNamespace(req_pool_idx=i))  # no get_evicted_seqlen
+            hooks.around_evict_swa(lambda b, r, pre_len: calls.append(pre_len), batch, req, 40 + i)
+        assert calls == [40, 41, 42]  # sglang's own body ran every time
+        assert tracker.stale == {0, 1, 2}  # each row is rebuilt at the next draft
+    finally:
+        hooks._RUNTIMES.discard(rt)
+    warnings = [r for r in glog.records if "eviction frontier" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert "r0" in warnings[0].getMessage() and "AttributeError" in warnings[0].getMessage()
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# graphcap's half of a draft (GraphcapDraftRuntime.iterate) against the path it replaced
+
+
+HIDDEN = 3
+
+
+def _iteration(window):
+    """Stands in for the captured draft iteration (sglang's model needs its weights): advances the windows, and its
+    outputs depend on every input and on the advanced lengths."""
+    def fn(slots, accepted, tokens, hidden):
+        window.advance(slots, accepted)
+        lens = window.seq_lens.index_select(0, slots).long()
+        acc = accepted.float()[:, None].expand(-1, 2)
+        return DraftOutput(torch.stack([tokens * 1000 + lens, slots], 1), acc + 0.5, acc - lens.float()[:, None],
+                           hidden * 2 + accepted[:, None].to(hidden.dtype))
+    return fn
+
+
+def _example_inputs(window):
+    dev = window.device
+
+    def example_inputs(b):
+        return (torch.full((b,), window.padding_slot, dtype=torch.int64, device=dev),
+                torch.zeros(b, dtype=torch.int32, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),
+                torch.zeros(b, HIDDEN, device=dev))
+    return example_inputs
+
+
+def _graphs(window, buckets):
+    graphs = DraftGraphs(_iteration(window), buckets=list(buckets), padding_slot=window.padding_slot,
+                         example_inputs=_example_inputs(window), static_tensors=window.static_tensors(),
+                         backend="eager", manifest_path=None, progress=False)
+    graphs.capture()
+    return graphs
+
+
+def _runtime(device, buckets=(1, 2, 4), seed=0) -> GraphcapDraftRuntime:
+    window = _window(device, rows=8, width=96, window=8, seed=seed)
+    rt = GraphcapDraftRuntime(SimpleNamespace(speculative_num_steps=3), DraftCaptureOptions(enabled=True),
+                              window, target_pool=None)
+    rt.attach(_graphs(window, buckets))
+    return rt
+
+
+class _OldTracker(SlotTracker):
+    """The tracker's per-iteration work as it was before: index_put_(accumulate=True), the slot tensor rebuilt from
+    host ints every iteration, the accepted counts gathered into a temporary that DraftGraphs.run copies again."""
+
+    def on_accept(self, req_pool_indices, accept_lens):
+        self.pending.index_put_((req_pool_indices.to(torch.long),), accept_lens.to(torch.int32), accumulate=True)
+
+    def prepare(self, reqs, seq_lens):
+        host_slots = [hooks.slot_of(r) for r in reqs]
+        rids = [r.rid for r in reqs]
+        dev = self.window.device
+        rows = [i for i, (s, rid) in enumerate(zip(host_slots, rids)) if self.owner.get(s) != rid or s in self.stale]
+        slots = torch.tensor(host_slots, dtype=torch.int64).to(dev, non_blocking=True)
+        if rows:
+            rs = [host_slots[i] for i in rows]
+            rows_t = torch.tensor(rows, dtype=torch.int64).to(seq_lens.device, non_blocking=True)
+            self.window.reset(rs, seq_lens.index_select(0, rows_t))
+            self.pending.index_fill_(0, torch.tensor(rs, dtype=torch.int64).to(dev), 0)
+            for s, i in zip(rs, rows):
+                self.owner[s] = rids[i]
+                self.stale.discard(s)
+        accepted = self.pending.index_select(0, slots)
+        self.pending.index_fill_(0, slots, 0)
+        return slots, accepted, host_slots
+
+
+class _Scheduler:
+    """Requests join, are retracted, lose in-window pages and are verified with random accepted counts; `batch()` is
+    what sglang hands the draft (rows, device lengths, their host mirrors, the seed tokens and hidden states)."""
+
+    def __init__(self, seed, device, rows=8, width=96, steps=3):
+        self.g = torch.Generator().manual_seed(seed)
+        self.device, self.rows, self.width, self.steps = device, rows, width, steps
+        self.running: dict[int, SimpleNamespace] = {}
+        self.next_rid = 0
+
+    def randint(self, lo, hi) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=self.g))
+
+    def events(self, trackers):
+        free = [s for s in range(self.rows) if s not in self.running]
+        if free and (not self.running or self.randint(0, 3) == 0):
+            slot = free[self.randint(0, len(free) - 1)]
+            req = SimpleNamespace(rid=f"r{self.next_rid}", kv=SimpleNamespace(req_pool_idx=slot),
+                                  length=self.randint(1, 40))
+            self.next_rid += 1
+            self.running[slot] = req
+            for t in trackers:
+                t.on_join([req])
+        elif len(self.running) > 1 and self.randint(0, 9) == 0:
+            slot = sorted(self.running)[self.randint(0, len(self.running) - 1)]
+            del self.running[slot]
+            for t in trackers:
+                t.on_retract([slot])
+        elif self.running and self.randint(0, 9) == 0:
+            slot = sorted(self.running)[self.randint(0, len(self.running) - 1)]
+            for t in trackers:
+                t.on_evict(slot, evicted_upto=self.running[slot].length, seq_len=self.running[slot].length)
+
+    def batch(self):
+        reqs = list(self.running.values())
+        order = torch.randperm(len(reqs), generator=self.g).tolist()
+        reqs = [reqs[i] for i in order]
+        lens = [r.length for r in reqs]
+        dev = self.device
+        return SimpleNamespace(
+            reqs=reqs, seq_lens=torch.tensor(lens, device=dev), seq_lens_cpu=torch.tensor(lens), seq_lens_sum=sum(lens),
+            req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs], device=dev),
+            spec_info=SimpleNamespace(bonus_tokens=torch.randint(0, 500, (len(reqs),), generator=self.g).to(dev),
+                                      hidden_states=torch.randn(len(reqs), HIDDEN, generator=self.g).to(dev)))
+
+    def verify(self, batch, trackers):
+        acc = [min(self.randint(1, self.steps + 1), self.width - r.length) for r in batch.reqs]
+        for r, a in zip(batch.reqs, acc):
+            r.length += a
+        for t in trackers:
+            t.on_accept(batch.req_pool_indices, torch.tensor(acc, dtype=torch.int32, device=self.device))
+        for slot in [s for s, r in self.running.items() if r.length + self.steps + 1 > self.width]:
+            del self.running[slot]  # finished: the row is free for a new request
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_iterate_matches_the_path_it_replaced(device, monkeypatch, seed):
+    """Random joins, retracts, evictions and accepts, batches from 1 to 8 rows over buckets 1, 2, 4 (padding rows,
+    shrinking batches, and oversize batches that run eagerly): `iterate` (rows from sglang's device
+    req_pool_indices, accepted counts gathered into the static input, index_add_) gives the same outputs, windows,
+    pending counts and manifest counters as the old prepare() + run() (index_put_, host-built slots, copies)."""
+    monkeypatch.setenv(CHECK_ENV, "1")  # and the check mode finds nothing wrong on consistent batches
+    new, old = _runtime(device, seed=seed), _runtime(device, seed=seed)
+    old.tracker = _OldTracker(old.window)
+    sched = _Scheduler(seed, device)
+    sizes = set()
+    for _ in range(60):
+        sched.events([new.tracker, old.tracker])
+        if not sched.running:
+            continue
+        batch = sched.batch()
+        sizes.add(len(batch.reqs))
+        ours, seq_lens_sum = new.iterate(batch)
+        slots, accepted, host = old.tracker.prepare(batch.reqs, batch.seq_lens)
+        theirs = old.graphs.run(slots, accepted, batch.spec_info.bonus_tokens, batch.spec_info.hidden_states,
+                                host_slots=host)
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)
+        assert seq_lens_sum == sum(r.length for r in batch.reqs)
+        assert torch.equal(new.window.ring, old.window.ring) and torch.equal(new.window.seq_lens, old.window.seq_lens)
+        assert torch.equal(new.window.seq_lens[batch.req_pool_indices].long(), batch.seq_lens.long())
+        sched.verify(batch, [new.tracker, old.tracker])
+        assert torch.equal(new.tracker.pending, old.tracker.pending)
+    def counters(graphs):
+        return [(r.batch_size, r.replays, r.fallbacks, r.padded_rows) for r in graphs.buckets], graphs.oversize_fallbacks
+    assert counters(new.graphs) == counters(old.graphs)
+    assert {1, 3}.issubset(sizes) and max(sizes) > 4 and new.graphs.oversize_fallbacks > 0
+    st = new.tracker.stats
+    assert st["resets"] >= 3 and st["retracts"] and st["evictions_in_window"] and new.host_syncs == 0
+
+
+def test_on_accept_sums_like_index_put_accumulate(device):
+    """index_add_ against index_put_(accumulate=True) and a host sum, with rows repeated (random)."""
+    g = torch.Generator().manual_seed(5)
+    tracker, ref = SlotTracker(_window(device)), torch.zeros(7, dtype=torch.int32, device=device)
+    want = [0] * 7
+    for _ in range(20):
+        idx = torch.randint(0, 6, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
+        lens = torch.randint(0, 5, idx.shape, generator=g, dtype=torch.int32)
+        tracker.on_accept(idx.to(device), lens.to(device))
+        ref.index_put_((idx.to(device),), lens.to(device), accumulate=True)
+        for i, n in zip(idx.tolist(), lens.tolist()):
+            want[i] += n
+    assert tracker.pending.tolist() == ref.tolist() == want
+
+
+def _steady(device, seed=3):
+    """A runtime after a few verified iterations, and the next batch sglang would hand it (consistent)."""
+    rt, sched = _runtime(device, seed=seed), _Scheduler(seed, device)
+    while len(sched.running) < 3:
+        sched.events([rt.tracker])
+    for _ in range(4):
+        batch = sched.batch()
+        rt.iterate(batch)
+        sched.verify(batch, [rt.tracker])
+    return rt, sched
+
+
+@pytest.mark.gpu
+def test_iterations_without_a_rebuild_do_not_sync():
+    """On CUDA, under torch's sync debug mode (which raises on a synchronizing call): an iteration with no row to
+    rebuild and host lengths given issues no host sync."""
+    rt, sched = _steady("cuda")
+    batch = sched.batch()  # built outside: the scheduler's own host-to-device copies are not graphcap's
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rt.iterate(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert rt.host_syncs == 0
+
+def _plus_one(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t[0] += 1
+    return t
+
+
+@pytest.mark.parametrize("corrupt, named", [
+    (lambda b: setattr(b, "seq_lens_sum", b.seq_lens_sum + 1),
+     [r"seq_lens_sum (\d+) \(from batch\.seq_lens_sum\) != sum\(batch\.seq_lens\) = (\d+)"]),
+    (lambda b: (setattr(b, "seq_lens_sum", None), setattr(b, "seq_lens_cpu", _plus_one(b.seq_lens_cpu))),
+     [r"batch\.seq_lens_cpu \[.*\] != batch\.seq_lens \[", r"\(from batch\.seq_lens_cpu\) != sum\(batch\.seq_lens\)"]),
+    (lambda b: setattr(b, "req_pool_indices", b.req_pool_indices.flip(0)),
+     [r"batch\.req_pool_indices \[.*\] != the requests' req_pool_idx \[", r"graphcap's window lengths"]),
+    (lambda b: setattr(b, "seq_lens", _plus_one(b.seq_lens)),  # sglang's lengths ahead of what the verify reported
+     [r"graphcap's window lengths \[.*\] != batch\.seq_lens", r"batch\.seq_lens_cpu", r"seq_lens_sum"]),
+])
+def test_check_mode_names_what_disagrees(device, monkeypatch, corrupt, named):
+    """GRAPHCAP_SGLANG_CHECK=1 checks every length graphcap hands on to sglang (seq_lens_sum, seq_lens_cpu) and the
+    rows it replayed against batch.seq_lens / the requests, not only the window lengths; off, it checks nothing."""
+    rt, sched = _steady(device)
+    batch = sched.batch()
+    corrupt(batch)
+    monkeypatch.setenv(CHECK_ENV, "1")
+    with pytest.raises(RuntimeError, match=CHECK_ENV) as e:
+        rt.iterate(batch)
+    for pattern in named:
+        assert re.search(pattern, str(e.value)), (pattern, str(e.value))
+
+
+def test_check_mode_passes_consistent_host_lengths_and_counts_the_fallback_sync(device, monkeypatch):
+    rt, sched = _steady(device)
+    monkeypatch.setenv(CHECK_ENV, "1")
+    batch = sched.batch()
+    batch.seq_lens_sum = None
+    assert rt.iterate(batch)[1] == int(batch.seq_lens_cpu.sum()) and rt.host_syncs == 0
+    sched.verify(batch, [rt.tracker])
+    batch = sched.batch()
+    batch.seq_lens_sum = batch.seq_lens_cpu = None  # no host lengths: sglang's own device sum, counted
+    assert rt.iterate(batch)[1] == sum(r.length for r in batch.reqs) and rt.host_syncs == 1
+
+
+def test_check_mode_off_trusts_sglang(device, monkeypatch):
+    monkeypatch.delenv(CHECK_ENV, raising=False)
+    rt, sched = _steady(device)
+    batch = sched.batch()
+    batch.seq_lens_sum += 1
+    assert rt.iterate(batch)[1] == batch.seq_lens_sum  # used as given: the check is a debugging aid (it syncs)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The manifest under tensor parallelism
+
+
+@pytest.mark.parametrize("rank, writes", [(None, True), (0, True), (1, False), (3, False)])
+def test_only_tp_rank_0_writes_the_manifest(tmp_path, rank, writes):
+    """Every TP rank captures; one manifest per server, from the rank sglang's runtime context names 0 (a process
+    where sglang set no rank writes it, as a single GPU does)."""
+    pytest.importorskip("sglang", reason="the real sglang package is not installed")
+    from sglang.srt.runtime_context import get_parallel
+
+    window = _window()
+    scope = get_parallel().override(tp_rank=rank, tp_size=4) if rank is not None else contextlib.nullcontext()
+    with scope:
+        assert sglang_tp_rank() == rank
+        graphs = capture_graphs(window, _iteration(window), buckets=[1, 2], example_inputs=_example_inputs(window),
+                                static_tensors=window.static_tensors(), backend="eager", manifest_dir=str(tmp_path),
+                                name="sglang-test", steps=3)
+    graphs.run(*_example_inputs(window)(2))
+    graphs.flush()
+    names = [p.name for p in mf.list_manifests(tmp_path)]
+    assert names == (["sglang-test-w8-s3-eager.json"] if writes else [])
+    assert sglang_tp_rank(SimpleNamespace(tp_rank=2)) == 2  # a worker that carries its rank (older sglang layouts)
