@@ -27,7 +27,6 @@ DTYPES = ("float32", "float16", "bfloat16")
 GRAPH_BACKENDS = ("reduce-overhead", "inductor-cudagraph", "cudagraph")
 ALL_BACKENDS = GRAPH_BACKENDS + ("compile", "eager")
 DEFAULT_BACKEND = "inductor-cudagraph"
-BACKENDS = GRAPH_BACKENDS  # the former name, still imported by graphcap/integrations/sglang.py
 HEAD_KINDS = ("full", "centroid")
 
 

@@ -13,6 +13,7 @@ import torch
 
 from graphcap import manifest as mf
 from graphcap.capture import DraftGraphs
+from graphcap.guards import CaptureError
 from graphcap.integrations import sglang_hooks as hooks
 from graphcap.integrations.sglang import DraftCaptureOptions, sglang_tp_rank
 from graphcap.integrations.sglang_runtime import (CHECK_ENV, GraphcapDraftRuntime, SlotTracker, bind_window,
@@ -240,6 +241,32 @@ def test_iterate_matches_the_path_it_replaced(device, monkeypatch, seed):
     assert {1, 3}.issubset(sizes) and max(sizes) > 4 and new.graphs.oversize_fallbacks > 0
     st = new.tracker.stats
     assert st["resets"] >= 3 and st["retracts"] and st["evictions_in_window"] and new.host_syncs == 0
+
+
+@pytest.mark.parametrize("corrupt, named", [
+    (lambda b: b.reqs[1].kv.__setattr__("req_pool_idx", b.reqs[0].kv.req_pool_idx), "appears more than once"),
+    (lambda b: b.reqs[0].kv.__setattr__("req_pool_idx", 8), "slot 8 out of range"),
+    (lambda b: b.reqs[0].kv.__setattr__("req_pool_idx", None), "has no request-pool row"),
+    (lambda b: b.spec_info.__setattr__("hidden_states", b.spec_info.hidden_states.double()), "hidden_states"),
+    (lambda b: b.spec_info.__setattr__("bonus_tokens", b.spec_info.bonus_tokens[:1]), "bonus_tokens"),
+])
+def test_iterate_refuses_a_bad_batch_before_writing(device, corrupt, named):
+    """The zero-copy path bypasses DraftGraphs.run, so it checks the same things itself, on host ints and tensor
+    metadata: nothing is written (inputs, windows, pending counts) when the batch is bad."""
+    rt, sched = _runtime(device), _Scheduler(0, device)
+    while len(sched.running) < 3:
+        sched.events([rt.tracker])
+    batch = sched.batch()
+    rt.iterate(batch)  # the rows are built; the next iteration only advances
+    sched.verify(batch, [rt.tracker])
+    batch = sched.batch()
+    before = [t.clone() for t in (rt.window.ring, rt.window.seq_lens, rt.tracker.pending,
+                                  *rt.graphs.static_inputs(len(batch.reqs)))]
+    corrupt(batch)
+    with pytest.raises(CaptureError, match=named):
+        rt.iterate(batch)
+    after = (rt.window.ring, rt.window.seq_lens, rt.tracker.pending, *rt.graphs.static_inputs(len(batch.reqs)))
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
 def test_on_accept_sums_like_index_put_accumulate(device):

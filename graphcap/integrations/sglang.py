@@ -23,7 +23,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from graphcap.spec import BACKENDS, DEFAULT_BACKEND  # light: no torch
+from graphcap.spec import DEFAULT_BACKEND, GRAPH_BACKENDS  # light: no torch
 
 log = logging.getLogger("graphcap.sglang")
 
@@ -77,8 +77,9 @@ class DraftCaptureOptions:
         opts = cls(**data)
         if not isinstance(opts.enabled, bool):
             raise DraftCaptureConfigError(f"{source}: enabled must be true or false, got {opts.enabled!r}")
-        if opts.backend not in BACKENDS:
-            raise DraftCaptureConfigError(f"{source}: backend must be one of {', '.join(BACKENDS)}, got {opts.backend!r}")
+        if opts.backend not in GRAPH_BACKENDS:
+            raise DraftCaptureConfigError(f"{source}: backend must be one of {', '.join(GRAPH_BACKENDS)}, "
+                                          f"got {opts.backend!r}")
         if opts.manifest_dir is not None and not isinstance(opts.manifest_dir, str):
             raise DraftCaptureConfigError(f"{source}: manifest_dir must be a string, got {opts.manifest_dir!r}")
         return opts
@@ -184,7 +185,7 @@ def add_arguments(parser) -> None:
                         "sliding-window state in graphcap's static buffers, advanced in place by each verify's "
                         "accepted tokens, and capture the whole draft iteration per decode batch bucket. Off by "
                         "default: without this flag the plugin changes nothing.")
-    g.add_argument(BACKEND_FLAG, dest=_DEST["backend"], choices=BACKENDS, default=DEFAULT_BACKEND,
+    g.add_argument(BACKEND_FLAG, dest=_DEST["backend"], choices=GRAPH_BACKENDS, default=DEFAULT_BACKEND,
                    help="graphcap: how the draft iteration is captured: 'reduce-overhead' = torch.compile with CUDA "
                         "graphs (Inductor fuses the small ops), 'inductor-cudagraph' = the same Inductor code recorded in "
                         "torch.cuda.CUDAGraph (no per-call torch.compile bookkeeping), 'cudagraph' = "

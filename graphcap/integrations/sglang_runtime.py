@@ -30,7 +30,7 @@ from graphcap.guards import CaptureError
 from graphcap.integrations.sglang import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
 from graphcap.integrations.sglang_hooks import slot_of
 from graphcap.models.draft_loop import DraftOutput
-from graphcap.window import WindowBuffers
+from graphcap.window import WindowBuffers, check_slots
 
 log = logging.getLogger("graphcap.sglang")
 CHECK_ENV = "GRAPHCAP_SGLANG_CHECK"  # =1: after each replay, check every length against sglang's (syncs)
@@ -109,10 +109,10 @@ class SlotTracker:
         # index_add_: the sums index_put_(accumulate=True) makes (a row given twice adds twice), no index tuple
         self.pending.index_add_(0, req_pool_indices.to(torch.long), accept_lens.to(torch.int32))
 
-    def rebuild(self, reqs, seq_lens: torch.Tensor) -> list[int]:
+    def rebuild(self, reqs, seq_lens: torch.Tensor, host_slots: list[int] | None = None) -> list[int]:
         """Rebuild the rows whose request is new to them, came back, or lost in-window pages; returns the batch's
-        rows as host ints. `seq_lens` [B] (device) are the requests' lengths now."""
-        host_slots = [slot_of(r) for r in reqs]
+        rows as host ints (`host_slots`, where the caller has them). `seq_lens` [B] (device): the lengths now."""
+        host_slots = [slot_of(r) for r in reqs] if host_slots is None else host_slots
         rows = [i for i, (s, r) in enumerate(zip(host_slots, reqs)) if self.owner.get(s) != r.rid or s in self.stale]
         if rows:  # WindowBuffers.reset validates on the host first: 2 + len(rows) syncs, rebuild iterations only
             rs = [host_slots[i] for i in rows]
@@ -143,13 +143,15 @@ class SlotTracker:
 
 
 def check_inputs(host_slots: list[int], padding_slot: int, tokens: torch.Tensor, hidden: torch.Tensor,
-                 static_tokens: torch.Tensor, static_hidden: torch.Tensor) -> None:
+                 static_tokens: torch.Tensor | None = None, static_hidden: torch.Tensor | None = None) -> None:
     """What `DraftGraphs.run` checks before it writes, for the zero-copy path (`static_inputs` + `replay`): host ints
-    and tensor metadata only, no sync. Distinct rows matter: two rows advancing one ring would race."""
-    b = len(host_slots)
-    if len(set(host_slots)) != b or not all(s is not None and 0 <= s < padding_slot for s in host_slots):
-        raise CaptureError(f"graphcap: the batch's request-pool rows {host_slots} must be distinct and in "
-                           f"[0, {padding_slot})")
+    and tensor metadata only, no sync. Distinct rows matter: two rows advancing one ring would race. Without the
+    static inputs (a batch for `run()`, which checks the tensors itself) only the rows."""
+    if None in host_slots:
+        raise CaptureError(f"graphcap draft: a request of the batch has no request-pool row ({host_slots})")
+    check_slots(host_slots, padding_slot, error=CaptureError, call="graphcap draft", arg="the batch's req_pool_idx")
+    if static_tokens is None or static_hidden is None:
+        return
     for name, x, ref in (("bonus_tokens", tokens, static_tokens), ("hidden_states", hidden, static_hidden)):
         if x.shape != ref.shape or (ref.is_floating_point() and x.dtype != ref.dtype):
             raise CaptureError(f"graphcap: spec_info.{name} is {tuple(x.shape)} {x.dtype}; the captured iteration "
@@ -359,12 +361,15 @@ class GraphcapDraftRuntime:
         pending buffer). Returns the outputs and the seq_lens_sum that goes on to sglang."""
         spec_info = batch.spec_info
         tokens, hidden = spec_info.bonus_tokens, spec_info.hidden_states
-        host_slots = self.tracker.rebuild(batch.reqs, batch.seq_lens)
-        slots = batch.req_pool_indices  # the same rows, on the device already: nothing rebuilt from host ints
+        host_slots = [slot_of(r) for r in batch.reqs]
         b = len(host_slots)
-        if 1 <= b <= self.max_bucket:
-            s, a, t, h = self.graphs.static_inputs(b)
-            check_inputs(host_slots, self.window.padding_slot, tokens, hidden, t, h)
+        static = self.graphs.static_inputs(b) if 1 <= b <= self.max_bucket else None
+        # before anything is written, rebuilds included: a bad row would otherwise reset another request's window
+        check_inputs(host_slots, self.window.padding_slot, tokens, hidden, *(static[2:] if static else ()))
+        self.tracker.rebuild(batch.reqs, batch.seq_lens, host_slots)
+        slots = batch.req_pool_indices  # the same rows, on the device already: nothing rebuilt from host ints
+        if static is not None:
+            s, a, t, h = static
             s.copy_(slots)
             self.tracker.take_accepted(s, out=a)
             t.copy_(tokens)
