@@ -1,0 +1,91 @@
+"""Request lifecycle -> window resets and advances: which sglang request each ring row holds, and the accepted counts
+waiting to be applied (`SlotTracker`), over window buffers bound to sglang's request-pool rows (`bind_window`). Host
+bookkeeping and device scatters/gathers only; the runtime (`sglang_runtime`) calls it once per draft."""
+from __future__ import annotations
+
+import torch
+
+from graphcap.integrations.sglang_hooks import slot_of
+from graphcap.window import WindowBuffers
+
+
+def bind_window(req_to_token: torch.Tensor, window: int, full_to_swa: torch.Tensor | None,
+                max_accepted: int) -> WindowBuffers:
+    """Every request-pool row is a slot; the padding slot is one past them (it needs no req_to_token row)."""
+    return WindowBuffers(req_to_token, window, req_to_token.shape[0], full_to_swa, max_accepted=max_accepted)
+
+
+class SlotTracker:
+    """Which request each ring row holds, and the accepted counts waiting to be applied.
+
+    - `on_join(reqs)` (after a prefill), `on_retract(slots)`, `on_evict(slot, ...)`: host bookkeeping only; the rows
+      are rebuilt at the next draft, from req_to_token as it is then.
+    - `on_accept(req_pool_indices, accept_lens)` (after each verify): device scatter into `pending[slot]`, no sync.
+    - each draft: `rebuild(reqs, seq_lens)` (host rows; syncs only when a row is rebuilt), then
+      `take_accepted(slots, out)` (device gather straight into the captured graph's input, no sync).
+      `prepare(reqs, seq_lens)` does both for a caller that has no device copy of the rows.
+    """
+
+    def __init__(self, window: WindowBuffers) -> None:
+        self.window = window
+        self.owner: dict[int, str] = {}  # slot -> rid whose window the ring row holds
+        self.stale: set[int] = set()  # rows whose in-window SWA pages were freed
+        self.pending = torch.zeros(window.max_slots + 1, dtype=torch.int32, device=window.device)
+        self.stats = dict(joins=0, resets=0, retracts=0, evictions_in_window=0, reset_syncs=0)
+
+    def on_join(self, reqs) -> None:
+        for r in reqs:
+            slot = slot_of(r)
+            if slot is not None:
+                self.owner.pop(slot, None)
+                self.stats["joins"] += 1
+
+    def on_retract(self, slots) -> None:
+        for s in slots:
+            self.owner.pop(s, None)
+            self.stale.discard(s)
+            self.stats["retracts"] += 1
+
+    def on_evict(self, slot: int, evicted_upto: int, seq_len: int) -> None:
+        """sglang freed SWA pages of `slot` below `evicted_upto`. Its window at the next draft starts at or after
+        `seq_len - W`; if the freed range reaches into that, the row is rebuilt (normally it never does: sglang keeps
+        max(window, draft window) behind each request)."""
+        if evicted_upto > seq_len - self.window.window:
+            self.stale.add(slot)
+            self.stats["evictions_in_window"] += 1
+
+    def on_accept(self, req_pool_indices: torch.Tensor, accept_lens: torch.Tensor) -> None:
+        # index_add_: the sums index_put_(accumulate=True) makes (a row given twice adds twice), no index tuple
+        self.pending.index_add_(0, req_pool_indices.to(torch.long), accept_lens.to(torch.int32))
+
+    def rebuild(self, reqs, seq_lens: torch.Tensor, host_slots: list[int] | None = None) -> list[int]:
+        """Rebuild the rows whose request is new to them, came back, or lost in-window pages; returns the batch's
+        rows as host ints (`host_slots`, where the caller has them). `seq_lens` [B] (device): the lengths now."""
+        host_slots = [slot_of(r) for r in reqs] if host_slots is None else host_slots
+        rows = [i for i, (s, r) in enumerate(zip(host_slots, reqs)) if self.owner.get(s) != r.rid or s in self.stale]
+        if rows:  # WindowBuffers.reset validates on the host first: 2 + len(rows) syncs, rebuild iterations only
+            rs = [host_slots[i] for i in rows]
+            rows_t = torch.tensor(rows, dtype=torch.int64).to(seq_lens.device, non_blocking=True)
+            self.window.reset(rs, seq_lens.index_select(0, rows_t))
+            rs_t = torch.tensor(rs, dtype=torch.int64).to(self.window.device, non_blocking=True)
+            self.pending.index_fill_(0, rs_t, 0)  # the rebuilt length already holds what they accepted
+            for s, i in zip(rs, rows):
+                self.owner[s] = reqs[i].rid
+                self.stale.discard(s)
+            self.stats["resets"] += len(rs)
+            self.stats["reset_syncs"] += 1
+        return host_slots
+
+    def take_accepted(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The counts waiting for `slots` (device), then cleared. With `out` (the captured graph's static input) the
+        gather writes there: one copy, no temporary."""
+        accepted = torch.index_select(self.pending, 0, slots, out=out) if out is not None else \
+            self.pending.index_select(0, slots)
+        self.pending.index_fill_(0, slots, 0)
+        return accepted
+
+    def prepare(self, reqs, seq_lens: torch.Tensor):
+        """`rebuild` + `take_accepted` with the rows copied from the host: (slots, accepted, host_slots)."""
+        host_slots = self.rebuild(reqs, seq_lens)
+        slots = torch.tensor(host_slots, dtype=torch.int64).to(self.window.device, non_blocking=True)
+        return slots, self.take_accepted(slots), host_slots
