@@ -84,13 +84,17 @@ class WindowBuffers:
         slots_t, lens_t = self._as_index(slots, "reset", "slots"), self._as_index(seq_lens, "reset", "seq_lens")
         if slots_t.shape != lens_t.shape:
             raise WindowError(f"reset: {slots_t.numel()} slots but {lens_t.numel()} seq_lens")
-        s, lens = slots_t.tolist(), lens_t.tolist()
-        check_slots(s, self.max_slots, error=WindowError, call="reset")
         row_len = self.req_to_token.shape[1]
+        hi = lens_t.clamp(0, row_len)
+        lo = (hi - self.window).clamp(min=0)
+        # One read-back (one sync on a GPU) for all the host checks: slots, lengths, the first bad location per row.
+        s, lens, bad_at, bad_val = torch.stack([slots_t, lens_t, *self._bad_locs(slots_t, lo, hi, self.window)]
+                                               ).tolist() if slots_t.numel() else ([], [], [], [])
+        check_slots(s, self.max_slots, error=WindowError, call="reset")
         for slot, n in zip(s, lens):
             if not 0 <= n <= row_len:
                 raise WindowError(f"reset: seq_len {n} for slot {slot} is outside [0, {row_len}] (req_to_token row length)")
-        self._check_locs("reset", s, [max(0, n - self.window) for n in lens], lens)
+        self._raise_bad_locs("reset", s, bad_at, bad_val)
         if slots_t.numel():
             window_reset(self.ring, self.seq_lens, self.req_to_token, self.full_to_swa, slots_t, lens_t)
 
@@ -127,7 +131,10 @@ class WindowBuffers:
             raise WindowError(f"{call}: {name} must be integers, got dtype {t.dtype}")
         if t.ndim > 1:
             raise WindowError(f"{call}: {name} must be 1-D, got shape {tuple(t.shape)}")
-        return t.reshape(-1).to(self.device, torch.int64)
+        t = t.reshape(-1).to(torch.int64)
+        # From pageable host memory non_blocking stages the copy before returning (safe to reuse the source) and
+        # skips the stream sync a blocking copy does; pinned memory keeps the blocking copy (the caller owns it).
+        return t.to(self.device, non_blocking=t.device.type == "cpu" and not t.is_pinned())
 
     def _check_advance_static(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
         for name, x in (("slots", slots), ("accepted", accepted)):
@@ -141,20 +148,28 @@ class WindowBuffers:
             raise WindowError(f"advance: slots {tuple(slots.shape)} and accepted {tuple(accepted.shape)} must be "
                               "equal 1-D shapes")
 
-    def _check_locs(self, call: str, slots: list[int], starts: list[int], ends: list[int]) -> None:
-        """The req_to_token entries about to be read must be valid locations of the pool they index."""
-        if self.full_to_swa is None:
-            return
-        pool = self.full_to_swa.numel()
-        for slot, lo, hi in zip(slots, starts, ends):
-            if hi <= lo:
-                continue
-            locs = self.req_to_token[slot, lo:hi]
-            bad = ((locs < 0) | (locs >= pool)).nonzero()
-            if bad.numel():
-                j = int(bad[0, 0])
-                raise WindowError(f"{call}: slot {slot}: req_to_token[{slot}, {lo + j}] = {int(locs[j])} is not a "
-                                  f"location of the full pool [0, {pool})")
+    def _bad_locs(self, slots: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, span: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, on the device: the first position p in [lo, hi) (at most `span` of them) whose
+        `req_to_token[slot, p]` is not a location of the full pool, and that entry; -1 and 0 where all are valid
+        (or without full_to_swa). Slots are clamped for the gather: an out-of-range slot is refused on the host."""
+        n = slots.numel()
+        if self.full_to_swa is None or n == 0:
+            return torch.full_like(slots, -1), torch.zeros_like(slots)
+        row_len = self.req_to_token.shape[1]
+        rows = slots.clamp(0, self.max_slots - 1)[:, None]
+        pos = lo[:, None] + torch.arange(max(1, span), device=slots.device)
+        locs = self.req_to_token[rows, pos.clamp(max=row_len - 1)].to(torch.int64)
+        bad = (pos < hi[:, None]) & ((locs < 0) | (locs >= self.full_to_swa.numel()))
+        j = bad.to(torch.int32).argmax(dim=1, keepdim=True)  # the first True (0 where none: masked below)
+        found = bad.any(dim=1)
+        return torch.where(found, pos.gather(1, j)[:, 0], -1), torch.where(found, locs.gather(1, j)[:, 0], 0)
+
+    def _raise_bad_locs(self, call: str, slots: list[int], bad_at: list[int], bad_val: list[int]) -> None:
+        for slot, p, v in zip(slots, bad_at, bad_val):
+            if p >= 0:
+                raise WindowError(f"{call}: slot {slot}: req_to_token[{slot}, {p}] = {v} is not a location of the "
+                                  f"full pool [0, {self.full_to_swa.numel()})")
 
     def _check_advance(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
         s, a = slots.tolist(), accepted.tolist()
@@ -171,7 +186,10 @@ class WindowBuffers:
             if lens[slot] + n > row_len:
                 raise WindowError(f"advance: slot {slot} would reach length {lens[slot] + n}, past its req_to_token row "
                                   f"({row_len} positions)")
-        self._check_locs("advance", s, [lens[x] for x in s], [lens[x] + n for x, n in zip(s, a)])
+        lo = self.seq_lens.index_select(0, slots.long()).long()
+        bad_at, bad_val = (t.tolist() for t in self._bad_locs(slots.long(), lo, lo + accepted.long(),
+                                                               self.max_accepted))
+        self._raise_bad_locs("advance", s, bad_at, bad_val)
 
 
 def check_slots(slots: Sequence[int], limit: int, *, error: type[Exception], call: str, arg: str = "slots",

@@ -187,6 +187,40 @@ def test_corrupt_req_to_token_is_named(wb):
         wb.advance(_t(wb, [0]), _t(wb, [1]), checked=True)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_reset_names_the_first_bad_location_or_none(device, data):
+    """Random corruptions of req_to_token inside and outside the windows: reset refuses iff one lies in a rebuilt
+    window, naming the first such entry of the first such slot in call order (a plain loop over the host copy is the
+    reference), and leaves the buffers untouched when it refuses."""
+    r2t, f2s = make_pools(data.draw(st.integers(0, 99)), True, device)
+    w = data.draw(st.integers(1, 12))
+    wb = WindowBuffers(r2t, w, SLOTS, f2s, max_accepted=3)
+    pool = f2s.numel()
+    for _ in range(data.draw(st.integers(0, 4))):
+        r, c = data.draw(st.integers(0, SLOTS - 1)), data.draw(st.integers(0, ROW - 1))
+        wb.req_to_token[r, c] = data.draw(st.sampled_from([-7, -1, pool, pool + 123]))
+    slots = data.draw(st.permutations(range(SLOTS)))[: data.draw(st.integers(1, SLOTS))]
+    lens = [data.draw(st.integers(0, ROW)) for _ in slots]
+    host = wb.req_to_token.cpu().tolist()
+    expected = None
+    for slot, n in zip(slots, lens):
+        for p in range(max(0, n - w), n):
+            if not 0 <= host[slot][p] < pool:
+                expected = rf"reset: slot {slot}: req_to_token\[{slot}, {p}\] = {host[slot][p]} is not a location"
+                break
+        if expected:
+            break
+    ring, seq = wb.ring.clone(), wb.seq_lens.clone()
+    if expected is None:
+        wb.reset(slots, lens)
+        assert wb.seq_lens[slots].tolist() == lens
+    else:
+        with pytest.raises(WindowError, match=expected):
+            wb.reset(slots, lens)
+        assert torch.equal(wb.ring, ring) and torch.equal(wb.seq_lens, seq)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -206,3 +240,17 @@ def test_bad_construction(kwargs, match):
 
 def _t(wb: WindowBuffers, xs: list[int]) -> torch.Tensor:
     return torch.tensor(xs, device=wb.device)
+
+
+@pytest.mark.gpu
+def test_reset_syncs_once_however_many_rows():
+    """reset validates from one read-back: one device-to-host sync for 1 row or all of them (CUDA's sync debug
+    mode counts them)."""
+    from graphcap.bench import count_syncs
+
+    r2t, f2s = make_pools(3, True, "cuda")
+    wb = WindowBuffers(r2t, 8, SLOTS, f2s, max_accepted=3)
+    for slots in ([2], list(range(SLOTS))):
+        lens = torch.randint(0, ROW + 1, (len(slots),), device="cuda")
+        torch.cuda.synchronize()
+        assert count_syncs(lambda: wb.reset(slots, lens)) == 1

@@ -7,7 +7,7 @@ runs in tests/test_sglang_draft.py around a stand-in iteration).
 
 Per iteration, instead of sglang's `FrozenKVMTPDraftWorker.draft` (`GraphcapDraftRuntime.iterate`):
 1. host: rows whose request is new to the row, was retracted, or lost in-window SWA pages are rebuilt
-   (`WindowBuffers.reset`: 2 + N syncs, rebuild iterations only);
+   (`WindowBuffers.reset`: one sync, rebuild iterations only);
 2. device: the rows (sglang's `req_pool_indices`) and the accepted counts the last verify left per row (scattered by
    `on_accept`) go straight into the bucket's static inputs - no host-to-device copy, no temporary, no sync;
 3. one replay of graphcap's captured iteration: `window.advance(slots, accepted)`, then the seed step and the other

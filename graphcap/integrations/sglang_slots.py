@@ -63,7 +63,7 @@ class SlotTracker:
         rows as host ints (`host_slots`, where the caller has them). `seq_lens` [B] (device): the lengths now."""
         host_slots = [slot_of(r) for r in reqs] if host_slots is None else host_slots
         rows = [i for i, (s, r) in enumerate(zip(host_slots, reqs)) if self.owner.get(s) != r.rid or s in self.stale]
-        if rows:  # WindowBuffers.reset validates on the host first: 2 + len(rows) syncs, rebuild iterations only
+        if rows:  # WindowBuffers.reset validates on the host first (one read-back: one sync), rebuild iterations only
             rs = [host_slots[i] for i in rows]
             rows_t = torch.tensor(rows, dtype=torch.int64).to(seq_lens.device, non_blocking=True)
             self.window.reset(rs, seq_lens.index_select(0, rows_t))
