@@ -1,5 +1,6 @@
 """Test set-up. Without CUDA, Triton kernels run on CPU tensors through Triton's interpreter, so the kernels
 themselves (not only their torch twins) are checked in CI. The variable must be set before triton is imported."""
+import logging
 import os
 
 import pytest
@@ -27,3 +28,26 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> str:
     return "cuda" if _HAS_CUDA else "cpu"
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture
+def glog():
+    """graphcap's log records, through a handler of its own: sglang's prepare_server_args re-configures the root
+    logger, dropping caplog's."""
+    h = _Records()
+    logger = logging.getLogger("graphcap")
+    logger.addHandler(h)
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    yield h
+    logger.removeHandler(h)
+    logger.setLevel(old)

@@ -21,28 +21,6 @@ from graphcap.integrations.sglang_runtime import (CHECK_ENV, GraphcapDraftRuntim
 from graphcap.models.draft_loop import DraftOutput
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
-@pytest.fixture
-def glog():
-    """graphcap's log records (a handler of its own: sglang's argument parsing may re-configure the root logger)."""
-    h = _Records()
-    logger = logging.getLogger("graphcap")
-    logger.addHandler(h)
-    old = logger.level
-    logger.setLevel(logging.DEBUG)
-    yield h
-    logger.removeHandler(h)
-    logger.setLevel(old)
-
-
 def _window(device="cpu", rows=6, width=64, window=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     r2t = (1 + torch.randperm(rows * width, generator=g)).reshape(rows, width).to(torch.int32)

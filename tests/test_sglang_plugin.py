@@ -48,28 +48,6 @@ def fresh(monkeypatch):
     os.environ.pop(plugin.ENV_VAR, None)
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-
-@pytest.fixture
-def glog():
-    """graphcap's log records (sglang's prepare_server_args re-configures the root logger, dropping caplog's)."""
-    h = _Records()
-    logger = logging.getLogger("graphcap")
-    logger.addHandler(h)
-    old = logger.level
-    logger.setLevel(logging.DEBUG)
-    yield h
-    logger.removeHandler(h)
-    logger.setLevel(old)
-
-
 def _parse(argv):
     from sglang.srt.server_args import prepare_server_args
 
