@@ -188,12 +188,8 @@ class DraftGraphs:
         engine has on the host anyway) turns on the duplicate/range check at no device sync."""
         if not self.captured:
             raise CaptureError("run() before capture()")
-        b = slots.shape[0] if slots.ndim == 1 else -1
-        self._check_shapes(b, slots, accepted, tokens, hidden)
-        if host_slots is not None:
-            if len(host_slots) != b:
-                raise CaptureError(f"run: {len(host_slots)} host_slots for a batch of {b}")
-            check_slots(host_slots, self.padding_slot, error=CaptureError, call="run", arg="host_slots")
+        self.check_batch(slots, tokens, hidden, accepted=accepted, host_slots=host_slots)
+        b = slots.shape[0]
         if b > self._buckets[-1].size:
             self.oversize_fallbacks += 1
             self._warn_once("oversize", f"graphcap: batch {b} is larger than the largest bucket "
@@ -220,8 +216,7 @@ class DraftGraphs:
 
     def replay(self, b: int, *, copy: bool = False) -> DraftOutput:
         """One draft iteration over the batch already written into `static_inputs(b)`: the zero-copy `run`. No
-        input checks (shapes are the static buffers'; the engine vouches that its slots are distinct and in range,
-        as `run`'s `host_slots` would check)."""
+        input checks (shapes are the static buffers'; the engine checks its batch first with `check_batch`)."""
         bucket = self._bucket_for("replay", b)
         if bucket.record.status == "captured":
             self._addresses.check()
@@ -275,25 +270,36 @@ class DraftGraphs:
         rows = out if sliced else DraftOutput(*(x[:b] for x in out))
         return DraftOutput(*(x.clone() for x in rows)) if copy else rows
 
-    def _check_shapes(self, b, slots, accepted, tokens, hidden) -> None:
-        """Host-side shape checks against the static inputs (no device sync): a clear error instead of a broadcast
-        error from deep inside copy_, raised before anything is written."""
+    def check_batch(self, slots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, *,
+                    accepted: torch.Tensor | None = None, host_slots: Sequence[int] | None = None,
+                    call: str = "run") -> None:
+        """What `run` checks before it writes, for an engine that writes `static_inputs` itself (call it first, then
+        write, then `replay`): shapes, devices and dtypes against the static inputs, and with `host_slots` (the same
+        slots as Python ints) that they match the batch and are distinct and in range. Tensor metadata and host ints
+        only, no device sync; a clear error instead of a broadcast error from deep inside copy_."""
         ref = self._buckets[0].inputs
+        b = slots.shape[0] if slots.ndim == 1 else -1
         if b < 1:
-            raise CaptureError(f"run: slots must be a non-empty 1-D tensor, got shape {tuple(slots.shape)}")
-        for name, x, r in (("accepted", accepted, ref[1]), ("tokens", tokens, ref[2]), ("hidden", hidden, ref[3])):
+            raise CaptureError(f"{call}: slots must be a non-empty 1-D tensor, got shape {tuple(slots.shape)}")
+        if host_slots is not None and len(host_slots) != b:
+            raise CaptureError(f"{call}: {len(host_slots)} host_slots for a batch of {b} (slots {tuple(slots.shape)})")
+        given = [("slots", slots, ref[0]), ("accepted", accepted, ref[1]), ("tokens", tokens, ref[2]),
+                 ("hidden", hidden, ref[3])]
+        given = [g for g in given if g[1] is not None]
+        for name, x, r in given[1:]:
             if tuple(x.shape) != (b, *r.shape[1:]):
-                raise CaptureError(f"run: {name} has shape {tuple(x.shape)}, expected {(b, *r.shape[1:])}")
-        for name, x, r in (("slots", slots, ref[0]), ("accepted", accepted, ref[1]), ("tokens", tokens, ref[2]),
-                           ("hidden", hidden, ref[3])):
+                raise CaptureError(f"{call}: {name} has shape {tuple(x.shape)}, expected {(b, *r.shape[1:])}")
+        for name, x, r in given:
             if x.device != self.device:
-                raise CaptureError(f"run: {name} is on {x.device}, the captured graphs on {self.device}")
+                raise CaptureError(f"{call}: {name} is on {x.device}, the captured graphs on {self.device}")
             # integer inputs may be any integer dtype (copied into the static buffers); hidden must match exactly
             ok = x.dtype == r.dtype if r.is_floating_point() else not (x.is_floating_point() or x.is_complex()
                                                                        or x.dtype == torch.bool)
             if not ok:
                 want = r.dtype if r.is_floating_point() else "an integer dtype"
-                raise CaptureError(f"run: {name} has dtype {x.dtype}, expected {want}")
+                raise CaptureError(f"{call}: {name} has dtype {x.dtype}, expected {want}")
+        if host_slots is not None:
+            check_slots(host_slots, self.padding_slot, error=CaptureError, call=call, arg="host_slots")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

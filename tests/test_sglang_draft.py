@@ -221,30 +221,35 @@ def test_iterate_matches_the_path_it_replaced(device, monkeypatch, seed):
     assert st["resets"] >= 3 and st["retracts"] and st["evictions_in_window"] and new.host_syncs == 0
 
 
+@pytest.mark.parametrize("buckets", [(1, 2, 4), (1, 2)], ids=["in-bucket", "oversize"])
 @pytest.mark.parametrize("corrupt, named", [
     (lambda b: b.reqs[1].kv.__setattr__("req_pool_idx", b.reqs[0].kv.req_pool_idx), "appears more than once"),
     (lambda b: b.reqs[0].kv.__setattr__("req_pool_idx", 8), "slot 8 out of range"),
     (lambda b: b.reqs[0].kv.__setattr__("req_pool_idx", None), "has no request-pool row"),
-    (lambda b: b.spec_info.__setattr__("hidden_states", b.spec_info.hidden_states.double()), "hidden_states"),
-    (lambda b: b.spec_info.__setattr__("bonus_tokens", b.spec_info.bonus_tokens[:1]), "bonus_tokens"),
+    (lambda b: b.__setattr__("req_pool_indices", b.req_pool_indices[:1]), "3 host_slots for a batch of 1"),
+    (lambda b: b.__setattr__("req_pool_indices", b.req_pool_indices.float()), "slots has dtype"),
+    (lambda b: b.spec_info.__setattr__("hidden_states", b.spec_info.hidden_states.double()), "hidden has dtype"),
+    (lambda b: b.spec_info.__setattr__("bonus_tokens", b.spec_info.bonus_tokens[:1]), "tokens has shape"),
 ])
-def test_iterate_refuses_a_bad_batch_before_writing(device, corrupt, named):
-    """The zero-copy path bypasses DraftGraphs.run, so it checks the same things itself, on host ints and tensor
-    metadata: nothing is written (inputs, windows, pending counts) when the batch is bad."""
-    rt, sched = _runtime(device), _Scheduler(0, device)
+def test_iterate_refuses_a_bad_batch_before_writing(device, corrupt, named, buckets):
+    """iterate checks the batch (DraftGraphs.check_batch: host ints and tensor metadata, no sync) before it writes
+    anything - static inputs, windows (rebuilds), pending counts - on the zero-copy path and on run()'s path for a
+    batch above the largest bucket alike."""
+    rt, sched = _runtime(device, buckets=buckets), _Scheduler(0, device)
     while len(sched.running) < 3:
         sched.events([rt.tracker])
     batch = sched.batch()
     rt.iterate(batch)  # the rows are built; the next iteration only advances
     sched.verify(batch, [rt.tracker])
     batch = sched.batch()
-    before = [t.clone() for t in (rt.window.ring, rt.window.seq_lens, rt.tracker.pending,
-                                  *rt.graphs.static_inputs(len(batch.reqs)))]
+    assert len(batch.reqs) == 3
+    state = lambda: [rt.window.ring, rt.window.seq_lens, rt.tracker.pending,  # noqa: E731
+                     *(t for bucket in rt.graphs._buckets for t in bucket.inputs)]
+    before = [t.clone() for t in state()]
     corrupt(batch)
     with pytest.raises(CaptureError, match=named):
         rt.iterate(batch)
-    after = (rt.window.ring, rt.window.seq_lens, rt.tracker.pending, *rt.graphs.static_inputs(len(batch.reqs)))
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(a, b) for a, b in zip(before, state()))
 
 
 def test_on_accept_sums_like_index_put_accumulate(device):

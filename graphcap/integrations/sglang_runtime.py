@@ -31,7 +31,7 @@ from graphcap.integrations.sglang import FLAG, DraftCaptureConfigError, DraftCap
 from graphcap.integrations.sglang_hooks import slot_of
 from graphcap.integrations.sglang_slots import SlotTracker, bind_window  # noqa: F401 - bind_window re-exported
 from graphcap.models.draft_loop import DraftOutput
-from graphcap.window import WindowBuffers, check_slots
+from graphcap.window import WindowBuffers
 
 log = logging.getLogger("graphcap.sglang")
 CHECK_ENV = "GRAPHCAP_SGLANG_CHECK"  # =1: after each replay, check every length against sglang's (syncs)
@@ -55,22 +55,6 @@ def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static
                          static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path)
     graphs.capture()
     return graphs
-
-
-def check_inputs(host_slots: list[int], padding_slot: int, tokens: torch.Tensor, hidden: torch.Tensor,
-                 static_tokens: torch.Tensor | None = None, static_hidden: torch.Tensor | None = None) -> None:
-    """What `DraftGraphs.run` checks before it writes, for the zero-copy path (`static_inputs` + `replay`): host ints
-    and tensor metadata only, no sync. Distinct rows matter: two rows advancing one ring would race. Without the
-    static inputs (a batch for `run()`, which checks the tensors itself) only the rows."""
-    if None in host_slots:
-        raise CaptureError(f"graphcap draft: a request of the batch has no request-pool row ({host_slots})")
-    check_slots(host_slots, padding_slot, error=CaptureError, call="graphcap draft", arg="the batch's req_pool_idx")
-    if static_tokens is None or static_hidden is None:
-        return
-    for name, x, ref in (("bonus_tokens", tokens, static_tokens), ("hidden_states", hidden, static_hidden)):
-        if x.shape != ref.shape or (ref.is_floating_point() and x.dtype != ref.dtype):
-            raise CaptureError(f"graphcap: spec_info.{name} is {tuple(x.shape)} {x.dtype}; the captured iteration "
-                               f"takes {tuple(ref.shape)} {ref.dtype}")
 
 
 def check_lengths(window: WindowBuffers, batch, host_slots: list[int], seq_lens_sum: int, source: str) -> None:
@@ -276,21 +260,24 @@ class GraphcapDraftRuntime:
         pending buffer). Returns the outputs and the seq_lens_sum that goes on to sglang."""
         spec_info = batch.spec_info
         tokens, hidden = spec_info.bonus_tokens, spec_info.hidden_states
+        slots = batch.req_pool_indices  # the rows, on the device already: nothing rebuilt from host ints
         host_slots = [slot_of(r) for r in batch.reqs]
-        b = len(host_slots)
-        static = self.graphs.static_inputs(b) if 1 <= b <= self.max_bucket else None
-        # before anything is written, rebuilds included: a bad row would otherwise reset another request's window
-        check_inputs(host_slots, self.window.padding_slot, tokens, hidden, *(static[2:] if static else ()))
+        if None in host_slots:
+            raise CaptureError(f"graphcap draft: a request of the batch has no request-pool row ({host_slots})")
+        # Everything checked before anything is written, rebuilds and the pending counts included: a clashing row
+        # would otherwise reset another request's window. The replayed rows are `slots`; that they equal
+        # `host_slots` is sglang's invariant, checked (with a sync) under GRAPHCAP_SGLANG_CHECK.
+        self.graphs.check_batch(slots, tokens, hidden, host_slots=host_slots, call="graphcap draft")
         self.tracker.rebuild(batch.reqs, batch.seq_lens, host_slots)
-        slots = batch.req_pool_indices  # the same rows, on the device already: nothing rebuilt from host ints
-        if static is not None:
-            s, a, t, h = static
+        b = len(host_slots)
+        if b <= self.max_bucket:
+            s, a, t, h = self.graphs.static_inputs(b)
             s.copy_(slots)
             self.tracker.take_accepted(s, out=a)
             t.copy_(tokens)
             h.copy_(hidden)
             out = self.graphs.replay(b)
-        else:  # above the largest bucket: run() copies and runs eagerly (counted in the manifest); empty: it refuses
+        else:  # above the largest bucket: run() copies and runs eagerly (counted in the manifest)
             out = self.graphs.run(slots, self.tracker.take_accepted(slots), tokens, hidden, host_slots=host_slots)
         seq_lens_sum, source = self._seq_lens_sum(batch)
         if os.environ.get(CHECK_ENV) == "1":
