@@ -218,18 +218,29 @@ def test_unsupported_settings_are_named(fresh, argv, resolved, match):
         plugin.validate_server_args(sa)
 
 
+NO_PREFILL = ["--cuda-graph-backend-prefill", "disabled"]
+
+
+@pytest.mark.parametrize("on_cuda", [False, True], ids=["cpu-host", "cuda-host"])
 @pytest.mark.parametrize("argv, named", [
     (["--disable-cuda-graph"], "--disable-cuda-graph"),
-    (["--cuda-graph-backend-decode", "disabled"], "--cuda-graph-backend-decode disabled"),
-    (["--disable-decode-cuda-graph"], "--disable-decode-cuda-graph"),
+    (["--cuda-graph-backend-decode", "disabled", *NO_PREFILL], "--cuda-graph-backend-decode disabled"),
+    (["--disable-decode-cuda-graph", *NO_PREFILL], "--disable-decode-cuda-graph"),
+    (["--cuda-graph-backend-decode", "disabled"], "prefill default"),  # prefill graphs: sglang's default per host
     (["--disable-cuda-graph", "--cuda-graph-backend-decode", "full"], None),  # sglang's precedence: decode keeps graphs
     ([], None),
 ])
-def test_disabled_cuda_graphs_are_refused_at_start_up(fresh, argv, named):
+def test_disabled_cuda_graphs_are_refused_at_start_up(fresh, monkeypatch, argv, named, on_cuda):
     """Refused by the launcher's check (not after the model has loaded), on the cuda_graph_config that sglang's own
-    resolution hook makes of the flags; refused exactly when sglang would capture no draft graph either."""
+    resolution hook makes of the flags; refused exactly when sglang would capture no draft graph either
+    (`cuda_graph_fully_disabled`: decode and prefill both off). sglang's prefill default depends on the host
+    (breakable graphs on CUDA, none elsewhere), so both hosts are resolved."""
+    import sglang.srt.utils as sgl_utils
     from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config
 
+    monkeypatch.setattr(sgl_utils, "is_cuda", lambda: on_cuda)
+    if named == "prefill default":  # decode off alone: refused where prefill has no graphs by default (CPU host)
+        named = None if on_cuda else "--cuda-graph-backend-decode disabled"
     fresh.load_plugins()
     sa = _parse(ENABLED + argv)
     parse_cuda_graph_config(sa)
