@@ -157,20 +157,12 @@ class DraftGraphs:
             summary += f"; manifest {self.manifest_path}"
         print(summary, file=sys.stderr)
 
-    def recapture(self, static_tensors: dict[str, torch.Tensor] | None = None) -> None:
+    def recapture(self) -> None:
         """Capture again after a static tensor moved in place (its storage reallocated or resized, which the address
-        guard reports): the graphs are recorded over the tensors' new addresses. `static_tensors` replaces entries
-        by name (the names of `for_loop`'s `static_tensors()`; an unknown name is an error) for tensors the function
-        itself reads through the same objects. A function that should read *new* tensor objects needs a new
-        `DraftLoop` and `DraftGraphs`. Until the capture finishes nothing replays (run() raises)."""
-        if static_tensors is not None:
-            unknown = sorted(set(static_tensors) - set(self._static))
-            if unknown:
-                raise CaptureError(f"recapture: unknown static tensor name(s) {unknown}; known names are the "
-                                   f"static_tensors() of the loop, e.g. {sorted(self._static)[:3]}")
+        guard reports): the graphs are recorded over the same tensor objects' new addresses. A function that should
+        read *new* tensor objects needs a new `DraftLoop` and `DraftGraphs` (the graphs cannot know what the function
+        reads). Until the capture finishes nothing replays (run() raises)."""
         self.captured = False
-        if static_tensors is not None:
-            self._static.update(static_tensors)
         self._buckets = [self._new_bucket(b.size) for b in self._buckets]
         self._compiled, self._code = None, None
         self.capture()
@@ -278,6 +270,9 @@ class DraftGraphs:
         slots as Python ints) that they match the batch and are distinct and in range. Tensor metadata and host ints
         only, no device sync; a clear error instead of a broadcast error from deep inside copy_."""
         ref = self._buckets[0].inputs
+        for name, x in (("slots", slots), ("accepted", accepted), ("tokens", tokens), ("hidden", hidden)):
+            if x is not None and not isinstance(x, torch.Tensor):
+                raise CaptureError(f"{call}: {name} must be a torch.Tensor, got {type(x).__name__}")
         b = slots.shape[0] if slots.ndim == 1 else -1
         if b < 1:
             raise CaptureError(f"{call}: slots must be a non-empty 1-D tensor, got shape {tuple(slots.shape)}")

@@ -33,7 +33,7 @@ class AddressGuard:
         if [t.data_ptr() for t in self._tensors] != self._ptrs:
             name = next(n for n, t, p in zip(self._names, self._tensors, self._ptrs) if t.data_ptr() != p)
             raise CaptureError(f"static tensor {name!r} moved since capture (reallocated or resized): the graphs "
-                               "would read the old memory; call recapture() with the new tensors")
+                               "would read the old memory; call recapture()")
 
 
 def describe(e: BaseException) -> str:

@@ -88,7 +88,7 @@ def record_bucket(inputs: Inputs, rec: mf.BucketRecord, backend: str, fn: DraftF
         if cuda:
             torch.cuda.synchronize()
     except torch.OutOfMemoryError as e:
-        rec.status, rec.reason = "failed", f"out of memory: {describe(e)}"
+        rec.status, rec.reason = "failed", describe(e)  # "OutOfMemoryError: CUDA out of memory. ..."
     except Exception as e:  # a failed bucket falls back to eager; the reason goes to the manifest
         reason = describe(e)
         if "skipping cudagraphs" in str(e):

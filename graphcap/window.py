@@ -87,7 +87,9 @@ class WindowBuffers:
         row_len = self.req_to_token.shape[1]
         hi = lens_t.clamp(0, row_len)
         lo = (hi - self.window).clamp(min=0)
-        # One read-back (one sync on a GPU) for all the host checks: slots, lengths, the first bad location per row.
+        # One read-back for all the host checks: slots, lengths, the first bad location per row - one sync on a GPU
+        # by construction (tests/test_window.py counts it on CUDA; not yet run there). A pinned host tensor given as
+        # slots or seq_lens adds a blocking copy each (_as_index).
         s, lens, bad_at, bad_val = torch.stack([slots_t, lens_t, *self._bad_locs(slots_t, lo, hi, self.window)]
                                                ).tolist() if slots_t.numel() else ([], [], [], [])
         check_slots(s, self.max_slots, error=WindowError, call="reset")
@@ -132,8 +134,8 @@ class WindowBuffers:
         if t.ndim > 1:
             raise WindowError(f"{call}: {name} must be 1-D, got shape {tuple(t.shape)}")
         t = t.reshape(-1).to(torch.int64)
-        # From pageable host memory non_blocking stages the copy before returning (safe to reuse the source) and
-        # skips the stream sync a blocking copy does; pinned memory keeps the blocking copy (the caller owns it).
+        # From pageable host memory non_blocking stages the copy before returning (safe to reuse the source) without
+        # torch's stream sync of a blocking copy; pinned memory keeps the blocking copy (the caller may reuse it).
         return t.to(self.device, non_blocking=t.device.type == "cpu" and not t.is_pinned())
 
     def _check_advance_static(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:

@@ -421,3 +421,21 @@ def test_matches_sglang_decode_kernel(layer):
     torch.cuda.synchronize()
     err = rel_err(ours, theirs.float().cpu())
     assert err < 1e-2, f"relative difference to sglang's kernel {err:.3g}"
+
+
+def test_draft_layers_and_splits_for_plan_the_same_splits():
+    """The draft layers plan from the KVSource (programs taken once, a constant when traced); the sglang plugin and
+    the bench call splits_for on the live q: the same split count for every batch, Gemma 4's layer shapes."""
+    from graphcap.kernels.attention import splits_for
+    from graphcap.models.frozen_kv_draft import KVSource
+    from graphcap.spec import load_spec
+
+    spec = load_spec("gemma4-31b-assistant")
+    g = torch.Generator().manual_seed(9)
+    for lt, max_len in (("sliding", spec.window), ("full", spec.capture.max_context)):
+        a = spec.attention(lt)
+        pool = torch.empty(4, a.kv_heads, a.head_dim, dtype=torch.bfloat16, device="meta")
+        src = KVSource(pool, pool, torch.empty(1, 1, dtype=torch.int32, device="meta"), 0, max_len)
+        for b in torch.randint(1, 129, (12,), generator=g).tolist():
+            q = torch.empty(b, spec.draft.heads, a.head_dim, dtype=torch.bfloat16, device="meta")
+            assert choose_num_splits(b, a.kv_heads, max_len, src.programs) == splits_for(q, pool, max_len), (lt, b)

@@ -106,7 +106,8 @@ def test_bad_batches_are_rejected(device, host_slots, match):
     [(lambda s, a, t, h: (s[:0], a[:0], t[:0], h[:0]), r"slots must be a non-empty 1-D tensor"),
      (lambda s, a, t, h: (s, a, t, h[:, :5]), r"hidden has shape \(3, 5\), expected \(3, 48\)"),
      (lambda s, a, t, h: (s, a[:2], t, h), r"accepted has shape \(2,\), expected \(3,\)"),
-     (lambda s, a, t, h: (s, a, t[:, None], h), r"tokens has shape \(3, 1\), expected \(3,\)")],
+     (lambda s, a, t, h: (s, a, t[:, None], h), r"tokens has shape \(3, 1\), expected \(3,\)"),
+     (lambda s, a, t, h: (s.tolist(), a, t, h), r"slots must be a torch.Tensor, got list")],
 )
 def test_malformed_inputs_are_named_before_anything_is_written(device, mangle, match):
     _, wb, loop = build(device)
@@ -213,8 +214,6 @@ def test_moved_static_tensor_is_caught_and_recapture_recovers(device):
     g = torch.Generator().manual_seed(5)
     with pytest.raises(CaptureError, match=r"static tensor 'sliding.k_pool' moved since capture.*recapture"):
         graphs.run(*random_batch(g, wb, device, 2))
-    with pytest.raises(CaptureError, match=r"unknown static tensor name\(s\) \['slidng.k_pool'\]"):
-        graphs.recapture({"slidng.k_pool": st.k_swa})
     graphs.recapture()
     _, wb_ref, loop_ref = build(device)
     batch = random_batch(g, wb, device, 2)

@@ -23,7 +23,7 @@ Kernel ("flash-decoding", split-KV):
    balance rows of different lengths); chunk = max(round_up(cdiv(len, used), BLOCK_N), min_chunk). Programs past
    the row's end read no keys (they still write an empty partial's lse). So the static split count (the grid,
    fixed per capture bucket) can be sized for the longest row the layer may see while a short row still fills the
-   GPU - measured on the H200: one program past two waves costs a whole third wave (docs/results/attention.md).
+   GPU - measured on the H200: past two waves of resident programs time steps up (docs/results/attention.md).
    It loads each K/V tile once for the whole query-head group (tl.dot with the group padded to >= 16 rows), runs
    an online softmax in fp32 and writes a normalised partial output [B, H, S, D] fp32 and its log-sum-exp
    [B, H, S] (base 2; -inf for an empty chunk). With num_splits == 1 it writes the final output directly and the

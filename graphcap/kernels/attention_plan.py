@@ -43,7 +43,7 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: 
     if smem_bytes is None:
         smem_bytes = _device_smem()
     for block_n, stages in ((32, 3), (32, 2), (16, 2), (16, 1)):
-        # at least two tiles per program: one-tile programs (32 keys) were 8-25% slower in the in-graph split sweep
+        # at least two tiles per program: one-tile programs (32 keys) were up to 23% slower in the in-graph sweep
         cfg = KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=2 * block_n)
         if program_smem(cfg, head_dim, dtype.itemsize) <= smem_bytes:
             break
@@ -87,16 +87,21 @@ def program_smem(config: KernelConfig, head_dim: int, elem_bytes: int) -> int:
     return config.num_stages * 2 * config.block_n * block_d * elem_bytes + 8192
 
 
+def plan_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
+    """The GPU launch configuration the split plan assumes for `device` (an H200's on a CPU, so CPU runs plan what
+    the H200 would)."""
+    return default_config(head_dim, dtype, True, _device_smem(device) if device.type == "cuda" else _H200_SMEM)
+
+
 @functools.lru_cache(maxsize=None)
 def target_programs(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
     """Programs one attention call should launch to fill the GPU: two waves of the programs it holds at once
-    (SMs x programs per SM, bounded by shared memory and by threads). Fitted to the 2026-11-30 in-graph grids on
-    the H200 (docs/results/attention.md): at D = 512 (one 3-stage program per SM) 256 programs of 256 keys were
-    best and 288 a cliff; at D = 256 (two per SM) 512 programs, not 256 (40.0 vs 45.5 us at batch 8 / W = 1024).
-    Always the GPU configuration, also on CPU, so CPU runs choose what the H200 would."""
-    on_cuda = device.type == "cuda"
-    cfg = default_config(head_dim, dtype, True, None if on_cuda else _H200_SMEM)
-    smem = _device_smem_per_sm(device) if on_cuda else _H200_SMEM_PER_SM
+    (SMs x programs per SM, bounded by `program_smem`'s estimate of shared memory and by threads). Fitted to the
+    2026-11-30 in-graph grids on the H200 (docs/results/attention.md): at D = 512 (one 3-stage program per SM) 256
+    programs were best (288: +2%, 384: +19%); at D = 256 (two per SM) 512 programs, not 256 (40.0 vs 45.5 us at
+    batch 8 / W = 1024)."""
+    cfg = plan_config(head_dim, dtype, device)
+    smem = _device_smem_per_sm(device) if device.type == "cuda" else _H200_SMEM_PER_SM
     per_sm = max(1, min(smem // program_smem(cfg, head_dim, dtype.itemsize), 2048 // (32 * cfg.num_warps)))
     return 2 * per_sm * device_sm_count(device)
 
@@ -114,8 +119,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, programs: int = 2
     capture bucket. Enough for a short row to fill the GPU (`wave_splits` of `programs`, from `target_programs`)
     and for the longest row (`max_len`: W for sliding layers, the context bound for full layers) to keep programs
     at <= `max_chunk` keys; never more than `max_len` has `min_chunk`-token chunks (the default config's, two
-    tiles), at most 64. Rows use fewer at run time
-    (see the module docstring), so a generous `max_len` costs only programs that exit at once.
+    tiles), at most 64. Rows use fewer at run time (see the module docstring), so a generous `max_len` costs only
+    programs that exit at once.
     """
     if batch < 1 or kv_heads < 1:
         raise AttentionError(f"choose_num_splits: batch ({batch}) and kv_heads ({kv_heads}) must be >= 1")
@@ -127,8 +132,9 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, programs: int = 2
 def splits_for(q: torch.Tensor, k_pool: torch.Tensor, max_len: int) -> int:
     """`choose_num_splits` for a call of the op on `q` [B, H, D] over `k_pool` [.., Hkv, D] whose rows are at most
     `max_len` long: what the draft layers and the sglang plugin use per bucket."""
-    return choose_num_splits(q.shape[0], k_pool.shape[1], max_len,
-                             target_programs(q.shape[-1], q.dtype, q.device))
+    cfg = plan_config(q.shape[-1], q.dtype, q.device)
+    return choose_num_splits(q.shape[0], k_pool.shape[1], max_len, target_programs(q.shape[-1], q.dtype, q.device),
+                             cfg.max_chunk, cfg.min_chunk)
 
 
 def query_block(group: int, d: int) -> int:

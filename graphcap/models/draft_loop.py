@@ -11,7 +11,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from graphcap.kernels.attention_plan import target_programs
 from graphcap.models.frozen_kv_draft import FrozenKVDraft, KVSource
 from graphcap.window import WindowBuffers
 
@@ -44,12 +43,9 @@ class DraftLoop(nn.Module):
                                  f"{spec.name}, got {tuple(pool.shape)}")
         self.model, self.window = model, window
         self.steps = steps or spec.capture.steps
-        dt = model.embed.dtype
-        progs = {lt: target_programs(spec.attention(lt).head_dim, dt, window.device) for lt in ("sliding", "full")}
         self.sources = sources or {
-            "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window, programs=progs["sliding"]),
-            "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1],
-                             programs=progs["full"]),
+            "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window),
+            "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1]),
         }
 
     def forward(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,

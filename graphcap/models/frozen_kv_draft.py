@@ -11,12 +11,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from graphcap.kernels.attention import choose_num_splits, decode_attention
+from graphcap.kernels.attention import choose_num_splits, decode_attention, target_programs
 from graphcap.spec import CaptureSpec
 
 
@@ -29,8 +29,14 @@ class KVSource:
     table: torch.Tensor  # sliding: WindowBuffers.ring; full: req_to_token
     window: int
     max_len: int  # the longest row this source can hold (split heuristic)
-    programs: int = 264  # programs one attention call should launch (`target_programs`; a constant when traced)
     attend: Callable[[torch.Tensor, float], torch.Tensor] | None = None  # another attention (the sglang baseline)
+    # programs one attention call should launch: `target_programs` of the pools' head dim, dtype and device, taken
+    # here once so that tracing sees a constant
+    programs: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "programs", target_programs(self.k_pool.shape[-1], self.k_pool.dtype,
+                                                             self.k_pool.device))
 
 
 def random_weight(out_f: int, in_f: int, gen: torch.Generator, dtype: torch.dtype, device) -> nn.Parameter:
