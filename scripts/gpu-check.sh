@@ -22,8 +22,12 @@
 # the commit the tree is at in env-<stage>.txt.
 set -uo pipefail
 [ $# -eq 0 ] && set -- smoke
+STAGES="perf smoke tests kernels capture-warm host-affinity host bench capture-all bench8 check splits"
+for stage in "$@"; do  # every name checked before anything runs
+  case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
+done
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out/gpu}            # what comes back: one tarball per stage and the command log
+OUT=${OUT:-out/gpu}            # what comes back: one tarball per call (re-packed after each stage) and the command log
 WORK=${GPU_WORK:-/tmp/graphcap-gpu}
 LOG=$WORK/logs
 mkdir -p "$LOG" "$OUT"
@@ -87,7 +91,7 @@ case $stage in
     step attention-grid-full python3 bench/attention_bw.py --grid --rep-ms 5 --layers full --batches 8,16 \
       --contexts 2048,4096 --out "$LOG/attention-grid-full"
     ;;
-  kernels)  # window advance; attention defaults vs sglang with the L2 emptied by writing (do_bench) and by reading
+  kernels)  # window advance; attention defaults vs sglang: L2 emptied by writing (do_bench), by reading, in-graph
     step window-advance python3 bench/window_advance.py --out "$LOG"
     step attention-defaults-dirty python3 bench/attention_bw.py --no-tune --out "$LOG/attention-dirty"
     step attention-defaults-clean python3 bench/attention_bw.py --no-tune --l2 clean --out "$LOG/attention-clean"
@@ -131,7 +135,8 @@ case $stage in
       --out "$LOG/bench-context"
     ;;
   check)  # the tree as it stands: the whole suite on CUDA, the attention defaults in-graph beside sglang's kernel,
-    # the draft-phase bench at batch 8 over contexts
+    # the draft-phase bench at batch 8 over contexts (~9.5 min in all on 11-30: close to a call's 10 - bench8 alone
+    # if it is cut)
     step pytest python3 -m pytest -q -rs -p no:cacheprovider tests/
     step attention-in-graph-sglang python3 bench/attention_bw.py --no-tune --l2 in-graph \
       --out "$LOG/attention-in-graph-sglang"
@@ -157,10 +162,15 @@ case $stage in
 esac
 }
 
+name=$(IFS=-; echo "$*")
+pack() {  # on every exit, a cut call (the device's time limit) included: what ran so far comes back
+  tar czf "$OUT/gpu-$name.tar.gz" -C "$WORK" logs
+  cp "$LOG/commands.txt" "$OUT/commands-$name.txt" 2>/dev/null
+}
+trap pack EXIT
+trap 'exit 143' TERM INT
 for stage in "$@"; do
   run_stage "$stage"
+  pack
 done
-name=$(IFS=-; echo "$*")
-tar czf "$OUT/gpu-$name.tar.gz" -C "$WORK" logs
-cp "$LOG/commands.txt" "$OUT/commands-$name.txt"
 cat "$LOG/commands.txt"
