@@ -192,7 +192,8 @@ def add_arguments(parser) -> None:
                         "torch.cuda.CUDAGraph of the eager ops. Default: %(default)s.")
     g.add_argument(MANIFEST_FLAG, dest=_DEST["manifest_dir"], default=None, metavar="DIR",
                    help="graphcap: directory for the capture manifest that `graphcap inspect DIR` lists (default: "
-                        "$GRAPHCAP_MANIFEST_DIR, else ~/.cache/graphcap/manifests).")
+                        "$GRAPHCAP_MANIFEST_DIR, else $XDG_CACHE_HOME/graphcap/manifests, else "
+                        "~/.cache/graphcap/manifests).")
 
 
 def options_from_namespace(args) -> DraftCaptureOptions:
