@@ -254,3 +254,23 @@ def test_reset_syncs_once_however_many_rows():
         lens = torch.randint(0, ROW + 1, (len(slots),), device="cuda")
         torch.cuda.synchronize()
         assert count_syncs(lambda: wb.reset(slots, lens)) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(slots=st.lists(st.integers(-3, 9), max_size=12), padding=st.sampled_from([None, 6]))
+def test_check_slots_fast_path_agrees_with_a_plain_loop(slots, padding):
+    """check_slots' few-C-calls fast path and its slow path against a plain loop: raises exactly when a slot (the
+    padding slot aside) is out of [0, 6) or repeated, naming the first such slot in order."""
+    bad, seen = None, set()
+    for s in slots:
+        if padding is not None and s == padding:
+            continue
+        if not 0 <= s < 6 or s in seen:
+            bad = s
+            break
+        seen.add(s)
+    if bad is None:
+        check_slots(slots, 6, error=WindowError, call="t", padding=padding)
+    else:
+        with pytest.raises(WindowError, match=rf"^t: slot {bad} "):
+            check_slots(slots, 6, error=WindowError, call="t", padding=padding)

@@ -321,8 +321,8 @@ def decode_attention(
     q [B, H, D] (RoPE applied), k_pool/v_pool [P, Hkv, D] (read in place), table [rows, cols] int32/int64 locations,
     slots [B], lens indexed by slot. Returns [B, H, D] in q's dtype; rows of length 0 give zeros.
     """
-    # Every argument passed, positionally: torch 2.11's custom-op wrapper indexed a mutated argument in the arguments
-    # as given and failed (IndexError) on one left to its default (seen on the H200, fixed in later torch).
+    # Every argument passed, positionally: torch 2.11's custom-op wrapper once failed (IndexError) on an argument
+    # left to its default (a mutated one, since removed); nothing here relies on how a torch version fills them.
     return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
 
 
