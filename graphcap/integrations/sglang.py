@@ -88,6 +88,7 @@ class DraftCaptureOptions:
 class _State:
     registered = 0  # register() calls in this process (tests read it)
     runtime_hooks: set[str] = set()
+    trace = None  # the draft trace ($GRAPHCAP_SGLANG_TRACE), once per process
 
 
 STATE = _State()
@@ -108,6 +109,11 @@ def register() -> None:
     opts = options_from_env()
     if opts.enabled:  # a child of a launcher that parsed the flag (or an Engine user who set the variable)
         register_runtime_hooks(workers=SCHEDULER_MODULE in sys.modules)
+    trace_dir = os.environ.get("GRAPHCAP_SGLANG_TRACE")
+    if trace_dir and SCHEDULER_MODULE in sys.modules and not STATE.trace:  # after graphcap's hooks: wraps them
+        from graphcap.integrations.sglang_trace import install
+
+        STATE.trace = install(trace_dir, WORKER_DRAFT)
 
 
 def unpatched_worker_hooks() -> list[str]:
