@@ -1,5 +1,5 @@
 """graphcap inside sglang's scheduler process: the draft phase of FROZEN_KV_MTP with graphcap's window buffers and
-capture engine. Installed by the hooks in `graphcap.integrations.sglang_hooks`; see docs/sglang.md for what of this
+capture engine. Driven by the hooks in `graphcap.integrations.sglang_hooks`; see docs/sglang.md for what of this
 ran against real sglang code (the slot bookkeeping, the window equivalence, the tree inputs) and what is written but
 unexercised here (everything that needs a GPU sglang server with the assistant's weights: `SglangAssistantLoop`,
 `GraphcapDraftAttention`, `GraphcapDraftRuntime.capture` and the sglang half of `draft`; `iterate`, graphcap's half,
@@ -28,9 +28,8 @@ import torch
 from graphcap import manifest as mf
 from graphcap.capture import DraftGraphs
 from graphcap.guards import CaptureError
-from graphcap.integrations.sglang import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
-from graphcap.integrations.sglang_hooks import slot_of
-from graphcap.integrations.sglang_slots import SlotTracker, bind_window  # noqa: F401 - bind_window re-exported
+from graphcap.integrations.sglang_config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
+from graphcap.integrations.sglang_slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
 from graphcap.models.draft_loop import DraftOutput
 from graphcap.window import WindowBuffers
 
