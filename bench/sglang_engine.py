@@ -77,6 +77,8 @@ def engine_kwargs(cfg: dict) -> dict:
 
 
 def run_child(cfg: dict) -> dict:
+    if cfg.get("flush_manifest"):  # the engine is killed at shutdown: keep the manifest current (not when timing)
+        os.environ["GRAPHCAP_MANIFEST_FLUSH_S"] = "0"
     if cfg["mode"] == "graphcap":
         os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(
             {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"]})
@@ -126,9 +128,11 @@ def torch_sync() -> None:
 def spawn(cfg: dict, log_dir: str) -> dict:
     tag = cfg["tag"]
     path = os.path.join(log_dir, f"child-{tag}.json")
+    cfg_path = os.path.join(log_dir, f"child-{tag}-config.json")  # prompts: too long for a command line
+    json.dump(cfg, open(cfg_path, "w"))
     with open(os.path.join(log_dir, f"child-{tag}.log"), "w") as log:
         t = time.perf_counter()
-        rc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg), "--child-out", path],
+        rc = subprocess.run([sys.executable, __file__, "--child", cfg_path, "--child-out", path],
                             stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0 or not os.path.exists(path):
         tail = open(os.path.join(log_dir, f"child-{tag}.log")).read()[-3000:]
@@ -146,12 +150,13 @@ def read_trace(trace_dir: str) -> list[dict]:
 
 
 def draft_map(rows: list[dict]) -> dict:
-    """(rid, seq_len) -> draft tokens: how two engines' drafts line up while their outputs agree."""
-    out = {}
+    """(rid, k) -> the draft tokens of the request's k-th draft call (the trace is in call order): two engines whose
+    outputs and accepted lengths agree draft from the same state at the same k."""
+    out, seen = {}, {}
     for r in rows:
         for i, rid in enumerate(r["rids"]):
-            if r["seq_lens"] is not None:
-                out[(rid, r["seq_lens"][i])] = r["draft"][i]
+            k = seen[rid] = seen.get(rid, -1) + 1
+            out[(rid, k)] = r["draft"][i]
     return out
 
 
@@ -197,7 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child-out")
     a = ap.parse_args(argv)
     if a.child:
-        res = run_child(json.loads(a.child))
+        res = run_child(json.load(open(a.child)))
         json.dump(res, open(a.child_out, "w"))
         return 0
     work = tempfile.mkdtemp(prefix="graphcap-engine-", dir=os.path.dirname(os.path.abspath(a.out)))
@@ -214,7 +219,7 @@ def main(argv=None) -> int:
     if a.check:
         cases = check_cases(vocab)
         # small pool: the 96-request case queues behind --max-running-requests and retracts
-        pool = dict(max_total_tokens=64 * 2600)
+        pool = dict(max_total_tokens=64 * 2600, flush_manifest=True)
         base = spawn(cfg("sglang", "sglang", cases, **pool), work)
         out = {"default_backend": "inductor-cudagraph", "engines": {}, "cases": []}
         bt = draft_map(read_trace(base["config"]["trace_dir"])) if not base.get("crashed") else {}

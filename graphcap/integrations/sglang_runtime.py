@@ -35,6 +35,7 @@ from graphcap.window import WindowBuffers
 
 log = logging.getLogger("graphcap.sglang")
 CHECK_ENV = "GRAPHCAP_SGLANG_CHECK"  # =1: after each replay, check every length against sglang's (syncs)
+FLUSH_ENV = "GRAPHCAP_MANIFEST_FLUSH_S"  # seconds between manifest writes (0: every iteration, for short runs)
 COMPILE_SCOPE_ENV = "GRAPHCAP_SGLANG_COMPILE_SCOPE"  # "iteration" (default) or "model": what torch.compile traces
 
 
@@ -52,8 +53,10 @@ def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static
                            capture=SimpleNamespace(steps=steps))
     rank = sglang_tp_rank() if tp_rank is None else tp_rank
     path = None if rank else mf.manifest_path(manifest_dir or mf.default_manifest_dir(), name, spec.hash, backend)
+    flush_s = float(os.environ.get(FLUSH_ENV, "10"))
     graphs = DraftGraphs(fn, buckets=list(buckets), padding_slot=window.padding_slot, example_inputs=example_inputs,
-                         static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path)
+                         static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path,
+                         flush_every_s=flush_s)
     graphs.capture()
     return graphs
 
@@ -138,7 +141,12 @@ class SglangAssistantLoop:
     that global, so it must be the same object at every call, capture and replay alike.
 
     `compile_scope="model"` compiles only sglang's model forward (what sglang's own --enable-torch-compile does) and
-    leaves advance/top-k eager; the default, "iteration", lets the capture engine compile the whole call."""
+    leaves advance/top-k eager; the default, "iteration", lets the capture engine compile the whole call. sglang
+    0.5.23's layers construct msgspec records (its residual-stream bookkeeping) inside the forward, which Dynamo
+    cannot build, so the iteration compiles with graph breaks there (`graph_breaks`); the manual-graph backends
+    record the compiled pieces and the Python between them in one CUDA graph, so a replay runs none of that Python."""
+
+    graph_breaks = True  # read by graphcap.recording.compile_iteration
 
     def __init__(self, worker, window: WindowBuffers, attention: GraphcapDraftAttention, steps: int,
                  compile_scope: str = "iteration") -> None:
@@ -160,7 +168,7 @@ class SglangAssistantLoop:
         for b in sizes:
             self._batches[b] = self._new_forward_batch(b)
         if compile_model:
-            self._forward = torch.compile(self.model.forward, fullgraph=True, dynamic=False,
+            self._forward = torch.compile(self.model.forward, fullgraph=False, dynamic=False,
                                           options={"triton.cudagraphs": False})
 
     def context(self):
