@@ -32,6 +32,7 @@ CHECK_BATCHES = (1, 2, 8, 32, 64)
 SPEED_BATCHES = (1, 8, 32, 64)
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 STEPS = 3
+SHORT_NEW = 32  # the short run's new tokens (speed): decode rate from the long run minus this one
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -91,34 +92,27 @@ def run_child(cfg: dict) -> dict:
     try:
         for case in cfg["cases"]:
             reqs = case["requests"]
-            params = [{"temperature": 0.0, "max_new_tokens": r["max_new"], "ignore_eos": True} for r in reqs]
-            torch_sync()
-            t = time.perf_counter()
-            outs = engine.generate(input_ids=[r["prompt"] for r in reqs], sampling_params=params,
-                                   rid=[r["rid"] for r in reqs])
-            wall = time.perf_counter() - t
-            prefill = None
-            if case.get("time_prefill"):  # the same prompts, one token each: the prefill part of `wall`
+
+            def generate(suffix: str, new_tokens: int | None = None):
+                params = [{"temperature": 0.0, "max_new_tokens": new_tokens or r["max_new"], "ignore_eos": True}
+                          for r in reqs]
                 t = time.perf_counter()
-                engine.generate(input_ids=[r["prompt"] for r in reqs], rid=[r["rid"] + "-p" for r in reqs],
-                                sampling_params=[{"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}] * len(reqs))
-                prefill = time.perf_counter() - t
+                outs = engine.generate(input_ids=[r["prompt"] for r in reqs], sampling_params=params,
+                                       rid=[r["rid"] + suffix for r in reqs])
+                return outs, time.perf_counter() - t
+
+            short_s = None
+            if case.get("decode_rate"):  # warm up, then a short run: decode rate = the extra tokens / extra time
+                generate("-warm", 8)
+                _, short_s = generate("-short", SHORT_NEW)
+            outs, wall = generate("")
             result["cases"].append({"name": case["name"], "batch": case["batch"], "wall_s": wall,
-                                    "prefill_s": prefill, "outputs": [
+                                    "short_s": short_s, "outputs": [
                 {"rid": r["rid"], "tokens": o["output_ids"], "verify_ct": o["meta_info"].get("spec_verify_ct"),
                  "completion": o["meta_info"].get("completion_tokens")} for r, o in zip(reqs, outs)]})
     finally:
         engine.shutdown()
     return result
-
-
-def torch_sync() -> None:
-    try:
-        import torch
-
-        torch.cuda.synchronize()
-    except Exception:
-        pass
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -197,7 +191,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="cudagraph,inductor-cudagraph,reduce-overhead")
     ap.add_argument("--vocab", type=int, default=None, help="default: the checkpoint's")
     ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--new", type=int, default=160)
     ap.add_argument("--child")
     ap.add_argument("--child-out")
     a = ap.parse_args(argv)
@@ -236,18 +230,18 @@ def main(argv=None) -> int:
         out["sglang_crashed"] = bool(base.get("crashed"))
         record["check"] = out
     if a.speed:
-        cases = [dict(speed_case(b, vocab, a.context, a.new), time_prefill=True) for b in SPEED_BATCHES]
+        cases = [dict(speed_case(b, vocab, a.context, a.new), decode_rate=True) for b in SPEED_BATCHES]
         rows = {}
         for tag, mode, be in (("nospec", "nospec", None), ("sglang", "sglang", None),
                               (f"graphcap-{backends[0]}", "graphcap", backends[0])):
             r = spawn(cfg("speed-" + tag, mode, cases, backend=be), work)
             tr = read_trace(r["config"]["trace_dir"]) if not r.get("crashed") else []
             for c in r.get("cases", []):
-                gen = sum(len(o["tokens"]) for o in c["outputs"])
+                extra = c["batch"] * (a.new - SHORT_NEW)  # same prompts, same prefill: the difference is decode
                 ms = [t["gpu_ms"] for t in tr if len(t["rids"]) == c["batch"]
-                      and t["rids"][0].startswith(f"s{c['batch']}-")]
+                      and t["rids"][0] == f"s{c['batch']}-r0"]  # the long run's draft calls, full batch only
                 rows.setdefault(c["batch"], {})[tag] = {
-                    "decode_tok_s": gen / max(c["wall_s"] - (c["prefill_s"] or 0), 1e-9),
+                    "decode_tok_s": extra / max(c["wall_s"] - c["short_s"], 1e-9),
                     "draft_ms": statistics.median(ms[len(ms) // 4:]) if ms else None, "draft_calls": len(ms),
                     "accept_len": accept_len(c)}
             rows.setdefault("startup_s", {})[tag] = r.get("startup_s")
