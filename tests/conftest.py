@@ -19,10 +19,17 @@ if not _HAS_CUDA:
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu-check.sh on the lent H200)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu-check.sh runs these on one)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _manifests_in_tmp(tmp_path_factory, monkeypatch):
+    """Manifests a test writes without naming a path go to a temporary directory, never the user's cache
+    (`graphcap.manifest.default_manifest_dir` reads the variable first). Subprocesses inherit it."""
+    monkeypatch.setenv("GRAPHCAP_MANIFEST_DIR", str(tmp_path_factory.mktemp("manifests")))
 
 
 @pytest.fixture
