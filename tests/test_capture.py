@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from graphcap import manifest as mf
-from graphcap.capture import CaptureError, DraftGraphs
+from graphcap.capture import DraftGraphs
+from graphcap.guards import CaptureError
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec

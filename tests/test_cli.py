@@ -190,8 +190,8 @@ def test_subprocess_exit_codes(tmp_path):
     bad = write_corrupt(tmp_path, "bad-status")
     r = _run("inspect", str(bad))
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.splitlines() == [f"graphcap: error: {bad}: buckets[0].status: unknown status 'exploded'; "
-                                     "expected one of captured, failed, pending"]
+    assert r.stderr.splitlines() == [f"graphcap: error: {bad}: buckets[0].status: unknown value 'exploded'; "
+                                     "expected 'captured', 'failed' or 'pending'"]
     good = tmp_path / "good"
     write_two(good)
     r = _run("inspect", "--json", env={"GRAPHCAP_MANIFEST_DIR": str(good)})

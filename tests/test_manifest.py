@@ -16,7 +16,8 @@ from graphcap.manifest import (
     FORMAT_VERSION, STATUSES, BucketRecord, Manifest, ManifestError, default_manifest_dir, environment,
     list_manifests, manifest_path, read_manifest, write_manifest,
 )
-from graphcap.spec import ALL_BACKENDS, load_spec
+from graphcap.backends import ALL_BACKENDS
+from graphcap.spec import load_spec
 
 
 def random_manifest(rng: random.Random, spec_name: str = "tiny", backend: str | None = None) -> Manifest:
@@ -164,18 +165,18 @@ CORRUPTIONS = {
     "whitespace": (lambda t: "  \n", "<file>", "empty file"),
     "truncated": (lambda t: t[: len(t) // 2], "<json>", "not valid JSON"),
     "not-an-object": (lambda t: "[1, 2]", "<json>", "expected a JSON object, got a list"),
-    "wrong-type": (_edit(lambda d: d.update(steps="3")), "steps", "expected a non-negative integer, got a string"),
-    "bool-for-int": (_edit(lambda d: d["buckets"][0].update(replays=True)), "buckets[0].replays", "got a boolean"),
+    "wrong-type": (_edit(lambda d: d.update(steps="3")), "steps", "expected an integer, got '3'"),
+    "bool-for-int": (_edit(lambda d: d["buckets"][0].update(replays=True)), "buckets[0].replays", "expected an integer, got True"),
     "missing-field": (_edit(lambda d: d.pop("spec_hash")), "spec_hash", "missing"),
     "missing-bucket-field": (_edit(lambda d: d["buckets"][0].pop("pool_bytes")), "buckets[0].pool_bytes", "missing"),
     "extra-field": (_edit(lambda d: d.update(colour="red")), "colour", "unknown field"),
     "newer-format": (_edit(lambda d: d.update(format_version=7)), "format_version",
                      "written by a newer graphcap (format 7 > 1); upgrade graphcap"),
     "bad-status": (_edit(lambda d: d["buckets"][0].update(status="exploded")), "buckets[0].status",
-                   "unknown status 'exploded'"),
-    "bad-backend": (_edit(lambda d: d.update(backend="magic")), "backend", "unknown backend 'magic'"),
+                   "unknown value 'exploded'; expected 'captured', 'failed' or 'pending'"),
+    "bad-backend": (_edit(lambda d: d.update(backend="magic")), "backend", "unknown value 'magic'; expected 'reduce-overhead'"),
     "bad-timestamp": (_edit(lambda d: d.update(updated="yesterday")), "updated", "not an ISO-8601 timestamp"),
-    "negative": (_edit(lambda d: d["buckets"][0].update(fallbacks=-1)), "buckets[0].fallbacks", "non-negative"),
+    "negative": (_edit(lambda d: d["buckets"][0].update(fallbacks=-1)), "buckets[0].fallbacks", "must be >= 0, got -1"),
     "duplicate-bucket": (_edit(lambda d: d["buckets"].append(dict(d["buckets"][0]))), "buckets[1].batch_size",
                          "duplicate bucket"),
 }
