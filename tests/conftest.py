@@ -33,6 +33,17 @@ def _manifests_in_tmp(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture
+def cpu_twins():
+    """CPU tensors through the kernels' torch twins, for tests of what is built on the kernels (dispatch, capture
+    logic, the draft model) where Triton's interpreter would only make them slow. The kernels themselves are tested
+    against their twins and references in test_window.py and test_attention.py; CUDA tensors still use them."""
+    from graphcap.kernels import twins_on_cpu
+
+    with twins_on_cpu():
+        yield
+
+
+@pytest.fixture
 def device() -> str:
     return "cuda" if _HAS_CUDA else "cpu"
 

@@ -15,6 +15,8 @@ from graphcap.state import make_target_state
 from graphcap.window import WindowBuffers
 
 SPEC = load_spec("tiny")
+# the dispatcher is the point here, not the kernels (test_window.py, test_attention.py): the torch twins
+pytestmark = pytest.mark.usefixtures("cpu_twins")
 
 
 def build(device, seed=0):

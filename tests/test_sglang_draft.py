@@ -20,6 +20,8 @@ from graphcap.integrations.sglang_runtime import (CHECK_ENV, GraphcapDraftRuntim
                                                   capture_graphs)
 from graphcap.models.draft_loop import DraftOutput
 
+pytestmark = pytest.mark.usefixtures("cpu_twins")  # the plugin's bookkeeping is the point, not the kernels
+
 
 def _window(device="cpu", rows=6, width=64, window=8, seed=0):
     g = torch.Generator().manual_seed(seed)
