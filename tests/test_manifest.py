@@ -6,18 +6,21 @@ import os
 import random
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphcap.backends import ALL_BACKENDS
 from graphcap.manifest import (
     FORMAT_VERSION, STATUSES, BucketRecord, Manifest, ManifestError, default_manifest_dir, environment,
     list_manifests, manifest_path, read_manifest, write_manifest,
 )
-from graphcap.backends import ALL_BACKENDS
 from graphcap.spec import load_spec
+
+CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc).isoformat()  # a fixed past time
 
 
 def random_manifest(rng: random.Random, spec_name: str = "tiny", backend: str | None = None) -> Manifest:
@@ -36,7 +39,7 @@ def random_manifest(rng: random.Random, spec_name: str = "tiny", backend: str | 
         spec_source=f"/specs/{spec_name}.toml", backend=backend or rng.choice(ALL_BACKENDS),
         device=rng.choice(["cpu", "NVIDIA H200"]), driver=rng.choice([None, "570.133.20"]),
         torch_version="2.13.0+cu130", triton_version=rng.choice([None, "3.9.0"]), graphcap_version="0.1.0",
-        created="2026-01-02T03:04:05+00:00", updated="2026-01-02T03:04:05+00:00", steps=rng.randint(1, 8),
+        created=CREATED, updated=CREATED, steps=rng.randint(1, 8),
         window=rng.choice([16, 1024, 4096]), buckets=buckets, oversize_fallbacks=rng.randint(0, 99),
         notes=[f"note {rng.random()}" for _ in range(rng.randint(0, 3))],
     )
@@ -113,8 +116,8 @@ def test_for_spec_with_a_running_captures_records():
     """What DraftGraphs.manifest() builds on: its own records, creation time and environment; no spec at all."""
     env = dict(device="cpu", driver=None, torch_version="t", triton_version=None, graphcap_version="g")
     recs = [BucketRecord(3, "captured", replays=5)]
-    m = Manifest.for_spec(load_spec("tiny"), "eager", env, buckets=recs, created="2026-01-02T03:04:05+00:00")
-    assert m.buckets is recs and m.created == "2026-01-02T03:04:05+00:00" and m.updated >= m.created
+    m = Manifest.for_spec(load_spec("tiny"), "eager", env, buckets=recs, created=CREATED)
+    assert m.buckets is recs and m.created == CREATED and m.updated >= m.created
     assert (m.backend, m.device, m.spec_name) == ("eager", "cpu", "tiny")
     bare = Manifest.for_spec(None, "compile", env, buckets=[])
     assert (bare.spec_name, bare.spec_hash, bare.spec_source, bare.steps, bare.window) == ("(none)", "", "", 0, 0)
