@@ -142,7 +142,6 @@ class _SpecFile(BaseModel):
     capture: CaptureSettings
 
 
-
 def load_spec(path: str | Path) -> CaptureSpec:
     """Load and validate a capture spec. `path` is a file, or the name of a built-in spec (`tiny`, ...)."""
     p = resolve_spec_path(path)
