@@ -2,8 +2,11 @@
 themselves (not only their torch twins) are checked in CI. The variable must be set before triton is imported."""
 import logging
 import os
+import shutil
+import tempfile
 
 import pytest
+from hypothesis.configuration import set_hypothesis_home_dir
 
 try:
     import torch
@@ -14,6 +17,14 @@ except ImportError:  # pragma: no cover
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# hypothesis keeps its example database and caches in a temporary directory, not .hypothesis/ in the working one.
+_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="graphcap-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_HYPOTHESIS_HOME, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
