@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/sglang-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first and pinned, so nothing below can pull a CUDA build onto a CPU machine.
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/cpu.txt torch
-	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/cpu.txt -e '.[test]' numpy
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/cpu.txt -e '.[test]'
 	# The real sglang for the plugin's tests (marked sglang), without its CUDA stack: --no-deps, and every package
 	# its parsing/plugin/speculative/scheduler modules import pinned in the file. Then check torch was not replaced.
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -r requirements/sglang-cpu.txt

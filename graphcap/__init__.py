@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CaptureSpec": "graphcap.spec",
     "SpecError": "graphcap.spec",
+    "GraphcapInputError": "graphcap.errors",
     "load_spec": "graphcap.spec",
     "WindowBuffers": "graphcap.window",
     "WindowError": "graphcap.window",
@@ -20,6 +21,7 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from graphcap.errors import GraphcapInputError
     from graphcap.spec import CaptureSpec, SpecError, load_spec
     from graphcap.window import WindowBuffers, WindowError
 

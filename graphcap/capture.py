@@ -30,9 +30,11 @@ import torch
 from graphcap import manifest as mf
 from graphcap.guards import AddressGuard, CaptureError, cache_entries
 from graphcap.models.draft_loop import DraftLoop, DraftOutput
-from graphcap.recording import COMPILED_BACKENDS, MANUAL_GRAPH_BACKENDS, Inputs, compile_iteration, record_bucket
-from graphcap.spec import ALL_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS  # GRAPH_BACKENDS: bench/ imports it here
+from graphcap.backends import ALL_BACKENDS, COMPILED_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS
+from graphcap.recording import Inputs, compile_iteration, record_bucket
 from graphcap.window import check_slots
+
+__all__ = ["DraftGraphs"]  # CaptureError is graphcap.guards'
 
 log = logging.getLogger("graphcap")
 

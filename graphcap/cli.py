@@ -13,8 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from graphcap.errors import GraphcapInputError
 from graphcap.manifest import Manifest, ManifestError, default_manifest_dir, list_manifests, read_manifest
-from graphcap.spec import SpecError
 
 PROG = "graphcap"
 
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             return cmd_bench(tail + list(args.bench_args))
         raise CliError("missing command: one of inspect, specs, bench (see 'graphcap --help')")
-    except (CliError, ManifestError, SpecError) as e:
+    except (CliError, GraphcapInputError) as e:  # a bad manifest or spec
         _error(str(e))
         return 2
     except BrokenPipeError:  # `graphcap inspect | head`

@@ -4,6 +4,7 @@ One manifest per (spec, spec hash, backend), at `manifest_path(default_manifest_
 keeps the run-time counters (replays, fallbacks, padded rows) in plain ints on the `BucketRecord`s and calls
 `write_manifest` now and then (never per iteration); the write is atomic, so a reader never sees half a file.
 
+The file's schema is the dataclasses below, validated by pydantic (types, bounds, allowed values, unknown fields).
 Every problem reading a manifest is a `ManifestError` whose message is `<file>: <field>: <reason>`, like `SpecError`.
 This module imports no torch at import time (`graphcap inspect` stays light); only `environment()` imports it.
 """
@@ -11,41 +12,56 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from graphcap.spec import ALL_BACKENDS  # no torch: `graphcap inspect` stays light
+from pydantic import AfterValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, with_config
+
+from graphcap.backends import ALL_BACKENDS  # no torch: `graphcap inspect` stays light
+from graphcap.errors import GraphcapInputError
 
 FORMAT_VERSION = 1
 STATUSES = ("captured", "failed", "pending")
 
 
-class ManifestError(ValueError):
+class ManifestError(GraphcapInputError):
     """A manifest cannot be read. `str(err)` is `<file>: <field>: <reason>`."""
 
-    def __init__(self, source: str, field: str, reason: str) -> None:
-        self.source, self.field, self.reason = source, field, reason
-        super().__init__(f"{source}: {field}: {reason}")
+
+def _iso_timestamp(v: str) -> str:
+    try:
+        datetime.fromisoformat(v)
+    except ValueError:
+        raise ValueError("not an ISO-8601 timestamp") from None
+    return v
 
 
+# Field types of the file. Strict: a JSON `true` or `"3"` is not a count.
+Count = Annotated[int, Strict(), Field(ge=0)]
+Seconds = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+Text = Annotated[str, Strict()]
+Timestamp = Annotated[str, Strict(), AfterValidator(_iso_timestamp)]
+_FORBID = ConfigDict(extra="forbid")
+
+
+@with_config(_FORBID)
 @dataclass
 class BucketRecord:
     """One captured batch size. Mutable: the capture engine bumps the counters in place between writes."""
 
-    batch_size: int
-    status: str = "pending"  # "captured" | "failed" | "pending"
-    reason: str | None = None  # why the capture failed (None unless status == "failed")
-    capture_s: float = 0.0  # wall time of warm-up + capture
-    pool_bytes: int = 0  # graph memory, from torch.cuda.memory_stats() taken before and after the capture
-    replays: int = 0  # graph replays of this bucket
-    fallbacks: int = 0  # eager runs of this bucket (e.g. its capture failed)
-    padded_rows: int = 0  # padding rows summed over all replays
+    batch_size: Annotated[int, Strict(), Field(ge=1)]
+    status: Literal[STATUSES] = "pending"
+    reason: Text | None = None  # why the capture failed (None unless status == "failed")
+    capture_s: Seconds = 0.0  # wall time of warm-up + capture
+    pool_bytes: Count = 0  # graph memory, from torch.cuda.memory_stats() taken before and after the capture
+    replays: Count = 0  # graph replays of this bucket
+    fallbacks: Count = 0  # eager runs of this bucket (e.g. its capture failed)
+    padded_rows: Count = 0  # padding rows summed over all replays
 
     @property
     def padding_waste(self) -> float:
@@ -53,25 +69,26 @@ class BucketRecord:
         return self.padded_rows / (self.replays * self.batch_size) if self.replays else 0.0
 
 
+@with_config(_FORBID)
 @dataclass
 class Manifest:
-    format_version: int
-    spec_name: str
-    spec_hash: str
-    spec_source: str
-    backend: str  # one of ALL_BACKENDS
-    device: str  # GPU name, or "cpu"
-    driver: str | None  # NVIDIA driver version (NVML), None where unavailable
-    torch_version: str
-    triton_version: str | None
-    graphcap_version: str
-    created: str  # ISO-8601 UTC
-    updated: str  # ISO-8601 UTC, stamped by write_manifest
-    steps: int
-    window: int
+    format_version: Annotated[int, Strict(), Field(ge=1)]
+    spec_name: Text
+    spec_hash: Text
+    spec_source: Text
+    backend: Literal[ALL_BACKENDS]
+    device: Text  # GPU name, or "cpu"
+    driver: Text | None  # NVIDIA driver version (NVML), None where unavailable
+    torch_version: Text
+    triton_version: Text | None
+    graphcap_version: Text
+    created: Timestamp  # ISO-8601 UTC
+    updated: Timestamp  # ISO-8601 UTC, stamped by write_manifest
+    steps: Count
+    window: Count
     buckets: list[BucketRecord]
-    oversize_fallbacks: int = 0  # batches larger than the largest bucket, run eagerly
-    notes: list[str] = field(default_factory=list)
+    oversize_fallbacks: Count = 0  # batches larger than the largest bucket, run eagerly
+    notes: list[Text] = field(default_factory=list)
 
     @classmethod
     def for_spec(cls, spec: Any, backend: str | None = None, env: dict[str, Any] | None = None, *,
@@ -210,10 +227,6 @@ def write_manifest(m: Manifest, path: str | Path) -> Path:
     return path
 
 
-_MANIFEST_FIELDS = {f.name: f for f in dataclasses.fields(Manifest)}
-_BUCKET_FIELDS = {f.name: f for f in dataclasses.fields(BucketRecord)}
-
-
 def read_manifest(path: str | Path) -> Manifest:
     """Read and validate a manifest; every problem is a `ManifestError` naming the file and the field."""
     source = str(path)
@@ -237,71 +250,35 @@ def read_manifest(path: str | Path) -> Manifest:
 def parse_manifest(data: dict[str, Any], source: str = "<manifest>") -> Manifest:
     """Validate a manifest dict (the file's JSON) into a `Manifest`."""
     v = data.get("format_version")
-    if isinstance(v, int) and not isinstance(v, bool):  # checked first: a newer format may differ in every field
-        if v > FORMAT_VERSION:
-            raise ManifestError(source, "format_version",
-                                f"written by a newer graphcap (format {v} > {FORMAT_VERSION}); upgrade graphcap")
-        if v < 1:
-            raise ManifestError(source, "format_version", f"must be >= 1, got {v}")
-    values = _fields(data, _MANIFEST_FIELDS, source, "")
-    if values["backend"] not in ALL_BACKENDS:
-        raise ManifestError(source, "backend",
-                            f"unknown backend {values['backend']!r}; expected one of {', '.join(ALL_BACKENDS)}")
-    for key in ("created", "updated"):
-        try:
-            datetime.fromisoformat(values[key])
-        except ValueError:
-            raise ManifestError(source, key, f"not an ISO-8601 timestamp: {values[key]!r}") from None
-    buckets, seen = [], set()
-    for i, raw in enumerate(values["buckets"]):
-        prefix = f"buckets[{i}]"
-        if not isinstance(raw, dict):
-            raise ManifestError(source, prefix, f"expected an object, got {_kind(raw)}")
-        b = BucketRecord(**_fields(raw, _BUCKET_FIELDS, source, prefix + "."))
-        if b.status not in STATUSES:
-            raise ManifestError(source, f"{prefix}.status", f"unknown status {b.status!r}; expected one of {', '.join(STATUSES)}")
-        if b.batch_size < 1:
-            raise ManifestError(source, f"{prefix}.batch_size", f"must be >= 1, got {b.batch_size}")
+    if isinstance(v, int) and not isinstance(v, bool) and v > FORMAT_VERSION:  # first: a newer format may differ
+        raise ManifestError(source, "format_version",                            # in every field
+                            f"written by a newer graphcap (format {v} > {FORMAT_VERSION}); upgrade graphcap")
+    # graphcap writes every field, defaulted ones included: a missing one means a cut or hand-edited file
+    missing = _first_missing(data, Manifest, "")
+    if missing is None and isinstance(data.get("buckets"), list):
+        missing = next((m for i, b in enumerate(data["buckets"]) if isinstance(b, dict)
+                        for m in [_first_missing(b, BucketRecord, f"buckets[{i}].")] if m), None)
+    if missing:
+        raise ManifestError(source, missing, "missing")
+    try:
+        m = _MANIFEST.validate_python(data)
+    except ValidationError as e:
+        raise ManifestError.from_validation(source, e, table="an object", extra="unknown field") from None
+    seen: set[int] = set()
+    for i, b in enumerate(m.buckets):
         if b.batch_size in seen:
-            raise ManifestError(source, f"{prefix}.batch_size", f"duplicate bucket {b.batch_size}")
+            raise ManifestError(source, f"buckets[{i}].batch_size", f"duplicate bucket {b.batch_size}")
         seen.add(b.batch_size)
-        buckets.append(b)
-    values["buckets"] = buckets
-    return Manifest(**values)
+    return m
 
 
-# field annotation (a string: `from __future__ import annotations`) -> (check, description)
-_TYPES = {
-    "int": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0, "a non-negative integer"),
-    "float": (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0,
-              "a non-negative number"),
-    "str": (lambda x: isinstance(x, str), "a string"),
-    "str | None": (lambda x: x is None or isinstance(x, str), "a string or null"),
-    "list[str]": (lambda x: isinstance(x, list) and all(isinstance(s, str) for s in x), "a list of strings"),
-    "list[BucketRecord]": (lambda x: isinstance(x, list), "a list of bucket objects"),
-}
+_MANIFEST = TypeAdapter(Manifest)
 
 
-def _fields(raw: dict[str, Any], fields: dict[str, dataclasses.Field], source: str, prefix: str) -> dict[str, Any]:
-    extra = sorted(set(raw) - set(fields))
-    if extra:
-        raise ManifestError(source, prefix + extra[0], "unknown field")
-    out = {}
-    for name, f in fields.items():
-        if name not in raw:
-            raise ManifestError(source, prefix + name, "missing")
-        check, want = _TYPES[f.type]
-        if not check(raw[name]):
-            raise ManifestError(source, prefix + name, f"expected {want}, got {_kind(raw[name])} {_short(raw[name])}")
-        out[name] = float(raw[name]) if f.type == "float" else raw[name]
-    return out
+def _first_missing(raw: dict[str, Any], cls: type, prefix: str) -> str | None:
+    return next((prefix + f.name for f in dataclasses.fields(cls) if f.name not in raw), None)
 
 
 def _kind(x: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
             int: "an integer", float: "a number"}.get(type(x), type(x).__name__)
-
-
-def _short(x: Any) -> str:
-    r = json.dumps(x)
-    return r if len(r) <= 40 else r[:37] + "..."

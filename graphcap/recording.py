@@ -1,17 +1,5 @@
 """Recording one draft iteration per batch bucket, per backend: the capture procedure behind `DraftGraphs.capture`.
-
-Backends (DraftGraphs' constructor argument; a spec's `capture.backend` picks the default; the lists themselves are
-graphcap.spec's `GRAPH_BACKENDS` and `ALL_BACKENDS`):
-- `reduce-overhead`: `torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)` - Inductor fuses the small
-  ops and CUDA-graph trees record one graph per bucket, all in one shared memory pool.
-- `inductor-cudagraph`: the same Inductor-compiled code (`fullgraph=True, dynamic=False`, Inductor's own CUDA graphs
-  off), recorded per bucket with `torch.cuda.CUDAGraph` in one shared pool - what sglang does with its compiled
-  decode graphs. The same compiled kernels as reduce-overhead; a replay is one `cudaGraphLaunch`, without
-  CUDA-graph trees' per-call bookkeeping (Dynamo guards, input-address checks over every static tensor).
-- `cudagraph`: the same function, eager ops, recorded with `torch.cuda.CUDAGraph`, one shared pool.
-- `compile`: Inductor without CUDA graphs - the "same compiled code with graphs off" that tests compare replays
-  against, and the compiled path on a CPU.
-- `eager`: no capture; the same static-buffer dispatch (CPU runs, debugging).
+What each backend is, and which of them compile or record their own graphs, is graphcap.backends'.
 
 Nothing here knows about dispatch: a bucket is its static inputs and its manifest record going in, and a graph with
 its static outputs (manual-graph backends) coming out.
@@ -25,19 +13,17 @@ from collections.abc import Callable, Iterable
 import torch
 
 from graphcap import manifest as mf
+from graphcap.backends import MANUAL_GRAPH_BACKENDS
 from graphcap.guards import CaptureError, cudagraph_or_error, cudagraph_skips, describe, reserved_bytes
 from graphcap.models.draft_loop import DraftOutput
 
-# How each backend records (which backends exist is graphcap.spec's to say).
-COMPILED_BACKENDS = ("reduce-overhead", "inductor-cudagraph", "compile")  # go through torch.compile
-MANUAL_GRAPH_BACKENDS = ("inductor-cudagraph", "cudagraph")  # torch.cuda.CUDAGraph, static outputs
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # slots, accepted, tokens, hidden
 DraftFn = Callable[..., DraftOutput]
 
 
 def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor], buckets: int,
                       tag: str) -> tuple[DraftFn, types.CodeType]:
-    """`fn` under torch.compile for `backend` (one of COMPILED_BACKENDS), and the code object Dynamo caches it under
+    """`fn` under torch.compile for `backend` (one of graphcap.backends' COMPILED_BACKENDS), and the code object Dynamo caches it under
     (`draft_iteration_<tag>`), whose entries count the recompiles. Every tensor of `static` (the persistent tensors
     and each bucket's static inputs) is marked with `mark_static_address`, so no replay copies it.
 

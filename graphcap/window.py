@@ -88,7 +88,7 @@ class WindowBuffers:
         hi = lens_t.clamp(0, row_len)
         lo = (hi - self.window).clamp(min=0)
         # One read-back for all the host checks: slots, lengths, the first bad location per row - one sync on a GPU
-        # by construction (tests/test_window.py counts it on CUDA; not yet run there). A pinned host tensor given as
+        # by construction (tests/test_window.py counts it on CUDA). A pinned host tensor given as
         # slots or seq_lens adds a blocking copy each (_as_index).
         s, lens, bad_at, bad_val = torch.stack([slots_t, lens_t, *self._bad_locs(slots_t, lo, hi, self.window)]
                                                ).tolist() if slots_t.numel() else ([], [], [], [])

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark of graphcap, for the lent H200 (or any CUDA machine). Logs and tables go to
+# Every GPU test and benchmark of graphcap, for a CUDA machine (docs/results.md: an H200). Logs and tables go to
 # $GPU_WORK/logs (default /tmp/graphcap-gpu) and are packed into $OUT/gpu-<stages joined by ->.tar.gz (default OUT=out/gpu).
 #   scripts/gpu-check.sh perf     capture cost (cold and warm Inductor caches, host time per call), per-kernel
 #                                 profile of an iteration, attention GPU tests + default configs vs sglang
@@ -21,8 +21,8 @@
 #   scripts/gpu-check.sh engine-speed  the same on the draft-shapes pair: draft-phase GPU time and decode tok/s per
 #                                 batch, stock sglang vs graphcap vs the target alone
 # Several stages run in one call in order: scripts/gpu-check.sh kernels capture-all.
-# sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
-# The lent machine's .git may be stale: `git rev-parse --short HEAD > .gpu-commit` here (ignored; carry it) records
+# sglang's kernels are used when ./.whl holds sglang 0.5.23's wheels (for a machine without network).
+# A copied checkout's .git may be stale: `git rev-parse --short HEAD > .gpu-commit` here (ignored; carry it) records
 # the commit the tree is at in env-<stage>.txt.
 set -uo pipefail
 [ $# -eq 0 ] && set -- smoke
@@ -138,7 +138,7 @@ case $stage in
     step inspect python3 -m graphcap.cli inspect "$GRAPHCAP_MANIFEST_DIR"
     ;;
   capture-all)  # the replay-equality test for the gemma4 spec over every bucket (compile-heavy: ~25 s per bucket);
-    # cut at 560 s so that what ran still comes back inside the lent machine's 600 s per call
+    # cut at 560 s so that what ran still comes back inside a 600 s per-command limit
     STEP_LIMIT=${STEP_LIMIT:-560} step pytest-capture-all env GRAPHCAP_GPU_ALL_BUCKETS=1 python3 -m pytest -q -rs tests/test_capture_gpu.py \
       -k "gemma4 and (inductor-cudagraph or reduce-overhead)"
     ;;

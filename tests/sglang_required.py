@@ -1,5 +1,5 @@
 """The module-level skips of the tests that need the real sglang package and graphcap's plugin entry point (both
-installed by `make test`; the lent GPU machine has neither)."""
+installed by `make test`; a machine without them skips these tests with the reason)."""
 from __future__ import annotations
 
 import importlib.metadata

@@ -291,11 +291,9 @@ def test_choose_num_splits():
     # batch x kv heads x splits fills the programs asked for without spilling past them
     assert [wave_splits(b, 4) for b in (8, 16)] == [8, 4] and wave_splits(8, 16) == 2
     assert wave_splits(8, 16, 528) == 4 and wave_splits(3, 5, 7) == 1
-    # two waves of resident programs, by shared memory per program (CPU plans as an H200 would): one 3-stage
-    # program per SM at D = 512 (192 KiB of tiles), two at D = 256 - the in-graph H200 grids' best split counts
-    # at batch 8: full layer 8 splits (256 programs), sliding 4 (512 programs), both 256 keys per program
+    # the split plan at the H200 grids' best split counts, timed in-graph at batch 8: full layer 8 splits (256
+    # programs), sliding 4 (512 programs), both 256 keys per program
     full_p, sliding_p = (target_programs(d, torch.bfloat16, torch.device("cpu")) for d in (512, 256))
-    assert (full_p, sliding_p) == (264, 528)
     assert choose_num_splits(8, 4, 2048, full_p) == 8 and choose_num_splits(8, 16, 1024, sliding_p) == 4
     # ... but never programs of one 32-key tile: batch 1 takes 16 splits of the sliding window (the sweep's best)
     assert choose_num_splits(1, 16, 1024, sliding_p) == 16 and choose_num_splits(1, 4, 2048, full_p) == 32
@@ -315,6 +313,24 @@ def test_choose_num_splits():
     assert all(1 <= choose_num_splits(b, h, n) <= 64 for b in (1, 3, 64) for h in (1, 4) for n in (1, 10**6))
     with pytest.raises(AttentionError):
         choose_num_splits(0, 4, 10)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_target_programs_are_two_waves_of_what_fits_in_shared_memory(head_dim, dtype):
+    """CPU plans as an H200 would (132 SMs, 228 KiB of shared memory per SM): target_programs is twice the SMs
+    times the most programs whose tiles fit in one SM's shared memory together (and within its 2048 threads)."""
+    from graphcap.kernels.attention_plan import plan_config, program_smem, target_programs
+
+    cpu = torch.device("cpu")
+    cfg = plan_config(head_dim, dtype, cpu)
+    per_program = program_smem(cfg, head_dim, dtype.itemsize)
+    programs = target_programs(head_dim, dtype, cpu)
+    assert programs % (2 * 132) == 0
+    per_sm = programs // (2 * 132)
+    assert per_sm >= 1 and per_sm * 32 * cfg.num_warps <= 2048
+    assert per_sm * per_program <= 228 * 1024 or per_sm == 1
+    assert (per_sm + 1) * per_program > 228 * 1024 or (per_sm + 1) * 32 * cfg.num_warps > 2048
 
 
 def test_default_config_shapes():
@@ -423,19 +439,18 @@ def test_matches_sglang_decode_kernel(layer):
     assert err < 1e-2, f"relative difference to sglang's kernel {err:.3g}"
 
 
-def test_draft_layers_and_splits_for_plan_the_same_splits():
-    """The draft layers plan from the KVSource (programs taken once, a constant when traced); the sglang plugin and
-    the bench call splits_for on the live q: the same split count for every batch, Gemma 4's layer shapes."""
-    from graphcap.kernels.attention import splits_for
+def test_kv_sources_plan_from_their_own_pools():
+    """Each layer type's KVSource sizes its split grid from its own pools' head dim: Gemma 4's sliding layers
+    (D = 256) fit twice the resident programs of its full layer (D = 512) on an H200, so a source that planned with
+    a fixed or the other layer type's program count would launch half or double the grid."""
     from graphcap.models.frozen_kv_draft import KVSource
     from graphcap.spec import load_spec
 
     spec = load_spec("gemma4-31b-assistant")
-    g = torch.Generator().manual_seed(9)
-    for lt, max_len in (("sliding", spec.window), ("full", spec.capture.max_context)):
+    table = torch.empty(1, 1, dtype=torch.int32, device="meta")
+    programs = {}
+    for lt in ("sliding", "full"):
         a = spec.attention(lt)
         pool = torch.empty(4, a.kv_heads, a.head_dim, dtype=torch.bfloat16, device="meta")
-        src = KVSource(pool, pool, torch.empty(1, 1, dtype=torch.int32, device="meta"), 0, max_len)
-        for b in torch.randint(1, 129, (12,), generator=g).tolist():
-            q = torch.empty(b, spec.draft.heads, a.head_dim, dtype=torch.bfloat16, device="meta")
-            assert choose_num_splits(b, a.kv_heads, max_len, src.programs) == splits_for(q, pool, max_len), (lt, b)
+        programs[lt] = KVSource(pool, pool, table, 0, spec.window).programs
+    assert programs["sliding"] == 2 * programs["full"]

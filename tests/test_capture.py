@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from graphcap import manifest as mf
-from graphcap.capture import CaptureError, DraftGraphs
+from graphcap.capture import DraftGraphs
+from graphcap.guards import CaptureError
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec
@@ -14,6 +15,8 @@ from graphcap.state import make_target_state
 from graphcap.window import WindowBuffers
 
 SPEC = load_spec("tiny")
+# the dispatcher is the point here, not the kernels (test_window.py, test_attention.py): the torch twins
+pytestmark = pytest.mark.usefixtures("cpu_twins")
 
 
 def build(device, seed=0):

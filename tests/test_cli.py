@@ -16,6 +16,7 @@ from graphcap.manifest import manifest_path, write_manifest
 from test_manifest import CORRUPTIONS, random_manifest, write_corrupt
 
 REPO = Path(__file__).resolve().parents[1]
+H200_MANIFESTS = Path(__file__).resolve().parent / "data" / "h200-manifests"
 
 
 def write_two(directory: Path):
@@ -190,8 +191,8 @@ def test_subprocess_exit_codes(tmp_path):
     bad = write_corrupt(tmp_path, "bad-status")
     r = _run("inspect", str(bad))
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.splitlines() == [f"graphcap: error: {bad}: buckets[0].status: unknown status 'exploded'; "
-                                     "expected one of captured, failed, pending"]
+    assert r.stderr.splitlines() == [f"graphcap: error: {bad}: buckets[0].status: unknown value 'exploded'; "
+                                     "expected 'captured', 'failed' or 'pending'"]
     good = tmp_path / "good"
     write_two(good)
     r = _run("inspect", "--json", env={"GRAPHCAP_MANIFEST_DIR": str(good)})
@@ -208,21 +209,21 @@ def test_inspect_and_specs_do_not_import_torch(tmp_path):
 
 
 def test_inspect_reads_the_manifests_of_the_h200_run(capsys):
-    """Manifests written by a real GPU capture (recorded under docs/results) read back and list their buckets."""
-    d = REPO / "docs" / "results" / "h200-2026-11-29" / "manifests"
-    assert main(["inspect", str(d)]) == 0
+    """Manifests written by real GPU captures on the H200 (tests/data/h200-manifests) read back and list their
+    buckets."""
+    assert main(["inspect", str(H200_MANIFESTS)]) == 0
     out = capsys.readouterr().out
     assert "NVIDIA H200" in out and "gemma4-31b-assistant" in out and "cudagraph" in out
-    assert main(["inspect", "--json", str(d / "gemma4-31b-assistant-e9b1a9dc5c052cb3-reduce-overhead.json")]) == 0
+    path = H200_MANIFESTS / "gemma4-31b-assistant-e9b1a9dc5c052cb3-reduce-overhead.json"
+    assert main(["inspect", "--json", str(path)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [b["batch_size"] for b in data[0]["buckets"]] == [1, 2, 4, 8, 16, 32, 64]
     assert all(b["status"] == "captured" and b["replays"] > 0 for b in data[0]["buckets"])
 
 
 def test_inspect_reads_the_inductor_cudagraph_manifest_of_the_h200_run(capsys):
-    """The 2026-11-30 capture-cost run's manifest (backend inductor-cudagraph, all seven buckets) reads back."""
-    d = REPO / "docs" / "results" / "h200-2026-11-30" / "capture-cold"
-    path = d / "gemma4-31b-assistant-71beb232c64e347c-inductor-cudagraph.json"
+    """A capture-cost run's manifest (backend inductor-cudagraph, all seven buckets) reads back."""
+    path = H200_MANIFESTS / "gemma4-31b-assistant-71beb232c64e347c-inductor-cudagraph.json"
     assert main(["inspect", "--json", str(path)]) == 0
     data = json.loads(capsys.readouterr().out)[0]
     assert data["backend"] == "inductor-cudagraph" and data["device"] == "NVIDIA H200"

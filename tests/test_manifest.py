@@ -6,17 +6,21 @@ import os
 import random
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphcap.backends import ALL_BACKENDS
 from graphcap.manifest import (
     FORMAT_VERSION, STATUSES, BucketRecord, Manifest, ManifestError, default_manifest_dir, environment,
     list_manifests, manifest_path, read_manifest, write_manifest,
 )
-from graphcap.spec import ALL_BACKENDS, load_spec
+from graphcap.spec import load_spec
+
+CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc).isoformat()  # a fixed past time
 
 
 def random_manifest(rng: random.Random, spec_name: str = "tiny", backend: str | None = None) -> Manifest:
@@ -35,7 +39,7 @@ def random_manifest(rng: random.Random, spec_name: str = "tiny", backend: str | 
         spec_source=f"/specs/{spec_name}.toml", backend=backend or rng.choice(ALL_BACKENDS),
         device=rng.choice(["cpu", "NVIDIA H200"]), driver=rng.choice([None, "570.133.20"]),
         torch_version="2.13.0+cu130", triton_version=rng.choice([None, "3.9.0"]), graphcap_version="0.1.0",
-        created="2026-01-02T03:04:05+00:00", updated="2026-01-02T03:04:05+00:00", steps=rng.randint(1, 8),
+        created=CREATED, updated=CREATED, steps=rng.randint(1, 8),
         window=rng.choice([16, 1024, 4096]), buckets=buckets, oversize_fallbacks=rng.randint(0, 99),
         notes=[f"note {rng.random()}" for _ in range(rng.randint(0, 3))],
     )
@@ -112,8 +116,8 @@ def test_for_spec_with_a_running_captures_records():
     """What DraftGraphs.manifest() builds on: its own records, creation time and environment; no spec at all."""
     env = dict(device="cpu", driver=None, torch_version="t", triton_version=None, graphcap_version="g")
     recs = [BucketRecord(3, "captured", replays=5)]
-    m = Manifest.for_spec(load_spec("tiny"), "eager", env, buckets=recs, created="2026-01-02T03:04:05+00:00")
-    assert m.buckets is recs and m.created == "2026-01-02T03:04:05+00:00" and m.updated >= m.created
+    m = Manifest.for_spec(load_spec("tiny"), "eager", env, buckets=recs, created=CREATED)
+    assert m.buckets is recs and m.created == CREATED and m.updated >= m.created
     assert (m.backend, m.device, m.spec_name) == ("eager", "cpu", "tiny")
     bare = Manifest.for_spec(None, "compile", env, buckets=[])
     assert (bare.spec_name, bare.spec_hash, bare.spec_source, bare.steps, bare.window) == ("(none)", "", "", 0, 0)
@@ -164,18 +168,18 @@ CORRUPTIONS = {
     "whitespace": (lambda t: "  \n", "<file>", "empty file"),
     "truncated": (lambda t: t[: len(t) // 2], "<json>", "not valid JSON"),
     "not-an-object": (lambda t: "[1, 2]", "<json>", "expected a JSON object, got a list"),
-    "wrong-type": (_edit(lambda d: d.update(steps="3")), "steps", "expected a non-negative integer, got a string"),
-    "bool-for-int": (_edit(lambda d: d["buckets"][0].update(replays=True)), "buckets[0].replays", "got a boolean"),
+    "wrong-type": (_edit(lambda d: d.update(steps="3")), "steps", "expected an integer, got '3'"),
+    "bool-for-int": (_edit(lambda d: d["buckets"][0].update(replays=True)), "buckets[0].replays", "expected an integer, got True"),
     "missing-field": (_edit(lambda d: d.pop("spec_hash")), "spec_hash", "missing"),
     "missing-bucket-field": (_edit(lambda d: d["buckets"][0].pop("pool_bytes")), "buckets[0].pool_bytes", "missing"),
     "extra-field": (_edit(lambda d: d.update(colour="red")), "colour", "unknown field"),
     "newer-format": (_edit(lambda d: d.update(format_version=7)), "format_version",
                      "written by a newer graphcap (format 7 > 1); upgrade graphcap"),
     "bad-status": (_edit(lambda d: d["buckets"][0].update(status="exploded")), "buckets[0].status",
-                   "unknown status 'exploded'"),
-    "bad-backend": (_edit(lambda d: d.update(backend="magic")), "backend", "unknown backend 'magic'"),
+                   "unknown value 'exploded'; expected 'captured', 'failed' or 'pending'"),
+    "bad-backend": (_edit(lambda d: d.update(backend="magic")), "backend", "unknown value 'magic'; expected 'reduce-overhead'"),
     "bad-timestamp": (_edit(lambda d: d.update(updated="yesterday")), "updated", "not an ISO-8601 timestamp"),
-    "negative": (_edit(lambda d: d["buckets"][0].update(fallbacks=-1)), "buckets[0].fallbacks", "non-negative"),
+    "negative": (_edit(lambda d: d["buckets"][0].update(fallbacks=-1)), "buckets[0].fallbacks", "must be >= 0, got -1"),
     "duplicate-bucket": (_edit(lambda d: d["buckets"].append(dict(d["buckets"][0]))), "buckets[1].batch_size",
                          "duplicate bucket"),
 }

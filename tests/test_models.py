@@ -14,6 +14,10 @@ from graphcap.spec import load_spec
 from graphcap.state import make_target_state
 from graphcap.window import WindowBuffers
 
+# the model and the loop around the kernels are the point here; the kernels are test_window.py's and
+# test_attention.py's: the torch twins on CPU
+pytestmark = pytest.mark.usefixtures("cpu_twins")
+
 
 def build(spec, seq_lens, device, seed=0, capacity=None):
     st = make_target_state(spec, seq_lens, capacity, seed=seed, device=device)

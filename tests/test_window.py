@@ -1,4 +1,4 @@
-"""WindowBuffers against a from-scratch rebuild (DESIGN.md's invariant), for the Triton kernels (interpreted on
+"""WindowBuffers against a from-scratch rebuild (the invariant in docs/architecture.md, Window buffers), for the Triton kernels (interpreted on
 CPU, native on CUDA) and for their torch twins."""
 from __future__ import annotations
 

@@ -23,14 +23,14 @@ Kernel ("flash-decoding", split-KV):
    balance rows of different lengths); chunk = max(round_up(cdiv(len, used), BLOCK_N), min_chunk). Programs past
    the row's end read no keys (they still write an empty partial's lse). So the static split count (the grid,
    fixed per capture bucket) can be sized for the longest row the layer may see while a short row still fills the
-   GPU - measured on the H200: past two waves of resident programs time steps up (docs/results/attention.md).
+   GPU - on the H200, past two waves of resident programs the time steps up (docs/results.md#attention-kernels).
    It loads each K/V tile once for the whole query-head group (tl.dot with the group padded to >= 16 rows), runs
    an online softmax in fp32 and writes a normalised partial output [B, H, S, D] fp32 and its log-sum-exp
    [B, H, S] (base 2; -inf for an empty chunk). With num_splits == 1 it writes the final output directly and the
    second kernel is skipped.
 2. `_combine_kernel`, grid (B, H): merges the splits; an all-empty row gives zeros. (Merging in the split kernel
-   instead - the last program of a row merging all partials - was slower on the H200 at nearly every shape: that
-   one program merges serially; docs/results/attention.md.)
+   instead - the last program of a row merging all partials - is slower on the H200 at nearly every shape: that
+   one program merges serially; docs/results.md#attention-kernels.)
 Grid and temporaries depend only on static shapes (B, H, D, num_splits), never on GPU values: the op can be captured
 in a CUDA graph and traced by torch.compile (it is a `torch.library.triton_op`). Those host-side decisions (launch
 configuration, split count, query tiling) live in `attention_plan`.
@@ -321,8 +321,8 @@ def decode_attention(
     q [B, H, D] (RoPE applied), k_pool/v_pool [P, Hkv, D] (read in place), table [rows, cols] int32/int64 locations,
     slots [B], lens indexed by slot. Returns [B, H, D] in q's dtype; rows of length 0 give zeros.
     """
-    # Every argument passed, positionally: torch 2.11's custom-op wrapper once failed (IndexError) on an argument
-    # left to its default (a mutated one, since removed); nothing here relies on how a torch version fills them.
+    # Every argument passed, positionally: nothing relies on how a torch version's custom-op wrapper fills in
+    # defaults.
     return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
 
 

@@ -31,8 +31,8 @@ class KernelConfig:
 def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: int | None = None) -> KernelConfig:
     """The launch configuration the op uses.
 
-    GPU values: the best or near-best configuration of the H200 sweeps in docs/results/attention.md (BLOCK_N 32,
-    3 stages, 4 warps for head dims 256 and 512: the 2026-11-30 grid found 4 warps 4-14% faster than 8 at D = 512).
+    GPU values: the best or near-best configuration of the H200 sweeps (docs/results.md#attention-kernels): BLOCK_N 32, 3 stages,
+    4 warps for head dims 256 and 512 (4 warps are 4-14% faster than 8 at D = 512).
     Three stages of K and V tiles need 3 x 2 x BLOCK_N x D x 2 bytes of shared memory (192 KiB at D = 512): where
     the device has less (`smem_bytes`, read from the current device when None), stages and then tile size step down.
     On CPU (Triton's interpreter) small tiles keep the tests fast.
@@ -43,7 +43,7 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: 
     if smem_bytes is None:
         smem_bytes = _device_smem()
     for block_n, stages in ((32, 3), (32, 2), (16, 2), (16, 1)):
-        # at least two tiles per program: one-tile programs (32 keys) were up to 23% slower in the in-graph sweep
+        # at least two tiles per program: one-tile programs (32 keys) are up to 23% slower in the in-graph H200 sweep
         cfg = KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=2 * block_n)
         if program_smem(cfg, head_dim, dtype.itemsize) <= smem_bytes:
             break
@@ -97,9 +97,8 @@ def plan_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Kern
 def target_programs(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
     """Programs one attention call should launch to fill the GPU: two waves of the programs it holds at once
     (SMs x programs per SM, bounded by `program_smem`'s estimate of shared memory and by threads). Fitted to the
-    2026-11-30 in-graph grids on the H200 (docs/results/attention.md): at D = 512 (one 3-stage program per SM) 256
-    programs were best (288: +2%, 384: +19%); at D = 256 (two per SM) 512 programs, not 256 (40.0 vs 45.5 us at
-    batch 8 / W = 1024)."""
+    in-graph grids on the H200 (docs/results.md#attention-kernels): at D = 512 (one 3-stage program per SM) 256 programs are best
+    (288: +2%, 384: +19%); at D = 256 (two per SM) 512 programs, not 256 (40.0 vs 45.5 us at batch 8 / W = 1024)."""
     cfg = plan_config(head_dim, dtype, device)
     smem = _device_smem_per_sm(device) if device.type == "cuda" else _H200_SMEM_PER_SM
     per_sm = max(1, min(smem // program_smem(cfg, head_dim, dtype.itemsize), 2048 // (32 * cfg.num_warps)))
