@@ -101,7 +101,7 @@ def test_value_survives_pickling_into_a_fresh_interpreter(fresh, tmp_path):
                        env=dict(os.environ))
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     out = json.loads(r.stdout.decode().strip().splitlines()[-1])
-    assert json.loads(out["opts"]) == {"enabled": True, "backend": "inductor-cudagraph", "manifest_dir": str(tmp_path)}
+    assert json.loads(out["opts"]) == {"enabled": True, "backend": plugin.DEFAULT_BACKEND, "manifest_dir": str(tmp_path)}
     assert out["algo"] == "NEXTN"
     # Not a scheduler process (sglang.srt.managers.scheduler not imported): only the start-up check is added.
     assert plugin.CHECK_SERVER_ARGS in out["hooks"]
@@ -159,7 +159,7 @@ def test_command_line_wins_over_an_inherited_variable(fresh, monkeypatch):
 
 def test_options_without_the_flag_warn(fresh, glog):
     fresh.load_plugins()
-    sa = _parse(["--model-path", "dummy", "--draft-graph-capture-backend", "cudagraph"])
+    sa = _parse(["--model-path", "dummy", "--draft-graph-capture-backend", "reduce-overhead"])
     assert not plugin.options_of(sa).enabled
     assert any("have no effect" in r.getMessage() for r in glog.records)
 

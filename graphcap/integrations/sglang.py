@@ -21,11 +21,11 @@ import sys
 
 from graphcap.integrations.sglang_config import (  # noqa: F401 - the plugin's public names, re-exported
     ADD_CLI_ARGS, BACKEND_FLAG, CHECK_SERVER_ARGS, DRAFT_WORKER, ENV_VAR, FLAG, FROM_CLI_ARGS, MANIFEST_FLAG,
-    RUNTIME_HOOKS, SCHEDULER_MODULE, TESTED_SGLANG, WORKER_DRAFT, WORKER_HOOKS, DraftCaptureConfigError,
+    DEFAULT_BACKEND, RUNTIME_HOOKS, SCHEDULER_MODULE, TESTED_SGLANG, WORKER_DRAFT, WORKER_HOOKS, DraftCaptureConfigError,
     DraftCaptureOptions, attach_options, log, options_from_env, options_from_namespace, options_of, sglang_tp_rank,
     unpatched_worker_hooks, validate_server_args, _DEST, ATTR, WORKER_INIT_GRAPHS, WORKER_EXTEND_PREFILL,
     WORKER_EXTEND_DECODE, BATCH_RETRACT, BATCH_EVICT_SWA, SERVER_ARGS, SCHEDULE_BATCH, ARG_HOOKS)
-from graphcap.spec import DEFAULT_BACKEND, GRAPH_BACKENDS
+from graphcap.backends import GRAPH_BACKENDS
 
 class _State:
     registered = 0  # register() calls in this process (tests read it)
