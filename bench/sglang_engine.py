@@ -78,8 +78,9 @@ def engine_kwargs(cfg: dict) -> dict:
 
 
 def run_child(cfg: dict) -> dict:
-    if cfg.get("flush_manifest"):  # the engine is killed at shutdown: keep the manifest current (not when timing)
-        os.environ["GRAPHCAP_MANIFEST_FLUSH_S"] = "0"
+    if cfg.get("flush_manifest"):  # correctness runs (not timed): the engine is killed at shutdown, so keep the
+        os.environ["GRAPHCAP_MANIFEST_FLUSH_S"] = "0"  # manifest current; and check every length graphcap reads
+        os.environ["GRAPHCAP_SGLANG_CHECK"] = "1"  # or hands on against sglang's after each draft (one sync)
     if cfg["mode"] == "graphcap":
         os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(
             {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"]})
@@ -182,6 +183,27 @@ def compare(base: dict, other: dict, base_trace: dict, other_trace: dict) -> lis
     return rows
 
 
+def issue_record(check: dict | None, speed: dict | None, commit: str | None) -> dict:
+    """The per-case record docs/results/sglang-engine-h200.json keeps: correctness from the tiny pair's check, and
+    for the batches both runs have, the draft-shapes pair's timings (null where a figure was not measured)."""
+    speed = speed or {}
+    cases = []
+    for c in (check or {}).get("cases", []):
+        sp = speed.get(str(c["batch"])) or speed.get(c["batch"]) or {}
+        base, ours, nospec = sp.get("sglang", {}), sp.get(f"graphcap-{c['backend']}", {}), sp.get("nospec", {})
+        cases.append({
+            "batch": c["batch"], "backend": c["backend"], "requests": c["requests"], "tokens_equal": c["tokens_equal"],
+            "drafts_compared": c["drafts_compared"], "drafts_equal": c["drafts_equal"],
+            # the structured checkpoint's draft margins are >= 3.5 logits: a differing draft is a bug, not a tie
+            "near_ties": 0 if c["drafts_equal"] == c["drafts_compared"] else None,
+            "crashes": c["crashes"], "fallbacks": c["fallbacks"],
+            "accept_len_sglang": c["accept_len_sglang"], "accept_len_graphcap": c["accept_len_graphcap"],
+            "draft_ms_sglang": base.get("draft_ms"), "draft_ms_graphcap": ours.get("draft_ms"),
+            "decode_tok_s_sglang": base.get("decode_tok_s"), "decode_tok_s_graphcap": ours.get("decode_tok_s"),
+            "decode_tok_s_no_spec": nospec.get("decode_tok_s")})
+    return {"commit": commit, "default_backend": (check or {}).get("default_backend"), "cases": cases}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt")
@@ -192,12 +214,19 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=None, help="default: the checkpoint's")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--new", type=int, default=160)
+    ap.add_argument("--combine", nargs=2, metavar=("CHECK_JSON", "SPEED_JSON"),
+                    help="write the issue record (--out) from a --check and a --speed output")
     ap.add_argument("--child")
     ap.add_argument("--child-out")
     a = ap.parse_args(argv)
     if a.child:
         res = run_child(json.load(open(a.child)))
         json.dump(res, open(a.child_out, "w"))
+        return 0
+    if a.combine:
+        chk, spd = (json.load(open(p)) for p in a.combine)
+        rec = issue_record(chk["check"], spd["speed"], chk.get("commit") or spd.get("commit"))
+        json.dump(rec, open(a.out, "w"), indent=1)
         return 0
     work = tempfile.mkdtemp(prefix="graphcap-engine-", dir=os.path.dirname(os.path.abspath(a.out)))
     vocab = a.vocab or json.load(open(os.path.join(a.ckpt, "target", "config.json")))["vocab_size"]
@@ -215,7 +244,9 @@ def main(argv=None) -> int:
         # small pool: the 96-request case queues behind --max-running-requests and retracts
         pool = dict(max_total_tokens=64 * 2600, flush_manifest=True)
         base = spawn(cfg("sglang", "sglang", cases, **pool), work)
-        out = {"default_backend": "inductor-cudagraph", "engines": {}, "cases": []}
+        from graphcap.integrations.sglang_config import DEFAULT_BACKEND
+
+        out = {"default_backend": DEFAULT_BACKEND, "engines": {}, "cases": []}
         bt = draft_map(read_trace(base["config"]["trace_dir"])) if not base.get("crashed") else {}
         for be in backends:
             r = spawn(cfg(f"graphcap-{be}", "graphcap", cases, backend=be, **pool), work)
