@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from graphcap.baseline import RebuildBaseline
+from graphcap.bench.baselines import RebuildBaseline
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec
-from graphcap.state import make_target_state
+from graphcap.bench.state import make_target_state
 from graphcap.window import WindowBuffers
 
 

@@ -1,10 +1,16 @@
-"""The sglang-style baselines: graphcap's own model and kernels, driven the way sglang drives the frozen-KV draft.
+"""The baselines graphcap is measured against, all on the same model, weights and target state:
 
-Every iteration rebuilds every row's window from `req_to_token` - the same gather-and-translate work as sglang's
-`update_sliding_window_buffer`, O(batch x min(ctx, W)) - then does sglang's `seq_lens.sum().item()` host sync, then
-runs the steps: eagerly (`eager-rebuild`, sglang 0.5.18 at one step) or replayed from a CUDA graph of the steps
-alone (`graph-rebuild`, sglang 0.5.23). The rebuild writes the ring in the same canonical layout `advance` keeps,
-so on the same state both produce exactly the tokens graphcap's loop produces.
+- `RebuildBaseline`: graphcap's model and kernels driven the way sglang drives the frozen-KV draft. Every iteration
+  rebuilds every row's window from `req_to_token` (the gather-and-translate work of sglang's
+  `update_sliding_window_buffer`, O(batch x min(ctx, W))), does sglang's `seq_lens.sum().item()` host sync, then runs
+  the steps eagerly (`eager-rebuild`) or replayed from a CUDA graph of the steps alone (`graph-rebuild`). The rebuild
+  writes the ring in the canonical layout `advance` keeps, so both produce exactly graphcap's tokens.
+- `SglangBaseline` (`sglang`): what sglang 0.5.23 launches on CUDA - the fused op set (one kernel per norm,
+  add-norm, gelu-mul, rotary), sglang's index builder, split rule and decode kernel, the rebuild and `.item()`
+  eager, the steps in one CUDA graph.
+- `CompiledBaseline` (`compile`): what a user builds without graphcap - the same loop as `sglang` with the rebuild
+  inside, sglang's kernels as opaque custom ops, under torch.compile(mode="reduce-overhead", fullgraph=True), every
+  persistent tensor marked static. Without CUDA: graphcap's torch twins for the rebuild and attention.
 """
 from __future__ import annotations
 
@@ -12,9 +18,12 @@ from collections.abc import Sequence
 
 import torch
 
+from graphcap.bench.sglang_ops import SglangAttention
 from graphcap.capture import DraftGraphs
 from graphcap.kernels.window_update import window_reset
 from graphcap.models.draft_loop import DraftLoop, DraftOutput
+from graphcap.models.draft_ops import DraftOps
+from graphcap.recording import compile_iteration
 
 
 class RebuildBaseline:
@@ -48,55 +57,15 @@ class RebuildBaseline:
 
 
 class SglangBaseline:
-    """What a user gets today: the same model's steps in plain torch ops, with sglang's own Triton decode kernel
-    (`decode_attention_fwd`) over CSR index lists rebuilt every iteration by sglang's own index builder
-    (`create_flashinfer_kv_indices_triton`; window lists translated to SWA ids in the same pass, as in 0.5.23),
-    sglang's `seq_lens.sum().item()` sync, and the steps replayed from one CUDA graph. CUDA and sglang only.
-
-    Simplification: sglang sizes `num_kv_splits` per row from the lengths each iteration; here every row gets
-    `MAX_SPLITS` (16, the best of 8/16/32 on these shapes in ../shared/notes/gpu-facts.md).
-    """
-
     name = "sglang"
-    MAX_SPLITS = 16
 
-    def __init__(self, model, window, k_swa, v_swa, k_full, v_full, buckets: Sequence[int],
-                 steps: int | None = None) -> None:
-        from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
-        from sglang.kernels.ops.attention.kv_indices import create_flashinfer_kv_indices_triton
-
-        self._build_indices = create_flashinfer_kv_indices_triton
-        self.window, self.syncs = window, 0
-        spec, dev, bmax = model.spec, window.device, buckets[-1]
-        row_len = window.req_to_token.shape[1]
-        self.pools = {"sliding": (k_swa, v_swa), "full": (k_full, v_full)}
-        self.indptr = {lt: torch.zeros(bmax + 1, dtype=torch.int32, device=dev) for lt in self.pools}
-        self.indices = {"sliding": torch.zeros(bmax * window.window, dtype=torch.int64, device=dev),
-                        "full": torch.zeros(bmax * row_len, dtype=torch.int64, device=dev)}
-        self.num_kv_splits = torch.full((bmax,), self.MAX_SPLITS, dtype=torch.int32, device=dev)
-        scratch = {lt: (torch.empty(bmax, spec.draft.heads, self.MAX_SPLITS, spec.attention(lt).head_dim,
-                                    dtype=torch.float32, device=dev),
-                        torch.empty(bmax, spec.draft.heads, self.MAX_SPLITS, dtype=torch.float32, device=dev))
-                   for lt in self.pools}
-
-        def attend_with(lt: str):
-            k, v = self.pools[lt]
-            logits, lse = scratch[lt]
-
-            def attend(q: torch.Tensor, sm_scale: float) -> torch.Tensor:
-                b = q.shape[0]
-                o = torch.empty_like(q)
-                decode_attention_fwd(q, k, v, o, self.indptr[lt][: b + 1], self.indices[lt], logits[:b], lse[:b],
-                                     self.num_kv_splits[:b], self.MAX_SPLITS, sm_scale, 1.0, 1.0)
-                return o
-            return attend
-
-        from graphcap.models.frozen_kv_draft import KVSource
-
-        sources = {lt: KVSource(*self.pools[lt], window.ring if lt == "sliding" else window.req_to_token,
-                                window.window if lt == "sliding" else 0, row_len, attend=attend_with(lt))
-                   for lt in self.pools}
-        self.loop = DraftLoop(model, window, k_swa, v_swa, k_full, v_full, steps=steps, sources=sources)
+    def __init__(self, loop: DraftLoop, ops: DraftOps, buckets: Sequence[int]) -> None:
+        w, m = loop.window, loop.model
+        pools = {lt: (src.k_pool, src.v_pool) for lt, src in loop.sources.items()}
+        self.window, self.syncs = w, 0
+        self.attention = SglangAttention(w, pools, m.spec.draft.heads, buckets[-1], opaque=False)
+        self.loop = DraftLoop(m, w, *pools["sliding"], *pools["full"], steps=loop.steps,
+                              sources=self.attention.sources(), ops=ops)
         self.graphs = DraftGraphs.for_loop(self.loop, backend="cudagraph", buckets=buckets, steps_only=True,
                                            manifest_path=None, progress=False)
 
@@ -105,16 +74,58 @@ class SglangBaseline:
 
     def run(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
             *, host_slots: Sequence[int] | None = None) -> DraftOutput:
-        w, b = self.window, slots.shape[0]
+        w = self.window
         lens = w.seq_lens[slots] + accepted.to(w.seq_lens.dtype)
         w.seq_lens[slots] = lens
         self.seq_lens_sum = int(lens.sum().item())  # sglang's per-iteration device-to-host sync
         self.syncs += 1
-        win = lens.clamp(max=w.window)
-        for lt, n, start, mapping in (("full", lens, None, None), ("sliding", win, lens - win, w.full_to_swa)):
-            ip = self.indptr[lt]
-            torch.cumsum(n, 0, dtype=torch.int32, out=ip[1: b + 1])
-            ip[b + 1:] = ip[b]  # padding rows of the bucket: empty
-            self._build_indices[(b,)](w.req_to_token, slots, n, ip, start, self.indices[lt], w.req_to_token.stride(0),
-                                      token_mapping=mapping)
+        self.attention.rebuild(slots, lens)
         return self.graphs.run(slots, accepted, tokens, hidden, host_slots=host_slots)
+
+
+class CompiledBaseline:
+    name = "compile"
+
+    def __init__(self, loop: DraftLoop, ops: DraftOps, batches: Sequence[int], sglang_kernels: bool,
+                 warm_slots: torch.Tensor) -> None:
+        w, m = loop.window, loop.model
+        self.warm_slots = warm_slots
+        pools = {lt: (src.k_pool, src.v_pool) for lt, src in loop.sources.items()}
+        self.window, self.batches = w, tuple(batches)
+        self.attention = SglangAttention(w, pools, m.spec.draft.heads, max(batches), opaque=True) \
+            if sglang_kernels else None
+        sources = self.attention.sources() if self.attention else None
+        self.loop = DraftLoop(m, w, *pools["sliding"], *pools["full"], steps=loop.steps, sources=sources, ops=ops)
+        static = dict(self.loop.static_tensors())
+        if self.attention:
+            static.update(self.attention.static_tensors())
+        self._fn, _ = compile_iteration(self._iteration, "reduce-overhead", static.values(), len(self.batches),
+                                        f"compile_mode_{id(self):x}")
+        self.cuda = w.device.type == "cuda"
+
+    def _iteration(self, slots, accepted, tokens, hidden) -> DraftOutput:
+        w = self.window
+        lens = w.seq_lens[slots] + accepted.to(w.seq_lens.dtype)
+        if self.attention is not None:
+            w.seq_lens[slots] = lens
+            self.attention.rebuild(slots, lens)
+        else:  # graphcap's rebuild op (its torch twin on a CPU), then graphcap's attention reads the ring
+            window_reset(w.ring, w.seq_lens, w.req_to_token, w.full_to_swa, slots, lens)
+        return self.loop.draft_steps(slots, accepted, tokens, hidden)
+
+    def capture(self) -> None:
+        """Compile (and on CUDA record) every measured batch size once, on live rows with nothing accepted: the
+        windows are rebuilt as they stand, so the state does not move."""
+        for b in self.batches:
+            slots = self.warm_slots[:b]
+            zeros = torch.zeros(b, dtype=torch.int32, device=slots.device)
+            _, _, tokens, hidden = self.loop.example_inputs(b)
+            for _ in range(3):  # compile, record, first replay
+                self.run(slots, zeros, tokens, hidden)
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def run(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+            *, host_slots: Sequence[int] | None = None) -> DraftOutput:
+        torch.compiler.cudagraph_mark_step_begin()  # a new iteration: the last one's outputs may be overwritten
+        return self._fn(slots, accepted, tokens, hidden)
