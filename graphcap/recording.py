@@ -39,7 +39,12 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
                       tag: str) -> tuple[DraftFn, types.CodeType]:
     """`fn` under torch.compile for `backend` (one of COMPILED_BACKENDS), and the code object Dynamo caches it under
     (`draft_iteration_<tag>`), whose entries count the recompiles. Every tensor of `static` (the persistent tensors
-    and each bucket's static inputs) is marked with `mark_static_address`, so no replay copies it."""
+    and each bucket's static inputs) is marked with `mark_static_address`, so no replay copies it.
+
+    A function whose `graph_breaks` attribute is true is compiled with fullgraph=False: Dynamo compiles the pieces
+    between the Python it cannot trace (sglang's layers build msgspec records mid-forward), and the manual-graph
+    backends still record all of it, Python glue included, in one CUDA graph. Its recompile limit is then raised
+    with the recompile limit made an error, so a piece that would silently run eagerly fails the capture instead."""
     for t in static:
         torch._dynamo.mark_static_address(t)
 
@@ -50,10 +55,17 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
 
     code = draft_iteration.__code__.replace(co_name=f"draft_iteration_{tag}")
     fresh = types.FunctionType(code, draft_iteration.__globals__, code.co_name, None, draft_iteration.__closure__)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, buckets + 2)
+    breaks = bool(getattr(fn, "graph_breaks", False))
+    # pieces after a graph break are cached per layer instance and bucket: room for all of them
+    limit = buckets + 2 if not breaks else 64 * (buckets + 2)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    if breaks:
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                               4 * limit)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     mode = "reduce-overhead" if backend == "reduce-overhead" else None
     options = None if mode else {"triton.cudagraphs": False}  # inductor-cudagraph records its own graphs
-    return torch.compile(fresh, mode=mode, options=options, fullgraph=True, dynamic=False), code
+    return torch.compile(fresh, mode=mode, options=options, fullgraph=not breaks, dynamic=False), code
 
 
 def record_bucket(inputs: Inputs, rec: mf.BucketRecord, backend: str, fn: DraftFn, compiled: DraftFn | None,

@@ -17,13 +17,17 @@
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
 #                                 kernel/model tests, gemma4 replay tests
+#   scripts/gpu-check.sh engine-check  sglang's own engine with and without --enable-draft-graph-capture (every
+#                                 backend) on a tiny structured Gemma 4 pair: tokens, drafts, acceptance, manifests
+#   scripts/gpu-check.sh engine-speed  the same on the draft-shapes pair: draft-phase GPU time and decode tok/s per
+#                                 batch, stock sglang vs graphcap vs the target alone
 # Several stages run in one call in order: scripts/gpu-check.sh kernels capture-all.
 # sglang's kernels are used when ./.whl holds the wheels from ../shared/tools/sglang-wheels-for-device.sh.
 # The lent machine's .git may be stale: `git rev-parse --short HEAD > .gpu-commit` here (ignored; carry it) records
 # the commit the tree is at in env-<stage>.txt.
 set -uo pipefail
 [ $# -eq 0 ] && set -- smoke
-STAGES="perf smoke tests kernels capture-warm host-affinity host bench capture-all bench8 check splits"
+STAGES="perf smoke tests kernels capture-warm host-affinity host bench capture-all bench8 check splits engine-check engine-speed"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -38,6 +42,14 @@ if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/sglang ]; then
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+engine_env() {  # sglang's engine finds graphcap's plugin through its entry point (an installed dist-info) and
+  # imports the sgl_kernel stand-in (tests/support) in every subprocess
+  if [ ! -d /tmp/graphcap-dist ]; then
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/graphcap-dist . >/dev/null
+  fi
+  export PYTHONPATH=$PWD:$PWD/tests/support:/tmp/graphcap-dist${PYTHONPATH:+:$PYTHONPATH}
+  export GRAPHCAP_COMMIT=$(cat .gpu-commit 2>/dev/null)
+}
 export GRAPHCAP_MANIFEST_DIR=$LOG/manifests
 # Inductor's and Triton's on-disk caches live in $WORK: later stages on the same (still warm) machine reuse what an
 # earlier stage compiled. The perf stage measures a cold start in fresh directories of its own.
@@ -157,6 +169,18 @@ case $stage in
     step pytest-kernels python3 -m pytest -q -rs tests/test_attention.py tests/test_models.py
     STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-gemma4 python3 -m pytest -q -rs tests/test_capture_gpu.py \
       -k "gemma4 and inductor-cudagraph"
+    ;;
+  engine-check)  # correctness in sglang's own engine (tiny pair: starts in tens of seconds per engine)
+    engine_env
+    step ckpt-tiny python3 bench/sglang_checkpoint.py --size tiny --out "$WORK/ckpt-tiny" --device cuda
+    STEP_LIMIT=${STEP_LIMIT:-540} step engine-check python3 bench/sglang_engine.py --ckpt "$WORK/ckpt-tiny" --check \
+      --backends "${ENGINE_BACKENDS:-cudagraph,inductor-cudagraph,reduce-overhead}" --out "$LOG/engine-check.json"
+    ;;
+  engine-speed)  # speed in sglang's own engine (draft-shapes pair)
+    engine_env
+    step ckpt-draft-shapes python3 bench/sglang_checkpoint.py --size draft-shapes --out "$WORK/ckpt-ds" --device cuda
+    STEP_LIMIT=${STEP_LIMIT:-540} step engine-speed python3 bench/sglang_engine.py --ckpt "$WORK/ckpt-ds" --speed \
+      --backends "${ENGINE_BACKENDS:-inductor-cudagraph}" --out "$LOG/engine-speed.json"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -9,15 +9,15 @@ from __future__ import annotations
 import logging
 import weakref
 
+from graphcap.integrations.sglang_config import (DraftCaptureConfigError, options_of, unpatched_worker_hooks,
+                                                  validate_server_args)
+from graphcap.integrations.sglang_runtime import GraphcapDraftRuntime
+from graphcap.integrations.sglang_slots import slot_of
+
 log = logging.getLogger("graphcap.sglang")
 RUNTIME_ATTR = "_graphcap_runtime"  # on the FrozenKVMTPDraftWorker
 _RUNTIMES: weakref.WeakSet = weakref.WeakSet()  # live runtimes in this process (the batch hooks reach them here)
 _WARNED: set[str] = set()  # per-iteration conditions already logged in this process (warn once, not every iteration)
-
-
-def slot_of(req) -> int | None:
-    """The request's row in the request pool (sglang 0.5.23 keeps it on `req.kv`)."""
-    return getattr(getattr(req, "kv", None), "req_pool_idx", None)
 
 
 def runtime_of(worker):
@@ -29,8 +29,6 @@ def live_runtimes() -> list:
 
 
 def before_check_server_args(server_args, *args, **kwargs):
-    from graphcap.integrations.sglang import validate_server_args
-
     validate_server_args(server_args)
     return None  # arguments unchanged
 
@@ -39,9 +37,6 @@ def around_init_cuda_graphs(original, worker, *args, **kwargs):
     """sglang's `init_cuda_graphs` runs `TpModelWorker.init_cuda_graphs` and then `_capture_cuda_graphs` (its own
     FrozenKVMTPCudaGraphRunner) inside the draft's TP/PP/MoE contexts. When graphcap serves this worker, the second
     call captures graphcap's loop instead, in the same contexts; otherwise everything runs as stock sglang."""
-    from graphcap.integrations.sglang import DraftCaptureConfigError, options_of, unpatched_worker_hooks
-    from graphcap.integrations.sglang_runtime import GraphcapDraftRuntime
-
     opts = options_of(getattr(worker, "server_args", None))
     if not opts.enabled:
         return original(worker, *args, **kwargs)

@@ -1,5 +1,5 @@
 """graphcap inside sglang's scheduler process: the draft phase of FROZEN_KV_MTP with graphcap's window buffers and
-capture engine. Installed by the hooks in `graphcap.integrations.sglang_hooks`; see docs/sglang.md for what of this
+capture engine. Driven by the hooks in `graphcap.integrations.sglang_hooks`; see docs/sglang.md for what of this
 ran against real sglang code (the slot bookkeeping, the window equivalence, the tree inputs) and what is written but
 unexercised here (everything that needs a GPU sglang server with the assistant's weights: `SglangAssistantLoop`,
 `GraphcapDraftAttention`, `GraphcapDraftRuntime.capture` and the sglang half of `draft`; `iterate`, graphcap's half,
@@ -18,6 +18,7 @@ Per iteration, instead of sglang's `FrozenKVMTPDraftWorker.draft` (`GraphcapDraf
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from types import SimpleNamespace
@@ -27,14 +28,15 @@ import torch
 from graphcap import manifest as mf
 from graphcap.capture import DraftGraphs
 from graphcap.guards import CaptureError
-from graphcap.integrations.sglang import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
-from graphcap.integrations.sglang_hooks import slot_of
-from graphcap.integrations.sglang_slots import SlotTracker, bind_window  # noqa: F401 - bind_window re-exported
+from graphcap.integrations.sglang_config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
+from graphcap.integrations.sglang_slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
 from graphcap.models.draft_loop import DraftOutput
 from graphcap.window import WindowBuffers
 
 log = logging.getLogger("graphcap.sglang")
 CHECK_ENV = "GRAPHCAP_SGLANG_CHECK"  # =1: after each replay, check every length against sglang's (syncs)
+FLUSH_ENV = "GRAPHCAP_MANIFEST_FLUSH_S"  # seconds between manifest writes (0: every iteration, for short runs)
+COMPILE_SCOPE_ENV = "GRAPHCAP_SGLANG_COMPILE_SCOPE"  # "iteration" (default) or "model": what torch.compile traces
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -51,8 +53,10 @@ def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static
                            capture=SimpleNamespace(steps=steps))
     rank = sglang_tp_rank() if tp_rank is None else tp_rank
     path = None if rank else mf.manifest_path(manifest_dir or mf.default_manifest_dir(), name, spec.hash, backend)
+    flush_s = float(os.environ.get(FLUSH_ENV, "10"))
     graphs = DraftGraphs(fn, buckets=list(buckets), padding_slot=window.padding_slot, example_inputs=example_inputs,
-                         static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path)
+                         static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path,
+                         flush_every_s=flush_s)
     graphs.capture()
     return graphs
 
@@ -78,15 +82,22 @@ def check_lengths(window: WindowBuffers, batch, host_slots: list[int], seq_lens_
         raise RuntimeError(f"graphcap ({CHECK_ENV}=1), rows {list(host_slots)}: " + "; ".join(bad))
 
 
+_TREE_INPUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (batch, steps, device) -> constant inputs
+
+
 def chain_tree_inputs(draft_tokens: torch.Tensor):
     """(parent_list, top_scores_index, draft_tokens) exactly as sglang's `draft_forward` + `organize_draft_results`
-    produce them for a chain (topk == 1): parents -1, 0, 1, ... (none for one step), every token selected in order."""
+    produce them for a chain (topk == 1): parents -1, 0, 1, ... (none for one step), every token selected in order.
+    Contiguous, row-major: sglang's tree kernel checks the strides of every dimension of size > 1 (an `expand`ed view
+    with stride 0 along the batch is refused). The two index tensors are constants per batch size, made once."""
     b, steps = draft_tokens.shape
     dev = draft_tokens.device
-    parent_list = (torch.arange(-1, steps - 1, device=dev) if steps > 1
-                   else torch.empty(0, dtype=torch.long, device=dev)).expand(b, -1)
-    top_scores_index = torch.arange(steps, device=dev).expand(b, -1)
-    return parent_list, top_scores_index, draft_tokens
+    key = (b, steps, dev)
+    const = _TREE_INPUTS.get(key)
+    if const is None:
+        parents = torch.arange(-1, steps - 1, device=dev) if steps > 1 else torch.empty(0, dtype=torch.long, device=dev)
+        const = _TREE_INPUTS[key] = (parents.repeat(b, 1), torch.arange(steps, device=dev).repeat(b, 1))
+    return const[0], const[1], draft_tokens.contiguous()
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -122,26 +133,65 @@ class GraphcapDraftAttention:
 
 class SglangAssistantLoop:
     """fn(slots, accepted, tokens, hidden) -> DraftOutput: advance, then the seed step and steps - 1 more steps of
-    sglang's Gemma 4 assistant (greedy: topk == 1), as `FrozenKVMTPDraftWorker.draft_forward` does them."""
+    sglang's Gemma 4 assistant (greedy: topk == 1), as `FrozenKVMTPDraftWorker.draft_forward` does them.
 
-    def __init__(self, worker, window: WindowBuffers, attention: GraphcapDraftAttention, steps: int) -> None:
+    Traceable by Dynamo with fullgraph=True: nothing sglang-side is constructed inside the call. The ForwardBatch of
+    each bucket is built beforehand (`prepare`) and the forward context (sglang's module-level global that
+    RadixAttention reads its backend from) is set by the caller around every call (`context()`): Dynamo guards on
+    that global, so it must be the same object at every call, capture and replay alike.
+
+    `compile_scope="model"` compiles only sglang's model forward (what sglang's own --enable-torch-compile does) and
+    leaves advance/top-k eager; the default, "iteration", lets the capture engine compile the whole call. sglang
+    0.5.23's layers construct msgspec records (its residual-stream bookkeeping) inside the forward, which Dynamo
+    cannot build, so the iteration compiles with graph breaks there (`graph_breaks`); the manual-graph backends
+    record the compiled pieces and the Python between them in one CUDA graph, so a replay runs none of that Python."""
+
+    graph_breaks = True  # read by graphcap.recording.compile_iteration
+
+    def __init__(self, worker, window: WindowBuffers, attention: GraphcapDraftAttention, steps: int,
+                 compile_scope: str = "iteration") -> None:
+        from sglang.srt.model_executor.forward_context import ForwardContext
+
+        if compile_scope not in ("iteration", "model"):
+            raise ValueError(f"compile_scope must be 'iteration' or 'model', got {compile_scope!r}")
         self.worker, self.window, self.attention, self.steps = worker, window, attention, steps
         self.model = worker.draft_model_runner.model
+        self.forward_ctx = ForwardContext(attn_backend=attention)
+        self.compile_scope = compile_scope
+        self._forward = self.model.forward
+        self._batches: dict[int, object] = {}
+
+    def prepare(self, sizes, compile_model: bool = False) -> None:
+        """Build the ForwardBatch of every batch size that can reach the loop (buckets, and the eager path's
+        larger batches are built on demand by `forward_batch`); with `compile_model`, wrap the model's forward in
+        torch.compile (Inductor, no CUDA graphs of its own: the capture engine records them)."""
+        for b in sizes:
+            self._batches[b] = self._new_forward_batch(b)
+        if compile_model:
+            self._forward = torch.compile(self.model.forward, fullgraph=False, dynamic=False,
+                                          options={"triton.cudagraphs": False})
+
+    def context(self):
+        """sglang's forward context for this loop's calls (enter it around capture, replay and eager runs)."""
+        from sglang.srt.model_executor.forward_context import forward_context
+
+        return forward_context(self.forward_ctx)
+
+    def forward_batch(self, b: int):
+        fb = self._batches.get(b)
+        if fb is None:  # eager path only (a batch above the largest bucket): built outside any trace
+            fb = self._batches[b] = self._new_forward_batch(b)
+        return fb
 
     def __call__(self, slots, accepted, tokens, hidden):
-        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
         self.window.advance(slots, accepted)
-        lens = self.window.seq_lens.index_select(0, slots).to(torch.int64)
-        positions = (lens - 1).clamp(min=0)
-        fb = self._forward_batch(slots, lens, positions, hidden)
+        positions = self.window.seq_lens.index_select(0, slots).to(torch.int64).sub(1).clamp(min=0)
+        fb = self.forward_batch(slots.shape[0])
         self.attention.bind(slots)
         toks, scores, margins = [], [], []
         for _ in range(self.steps):
-            fb.input_ids = tokens
-            fb.spec_info.hidden_states = hidden
-            with forward_context(ForwardContext(attn_backend=self.attention), forward_batch=fb):
-                out = self.model(tokens, positions, fb)
+            fb.spec_info.hidden_states = hidden  # the assistant reads its recurrent input from here
+            out = self._forward(tokens, positions, fb)
             top = out.next_token_logits.float().topk(2, dim=-1)
             tokens, hidden = top.indices[:, 0], out.hidden_states
             toks.append(tokens)
@@ -149,19 +199,25 @@ class SglangAssistantLoop:
             margins.append(top.values[:, 0] - top.values[:, 1])
         return DraftOutput(torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(margins, 1), hidden)
 
-    def _forward_batch(self, slots, lens, positions, hidden):
-        """The ForwardBatch sglang's FrozenKVMTPCudaGraphRunner.capture_one_shape builds, over graphcap's inputs."""
+    def _new_forward_batch(self, b: int):
+        """The ForwardBatch sglang's FrozenKVMTPCudaGraphRunner.capture_one_shape builds. Its tensors are
+        placeholders of the right batch size: graphcap's attention reads the window buffers, and the model reads
+        only the batch's mode, size and spec_info from it."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
         from sglang.srt.speculative.frozen_kv_mtp_info import FrozenKVMTPDraftInput
 
-        b = slots.shape[0]
+        dev = self.window.device
+        hidden = torch.zeros(b, int(self.model.backbone_hidden_size), dtype=self.worker.model_config.dtype,
+                             device=dev)
         spec_info = FrozenKVMTPDraftInput(hidden_states=hidden, capture_hidden_mode=CaptureHiddenMode.LAST)
         spec_info.num_tokens_per_req = spec_info.num_tokens_for_logprob_per_req = 1
-        spec_info.positions = positions
+        zeros = torch.zeros(b, dtype=torch.int64, device=dev)
+        spec_info.positions = zeros
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=b, input_ids=None, req_pool_indices=slots, seq_lens=lens,
-            seq_lens_cpu=None, out_cache_loc=None, seq_lens_sum=b * self.attention.max_context, return_logprob=False,
-            positions=positions, spec_algorithm=self.worker.draft_model_runner.spec_algorithm, spec_info=spec_info,
+            forward_mode=ForwardMode.DECODE, batch_size=b, input_ids=zeros.clone(), req_pool_indices=zeros.clone(),
+            seq_lens=zeros.clone(), seq_lens_cpu=None, out_cache_loc=None,
+            seq_lens_sum=b * self.attention.max_context, return_logprob=False, positions=zeros,
+            spec_algorithm=self.worker.draft_model_runner.spec_algorithm, spec_info=spec_info,
             capture_hidden_mode=CaptureHiddenMode.LAST)
 
     def example_inputs(self, b: int):
@@ -184,6 +240,7 @@ class GraphcapDraftRuntime:
         self.max_bucket = 0
         self.active = False
         self.host_syncs = 0  # draft iterations that had to sum seq_lens on the device (no host lengths given)
+        self.loop: SglangAssistantLoop | None = None  # set by capture(); tests attach graphs over other functions
 
     @classmethod
     def for_worker(cls, worker, options: DraftCaptureOptions):
@@ -235,8 +292,17 @@ class GraphcapDraftRuntime:
         w = self.worker
         attention = GraphcapDraftAttention(self.window, self.target_pool,
                                            int(w.target_worker.model_runner.model_config.context_len))
-        loop = SglangAssistantLoop(w, self.window, attention, self.steps)
+        scope = os.environ.get(COMPILE_SCOPE_ENV, "iteration")
+        backend = self.options.backend
+        if scope == "model" and backend != "inductor-cudagraph":
+            raise DraftCaptureConfigError(f"{COMPILE_SCOPE_ENV}=model needs the inductor-cudagraph backend, "
+                                          f"got {backend}")
+        loop = SglangAssistantLoop(w, self.window, attention, self.steps, compile_scope=scope)
         buckets = sorted(set(get_batch_sizes_to_capture(w.draft_model_runner, 1)[0]))
+        # model scope: sglang's model under torch.compile inside a plain recorded graph of the iteration
+        loop.prepare(buckets, compile_model=scope == "model")
+        if scope == "model":
+            backend = "cudagraph"
         static = {f"window.{k}": v for k, v in self.window.static_tensors().items()}
         static.update({f"draft.{n}": t for n, t in loop.model.named_parameters()})
         static.update({f"draft.{n}": t for n, t in loop.model.named_buffers() if t is not None})
@@ -245,10 +311,18 @@ class GraphcapDraftRuntime:
             static[f"target.k{phys}"] = self.target_pool.get_key_buffer(phys)
             static[f"target.v{phys}"] = self.target_pool.get_value_buffer(phys)
         name = "sglang-" + os.path.basename(str(w.server_args.speculative_draft_model_path or "draft").rstrip("/"))
-        self.attach(capture_graphs(self.window, loop, buckets=buckets, example_inputs=loop.example_inputs,
-                                   static_tensors=static, backend=self.options.backend,
-                                   manifest_dir=self.options.manifest_dir, name=name, steps=self.steps,
-                                   tp_rank=sglang_tp_rank(w)))
+        if scope == "model":
+            name += "-model-compiled"
+        self.loop = loop
+        with loop.context():
+            graphs = capture_graphs(self.window, loop, buckets=buckets, example_inputs=loop.example_inputs,
+                                    static_tensors=static, backend=backend, manifest_dir=self.options.manifest_dir,
+                                    name=name, steps=self.steps, tp_rank=sglang_tp_rank(w))
+        self.attach(graphs)
+
+    def _context(self):
+        """The loop's sglang forward context (what its compiled code was traced under), or none without a loop."""
+        return self.loop.context() if self.loop is not None else contextlib.nullcontext()
 
     def attach(self, graphs: DraftGraphs) -> None:
         """Serve the draft phase from `graphs` (captured)."""
@@ -270,15 +344,17 @@ class GraphcapDraftRuntime:
         self.graphs.check_batch(slots, tokens, hidden, host_slots=host_slots, call="graphcap draft")
         self.tracker.rebuild(batch.reqs, batch.seq_lens, host_slots)
         b = len(host_slots)
-        if b <= self.max_bucket:
-            s, a, t, h = self.graphs.static_inputs(b)
-            s.copy_(slots)
-            self.tracker.take_accepted(s, out=a)
-            t.copy_(tokens)
-            h.copy_(hidden)
-            out = self.graphs.replay(b)
-        else:  # above the largest bucket: run() copies and runs eagerly (counted in the manifest)
-            out = self.graphs.run(slots, self.tracker.take_accepted(slots), tokens, hidden, host_slots=host_slots)
+        with self._context():
+            if b <= self.max_bucket:
+                s, a, t, h = self.graphs.static_inputs(b)
+                s.copy_(slots)
+                self.tracker.take_accepted(s, out=a)
+                t.copy_(tokens)
+                h.copy_(hidden)
+                out = self.graphs.replay(b)
+            else:  # above the largest bucket: run() copies and runs eagerly (counted in the manifest)
+                out = self.graphs.run(slots, self.tracker.take_accepted(slots), tokens, hidden,
+                                      host_slots=host_slots)
         seq_lens_sum, source = self._seq_lens_sum(batch)
         if os.environ.get(CHECK_ENV) == "1":
             check_lengths(self.window, batch, host_slots, seq_lens_sum, source)

@@ -1,0 +1,275 @@
+"""sglang's own engine with and without `--enable-draft-graph-capture`: same checkpoint, same prompts, greedy.
+
+Runs on a CUDA machine with sglang installed (scripts/gpu-check.sh stage `engine`). Each engine configuration runs in
+a child process of its own (`--child`): sglang.Engine in-process, `skip_tokenizer_init`, prompts as token ids. The
+parent compares the children's outputs and writes one JSON record:
+
+- correctness (`--check`, the tiny checkpoint): batches of 1, 2, 8, 32 and 64 requests with prompts shorter and
+  longer than the sliding window and mixed `max_new_tokens`, then more requests than `--max-running-requests` over a
+  KV pool small enough to queue, retract and evict. Per engine with the flag: output tokens per request against
+  stock sglang's, the draft tokens proposed per (request, length) against stock sglang's (from graphcap's draft trace,
+  `GRAPHCAP_SGLANG_TRACE`), accepted length, fallbacks and captured buckets from graphcap's manifest;
+- speed (`--speed`, the draft-shapes checkpoint): per batch, the draft phase's GPU time per iteration (CUDA events
+  around the worker's draft call) and decode tokens/s, for stock sglang, graphcap and the target alone.
+
+Usage: python bench/sglang_engine.py --ckpt DIR --check --out OUT.json [--backends ...]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+WINDOW = 1024
+CHECK_BATCHES = (1, 2, 8, 32, 64)
+SPEED_BATCHES = (1, 8, 32, 64)
+BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+STEPS = 3
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# workloads (deterministic: the same prompts reach every engine)
+
+
+def check_cases(vocab: int, seed: int = 0) -> list[dict]:
+    """Batches of requests with prompts both sides of the window and mixed lengths, then an oversubscribed batch."""
+    rng = random.Random(seed)
+    cases = []
+    for b in (*CHECK_BATCHES, 96):
+        reqs = []
+        for i in range(b):
+            n = rng.randint(200, WINDOW - 100) if i % 2 == 0 else rng.randint(WINDOW + 100, 2 * WINDOW + 500)
+            reqs.append({"rid": f"b{b}-r{i}", "prompt": [rng.randrange(3, vocab) for _ in range(n)],
+                         "max_new": rng.choice((8, 24, 48, 96))})
+        cases.append({"name": f"batch{b}", "batch": b, "requests": reqs})
+    return cases
+
+
+def speed_case(b: int, vocab: int, context: int, new: int, seed: int = 1) -> dict:
+    rng = random.Random(seed + b)
+    return {"name": f"speed{b}", "batch": b, "requests": [
+        {"rid": f"s{b}-r{i}", "prompt": [rng.randrange(3, vocab) for _ in range(context)], "max_new": new}
+        for i in range(b)]}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# child: one engine
+
+
+def engine_kwargs(cfg: dict) -> dict:
+    kw = dict(model_path=os.path.join(cfg["ckpt"], "target"), skip_tokenizer_init=True, dtype="bfloat16",
+              attention_backend="triton", page_size=64, disable_radix_cache=True, disable_prefill_cuda_graph=True,
+              cuda_graph_bs_decode=BUCKETS, max_running_requests=cfg["max_running"], random_seed=0,
+              mem_fraction_static=0.6, log_level="warning")
+    if cfg.get("max_total_tokens"):
+        kw["max_total_tokens"] = cfg["max_total_tokens"]
+    if cfg["mode"] != "nospec":
+        kw.update(speculative_algorithm="NEXTN", speculative_draft_model_path=os.path.join(cfg["ckpt"], "assistant"),
+                  speculative_num_steps=STEPS, speculative_eagle_topk=1, speculative_num_draft_tokens=STEPS + 1)
+    return kw
+
+
+def run_child(cfg: dict) -> dict:
+    if cfg.get("flush_manifest"):  # the engine is killed at shutdown: keep the manifest current (not when timing)
+        os.environ["GRAPHCAP_MANIFEST_FLUSH_S"] = "0"
+    if cfg["mode"] == "graphcap":
+        os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(
+            {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"]})
+    os.environ["GRAPHCAP_SGLANG_TRACE"] = cfg["trace_dir"]
+    import sglang
+
+    t0 = time.perf_counter()
+    engine = sglang.Engine(**engine_kwargs(cfg))
+    result = {"config": cfg, "startup_s": time.perf_counter() - t0, "cases": []}
+    try:
+        for case in cfg["cases"]:
+            reqs = case["requests"]
+            params = [{"temperature": 0.0, "max_new_tokens": r["max_new"], "ignore_eos": True} for r in reqs]
+            torch_sync()
+            t = time.perf_counter()
+            outs = engine.generate(input_ids=[r["prompt"] for r in reqs], sampling_params=params,
+                                   rid=[r["rid"] for r in reqs])
+            wall = time.perf_counter() - t
+            prefill = None
+            if case.get("time_prefill"):  # the same prompts, one token each: the prefill part of `wall`
+                t = time.perf_counter()
+                engine.generate(input_ids=[r["prompt"] for r in reqs], rid=[r["rid"] + "-p" for r in reqs],
+                                sampling_params=[{"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}] * len(reqs))
+                prefill = time.perf_counter() - t
+            result["cases"].append({"name": case["name"], "batch": case["batch"], "wall_s": wall,
+                                    "prefill_s": prefill, "outputs": [
+                {"rid": r["rid"], "tokens": o["output_ids"], "verify_ct": o["meta_info"].get("spec_verify_ct"),
+                 "completion": o["meta_info"].get("completion_tokens")} for r, o in zip(reqs, outs)]})
+    finally:
+        engine.shutdown()
+    return result
+
+
+def torch_sync() -> None:
+    try:
+        import torch
+
+        torch.cuda.synchronize()
+    except Exception:
+        pass
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# parent: engines in children, comparisons
+
+
+def spawn(cfg: dict, log_dir: str) -> dict:
+    tag = cfg["tag"]
+    path = os.path.join(log_dir, f"child-{tag}.json")
+    cfg_path = os.path.join(log_dir, f"child-{tag}-config.json")  # prompts: too long for a command line
+    json.dump(cfg, open(cfg_path, "w"))
+    with open(os.path.join(log_dir, f"child-{tag}.log"), "w") as log:
+        t = time.perf_counter()
+        rc = subprocess.run([sys.executable, __file__, "--child", cfg_path, "--child-out", path],
+                            stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0 or not os.path.exists(path):
+        tail = open(os.path.join(log_dir, f"child-{tag}.log")).read()[-3000:]
+        print(f"== {tag}: engine child failed (rc {rc}) after {time.perf_counter() - t:.0f} s\n{tail}", flush=True)
+        return {"config": cfg, "crashed": True, "rc": rc, "log_tail": tail}
+    print(f"== {tag}: ok in {time.perf_counter() - t:.0f} s", flush=True)
+    return json.load(open(path))
+
+
+def read_trace(trace_dir: str) -> list[dict]:
+    rows = []
+    for p in glob.glob(os.path.join(trace_dir, "draft-trace-*.jsonl")):
+        rows += [json.loads(line) for line in open(p)]
+    return rows
+
+
+def draft_map(rows: list[dict]) -> dict:
+    """(rid, k) -> the draft tokens of the request's k-th draft call (the trace is in call order): two engines whose
+    outputs and accepted lengths agree draft from the same state at the same k."""
+    out, seen = {}, {}
+    for r in rows:
+        for i, rid in enumerate(r["rids"]):
+            k = seen[rid] = seen.get(rid, -1) + 1
+            out[(rid, k)] = r["draft"][i]
+    return out
+
+
+def accept_len(case: dict) -> float | None:
+    v = [o["completion"] / o["verify_ct"] for o in case["outputs"] if o.get("verify_ct")]
+    return statistics.mean(v) if v else None
+
+
+def manifest_summary(d: str) -> dict:
+    ms = [json.load(open(p)) for p in glob.glob(os.path.join(d, "*.json"))]
+    if not ms:
+        return {"manifests": 0}
+    b = ms[0]["buckets"]
+    return {"manifests": len(ms), "captured": sum(x["status"] == "captured" for x in b), "buckets": len(b),
+            "replays": sum(x.get("replays", 0) for x in b), "fallbacks": sum(x.get("fallbacks", 0) for x in b)
+            + ms[0].get("oversize_fallbacks", 0), "reasons": sorted({x.get("reason") or "" for x in b} - {""})}
+
+
+def compare(base: dict, other: dict, base_trace: dict, other_trace: dict) -> list[dict]:
+    rows = []
+    for cb, co in zip(base["cases"], other["cases"]):
+        eq = sum(a["tokens"] == b["tokens"] for a, b in zip(cb["outputs"], co["outputs"]))
+        rids = {o["rid"] for o in cb["outputs"]}
+        keys = [k for k in base_trace if k[0] in rids and k in other_trace]
+        same = sum(base_trace[k] == other_trace[k] for k in keys)
+        rows.append({"case": cb["name"], "batch": cb["batch"], "requests": len(cb["outputs"]), "tokens_equal": eq,
+                     "drafts_compared": len(keys), "drafts_equal": same,
+                     "accept_len_sglang": accept_len(cb), "accept_len_graphcap": accept_len(co)})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt")
+    ap.add_argument("--out")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--speed", action="store_true")
+    ap.add_argument("--backends", default="cudagraph,inductor-cudagraph,reduce-overhead")
+    ap.add_argument("--vocab", type=int, default=None, help="default: the checkpoint's")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--child")
+    ap.add_argument("--child-out")
+    a = ap.parse_args(argv)
+    if a.child:
+        res = run_child(json.load(open(a.child)))
+        json.dump(res, open(a.child_out, "w"))
+        return 0
+    work = tempfile.mkdtemp(prefix="graphcap-engine-", dir=os.path.dirname(os.path.abspath(a.out)))
+    vocab = a.vocab or json.load(open(os.path.join(a.ckpt, "target", "config.json")))["vocab_size"]
+    backends = [b for b in a.backends.split(",") if b]
+    record = {"commit": os.environ.get("GRAPHCAP_COMMIT"), "ckpt": a.ckpt, "backends": backends, "check": None,
+              "speed": None}
+
+    def cfg(tag, mode, cases, backend=None, **extra):
+        d = {k: os.path.join(work, f"{k}-{tag}") for k in ("trace_dir", "manifest_dir")}
+        return {"tag": tag, "mode": mode, "backend": backend, "ckpt": a.ckpt, "cases": cases, "max_running": 64,
+                **d, **extra}
+
+    if a.check:
+        cases = check_cases(vocab)
+        # small pool: the 96-request case queues behind --max-running-requests and retracts
+        pool = dict(max_total_tokens=64 * 2600, flush_manifest=True)
+        base = spawn(cfg("sglang", "sglang", cases, **pool), work)
+        out = {"default_backend": "inductor-cudagraph", "engines": {}, "cases": []}
+        bt = draft_map(read_trace(base["config"]["trace_dir"])) if not base.get("crashed") else {}
+        for be in backends:
+            r = spawn(cfg(f"graphcap-{be}", "graphcap", cases, backend=be, **pool), work)
+            m = manifest_summary(r["config"]["manifest_dir"])
+            out["engines"][be] = {"startup_s": r.get("startup_s"), "crashed": bool(r.get("crashed")), "manifest": m,
+                                  "log_tail": r.get("log_tail")}
+            if r.get("crashed") or base.get("crashed"):
+                continue
+            for row in compare(base, r, bt, draft_map(read_trace(r["config"]["trace_dir"]))):
+                out["cases"].append({"backend": be, "crashes": 0, "fallbacks": m.get("fallbacks"), **row})
+        out["sglang_startup_s"] = base.get("startup_s")
+        out["sglang_crashed"] = bool(base.get("crashed"))
+        record["check"] = out
+    if a.speed:
+        cases = [dict(speed_case(b, vocab, a.context, a.new), time_prefill=True) for b in SPEED_BATCHES]
+        rows = {}
+        for tag, mode, be in (("nospec", "nospec", None), ("sglang", "sglang", None),
+                              (f"graphcap-{backends[0]}", "graphcap", backends[0])):
+            r = spawn(cfg("speed-" + tag, mode, cases, backend=be), work)
+            tr = read_trace(r["config"]["trace_dir"]) if not r.get("crashed") else []
+            for c in r.get("cases", []):
+                gen = sum(len(o["tokens"]) for o in c["outputs"])
+                ms = [t["gpu_ms"] for t in tr if len(t["rids"]) == c["batch"]
+                      and t["rids"][0].startswith(f"s{c['batch']}-")]
+                rows.setdefault(c["batch"], {})[tag] = {
+                    "decode_tok_s": gen / max(c["wall_s"] - (c["prefill_s"] or 0), 1e-9),
+                    "draft_ms": statistics.median(ms[len(ms) // 4:]) if ms else None, "draft_calls": len(ms),
+                    "accept_len": accept_len(c)}
+            rows.setdefault("startup_s", {})[tag] = r.get("startup_s")
+            if r.get("crashed"):
+                rows.setdefault("crashed", []).append(tag)
+        record["speed"] = rows
+    json.dump(record, open(a.out, "w"), indent=1)
+    print(json.dumps(summary(record), indent=1))
+    return 0
+
+
+def summary(record: dict) -> dict:
+    s = {}
+    if record["check"]:
+        s["check"] = [{k: c[k] for k in ("backend", "case", "requests", "tokens_equal", "drafts_compared",
+                                         "drafts_equal", "accept_len_sglang", "accept_len_graphcap", "fallbacks")}
+                      for c in record["check"]["cases"]]
+        s["engines"] = {b: {k: v for k, v in e.items() if k != "log_tail"} for b, e in record["check"]["engines"].items()}
+    if record["speed"]:
+        s["speed"] = record["speed"]
+    return s
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The sglang plugin's configuration layer: its flags' names and options, the hook targets, start-up validation.
+
+Imported by every other module of the plugin (runtime, hooks, entry point) and importing none of them: the plugin's
+modules depend one way, sglang_config -> sglang_slots -> sglang_runtime -> sglang_hooks -> sglang (the entry point).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from graphcap.spec import DEFAULT_BACKEND, GRAPH_BACKENDS  # light: no torch
+
+log = logging.getLogger("graphcap.sglang")
+
+TESTED_SGLANG = ("0.5.23",)
+FLAG = "--enable-draft-graph-capture"
+BACKEND_FLAG = "--draft-graph-capture-backend"
+MANIFEST_FLAG = "--draft-graph-manifest-dir"
+ENV_VAR = "GRAPHCAP_SGLANG_DRAFT_CAPTURE"
+ATTR = "_graphcap_draft_capture"  # on ServerArgs: underscore names are bookkeeping, allowed even on a sealed record
+_DEST = {"enabled": "enable_draft_graph_capture", "backend": "draft_graph_capture_backend",
+         "manifest_dir": "draft_graph_manifest_dir"}
+
+# Hook targets in sglang 0.5.23 (dotted paths for sglang's HookRegistry).
+SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+ADD_CLI_ARGS = f"{SERVER_ARGS}.add_cli_args"
+FROM_CLI_ARGS = f"{SERVER_ARGS}.from_cli_args"
+CHECK_SERVER_ARGS = f"{SERVER_ARGS}.check_server_args"
+DRAFT_WORKER = "sglang.srt.speculative.frozen_kv_mtp_worker_v2.FrozenKVMTPDraftWorker"
+SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+WORKER_INIT_GRAPHS = f"{DRAFT_WORKER}.init_cuda_graphs"  # capture graphcap's loop instead of sglang's draft runner
+WORKER_DRAFT = f"{DRAFT_WORKER}.draft"  # the draft phase: one replay, no per-iteration .item()
+WORKER_EXTEND_PREFILL = f"{DRAFT_WORKER}._draft_extend_for_prefill"  # requests join (after their prefill)
+WORKER_EXTEND_DECODE = f"{DRAFT_WORKER}._draft_extend_for_decode"  # verify accepted accept_lens[i] tokens
+BATCH_RETRACT = f"{SCHEDULE_BATCH}.retract_decode"  # requests retracted under memory pressure
+BATCH_EVICT_SWA = f"{SCHEDULE_BATCH}._evict_swa"  # SWA pages freed behind a request's window
+ARG_HOOKS = (ADD_CLI_ARGS, FROM_CLI_ARGS)
+WORKER_HOOKS = (WORKER_INIT_GRAPHS, WORKER_DRAFT, WORKER_EXTEND_PREFILL, WORKER_EXTEND_DECODE, BATCH_RETRACT,
+                BATCH_EVICT_SWA)
+RUNTIME_HOOKS = (CHECK_SERVER_ARGS, *WORKER_HOOKS)
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"  # imported in every process that runs a scheduler
+
+
+class DraftCaptureConfigError(ValueError):
+    """--enable-draft-graph-capture was asked for in a configuration graphcap cannot serve; names the setting."""
+
+
+@dataclass(frozen=True)
+class DraftCaptureOptions:
+    enabled: bool = False
+    backend: str = DEFAULT_BACKEND
+    manifest_dir: str | None = None  # None: graphcap's default ($GRAPHCAP_MANIFEST_DIR or ~/.cache/graphcap/...)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_mapping(cls, data: Any, source: str) -> DraftCaptureOptions:
+        if not isinstance(data, dict) or set(data) - {"enabled", "backend", "manifest_dir"}:
+            raise DraftCaptureConfigError(f"{source}: expected a JSON object with keys enabled, backend, manifest_dir; "
+                                          f"got {data!r}")
+        opts = cls(**data)
+        if not isinstance(opts.enabled, bool):
+            raise DraftCaptureConfigError(f"{source}: enabled must be true or false, got {opts.enabled!r}")
+        if opts.backend not in GRAPH_BACKENDS:
+            raise DraftCaptureConfigError(f"{source}: backend must be one of {', '.join(GRAPH_BACKENDS)}, "
+                                          f"got {opts.backend!r}")
+        if opts.manifest_dir is not None and not isinstance(opts.manifest_dir, str):
+            raise DraftCaptureConfigError(f"{source}: manifest_dir must be a string, got {opts.manifest_dir!r}")
+        return opts
+
+
+def unpatched_worker_hooks() -> list[str]:
+    """The worker hooks sglang did not install (it logs a failed patch and carries on). graphcap must not serve a
+    worker half-hooked: without the decode-extend hook the windows never advance, without the SWA-eviction hook a
+    freed location could be read. Empty when sglang's registry does not say (an older/newer layout)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    patched = getattr(HookRegistry, "_patched", None)
+    if not isinstance(patched, (set, frozenset)):
+        return []
+    return [t for t in WORKER_HOOKS if t not in patched]
+
+
+def sglang_tp_rank(worker=None) -> int | None:
+    """The TP rank sglang gives this process: the worker's own `tp_rank` where its layout keeps one, else sglang's
+    runtime context (0.5.23); None where neither says (a process sglang did not set up)."""
+    rank = getattr(worker, "tp_rank", None)
+    if isinstance(rank, int):
+        return rank
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank)
+    except Exception:  # RuntimeError: not published in this process; ImportError: another sglang layout
+        return None
+
+
+def options_from_namespace(args) -> DraftCaptureOptions:
+    return DraftCaptureOptions(enabled=bool(getattr(args, _DEST["enabled"], False)),
+                               backend=getattr(args, _DEST["backend"], None) or DEFAULT_BACKEND,
+                               manifest_dir=getattr(args, _DEST["manifest_dir"], None))
+
+
+def options_from_env() -> DraftCaptureOptions:
+    raw = os.environ.get(ENV_VAR)
+    if not raw:
+        return DraftCaptureOptions()
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise DraftCaptureConfigError(f"${ENV_VAR}: not valid JSON ({e})") from None
+    return DraftCaptureOptions.from_mapping(data, f"${ENV_VAR}")
+
+
+def options_of(server_args) -> DraftCaptureOptions:
+    """The options a ServerArgs record carries (CLI path), else those in the environment (Engine path)."""
+    data = getattr(server_args, ATTR, None) if server_args is not None else None
+    if data is not None:
+        return DraftCaptureOptions.from_mapping(dict(data), f"ServerArgs.{ATTR}")
+    return options_from_env()
+
+
+def attach_options(server_args, opts: DraftCaptureOptions) -> None:
+    """Store on the record (plain dict: unpickles without graphcap's classes) and export for child processes."""
+    setattr(server_args, ATTR, asdict(opts))
+    if opts.enabled:
+        os.environ[ENV_VAR] = opts.to_json()
+    else:
+        os.environ.pop(ENV_VAR, None)  # the command line wins over an inherited variable
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Start-up validation (launcher, after sglang resolved the arguments; the worker re-checks with the real objects)
+
+
+def validate_server_args(server_args) -> DraftCaptureOptions:
+    """Error naming the unsupported setting, or - where leaving graphcap off is safe - a warning and disabled options
+    (stored back on the record, so the scheduler process sees them). Returns the options in force."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    opts = options_of(server_args)
+    if not opts.enabled:
+        return opts
+
+    def get(name, default=None):
+        return resolution_result(server_args, name, default)
+
+    resolved = bool(getattr(server_args, "_resolution_finished", False))
+    algo = get("speculative_algorithm")
+    algo = str(algo).upper() if algo else None
+    if algo is None:
+        return _stays_off(server_args, opts, "no --speculative-algorithm is set (speculative decoding is off)")
+    pending = {"NEXTN", "EAGLE"} if not resolved else set()  # resolution turns these into FROZEN_KV_MTP for Gemma 4
+    if algo != "FROZEN_KV_MTP" and algo not in pending:
+        raise DraftCaptureConfigError(
+            f"{FLAG} supports only FROZEN_KV_MTP (--speculative-algorithm NEXTN or EAGLE with a Gemma 4 assistant "
+            f"draft, Gemma4AssistantForCausalLM); this server's --speculative-algorithm resolved to {algo}. "
+            f"Drop {FLAG} or use a Gemma 4 assistant draft.")
+    topk = get("speculative_eagle_topk")
+    if topk is not None and int(topk) != 1:
+        raise DraftCaptureConfigError(
+            f"{FLAG} captures a chain draft only: --speculative-eagle-topk must be 1, got {topk}")
+    for name in ("speculative_draft_attention_backend", "decode_attention_backend", "attention_backend"):
+        value = get(name)
+        if value is not None:
+            if value != "triton":
+                raise DraftCaptureConfigError(
+                    f"{FLAG}: graphcap's kernels serve sglang's Triton attention layout (req_to_token + the SWA "
+                    f"pool's full_to_swa mapping); --{name.replace('_', '-')} {value} is not supported. "
+                    "Use --attention-backend triton (Gemma 4's default) or drop the flag.")
+            break
+    if get("enable_unified_memory"):
+        raise DraftCaptureConfigError(
+            f"{FLAG}: --enable-unified-memory stores virtual ids in req_to_token (translated through page tables); "
+            "graphcap's window buffers read the static SWA pool's full_to_swa mapping. Drop one of the two.")
+    pp = get("pp_size") or 1
+    if int(pp) > 1:
+        raise DraftCaptureConfigError(f"{FLAG}: --pp-size {pp} is not supported (the draft runs on one stage)")
+    if get("speculative_adaptive"):
+        raise DraftCaptureConfigError(f"{FLAG}: --speculative-adaptive is not supported with FROZEN_KV_MTP")
+    attn_dp = _attention_dp(get)
+    if attn_dp is not None:
+        raise DraftCaptureConfigError(
+            f"{FLAG}: attention data parallelism ({attn_dp}) is not supported: sglang then gathers the draft's "
+            "attention inputs across ranks, which graphcap's captured iteration does not do. Drop one of the two.")
+    device = get("device")
+    if resolved and device not in (None, "cuda"):
+        return _stays_off(server_args, opts, f"--device {device}: graphcap captures CUDA graphs")
+    graphs_off = _cuda_graphs_off(get)
+    if graphs_off is not None:  # after the device: off a GPU, staying off is the safe answer
+        raise DraftCaptureConfigError(
+            f"{FLAG} captures the draft into CUDA graphs, but {graphs_off}. Drop {FLAG} (sglang then runs its "
+            "draft eagerly) or enable CUDA graphs.")
+    if opts.manifest_dir is not None:
+        try:
+            os.makedirs(opts.manifest_dir, exist_ok=True)
+        except OSError as e:
+            raise DraftCaptureConfigError(f"{MANIFEST_FLAG} {opts.manifest_dir}: cannot create it ({e.strerror or e})") from None
+        if not os.access(opts.manifest_dir, os.W_OK):
+            raise DraftCaptureConfigError(f"{MANIFEST_FLAG} {opts.manifest_dir}: not writable")
+    return opts
+
+
+def _attention_dp(get) -> str | None:
+    """The flag that turned attention DP on, or None. Resolution turns the deprecated `--dp-size N
+    --enable-dp-attention` into `attn_dp_size` = N; before it, that spelling has to be read as such."""
+    width = int(get("attn_dp_size") or 1)
+    if width > 1:
+        return f"--attn-dp-size {width}"
+    dp = int(get("dp_size") or 1)
+    if get("enable_dp_attention") and dp > 1:
+        return f"--enable-dp-attention with --dp-size {dp}"
+    return None
+
+
+def _cuda_graphs_off(get) -> str | None:
+    """Why CUDA graphs are off for both decode and prefill - sglang's `cuda_graph_fully_disabled()`, under which
+    sglang captures no draft graph either - from the resolved `cuda_graph_config`. None while it is unresolved (the
+    launcher checks a resolved record) or when a phase keeps its graphs."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase
+
+    cfg = get("cuda_graph_config")
+    if any(getattr(getattr(cfg, phase, None), "backend", None) != Backend.DISABLED for phase in Phase.ALL):
+        return None
+    given = [flag for flag, on in (("--disable-cuda-graph", get("disable_cuda_graph")),
+                                   ("--disable-decode-cuda-graph", get("disable_decode_cuda_graph")),
+                                   ("--cuda-graph-backend-decode disabled",
+                                    get("cuda_graph_backend_decode") == Backend.DISABLED)) if on]
+    if given:
+        return f"CUDA graphs are disabled ({', '.join(given)})"
+    return "sglang's resolved cuda_graph_config disables CUDA graphs for decode and prefill"
+
+
+def _stays_off(server_args, opts: DraftCaptureOptions, why: str) -> DraftCaptureOptions:
+    log.warning("graphcap: %s is set but %s; draft graph capture stays off and sglang runs as without the flag.",
+                FLAG, why)
+    off = DraftCaptureOptions(enabled=False, backend=opts.backend, manifest_dir=opts.manifest_dir)
+    attach_options(server_args, off)
+    return off

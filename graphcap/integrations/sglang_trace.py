@@ -1,0 +1,65 @@
+"""A draft-phase trace for sglang's FROZEN_KV_MTP worker, with or without graphcap: `GRAPHCAP_SGLANG_TRACE=DIR`.
+
+What a user comparing `--enable-draft-graph-capture` against stock sglang needs from inside the scheduler: per draft
+call, the requests (rid), their lengths, the draft tokens proposed and the draft phase's GPU time (CUDA events
+around the worker's `draft`, on the current stream: it includes any stall the draft causes, such as a host sync
+that leaves the GPU idle while the host catches up). Installed by the plugin's `register()` in scheduler processes
+when the variable is set, after graphcap's own hooks, so it wraps whichever draft runs.
+
+Cost: a clone of the draft tokens and two events per call; one sync every FLUSH_EVERY calls, when the records are
+read back and appended to DIR/draft-trace-<pid>.jsonl. Meant for measurement runs, not for serving.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+
+import torch
+
+TRACE_ENV = "GRAPHCAP_SGLANG_TRACE"
+FLUSH_EVERY = 16  # records read back per sync: few enough that a killed scheduler loses little
+
+
+class DraftTrace:
+    def __init__(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"draft-trace-{os.getpid()}.jsonl")
+        self.pending: list[tuple] = []
+        atexit.register(self.flush)
+
+    def around_draft(self, original, worker, batch, *args, **kwargs):
+        if batch.forward_mode.is_idle():
+            return original(worker, batch, *args, **kwargs)
+        rids = [r.rid for r in batch.reqs]
+        lens = batch.seq_lens_cpu.tolist() if getattr(batch, "seq_lens_cpu", None) is not None else None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        result = original(worker, batch, *args, **kwargs)
+        end.record()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        tokens = result.draft_token.detach().reshape(len(rids), -1).clone()  # [B, steps + 1]: bonus token first
+        self.pending.append((rids, lens, tokens, start, end, host_ms))
+        if len(self.pending) >= FLUSH_EVERY:
+            self.flush()
+        return result
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        pending[-1][4].synchronize()
+        with open(self.path, "a") as f:
+            for rids, lens, tokens, start, end, host_ms in pending:
+                f.write(json.dumps({"rids": rids, "seq_lens": lens, "draft": tokens[:, 1:].tolist(),
+                                    "gpu_ms": start.elapsed_time(end), "host_ms": host_ms}) + "\n")
+
+
+def install(directory: str, target: str) -> DraftTrace:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    trace = DraftTrace(directory)
+    HookRegistry.register(target, trace.around_draft, HookType.AROUND)
+    return trace
