@@ -130,7 +130,8 @@ case $stage in
       --backends cudagraph,inductor-cudagraph --census --out "$LOG/host-time"
     ;;
   bench)  # iter/s vs batch against sglang's launches and a user's torch.compile loop, then the context sweep at
-    # batch 8 (to 32000: SWA path flat?)
+    # batch 8 (to 32000: SWA path flat?). The sglang modules the bench imports (decode attention, index builder, split
+    # rule, Gemma 4 post-MLP norm) import no sgl_kernel, so tests/support stays off PYTHONPATH here.
     step bench-main python3 -m graphcap.cli bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 3 \
       --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-main"
     step bench-context python3 -m graphcap.cli bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \

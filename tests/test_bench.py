@@ -13,7 +13,7 @@ import torch
 from test_models import reference_iteration
 
 from graphcap.bench import options
-from graphcap.bench.baselines import RebuildBaseline
+from graphcap.bench.baselines import CompiledBaseline, RebuildBaseline, SglangBaseline
 from graphcap.bench.counting import count_kernels, count_syncs
 from graphcap.bench.rows import BenchRow
 from graphcap.bench.runner import build_modes
@@ -22,6 +22,7 @@ from graphcap.capture import DraftGraphs
 from graphcap.cli import build_parser, main
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
+from graphcap.models.draft_ops import fused_ops
 from graphcap.spec import load_spec
 from graphcap.window import WindowBuffers
 
@@ -63,6 +64,54 @@ def test_every_mode_drafts_the_reference_tokens():
             out = m.runner.run(st.slots, accepted, tokens, hidden, host_slots=st.slots.tolist())
         assert m.window.seq_lens[st.slots].tolist() == lens, m.name
         assert torch.equal(out.tokens[decided], ref_tok[decided]), m.name
+
+
+@cpu_only
+def test_sglang_and_compile_modes_with_sglangs_kernels_draft_the_reference_tokens():
+    """The `sglang` and `compile` modes as they run on CUDA - sglang 0.5.23's index builder, split rule and decode
+    kernel, the fused op set with sglang's post-MLP kernel - here with the Triton kernels in Triton's interpreter:
+    the `sglang` mode's steps through graphcap's eager backend instead of a CUDA graph, `compile` under Inductor with
+    sglang's kernels as opaque ops (the fused ops' twins inside, as Inductor cannot lower interpreted Triton). Tokens
+    as the float64 reference's; the rebuild's one host sync per iteration."""
+    for name in ("decode_attention", "kv_indices", "metadata"):
+        pytest.importorskip(f"sglang.kernels.ops.attention.{name}")
+    pytest.importorskip("sglang.kernels.ops.layernorm.gemma4_fused_ops")
+    spec = load_spec("tiny")
+    lens0 = [1, 5, 16, 40, 70, 3]
+    st = make_target_state(spec, lens0, [n + 8 for n in lens0], seed=3)
+    model = FrozenKVDraft(spec, seed=4)
+    g = torch.Generator().manual_seed(5)
+    accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=g, dtype=torch.int32)
+    tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=g)
+    hidden = torch.randn(len(lens0), spec.target.hidden, generator=g)
+    lens = [n + a for n, a in zip(lens0, accepted.tolist())]
+    ops = fused_ops()
+    assert ops.post_norm is not None
+    for name in ("sglang", "compile"):
+        wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
+        wb.reset(st.slots.tolist(), lens0)
+        loop = DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full)
+        if name == "sglang":
+            runner = SglangBaseline(loop, ops, (8,), cores=132, backend="eager")
+            ctx = contextlib.nullcontext()
+        else:
+            runner = CompiledBaseline(loop, ops, (len(lens0),), sglang_kernels=True, warm_slots=st.slots, cores=132)
+            ctx = twins_on_cpu()
+        with ctx:
+            runner.capture()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = runner.run(st.slots, accepted, tokens, hidden, host_slots=st.slots.tolist())
+        assert wb.seq_lens[st.slots].tolist() == lens, name
+        called = {e.name for e in prof.events()}
+        assert "graphcap::sglang_rmsnorm_residual_scalar" in called, name  # the one-kernel post-MLP norm
+        if name == "compile":  # sglang's attention as opaque ops inside the compiled function
+            assert {"graphcap_bench::sglang_decode", "graphcap_bench::sglang_build_indices"} <= called
+        ref_tok, _, ref_margin, _ = reference_iteration(loop, st, lens, tokens, hidden)
+        decided = ref_margin > 1e-3
+        assert decided.float().mean() > 0.8
+        assert torch.equal(out.tokens[decided], ref_tok[decided]), name
+        if name == "sglang":
+            assert runner.syncs == 1 and runner.seq_lens_sum == sum(lens)
 
 
 def test_sync_counter_counts_planted_host_reads(device):

@@ -59,14 +59,16 @@ class RebuildBaseline:
 class SglangBaseline:
     name = "sglang"
 
-    def __init__(self, loop: DraftLoop, ops: DraftOps, buckets: Sequence[int]) -> None:
+    def __init__(self, loop: DraftLoop, ops: DraftOps, buckets: Sequence[int], *, cores: int | None = None,
+                 backend: str = "cudagraph") -> None:
+        """`cores` and `backend` (not "cudagraph") serve CPU tests under Triton's interpreter."""
         w, m = loop.window, loop.model
         pools = {lt: (src.k_pool, src.v_pool) for lt, src in loop.sources.items()}
         self.window, self.syncs = w, 0
-        self.attention = SglangAttention(w, pools, m.spec.draft.heads, buckets[-1], opaque=False)
+        self.attention = SglangAttention(w, pools, m.spec.draft.heads, buckets[-1], opaque=False, cores=cores)
         self.loop = DraftLoop(m, w, *pools["sliding"], *pools["full"], steps=loop.steps,
                               sources=self.attention.sources(), ops=ops)
-        self.graphs = DraftGraphs.for_loop(self.loop, backend="cudagraph", buckets=buckets, steps_only=True,
+        self.graphs = DraftGraphs.for_loop(self.loop, backend=backend, buckets=buckets, steps_only=True,
                                            manifest_path=None, progress=False)
 
     def capture(self) -> None:
@@ -87,12 +89,12 @@ class CompiledBaseline:
     name = "compile"
 
     def __init__(self, loop: DraftLoop, ops: DraftOps, batches: Sequence[int], sglang_kernels: bool,
-                 warm_slots: torch.Tensor) -> None:
+                 warm_slots: torch.Tensor, *, cores: int | None = None) -> None:
         w, m = loop.window, loop.model
         self.warm_slots = warm_slots
         pools = {lt: (src.k_pool, src.v_pool) for lt, src in loop.sources.items()}
         self.window, self.batches = w, tuple(batches)
-        self.attention = SglangAttention(w, pools, m.spec.draft.heads, max(batches), opaque=True) \
+        self.attention = SglangAttention(w, pools, m.spec.draft.heads, max(batches), opaque=True, cores=cores) \
             if sglang_kernels else None
         sources = self.attention.sources() if self.attention else None
         self.loop = DraftLoop(m, w, *pools["sliding"], *pools["full"], steps=loop.steps, sources=sources, ops=ops)

@@ -51,13 +51,16 @@ class Mode:
 
 def _fused_or_torch(notes: list[str], cuda: bool) -> tuple[DraftOps, str]:
     try:
-        return fused_ops(), ""
+        ops = fused_ops()
     except ImportError as e:
         text = f"fused op set unavailable ({e}): plain torch ops instead of one kernel per norm/gelu/rotary"
         if cuda:
             raise ImportError(text) from e
         _note(notes, f"compile: {text}")
         return TORCH_OPS, "torch ops (fused set unavailable)"
+    if ops.post_norm is None:  # sglang absent: its post-MLP norm + residual + scalar kernel with it
+        return ops, "post-MLP norm + residual + scalar as 3 kernels (sglang's fused kernel not importable)"
+    return ops, ""
 
 
 def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, steps: int,

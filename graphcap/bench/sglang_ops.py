@@ -100,10 +100,11 @@ class SglangAttention:
     that reads it, as `KVSource`s for `DraftLoop(sources=...)`."""
 
     def __init__(self, window: WindowBuffers, pools: dict[str, tuple[torch.Tensor, torch.Tensor]], heads: int,
-                 max_batch: int, opaque: bool) -> None:
+                 max_batch: int, opaque: bool, cores: int | None = None) -> None:
         dev, row_len = window.device, window.req_to_token.shape[1]
         self.window, self.pools, self.heads = window, pools, heads
-        self.cores = torch.cuda.get_device_properties(dev).multi_processor_count
+        # the SM count, as sglang's get_device_core_count (`cores` for a CPU test under Triton's interpreter)
+        self.cores = cores or torch.cuda.get_device_properties(dev).multi_processor_count
         self.indptr = {lt: torch.zeros(max_batch + 1, dtype=torch.int32, device=dev) for lt in pools}
         # int64 locations, as sglang's triton backend builds them (its kernel multiplies them by the pool's row
         # stride without widening)

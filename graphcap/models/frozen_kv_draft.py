@@ -83,11 +83,11 @@ class DraftLayer(nn.Module):
         self.post_mlp_norm = RMSNorm(hd, dtype, device)
         self.register_buffer("layer_scalar", torch.ones((), dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], src: KVSource,
+    def forward(self, x: torch.Tensor, rope: tuple, src: KVSource,
                 slots: torch.Tensor, lens: torch.Tensor, ops: DraftOps = TORCH_OPS) -> torch.Tensor:
         b = x.shape[0]
         q = (ops.norm(x, self.input_norm.weight) @ self.q_proj.t()).view(b, self.heads, self.head_dim)
-        q = ops.rope(ops.norm(q, self.q_norm.weight), *rope)
+        q = ops.rope(ops.norm(q, self.q_norm.weight), rope)
         if src.attend is not None:
             attn = src.attend(q, self.scale)
         else:
@@ -157,7 +157,7 @@ class FrozenKVDraft(nn.Module):
             margin = torch.minimum(margin, cluster_margin)
         return token, best.values[:, 0], margin
 
-    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, ropes: dict[str, tuple],
              sources: dict[str, KVSource], slots: torch.Tensor, lens: torch.Tensor, ops: DraftOps = TORCH_OPS):
         e = self.embed[tokens] * self.embed_scale
         x = torch.cat([e, hidden], dim=-1) @ self.pre_proj.t()
