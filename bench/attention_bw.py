@@ -18,23 +18,23 @@ vs a float64 recomputation of two rows.
 """
 from __future__ import annotations
 
-import argparse
 import csv
-import datetime
 import importlib
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tabulate import tabulate
 
-from graphcap.kernels.attention import (  # noqa: E402
+from graphcap.bench import environment as bench_env
+from graphcap.bench import timing
+from graphcap.bench.options import OneLineParser
+from graphcap.kernels.attention import (
     KernelConfig,
     decode_attention,
     decode_attention_with_config,
@@ -71,21 +71,10 @@ def import_sglang():
 
 
 def environment(sglang_note: str) -> dict:
-    import triton
-
-    p = torch.cuda.get_device_properties(0)
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(0),
-        "sm_count": p.multi_processor_count,
-        "gpu_memory_gib": round(p.total_memory / 2**30, 1),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "sglang": sglang_note,
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-    }
+    """The benchmarks' one environment report, plus which sglang kernel this run compares against."""
+    env = bench_env.environment()
+    env["sglang_kernel"] = sglang_note
+    return env
 
 
 L2_MODE = "dirty"  # --l2: how the L2 is emptied before each timed call (see bench_clean)
@@ -96,11 +85,9 @@ def bench(fn, rep_ms: float) -> float:
     """Median milliseconds. `--l2 dirty` (default): triton.testing.do_bench, which empties the L2 before each call
     by writing 256 MB - the timed call then also pays for writing those dirty lines back to memory as its reads
     evict them. `--l2 clean`: `bench_clean`."""
-    import triton.testing
-
     if L2_MODE == "clean":
         return bench_clean(fn, rep_ms)
-    return float(triton.testing.do_bench(fn, warmup=max(2, rep_ms / 4), rep=rep_ms, return_mode="median"))
+    return timing.do_bench_ms(fn, rep_ms)
 
 
 def bench_clean(fn, rep_ms: float) -> float:
@@ -160,30 +147,12 @@ def in_graph_ms(fn, rep_ms: float) -> float:
         del graphs
 
 
-def bench_events(fn, rep_ms: float, before=None) -> float:
-    """Median milliseconds of `fn` between two CUDA events; `before` (untimed) runs ahead of each call."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    n = int(min(500, max(10, rep_ms / max(1e-3, (time.perf_counter() - t0) * 1e3))))
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for start, end in ev:
-        if before is not None:
-            before()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in ev)
-    return float(times[len(times) // 2])
+bench_events = timing.events_ms
 
 
 def copy_bandwidth(rep_ms: float) -> float:
     """GB/s, bytes read + written: the same measurement as the draft-phase bench's roofline."""
-    from graphcap.roofline import measure_copy_bandwidth
+    from graphcap.bench.roofline import measure_copy_bandwidth
 
     gbs = measure_copy_bandwidth()
     torch.cuda.empty_cache()
@@ -327,12 +296,11 @@ def cpu_smoke() -> None:
 
     bench = graph_ms = wall
     copy_bandwidth = lambda rep_ms: 1.0  # noqa: E731
-    environment = lambda note: dict(date="-", gpu="cpu (smoke)", sm_count=4, torch=torch.__version__, triton="-",  # noqa: E731
-                                    cuda="-", sglang=note, command="smoke")
+    environment = lambda note: dict(bench_env.environment(), sglang_kernel=note, device="cpu (smoke)")  # noqa: E731
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="directory for attention_bw.{md,csv,json}")
     ap.add_argument("--layers", default="sliding,full")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
@@ -508,12 +476,7 @@ def render(env: dict, rows: list[dict], notes: list[str]) -> str:
     head = ["layer", "B", "ctx", "MB K+V", "ours default us (splits)", "GB/s", "% copy", "ours best us", "GB/s", "% copy",
             "best config (splits)", "sglang us (best of 8/16/32)", "sglang GB/s", "sglang / ours best",
             "sglang / ours default", "ours eager us", "err vs sglang", "err vs f64"]
-    lines = [f"# decode attention bandwidth ({env['gpu']}, {env['date']})", "",
-             f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}; sglang: {env['sglang']}; "
-             f"copy bandwidth {env.get('copy_gbps')} GB/s (read + write); {env.get('elapsed_s')} s. Times: median GPU "
-             f"time of one call {L2_TEXT.get(env.get('l2', 'dirty'), '?')} (--l2 {env.get('l2', 'dirty')}); "
-             "'eager' = the registered op called from Python.", "",
-             "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    body = []
     for r in rows:
         sg = r.get("sglang_best_us")
         cells = [r["layer"], r["batch"], r["ctx"], r["mbytes"], f"{r['default_us']} ({r['splits']})", r["default_gbps"],
@@ -525,7 +488,12 @@ def render(env: dict, rows: list[dict], notes: list[str]) -> str:
         else:
             cells += ["-"] * 4
         cells += [r["eager_us"], f"{r['err_vs_sglang']:.1e}" if "err_vs_sglang" in r else "-", f"{r['err_ref']:.1e}"]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        body.append(cells)
+    lines = [f"# decode attention bandwidth ({env['device']}, {env['date']})", "",
+             f"{bench_env.summary_line(env)}; sglang kernel: {env['sglang_kernel']}; copy bandwidth "
+             f"{env.get('copy_gbps')} GB/s (read + write); {env.get('elapsed_s')} s. Times: median GPU time of one call "
+             f"{L2_TEXT.get(env.get('l2', 'dirty'), '?')} (--l2 {env.get('l2', 'dirty')}); 'eager' = the registered op "
+             "called from Python.", "", tabulate(body, headers=head, tablefmt="github", disable_numparse=True)]
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"

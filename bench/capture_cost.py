@@ -12,7 +12,6 @@ start, keep them for what a server restart sees. The output says which phases of
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -24,15 +23,18 @@ import torch
 from tabulate import tabulate
 
 from graphcap import manifest as mf
+from graphcap.bench.options import OneLineParser
+from graphcap.bench.environment import environment, summary_line
+from graphcap.bench.state import make_target_state
+from graphcap.bench.timing import time_call
 from graphcap.capture import GRAPH_BACKENDS, DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec
-from graphcap.state import make_target_state
 from graphcap.window import WindowBuffers
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--spec", default="gemma4-31b-assistant")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=2048)
@@ -110,16 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
             gpu, host = [], []
             for i in range(5, n):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 if kind.endswith("GPU busy"):  # the launch overlaps GPU work, as in a serving loop
                     torch.cuda._sleep(2_000_000)  # ~1 ms of spinning at H200 clocks
-                e0.record()
-                t0 = time.perf_counter()
-                run(state.slots, accepted[i], tokens[i], hidden[i])
-                host.append((time.perf_counter() - t0) * 1e6)
-                e1.record()
-                torch.cuda.synchronize()
-                gpu.append(e0.elapsed_time(e1))
+                sample = time_call(lambda i=i: run(state.slots, accepted[i], tokens[i], hidden[i]), cuda=True)
+                host.append(sample.host_ms * 1e3)
+                gpu.append(sample.gpu_ms)
             res[kind] = {"gpu_ms": statistics.median(gpu), "host_us": statistics.median(host),
                          "host_us_p90": sorted(host)[int(0.9 * (len(host) - 1))]}
         if name != "eager":
@@ -136,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     ctable = tabulate([[bk, f"{capture[bk][0]:.1f}"] + [f"{r.batch_size}:{r.capture_s:.2f}s/{r.pool_bytes / 2**20:.0f}MiB"
                                                       for r in capture[bk][1]] for bk in capture],
                       headers=["backend", "total s"] + [f"bucket {x}" for x in buckets], tablefmt="github")
-    env = mf.environment()
-    text = (f"# capture cost, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+    env = environment()
+    text = (f"# capture cost, {env['date']}\n\n"
             f"spec {spec.name} ({spec.hash}), batch {b}, context {a.context}, steps {spec.capture.steps}; "
-            f"{env['device']}, driver {env['driver']}, torch {env['torch_version']}, triton {env['triton_version']}\n\n"
+            f"{summary_line(env)}\n\n"
             f"{table}\n\nCapture (buckets {buckets}; per bucket: capture seconds / graph memory):\n\n{ctable}\n\n"
             f"Where torch.compile's time went (torch._dynamo.utils.compile_times, seconds summed over buckets):\n\n"
             f"{ptable}\n")

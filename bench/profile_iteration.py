@@ -10,26 +10,23 @@ kernels a replay runs); the graph replay is timed with CUDA events. The differen
 """
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from tabulate import tabulate
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from graphcap import manifest as mf  # noqa: E402
-from graphcap.capture import DraftGraphs  # noqa: E402
-from graphcap.models import DraftLoop, FrozenKVDraft  # noqa: E402
-from graphcap.roofline import draft_iteration_bytes, measure_copy_bandwidth  # noqa: E402
-from graphcap.spec import load_spec  # noqa: E402
-from graphcap.state import make_target_state  # noqa: E402
-from graphcap.window import WindowBuffers  # noqa: E402
+from graphcap.bench.environment import environment, summary_line
+from graphcap.bench.options import OneLineParser
+from graphcap.bench.roofline import draft_iteration_bytes, measure_copy_bandwidth
+from graphcap.bench.state import make_target_state
+from graphcap.bench.timing import median_p90, time_call
+from graphcap.capture import DraftGraphs
+from graphcap.models import DraftLoop, FrozenKVDraft
+from graphcap.spec import load_spec
+from graphcap.window import WindowBuffers
 
 GROUPS = (  # (group, substrings of the kernel name), first match wins
     ("attention split-KV", ("_split_kernel",)),
@@ -50,7 +47,7 @@ def group_of(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--spec", default="gemma4-31b-assistant")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=2048)
@@ -103,13 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(3):
         graphed.run(state.slots, one, tokens, hidden)
     for _ in range(n):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graphed.run(state.slots, one, tokens, hidden)
-        e1.record()
-        torch.cuda.synchronize()
-        replay.append(e0.elapsed_time(e1) * 1e3)
-    replay_us = statistics.median(replay)
+        replay.append(time_call(lambda: graphed.run(state.slots, one, tokens, hidden), cuda=True).gpu_ms * 1e3)
+    replay_us = median_p90(replay)[0]
     gbs = measure_copy_bandwidth()
     need = draft_iteration_bytes(spec, b, a.context)
 
@@ -117,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             for grp, (us, calls) in sorted(groups.items(), key=lambda x: -x[1][0])]
     top = sorted(per_kernel.items(), key=lambda x: -x[1][0])[:25]
     trows = [[name[:90], group_of(name), f"{us / n:.1f}", f"{calls / n:.0f}"] for name, (us, calls) in top]
-    env = mf.environment()
+    env = environment()
     floor_us = sum(need.values()) / (gbs * 1e9) * 1e6
-    text = (f"# one draft iteration, kernel by kernel ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n\n"
+    text = (f"# one draft iteration, kernel by kernel ({env['date']})\n\n"
             f"spec {spec.name} ({spec.hash}), batch {b}, context {a.context}, steps {spec.capture.steps}; "
-            f"{env['device']}, driver {env['driver']}, torch {env['torch_version']}, triton {env['triton_version']}\n"
+            f"{summary_line(env)}\n"
             f"command: `python bench/profile_iteration.py --batch {b} --context {a.context}`\n\n"
             f"- kernel time per iteration (sum, profiler, compiled iteration without graphs): {total_us:.1f} us\n"
             f"- the same iteration as a CUDA graph replay (inductor-cudagraph, CUDA events, median of {n}): "

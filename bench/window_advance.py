@@ -6,32 +6,23 @@ iteration), and the rebuild plus sglang's `seq_lens.sum().item()` host sync. W =
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
-import triton
 from tabulate import tabulate
+from tqdm import tqdm
 
+from graphcap.bench.environment import environment, summary_line
+from graphcap.bench.options import OneLineParser
+from graphcap.bench.timing import do_bench_ms, host_us
 from graphcap.kernels.window_update import window_reset
 from graphcap.window import WindowBuffers
 
 
-def host_us(fn, n: int = 200) -> float:
-    """Host wall time per call, GPU drained at the end (so it also bounds the GPU time)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--batches", default="1,8,32,64,256")
     p.add_argument("--contexts", default="256,2048,8192,32768")
@@ -44,35 +35,33 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(x) for x in a.contexts.split(",")]
     w, room = a.window, 16384  # growth room for the advances do_bench repeats
     rows = []
-    for ctx in contexts:
-        for b in batches:
-            width = ctx + room
-            g = torch.Generator(device="cuda").manual_seed(0)
-            r2t = torch.randperm(b * width, generator=g, device="cuda").view(b, width).to(torch.int32)
-            f2s = torch.randperm(b * width, generator=g, device="cuda")
-            wb = WindowBuffers(r2t, w, b, f2s, max_accepted=4)
-            slots = torch.arange(b, device="cuda")
-            wb.reset(slots.tolist(), [ctx] * b)
-            acc = torch.randint(0, 2, (b,), generator=g, device="cuda", dtype=torch.int32)  # mean 0.5 per call
-            lens = wb.seq_lens[:b].clone()
+    for ctx, b in tqdm([(c, b) for c in contexts for b in batches], desc="window_advance", leave=False):
+        width = ctx + room
+        g = torch.Generator(device="cuda").manual_seed(0)
+        r2t = torch.randperm(b * width, generator=g, device="cuda").view(b, width).to(torch.int32)
+        f2s = torch.randperm(b * width, generator=g, device="cuda")
+        wb = WindowBuffers(r2t, w, b, f2s, max_accepted=4)
+        slots = torch.arange(b, device="cuda")
+        wb.reset(slots.tolist(), [ctx] * b)
+        acc = torch.randint(0, 2, (b,), generator=g, device="cuda", dtype=torch.int32)  # mean 0.5 per call
+        lens = wb.seq_lens[:b].clone()
 
-            def advance():
-                wb.advance(slots, acc)
+        def advance():
+            wb.advance(slots, acc)
 
-            def rebuild():
-                window_reset(wb.ring, wb.seq_lens, r2t, f2s, slots, lens)
+        def rebuild():
+            window_reset(wb.ring, wb.seq_lens, r2t, f2s, slots, lens)
 
-            def rebuild_sync():
-                rebuild()
-                int(lens.sum().item())
+        def rebuild_sync():
+            rebuild()
+            int(lens.sum().item())
 
-            adv_gpu = triton.testing.do_bench(advance, return_mode="median") * 1e3
-            reb_gpu = triton.testing.do_bench(rebuild, return_mode="median") * 1e3
-            rows.append({"batch": b, "context": ctx, "advance_gpu_us": adv_gpu, "advance_host_us": host_us(advance),
-                         "rebuild_gpu_us": reb_gpu, "rebuild_host_us": host_us(rebuild),
-                         "rebuild_sync_host_us": host_us(rebuild_sync),
-                         "advance_gpu_ns_per_row": adv_gpu * 1e3 / b, "rebuild_gpu_ns_per_row": reb_gpu * 1e3 / b})
-            print(rows[-1], flush=True)
+        adv_gpu = do_bench_ms(advance) * 1e3
+        reb_gpu = do_bench_ms(rebuild) * 1e3
+        rows.append({"batch": b, "context": ctx, "advance_gpu_us": adv_gpu, "advance_host_us": host_us(advance),
+                     "rebuild_gpu_us": reb_gpu, "rebuild_host_us": host_us(rebuild),
+                     "rebuild_sync_host_us": host_us(rebuild_sync),
+                     "advance_gpu_ns_per_row": adv_gpu * 1e3 / b, "rebuild_gpu_ns_per_row": reb_gpu * 1e3 / b})
     hdr = ["batch", "context", "advance GPU us", "advance host us", "rebuild GPU us", "rebuild host us",
            "rebuild+sync host us", "advance ns/row", "rebuild ns/row"]
     table = tabulate([[r["batch"], r["context"], f"{r['advance_gpu_us']:.1f}", f"{r['advance_host_us']:.1f}",
@@ -80,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                        f"{r['advance_gpu_ns_per_row']:.0f}", f"{r['rebuild_gpu_ns_per_row']:.0f}"] for r in rows],
                      headers=hdr, tablefmt="github")
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "window_advance.md").write_text(f"W = {w}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-                                             f"triton {triton.__version__}\n\n{table}\n")
-    (a.out / "window_advance.json").write_text(json.dumps(rows, indent=1))
+    env = environment()
+    (a.out / "window_advance.md").write_text(f"W = {w}; {summary_line(env)}\n\n{table}\n")
+    (a.out / "window_advance.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     print(table)
     return 0
 

@@ -1,18 +1,20 @@
 """`graphcap` command line: `inspect` (capture manifests), `specs` (built-in capture specs), `bench` (graphcap.bench).
 
-`inspect` and `specs` never import torch. Every expected failure (a bad manifest or spec, a missing path, bad usage)
+One parser tree: `bench`'s options are graphcap.bench.options'. `inspect` and `specs` never import torch. Every expected failure (a bad manifest or spec, a missing path, bad usage)
 is one line on stderr, `graphcap: error: ...`, and exit status 2 - never a traceback.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from graphcap.bench import options as bench_options
+from graphcap.bench.options import OptionError
+from graphcap.bench.options import add_arguments as add_bench_arguments
 from graphcap.errors import GraphcapInputError
 from graphcap.manifest import Manifest, ManifestError, default_manifest_dir, list_manifests, read_manifest
 
@@ -45,11 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "spec files given (which are validated: a bad one is an error naming file, field and reason).")
     s.add_argument("spec", nargs="*", help="spec files or built-in names (default: all built-in specs)")
 
-    # bench's own argv is split off before parsing (see main): argparse would reorder options given before
-    # positionals. This parser only puts `bench` in --help.
-    b = sub.add_parser("bench", help="benchmark eager vs captured draft loop (options: graphcap bench --help)",
-                       add_help=False)
-    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    b = sub.add_parser("bench", help="draft iterations/s: graphcap against the sglang-style and torch.compile "
+                       "baselines", description=_bench_description())
+    add_bench_arguments(b)
     return p
 
 
@@ -60,13 +60,8 @@ def _default_dir_help() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        # Split at the command: everything after `bench` goes to graphcap.bench untouched, in order.
-        cmd_at = next((k for k, a in enumerate(argv) if not a.startswith("-")), len(argv))
-        head, tail = argv, []
-        if cmd_at < len(argv) and argv[cmd_at] == "bench":
-            head, tail = argv[: cmd_at + 1], argv[cmd_at + 1:]
         try:
-            args = build_parser().parse_args(head)
+            args = build_parser().parse_args(argv)
         except SystemExit as e:  # --help / --version
             return _exit_code(e)
         if args.command == "inspect":
@@ -74,9 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "specs":
             return cmd_specs(args.spec)
         if args.command == "bench":
-            return cmd_bench(tail + list(args.bench_args))
+            return cmd_bench(args, argv)
         raise CliError("missing command: one of inspect, specs, bench (see 'graphcap --help')")
-    except (CliError, GraphcapInputError) as e:  # a bad manifest or spec
+    except (CliError, GraphcapInputError, OptionError) as e:  # a bad manifest, spec or option
         _error(str(e))
         return 2
     except BrokenPipeError:  # `graphcap inspect | head`
@@ -193,18 +188,23 @@ def layer_pattern(layers: Sequence[str]) -> str:
     return "+".join(f"{n if n > 1 else ''}{lt[0].upper()}" for lt, n in runs)
 
 
-def cmd_bench(argv: list[str]) -> int:
+def _bench_description() -> str:
+    return ("Draft-phase iterations/s against batch (and context, steps): graphcap against eager-rebuild, "
+            "graph-rebuild, sglang (what sglang 0.5.23 launches) and compile (torch.compile reduce-overhead of the "
+            "same loop), on one target state, modes interleaved. Without CUDA: the tiny spec, graphs and sglang's "
+            "kernels skipped with the reason.")
+
+
+def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
-        bench = importlib.import_module("graphcap.bench")  # lazily: it imports torch
+        import torch
+
+        from graphcap.bench import runner  # lazily: it imports torch, triton, tqdm
     except ModuleNotFoundError as e:
-        if e.name in ("graphcap.bench", "torch", "triton"):
-            raise CliError(f"graphcap bench is unavailable: {e}") from None
-        raise
-    try:
-        rc = bench.main(argv)
-    except SystemExit as e:  # bench's own argparse (--help, bad options)
-        return _exit_code(e)
-    return rc if isinstance(rc, int) else 0
+        raise CliError(f"graphcap bench is unavailable: {e}") from None
+    cfg = bench_options.config_from_args(args, torch.cuda.is_available(),
+                                         command=" ".join([PROG, *argv]))
+    return runner.main(cfg)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@
 #   scripts/gpu-check.sh capture-warm  all buckets from the warm caches an earlier stage left, host time, census
 #   scripts/gpu-check.sh host-affinity  host time per call, 3 runs free / 3 pinned to a core near the GPU
 #   scripts/gpu-check.sh host     host time per call (GPU idle / busy) and a census of the graph's nodes, batch 8
-#   scripts/gpu-check.sh bench    `graphcap bench`: batch 1..64 x steps 1-3 at context 2048, context 256..32000 at
-#                                 batch 8; `graphcap inspect` of the manifests
+#   scripts/gpu-check.sh bench    `graphcap bench`: graphcap / compile / sglang / eager-rebuild over batch 1..64 at
+#                                 context 2048, 3 steps (bench.json in $LOG/bench-main); the context sweep at batch 8;
+#                                 `graphcap inspect` of the manifests
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
@@ -55,11 +56,9 @@ export GRAPHCAP_MANIFEST_DIR=$LOG/manifests
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor-cache}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$WORK/triton-cache}
 
-env_report() {
-  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit,clocks.max.sm --format=csv
-  python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
-  python3 -c 'import sglang; print("sglang", sglang.__version__)' 2>&1 | tail -1
-  if [ -f .gpu-commit ]; then echo "tree at commit $(cat .gpu-commit)"; else echo "tree commit not recorded (.gpu-commit)"; fi
+env_report() {  # the one environment report (graphcap.bench.environment), plus what only nvidia-smi says
+  python3 -m graphcap.bench.environment
+  nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit,clocks.max.sm --format=csv
 }
 
 step() {  # step NAME CMD...: run, keep the log, report the exit code and time ($STEP_LIMIT s at most, if set)
@@ -94,7 +93,7 @@ case $stage in
   smoke)
     step smoke-pytest python3 -m pytest -q -x tests/test_window.py tests/test_attention.py tests/test_models.py
     step smoke-bench python3 -m graphcap.cli bench --spec tiny --batch 1,4 --context 64 --iters 5 --repeats 1 \
-      --out "$LOG/bench-smoke"
+      --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-smoke"
     ;;
   tests)  # the whole suite, then the attention grid at the shapes short of 70% of copy bandwidth
     step pytest python3 -m pytest -q -rs tests/
@@ -130,11 +129,13 @@ case $stage in
     step host-time python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --buckets 8 \
       --backends cudagraph,inductor-cudagraph --census --out "$LOG/host-time"
     ;;
-  bench)  # iter/s vs batch at steps 1-3, then the context sweep at batch 8 (to 32000: SWA path flat?)
-    step bench-main python3 -m graphcap.cli bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 1,2,3 \
-      --out "$LOG/bench-main"
+  bench)  # iter/s vs batch against sglang's launches and a user's torch.compile loop, then the context sweep at
+    # batch 8 (to 32000: SWA path flat?). The sglang modules the bench imports (decode attention, index builder, split
+    # rule, Gemma 4 post-MLP norm) import no sgl_kernel, so tests/support stays off PYTHONPATH here.
+    step bench-main python3 -m graphcap.cli bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 3 \
+      --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-main"
     step bench-context python3 -m graphcap.cli bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
-      --out "$LOG/bench-context"
+      --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-context"
     step inspect python3 -m graphcap.cli inspect "$GRAPHCAP_MANIFEST_DIR"
     ;;
   capture-all)  # the replay-equality test for the gemma4 spec over every bucket (compile-heavy: ~25 s per bucket);

@@ -1,66 +1,205 @@
-"""`graphcap bench` (the README's main command) on a CPU: runs the tiny spec end to end and writes its outputs."""
+"""`graphcap bench` on a CPU: every mode drafts what an independent float64 reference drafts, the sync counter
+counts what it should, a run's rows carry every field (and None only with the reason), bad options are one line."""
 from __future__ import annotations
 
+import contextlib
 import csv
+import dataclasses
 import json
+import random
 
 import pytest
+import torch
+from test_models import reference_iteration
 
-from graphcap import bench
+from graphcap.bench import options
+from graphcap.bench.baselines import CompiledBaseline, RebuildBaseline, SglangBaseline
+from graphcap.bench.counting import count_kernels, count_syncs
+from graphcap.bench.rows import BenchRow
+from graphcap.bench.runner import build_modes
+from graphcap.bench.state import make_target_state
+from graphcap.capture import DraftGraphs
+from graphcap.cli import build_parser, main
+from graphcap.kernels import twins_on_cpu
+from graphcap.models import DraftLoop, FrozenKVDraft
+from graphcap.models.draft_ops import fused_ops
 from graphcap.spec import load_spec
+from graphcap.window import WindowBuffers
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is scripts/gpu-check.sh bench")
 
 
-def test_bench_runs_on_cpu_and_writes_outputs(tmp_path, capsys, device):
-    if device == "cuda":
-        pytest.skip("the GPU run is scripts/gpu-check.sh bench")
+def _config(*argv: str) -> options.BenchConfig:
+    return options.config_from_args(build_parser().parse_args(["bench", *argv]), torch.cuda.is_available())
+
+
+@cpu_only
+def test_every_mode_drafts_the_reference_tokens():
+    """eager-rebuild, compile (Inductor, graphcap's twins) and graphcap, one iteration each from the same state and
+    inputs, against test_models' float64 reference (K/V gathered straight from req_to_token, no ring, no kernels)."""
+    spec = load_spec("tiny")  # W = 16: rows below, at and past the window
+    lens0 = [1, 5, 16, 40, 70, 3]
+    cfg = _config("--spec", "tiny", "--batch", str(len(lens0)), "--context", "8", "--iters", "1",
+                  "--modes", "eager-rebuild,compile,graphcap", "--graphcap-backend", "eager")
+    st = make_target_state(spec, lens0, [n + 8 for n in lens0], seed=3)
+    model = FrozenKVDraft(spec, seed=4)
+    notes: list[str] = []
+    modes = build_modes(cfg, model, st, spec.capture.steps, notes)
+    assert [m.name for m in modes] == ["eager-rebuild", "compile", "graphcap"]
+    g = torch.Generator().manual_seed(5)
+    accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=g, dtype=torch.int32)
+    tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=g)
+    hidden = torch.randn(len(lens0), spec.target.hidden, generator=g)
+    lens = [n + a for n, a in zip(lens0, accepted.tolist())]
+    ref_loop = DraftLoop(model, modes[0].window, st.k_swa, st.v_swa, st.k_full, st.v_full)
+    ref_tok, _, ref_margin, _ = reference_iteration(ref_loop, st, lens, tokens, hidden)
+    decided = ref_margin > 1e-3  # near-ties may flip under fp32 rounding
+    assert decided.float().mean() > 0.8
+    for m in modes:
+        # Inductor cannot lower interpreted Triton kernels (TRITON_INTERPRET=1 in the tests): twins, as in a CPU run
+        with twins_on_cpu() if m.name == "compile" else contextlib.nullcontext():
+            m.window.reset(st.slots.tolist(), lens0)
+            m.runner.capture()
+            m.window.reset(st.slots.tolist(), lens0)
+            out = m.runner.run(st.slots, accepted, tokens, hidden, host_slots=st.slots.tolist())
+        assert m.window.seq_lens[st.slots].tolist() == lens, m.name
+        assert torch.equal(out.tokens[decided], ref_tok[decided]), m.name
+
+
+@cpu_only
+def test_sglang_and_compile_modes_with_sglangs_kernels_draft_the_reference_tokens():
+    """The `sglang` and `compile` modes as they run on CUDA - sglang 0.5.23's index builder, split rule and decode
+    kernel, the fused op set with sglang's post-MLP kernel - here with the Triton kernels in Triton's interpreter:
+    the `sglang` mode's steps through graphcap's eager backend instead of a CUDA graph, `compile` under Inductor with
+    sglang's kernels as opaque ops (the fused ops' twins inside, as Inductor cannot lower interpreted Triton). Tokens
+    as the float64 reference's; the rebuild's one host sync per iteration."""
+    for name in ("decode_attention", "kv_indices", "metadata"):
+        pytest.importorskip(f"sglang.kernels.ops.attention.{name}")
+    pytest.importorskip("sglang.kernels.ops.layernorm.gemma4_fused_ops")
+    spec = load_spec("tiny")
+    lens0 = [1, 5, 16, 40, 70, 3]
+    st = make_target_state(spec, lens0, [n + 8 for n in lens0], seed=3)
+    model = FrozenKVDraft(spec, seed=4)
+    g = torch.Generator().manual_seed(5)
+    accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=g, dtype=torch.int32)
+    tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=g)
+    hidden = torch.randn(len(lens0), spec.target.hidden, generator=g)
+    lens = [n + a for n, a in zip(lens0, accepted.tolist())]
+    ops = fused_ops()
+    assert ops.post_norm is not None
+    for name in ("sglang", "compile"):
+        wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
+        wb.reset(st.slots.tolist(), lens0)
+        loop = DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full)
+        if name == "sglang":
+            runner = SglangBaseline(loop, ops, (8,), cores=132, backend="eager")
+            ctx = contextlib.nullcontext()
+        else:
+            runner = CompiledBaseline(loop, ops, (len(lens0),), sglang_kernels=True, warm_slots=st.slots, cores=132)
+            ctx = twins_on_cpu()
+        with ctx:
+            runner.capture()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = runner.run(st.slots, accepted, tokens, hidden, host_slots=st.slots.tolist())
+        assert wb.seq_lens[st.slots].tolist() == lens, name
+        called = {e.name for e in prof.events()}
+        assert "graphcap::sglang_rmsnorm_residual_scalar" in called, name  # the one-kernel post-MLP norm
+        if name == "compile":  # sglang's attention as opaque ops inside the compiled function
+            assert {"graphcap_bench::sglang_decode", "graphcap_bench::sglang_build_indices"} <= called
+        ref_tok, _, ref_margin, _ = reference_iteration(loop, st, lens, tokens, hidden)
+        decided = ref_margin > 1e-3
+        assert decided.float().mean() > 0.8
+        assert torch.equal(out.tokens[decided], ref_tok[decided]), name
+        if name == "sglang":
+            assert runner.syncs == 1 and runner.seq_lens_sum == sum(lens)
+
+
+def test_sync_counter_counts_planted_host_reads(device):
+    x = torch.randn(8, device=device)
+    cuda = device == "cuda"
+    assert count_syncs(lambda: (x * 2).sum(), cuda).value == 0
+    assert count_syncs(lambda: (x * 2).sum().item(), cuda).value == 1
+    assert count_syncs(lambda: int(x.argmax()) + float(x.max()), cuda).value == 2
+
+
+def test_sync_counter_sees_the_rebuild_sync_and_none_in_graphcap(device):
+    spec = load_spec("tiny")
+    st = make_target_state(spec, [20, 9], 64, seed=1, device=device)
+    model = FrozenKVDraft(spec, seed=2, device=device)
+    cuda = device == "cuda"
+    args = (st.slots, torch.ones(2, dtype=torch.int32, device=device), torch.zeros(2, dtype=torch.int64,
+            device=device), torch.zeros(2, spec.target.hidden, device=device))
+    loops = []
+    for _ in range(2):
+        wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
+        wb.reset(st.slots.tolist(), [20, 9])
+        loops.append(DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full))
+    rebuild = RebuildBaseline(loops[0], graphed=False)
+    graphs = DraftGraphs.for_loop(loops[1], backend="cudagraph" if cuda else "eager", buckets=(2,),
+                                  manifest_path=None, progress=False)
+    graphs.capture()
+    host_slots = st.slots.tolist()  # an engine has them on the host
+    assert count_syncs(lambda: rebuild.run(*args), cuda).value == 1
+    assert count_syncs(lambda: graphs.run(*args, host_slots=host_slots), cuda).value == 0
+    k = count_kernels(lambda: graphs.run(*args, host_slots=host_slots), cuda)
+    assert (k.value is None and "CPU" in k.how) if not cuda else k.value > 0
+
+
+@cpu_only
+def test_cpu_run_rows_carry_every_field_and_say_why_a_value_is_missing(tmp_path, capsys):
     out = tmp_path / "b"
-    rc = bench.main(["--spec", "tiny", "--batch", "1,3", "--context", "8,40", "--iters", "2", "--warmup", "1",
-                     "--modes", "eager-rebuild,graph-rebuild,graphcap", "--out", str(out)])
+    rc = main(["bench", "--spec", "tiny", "--batch", "1,3", "--context", "8,20", "--iters", "3", "--warmup", "1",
+               "--repeats", "1", "--modes", "eager-rebuild,graph-rebuild,sglang,graphcap", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "graphs need CUDA" in text  # said plainly on a machine without CUDA
+    assert "graph-rebuild skipped: CUDA graphs need CUDA" in text
+    assert "sglang skipped: sglang's Triton kernels need CUDA" in text
+    assert "says nothing about GPU speed" in text  # what a CPU run shows, said plainly
     data = json.loads((out / "bench.json").read_text())
-    rows = data["rows"]
-    assert {(r["batch"], r["context"], r["mode"]) for r in rows} == {
-        (b, c, m) for b in (1, 3) for c in (8, 40) for m in ("eager-rebuild", "graphcap")}
+    rows = [BenchRow(**r) for r in data["rows"]]  # exactly the record's fields, no more, no fewer
+    assert {(r.batch, r.context, r.mode) for r in rows} == {
+        (b, c, m) for b in (1, 3) for c in (8, 20) for m in ("eager-rebuild", "graphcap")}
     for r in rows:
-        assert r["samples"] == 2 and r["wall_ms"] > 0 and r["iter_per_s"] == pytest.approx(1e3 / r["wall_ms"])
-        if r["mode"] == "graphcap":
-            assert r["speedup_vs_eager-rebuild"] > 0
+        assert r.samples == 3 and r.wall_ms > 0 and r.gpu_ms is None and r.floor_ms is None
+        assert r.kernels_per_iter is None and "CPU" in r.kernels_how
+        assert r.syncs_per_iter == (1 if r.mode == "eager-rebuild" else 0) and ".item()" in r.syncs_how
+        assert (r.x_eager_rebuild is not None) == (r.mode == "graphcap")
+    assert "backend eager (CUDA graphs need CUDA)" in {r.note for r in rows}
     with open(out / "bench.csv") as f:
-        assert len(list(csv.DictReader(f))) == len(rows)
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == [x.name for x in dataclasses.fields(BenchRow)] and len(list(reader)) == len(rows)
     assert (out / "bench.md").read_text().startswith("# graphcap bench")
-    assert data["environment"]["spec_hash"] == load_spec("tiny").hash and data["config"]["spec"] == "tiny"
+    env = data["environment"]
+    assert env["spec_hash"] == load_spec("tiny").hash and data["config"]["spec"] == "tiny"
+    assert env["torch_threads"] == 1 and "commit" in env
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--modes", "fast"], "unknown mode 'fast'"),
     (["--batch", "0"], "expected positive integers"),
+    (["--batch", "x"], "expected comma-separated integers"),
     (["--batch", "64"], "exceeds max_slots 16"),
     (["--context", "4096"], "exceeds max_context 128"),
     (["--iters", "200", "--batch", "1"], "leaves no room for a context"),
+    (["--graphcap-backend", "fast"], "is not one of"),
+    (["--no-such-option"], "unrecognized arguments"),
 ])
-def test_bench_rejects_bad_options(argv, message, capsys):
-    with pytest.raises(SystemExit) as e:  # explicit iteration counts: the defaults differ with and without CUDA
-        bench.parse_args(["--spec", "tiny", "--iters", "4", "--warmup", "1", *argv])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and len(err.strip().splitlines()) == 1
+def test_bad_options_exit_2_with_one_line(argv, message, capsys):
+    # explicit iteration counts: the defaults differ with and without CUDA
+    assert main(["bench", "--spec", "tiny", "--iters", "4", "--warmup", "1", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and len(captured.err.strip().splitlines()) == 1 and captured.out == ""
 
 
 def test_only_the_buckets_the_measured_batches_use_are_captured():
     """Capturing costs compile time per bucket: a run captures the smallest spec bucket >= each measured batch, and
     nothing else (a batch above every bucket gets a bucket of its own size)."""
-    import random
-
-    from graphcap.bench_runner import _buckets_for
-
     rng = random.Random(3)
     for _ in range(50):
-        cfg = bench.parse_args(["--spec", "gemma4-31b-assistant", "--iters", "4", "--warmup", "1",
-                                "--batch", ",".join(map(str, rng.sample(range(1, 100), rng.randint(1, 6))))])
+        cfg = _config("--spec", "gemma4-31b-assistant", "--iters", "4", "--warmup", "1",
+                      "--batch", ",".join(map(str, rng.sample(range(1, 100), rng.randint(1, 6)))))
         spec_b = cfg.spec.capture.buckets
-        got = _buckets_for(cfg)
+        got = options.buckets_for(cfg)
         assert list(got) == sorted(set(got))
         for b in cfg.batches:  # every batch has a bucket that holds it: a spec bucket, or its own when above all
             g = min(x for x in got if x >= b)

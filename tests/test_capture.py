@@ -11,7 +11,7 @@ from graphcap.guards import CaptureError
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec
-from graphcap.state import make_target_state
+from graphcap.bench.state import make_target_state
 from graphcap.window import WindowBuffers
 
 SPEC = load_spec("tiny")

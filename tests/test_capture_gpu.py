@@ -18,7 +18,7 @@ from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.models.draft_loop import DraftOutput
 from graphcap.spec import load_spec
-from graphcap.state import make_target_state
+from graphcap.bench.state import make_target_state
 from graphcap.window import WindowBuffers
 
 pytestmark = pytest.mark.gpu

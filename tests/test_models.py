@@ -2,16 +2,18 @@
 against graphcap's in-place loop (same kernels, same state: identical tokens)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from graphcap.baseline import RebuildBaseline
+from graphcap.bench.baselines import RebuildBaseline
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
+from graphcap.models.draft_ops import TORCH_OPS, fused_ops
 from graphcap.spec import load_spec
-from graphcap.state import make_target_state
+from graphcap.bench.state import make_target_state
 from graphcap.window import WindowBuffers
 
 # the model and the loop around the kernels are the point here; the kernels are test_window.py's and
@@ -163,6 +165,80 @@ def test_padding_rows_change_nothing(device):
     torch.testing.assert_close(a.scores, b.scores[:3], rtol=1e-5, atol=1e-5)
     assert torch.equal(wb_a.ring, wb_b.ring) and torch.equal(wb_a.seq_lens, wb_b.seq_lens)
     assert int(wb_b.seq_lens[wb_b.padding_slot]) == 0
+
+
+class _Calls:
+    """graphcap.kernels.fused_ops, counting the calls of each function."""
+
+    def __init__(self, mod):
+        self.mod, self.calls = mod, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.mod, name)
+
+        def counted(*a, **k):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*a, **k)
+        return counted
+
+
+@pytest.mark.parametrize("sglang_post_norm", [True, False], ids=["sglang-post-norm", "three-kernel-post-norm"])
+def test_fused_op_set_drafts_what_the_torch_ops_draft(device, sglang_post_norm):
+    """The sglang op set (one fused kernel per norm, add-norm, gelu-mul, rotary; sglang's own post-MLP kernel) on the
+    reference's model: the same logits (float32 tiny spec, tight tolerance) and the same draft tokens, over
+    iterations that slide the windows. Norm weights and layer scalars are random, so (1 + w), the residual order and
+    the scalar are all checked; on a CPU the Triton kernels run in Triton's interpreter."""
+    if sglang_post_norm:
+        pytest.importorskip("sglang.kernels.ops.layernorm.gemma4_fused_ops")
+    spec = load_spec("tiny")
+    assert spec.torch_dtype() == torch.float32
+    lens0 = [1, 5, 16, 40, 70, 3]
+    st = make_target_state(spec, lens0, [n + 20 for n in lens0], seed=6, device=device)
+    model = FrozenKVDraft(spec, seed=7, device=device)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        for layer in model.layers:
+            layer.layer_scalar.fill_(0.5 + torch.rand((), generator=g).item())
+    ops = fused_ops(sglang_post_norm=sglang_post_norm)
+    assert (ops.post_norm is not None) == sglang_post_norm
+    counted = _Calls(ops.mod)
+    ops = dataclasses.replace(ops, mod=counted)
+    logits: dict[str, list[torch.Tensor]] = {"torch": [], "fused": []}
+    outs: dict[str, list] = {"torch": [], "fused": []}
+    for name, op_set in (("torch", TORCH_OPS), ("fused", ops)):
+        wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
+        wb.reset(st.slots.tolist(), lens0)
+        loop = DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, ops=op_set)
+        head = model.head
+        model.head = lambda x, name=name: (logits[name].append(x @ model.lm_head.t()), head(x))[1]
+        try:
+            g = torch.Generator().manual_seed(9)
+            for _ in range(3):
+                accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=g).to(device)
+                tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=g).to(device)
+                hidden = torch.randn(len(lens0), spec.target.hidden, generator=g).to(device)
+                outs[name].append(loop(st.slots, accepted, tokens, hidden))
+        finally:
+            del model.head
+    assert len(logits["fused"]) == len(logits["torch"]) == 3 * spec.capture.steps
+    for a, b in zip(logits["fused"], logits["torch"]):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+    for a, b in zip(outs["fused"], outs["torch"]):
+        torch.testing.assert_close(a.scores, b.scores, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=2e-5, atol=2e-5)
+        decided = b.margins > 1e-3
+        assert decided.float().mean() > 0.8
+        assert torch.equal(a.tokens[decided], b.tokens[decided])
+    # one fused call per op: per step and layer 3 norms (input, q, post-attention), 1 add-norm, 1 gelu-mul,
+    # 1 rotary, the post-MLP norm (a 4th norm call without sglang's kernel); the final norm once per step
+    n = 3 * spec.capture.steps
+    layers = n * len(spec.draft.layers)
+    assert counted.calls == {"gemma_rmsnorm": 3 * layers + n + (0 if sglang_post_norm else layers),
+                             "gemma_fused_add_rmsnorm": layers, "gelu_tanh_and_mul": layers,
+                             "apply_rope_with_cos_sin_cache_inplace": layers}
 
 
 def test_bad_state_and_loop_arguments_are_named():

@@ -246,14 +246,14 @@ def _t(wb: WindowBuffers, xs: list[int]) -> torch.Tensor:
 def test_reset_syncs_once_however_many_rows():
     """reset validates from one read-back: one device-to-host sync for 1 row or all of them (CUDA's sync debug
     mode counts them)."""
-    from graphcap.bench import count_syncs
+    from graphcap.bench.counting import count_syncs
 
     r2t, f2s = make_pools(3, True, "cuda")
     wb = WindowBuffers(r2t, 8, SLOTS, f2s, max_accepted=3)
     for slots in ([2], list(range(SLOTS))):
         lens = torch.randint(0, ROW + 1, (len(slots),), device="cuda")
         torch.cuda.synchronize()
-        assert count_syncs(lambda: wb.reset(slots, lens)) == 1
+        assert count_syncs(lambda: wb.reset(slots, lens), cuda=True).value == 1
 
 
 @settings(max_examples=200, deadline=None)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from graphcap.models.draft_ops import TORCH_OPS, DraftOps
 from graphcap.models.frozen_kv_draft import FrozenKVDraft, KVSource
 from graphcap.window import WindowBuffers
 
@@ -31,7 +32,7 @@ class DraftLoop(nn.Module):
 
     def __init__(self, model: FrozenKVDraft, window: WindowBuffers, k_swa: torch.Tensor, v_swa: torch.Tensor,
                  k_full: torch.Tensor, v_full: torch.Tensor, steps: int | None = None,
-                 sources: dict[str, KVSource] | None = None) -> None:
+                 sources: dict[str, KVSource] | None = None, ops: DraftOps = TORCH_OPS) -> None:
         super().__init__()
         spec = model.spec
         if window.window != spec.window:
@@ -43,6 +44,8 @@ class DraftLoop(nn.Module):
                                  f"{spec.name}, got {tuple(pool.shape)}")
         self.model, self.window = model, window
         self.steps = steps or spec.capture.steps
+        # the layers' small ops: plain torch (the reference) or one fused kernel each (sglang's), bound to this model
+        self.ops = ops.bind(model)
         self.sources = sources or {
             "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window),
             "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1]),
@@ -61,10 +64,10 @@ class DraftLoop(nn.Module):
         del accepted  # same signature as forward, so both capture the same way
         m, lens = self.model, self.window.seq_lens
         pos = (lens[slots].long() - 1).clamp(min=0)
-        ropes = {lt: (getattr(m, f"rope_cos_{lt}")[pos], getattr(m, f"rope_sin_{lt}")[pos]) for lt in ("sliding", "full")}
+        ropes = {lt: self.ops.rope_inputs(m, lt, pos) for lt in ("sliding", "full")}
         toks, scores, margins = [], [], []
         for _ in range(self.steps):
-            tokens, score, margin, hidden = m.step(tokens, hidden, ropes, self.sources, slots, lens)
+            tokens, score, margin, hidden = m.step(tokens, hidden, ropes, self.sources, slots, lens, self.ops)
             toks.append(tokens)
             scores.append(score)
             margins.append(margin)
@@ -75,6 +78,7 @@ class DraftLoop(nn.Module):
         out = {f"model.{n}": t for n, t in self.model.named_parameters()}
         out.update({f"model.{n}": t for n, t in self.model.named_buffers()})
         out.update({f"window.{n}": t for n, t in self.window.static_tensors().items()})
+        out.update({f"ops.{n}": t for n, t in self.ops.static_tensors().items()})
         for lt, src in self.sources.items():
             out[f"{lt}.k_pool"], out[f"{lt}.v_pool"] = src.k_pool, src.v_pool
         return out

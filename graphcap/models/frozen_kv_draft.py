@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from graphcap.kernels.attention import choose_num_splits, decode_attention, target_programs
+from graphcap.models.draft_ops import TORCH_OPS, DraftOps
 from graphcap.spec import CaptureSpec
 
 
@@ -46,31 +47,20 @@ def random_weight(out_f: int, in_f: int, gen: torch.Generator, dtype: torch.dtyp
 
 
 class RMSNorm(nn.Module):
-    """Gemma-style RMSNorm (scale = 1 + weight), computed in fp32."""
+    """Gemma-style RMSNorm's weight (scale = 1 + weight, computed in fp32); the loop's op set applies it."""
 
-    def __init__(self, dim: int, dtype: torch.dtype, device, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, dtype: torch.dtype, device) -> None:
         super().__init__()
-        self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return TORCH_OPS.norm(x, self.weight)
 
 
 def _rope_tables(max_pos: int, dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
     ang = torch.arange(max_pos, dtype=torch.float64, device=device)[:, None] * inv[None, :]
     return ang.cos().float(), ang.sin().float()
-
-
-def apply_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """q [B, H, D]; cos/sin [B, D/2] (rotate-half layout)."""
-    half = q.shape[-1] // 2
-    q1, q2 = q[..., :half].float(), q[..., half:].float()
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([q1 * c - q2 * s, q2 * c + q1 * s], dim=-1).to(q.dtype)
 
 
 class DraftLayer(nn.Module):
@@ -93,20 +83,20 @@ class DraftLayer(nn.Module):
         self.post_mlp_norm = RMSNorm(hd, dtype, device)
         self.register_buffer("layer_scalar", torch.ones((), dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], src: KVSource,
-                slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple, src: KVSource,
+                slots: torch.Tensor, lens: torch.Tensor, ops: DraftOps = TORCH_OPS) -> torch.Tensor:
         b = x.shape[0]
-        q = (self.input_norm(x) @ self.q_proj.t()).view(b, self.heads, self.head_dim)
-        q = apply_rope(self.q_norm(q), *rope)
+        q = (ops.norm(x, self.input_norm.weight) @ self.q_proj.t()).view(b, self.heads, self.head_dim)
+        q = ops.rope(ops.norm(q, self.q_norm.weight), rope)
         if src.attend is not None:
             attn = src.attend(q, self.scale)
         else:
             splits = choose_num_splits(b, src.k_pool.shape[1], src.max_len, src.programs)
             attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale, splits)
-        x = x + self.post_attn_norm(attn.reshape(b, -1) @ self.o_proj.t())
-        gate, up = (self.pre_mlp_norm(x) @ self.gate_up.t()).chunk(2, dim=-1)
-        x = x + self.post_mlp_norm((nn.functional.gelu(gate, approximate="tanh") * up) @ self.down.t())
-        return x * self.layer_scalar
+        o = ops.norm(attn.reshape(b, -1) @ self.o_proj.t(), self.post_attn_norm.weight)
+        h, x = ops.add_norm(o, x, self.pre_mlp_norm.weight)  # x + o and its norm (sglang: one kernel)
+        d = ops.gelu_mul(h @ self.gate_up.t()) @ self.down.t()
+        return ops.norm_add_scale(d, self.post_mlp_norm.weight, x, self.layer_scalar)  # (x + norm(d)) * scalar
 
 
 class FrozenKVDraft(nn.Module):
@@ -167,12 +157,12 @@ class FrozenKVDraft(nn.Module):
             margin = torch.minimum(margin, cluster_margin)
         return token, best.values[:, 0], margin
 
-    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
-             sources: dict[str, KVSource], slots: torch.Tensor, lens: torch.Tensor):
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, ropes: dict[str, tuple],
+             sources: dict[str, KVSource], slots: torch.Tensor, lens: torch.Tensor, ops: DraftOps = TORCH_OPS):
         e = self.embed[tokens] * self.embed_scale
         x = torch.cat([e, hidden], dim=-1) @ self.pre_proj.t()
         for layer in self.layers:
-            x = layer(x, ropes[layer.layer_type], sources[layer.layer_type], slots, lens)
-        x = self.final_norm(x)
+            x = layer(x, ropes[layer.layer_type], sources[layer.layer_type], slots, lens, ops)
+        x = ops.norm(x, self.final_norm.weight)
         token, score, margin = self.head(x)
         return token, score, margin, x @ self.post_proj.t()

@@ -1,0 +1,133 @@
+"""The baselines graphcap is measured against, all on the same model, weights and target state:
+
+- `RebuildBaseline`: graphcap's model and kernels driven the way sglang drives the frozen-KV draft. Every iteration
+  rebuilds every row's window from `req_to_token` (the gather-and-translate work of sglang's
+  `update_sliding_window_buffer`, O(batch x min(ctx, W))), does sglang's `seq_lens.sum().item()` host sync, then runs
+  the steps eagerly (`eager-rebuild`) or replayed from a CUDA graph of the steps alone (`graph-rebuild`). The rebuild
+  writes the ring in the canonical layout `advance` keeps, so both produce exactly graphcap's tokens.
+- `SglangBaseline` (`sglang`): what sglang 0.5.23 launches on CUDA - the fused op set (one kernel per norm,
+  add-norm, gelu-mul, rotary), sglang's index builder, split rule and decode kernel, the rebuild and `.item()`
+  eager, the steps in one CUDA graph.
+- `CompiledBaseline` (`compile`): what a user builds without graphcap - the same loop as `sglang` with the rebuild
+  inside, sglang's kernels as opaque custom ops, under torch.compile(mode="reduce-overhead", fullgraph=True), every
+  persistent tensor marked static. Without CUDA: graphcap's torch twins for the rebuild and attention.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from graphcap.bench.sglang_ops import SglangAttention
+from graphcap.capture import DraftGraphs
+from graphcap.kernels.window_update import window_reset
+from graphcap.models.draft_loop import DraftLoop, DraftOutput
+from graphcap.models.draft_ops import DraftOps
+from graphcap.recording import compile_iteration
+
+
+class RebuildBaseline:
+    def __init__(self, loop: DraftLoop, graphed: bool, buckets: Sequence[int] | None = None) -> None:
+        self.loop = loop
+        self.syncs = 0  # host syncs issued (one per iteration, as in sglang)
+        self.graphs: DraftGraphs | None = None
+        if graphed:
+            backend = "cudagraph" if loop.window.device.type == "cuda" else "eager"
+            self.graphs = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, steps_only=True,
+                                               manifest_path=None, progress=False)
+
+    @property
+    def name(self) -> str:
+        return "graph-rebuild" if self.graphs is not None else "eager-rebuild"
+
+    def capture(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    def run(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+            *, host_slots: Sequence[int] | None = None) -> DraftOutput:
+        w = self.loop.window
+        new_lens = w.seq_lens[slots] + accepted.to(w.seq_lens.dtype)
+        self.seq_lens_sum = int(new_lens.sum().item())  # sglang's per-iteration device-to-host sync
+        self.syncs += 1
+        window_reset(w.ring, w.seq_lens, w.req_to_token, w.full_to_swa, slots, new_lens)
+        if self.graphs is not None:
+            return self.graphs.run(slots, accepted, tokens, hidden, host_slots=host_slots)
+        return self.loop.draft_steps(slots, accepted, tokens, hidden)
+
+
+class SglangBaseline:
+    name = "sglang"
+
+    def __init__(self, loop: DraftLoop, ops: DraftOps, buckets: Sequence[int], *, cores: int | None = None,
+                 backend: str = "cudagraph") -> None:
+        """`cores` and `backend` (not "cudagraph") serve CPU tests under Triton's interpreter."""
+        w, m = loop.window, loop.model
+        pools = {lt: (src.k_pool, src.v_pool) for lt, src in loop.sources.items()}
+        self.window, self.syncs = w, 0
+        self.attention = SglangAttention(w, pools, m.spec.draft.heads, buckets[-1], opaque=False, cores=cores)
+        self.loop = DraftLoop(m, w, *pools["sliding"], *pools["full"], steps=loop.steps,
+                              sources=self.attention.sources(), ops=ops)
+        self.graphs = DraftGraphs.for_loop(self.loop, backend=backend, buckets=buckets, steps_only=True,
+                                           manifest_path=None, progress=False)
+
+    def capture(self) -> None:
+        self.graphs.capture()
+
+    def run(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+            *, host_slots: Sequence[int] | None = None) -> DraftOutput:
+        w = self.window
+        lens = w.seq_lens[slots] + accepted.to(w.seq_lens.dtype)
+        w.seq_lens[slots] = lens
+        self.seq_lens_sum = int(lens.sum().item())  # sglang's per-iteration device-to-host sync
+        self.syncs += 1
+        self.attention.rebuild(slots, lens)
+        return self.graphs.run(slots, accepted, tokens, hidden, host_slots=host_slots)
+
+
+class CompiledBaseline:
+    name = "compile"
+
+    def __init__(self, loop: DraftLoop, ops: DraftOps, batches: Sequence[int], sglang_kernels: bool,
+                 warm_slots: torch.Tensor, *, cores: int | None = None) -> None:
+        w, m = loop.window, loop.model
+        self.warm_slots = warm_slots
+        pools = {lt: (src.k_pool, src.v_pool) for lt, src in loop.sources.items()}
+        self.window, self.batches = w, tuple(batches)
+        self.attention = SglangAttention(w, pools, m.spec.draft.heads, max(batches), opaque=True, cores=cores) \
+            if sglang_kernels else None
+        sources = self.attention.sources() if self.attention else None
+        self.loop = DraftLoop(m, w, *pools["sliding"], *pools["full"], steps=loop.steps, sources=sources, ops=ops)
+        static = dict(self.loop.static_tensors())
+        if self.attention:
+            static.update(self.attention.static_tensors())
+        self._fn, _ = compile_iteration(self._iteration, "reduce-overhead", static.values(), len(self.batches),
+                                        f"compile_mode_{id(self):x}")
+        self.cuda = w.device.type == "cuda"
+
+    def _iteration(self, slots, accepted, tokens, hidden) -> DraftOutput:
+        w = self.window
+        lens = w.seq_lens[slots] + accepted.to(w.seq_lens.dtype)
+        if self.attention is not None:
+            w.seq_lens[slots] = lens
+            self.attention.rebuild(slots, lens)
+        else:  # graphcap's rebuild op (its torch twin on a CPU), then graphcap's attention reads the ring
+            window_reset(w.ring, w.seq_lens, w.req_to_token, w.full_to_swa, slots, lens)
+        return self.loop.draft_steps(slots, accepted, tokens, hidden)
+
+    def capture(self) -> None:
+        """Compile (and on CUDA record) every measured batch size once, on live rows with nothing accepted: the
+        windows are rebuilt as they stand, so the state does not move."""
+        for b in self.batches:
+            slots = self.warm_slots[:b]
+            zeros = torch.zeros(b, dtype=torch.int32, device=slots.device)
+            _, _, tokens, hidden = self.loop.example_inputs(b)
+            for _ in range(3):  # compile, record, first replay
+                self.run(slots, zeros, tokens, hidden)
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def run(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+            *, host_slots: Sequence[int] | None = None) -> DraftOutput:
+        torch.compiler.cudagraph_mark_step_begin()  # a new iteration: the last one's outputs may be overwritten
+        return self._fn(slots, accepted, tokens, hidden)

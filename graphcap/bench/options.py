@@ -1,0 +1,140 @@
+"""`graphcap bench`'s options: the arguments (added to the `graphcap` parser's `bench` command: one argparse tree)
+and the frozen `BenchConfig` they resolve to. Imports no torch at module level: `graphcap --help` stays fast."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from graphcap.spec import CaptureSpec, load_spec
+
+# Measured modes, cheapest-to-build baseline first; graphcap last.
+MODES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "graphcap")
+BASELINES = ("eager-rebuild", "graph-rebuild", "sglang", "compile")  # graphcap's speed-ups are against these
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_CONTEXTS = (256, 1024, 2048, 4096)
+# Without CUDA: one bucket (each compiled mode pays an Inductor C++ compile per bucket, ~20-50 s on 2 cores),
+# contexts below, at and above the window, enough iterations for a median of real work.
+CPU_BATCHES = (4,)
+CPU_ITERS, CPU_WARMUP, CPU_REPEATS = 20, 2, 3
+
+
+class OptionError(ValueError):
+    """A bad option: the CLI prints it as one line and exits 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The bench scripts' parser: a bad option is one line on stderr and exit status 2, no usage block (as the
+    `graphcap` CLI does)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        sys.exit(2)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    spec: CaptureSpec
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    steps: tuple[int, ...]
+    modes: tuple[str, ...]
+    iters: int
+    warmup: int
+    repeats: int
+    out: Path | None
+    seed: int
+    graphcap_backend: str  # DraftGraphs backend of the graphcap mode
+    threads: int  # torch intra-op threads on a CPU (0: leave torch's default)
+    command: str  # as typed, for the report
+
+
+def ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default=None,
+                   help="capture spec file or built-in name (default: gemma4-31b-assistant with CUDA, tiny without)")
+    p.add_argument("--batch", type=ints, default=None,
+                   help=f"batch sizes, e.g. 1,2,4,8 (default: 1..64 within the spec's buckets with CUDA, "
+                        f"{','.join(map(str, CPU_BATCHES))} without)")
+    p.add_argument("--context", type=ints, default=None, help="context lengths at the start of each measured run "
+                   f"(default: {','.join(map(str, DEFAULT_CONTEXTS))}, those the spec's max_context leaves room for)")
+    p.add_argument("--steps", type=ints, default=None, help="draft steps (default: the spec's)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--iters", type=int, default=None, help=f"measured iterations per run (default 50; {CPU_ITERS} "
+                                                           "without CUDA)")
+    p.add_argument("--warmup", type=int, default=None, help=f"default 5; {CPU_WARMUP} without CUDA")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"interleaved rounds over the modes (default 3; {CPU_REPEATS} without CUDA)")
+    p.add_argument("--graphcap-backend", default=None, help="DraftGraphs backend of the graphcap mode (default: the "
+                   "spec's with CUDA; 'eager' without: Inductor's CPU code says nothing about a GPU)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads without CUDA (default 1: the tiny "
+                   "spec's ops are too small to split, and a thread pool on a shared machine times its barriers; "
+                   "0 leaves torch's default)")
+    p.add_argument("--out", type=Path, default=None, help="directory for bench.json, bench.csv, bench.md, bench.png")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def growth_tokens(warmup: int, iters: int, steps: tuple[int, ...]) -> int:
+    """Most tokens a row can gain in one measured run: warm-up, the counting iterations (syncs, kernels), the
+    measured ones, each accepting up to steps + 1. Rows are allocated this much past the context."""
+    return (warmup + 2 + iters) * (max(steps) + 1)
+
+
+def config_from_args(a: argparse.Namespace, cuda: bool, command: str = "graphcap bench") -> BenchConfig:
+    """Resolve the defaults that depend on the machine and the spec; OptionError names what is wrong."""
+    from graphcap.spec import ALL_BACKENDS
+
+    spec = load_spec(a.spec or ("gemma4-31b-assistant" if cuda else "tiny"))
+    modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise OptionError(f"--modes: unknown mode {unknown[0] if unknown else a.modes!r}; expected some of "
+                          f"{', '.join(MODES)}")
+    iters = a.iters if a.iters is not None else (50 if cuda else CPU_ITERS)
+    warmup = a.warmup if a.warmup is not None else (5 if cuda else CPU_WARMUP)
+    repeats = a.repeats if a.repeats is not None else (3 if cuda else CPU_REPEATS)
+    if min(iters, repeats) < 1 or warmup < 0:
+        raise OptionError("--iters and --repeats must be >= 1, --warmup >= 0")
+    backend = a.graphcap_backend or (spec.capture.backend if cuda else "eager")
+    if backend not in ALL_BACKENDS:
+        raise OptionError(f"--graphcap-backend: {backend!r} is not one of {', '.join(ALL_BACKENDS)}")
+    steps = a.steps or (spec.capture.steps,)
+    growth = growth_tokens(warmup, iters, steps)
+    room = spec.capture.max_context - growth
+    default_b = DEFAULT_BATCHES if cuda else CPU_BATCHES
+    batches = a.batch or tuple(b for b in default_b if b <= spec.capture.buckets[-1])
+    if a.context:
+        contexts = a.context
+    else:
+        contexts = tuple(c for c in DEFAULT_CONTEXTS if c <= room) or tuple(
+            c for c in (spec.window // 2, spec.window, 2 * spec.window) if 1 <= c <= room)
+    if not contexts:
+        raise OptionError(f"spec {spec.name}: max_context {spec.capture.max_context} leaves no room for a context "
+                          f"plus the {growth} tokens {warmup} + {iters} iterations grow it by; lower --iters or "
+                          "pass --context")
+    if max(contexts) > room:
+        raise OptionError(f"--context {max(contexts)} + {growth} tokens of growth exceeds max_context "
+                          f"{spec.capture.max_context} of spec {spec.name}")
+    if max(batches) > spec.capture.max_slots:
+        raise OptionError(f"--batch {max(batches)} exceeds max_slots {spec.capture.max_slots} of spec {spec.name}")
+    if a.threads < 0:
+        raise OptionError("--threads must be >= 0")
+    return BenchConfig(spec, tuple(batches), tuple(contexts), tuple(steps), modes, iters, warmup, repeats, a.out,
+                       a.seed, backend, a.threads, command)
+
+
+def buckets_for(cfg: BenchConfig) -> tuple[int, ...]:
+    """The buckets the measured batches dispatch to (the smallest spec bucket >= each batch; a batch above every
+    bucket gets its own): capturing only these keeps a run's compile time to what it measures."""
+    spec_b = cfg.spec.capture.buckets
+    return tuple(sorted({next((s for s in spec_b if s >= b), b) for b in cfg.batches}))

@@ -1,0 +1,97 @@
+"""`graphcap bench`'s output: the table (tabulate), and bench.json / bench.csv / bench.md / bench.png."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+from tabulate import tabulate
+
+from graphcap.bench.environment import summary_line
+from graphcap.bench.options import MODES
+from graphcap.bench.rows import BenchResult, BenchRow
+
+COLUMNS = ("batch", "ctx", "steps", "mode", "iter/s", "ms/iter", "p90 ms", "GPU ms", "host ms", "syncs/iter",
+           "kernels/iter", "x eager-rebuild", "x graph-rebuild", "x sglang", "x compile", "floor ms", "x floor",
+           "util %", "power W")
+
+
+def _fmt(v: object, digits: int = 2) -> object:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.{digits}f}" if isinstance(v, float) else v
+
+
+def _cells(r: BenchRow) -> list[object]:
+    return [r.batch, r.context, r.steps, r.mode, _fmt(r.iter_per_s, 1), _fmt(r.wall_ms, 3), _fmt(r.wall_p90_ms, 3),
+            _fmt(r.gpu_ms, 3), _fmt(r.host_ms, 3), _fmt(r.syncs_per_iter), _fmt(r.kernels_per_iter),
+            _fmt(r.x_eager_rebuild), _fmt(r.x_graph_rebuild), _fmt(r.x_sglang), _fmt(r.x_compile),
+            _fmt(r.floor_ms, 3), _fmt(r.x_floor), _fmt(r.util_pct, 0), _fmt(r.power_w, 0)]
+
+
+def format_table(rows: tuple[BenchRow, ...] | list[BenchRow]) -> str:
+    return tabulate([_cells(r) for r in rows], headers=COLUMNS, tablefmt="github", disable_numparse=True)
+
+
+def footnotes(result: BenchResult) -> list[str]:
+    """The notes, then what each column means where a row could not measure it, once per distinct reason."""
+    lines = [f"note: {n}" for n in result.notes]
+    seen: set[str] = set()
+    for r in result.rows:
+        for text in (f"{r.mode}: {r.note}" if r.note else "", f"syncs/iter: {r.syncs_how}",
+                     f"kernels/iter: {r.kernels_how}"):
+            if text and text not in seen:
+                seen.add(text)
+                lines.append(f"note: {text}")
+    lines.append(f"note: whole run {result.wall_s:.1f} s (capture: " + "; ".join(
+        f"steps {s}: " + ", ".join(f"{m} {t:.1f} s" for m, t in c.items()) for s, c in result.captures_s.items())
+        + ")")
+    return lines
+
+
+def write_outputs(out: Path, result: BenchResult, table: str) -> list[str]:
+    """Writes the files; returns their names."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result.as_dict(), indent=1, default=str))
+    with open(out / "bench.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[x.name for x in dataclasses.fields(BenchRow)])
+        w.writeheader()
+        w.writerows(r.as_dict() for r in result.rows)
+    env = result.environment
+    head = [f"# graphcap bench, {env['date']}", "", f"- command: `{env['command']}`", f"- {summary_line(env)}",
+            f"- spec: {env['spec']} ({env['spec_hash']})",
+            f"- copy bandwidth (roofline ceiling, measured in this run): {_fmt(result.copy_gb_s, 0)} GB/s", ""]
+    (out / "bench.md").write_text("\n".join(head + [table, ""] + footnotes(result)) + "\n")
+    names = ["bench.json", "bench.csv", "bench.md"]
+    if _plot(out / "bench.png", result.rows):
+        names.append("bench.png")
+    return names
+
+
+def _plot(path: Path, rows: tuple[BenchRow, ...]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed; no plot (pip install graphcap[plot])", file=sys.stderr)
+        return False
+    groups = sorted({(r.steps, r.context) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.8), squeeze=False)
+    for ax, (steps, ctx) in zip(axes[0], groups):
+        for mode in MODES:
+            pts = sorted((r.batch, r.iter_per_s) for r in rows if r.mode == mode and r.steps == steps
+                         and r.context == ctx)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=mode)
+        ax.set(xscale="log", xlabel="batch", ylabel="draft iterations / s", title=f"steps {steps}, context {ctx}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
