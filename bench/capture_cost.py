@@ -27,7 +27,8 @@ from graphcap.bench.options import OneLineParser
 from graphcap.bench.environment import environment, summary_line
 from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import time_call
-from graphcap.capture import GRAPH_BACKENDS, DraftGraphs
+from graphcap.backends import GRAPH_BACKENDS
+from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec
 from graphcap.window import WindowBuffers

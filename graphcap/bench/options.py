@@ -92,7 +92,7 @@ def growth_tokens(warmup: int, iters: int, steps: tuple[int, ...]) -> int:
 
 def config_from_args(a: argparse.Namespace, cuda: bool, command: str = "graphcap bench") -> BenchConfig:
     """Resolve the defaults that depend on the machine and the spec; OptionError names what is wrong."""
-    from graphcap.spec import ALL_BACKENDS
+    from graphcap.backends import ALL_BACKENDS
 
     spec = load_spec(a.spec or ("gemma4-31b-assistant" if cuda else "tiny"))
     modes = tuple(m.strip() for m in a.modes.split(",") if m.strip())

@@ -103,6 +103,50 @@ def chain_tree_inputs(draft_tokens: torch.Tensor):
 # -----------------------------------------------------------------------------------------------------------------
 # The captured iteration over sglang's own assistant model (unexercised here: needs a GPU sglang server)
 
+# sglang's layer-boundary entry points the assistant's forward calls (Gemma4TextModel.forward and
+# Gemma4DecoderLayer.forward/_next_stream): the residual-stream bookkeeping that builds msgspec records
+# (ResidualStream.record's Contribution / OwedOutput, DeclaredSum, ExitDecision) mid-forward, which Dynamo cannot build.
+# The norms and residual adds they run (input / post-attention / pre-FFN / final norm) run eagerly with them.
+_EAGER_BOUNDARY_ENTRIES = (
+    ("sglang.srt.layers.layer_boundary.stage", "StageBoundary", "prepare"),  # attn/ffn input: add + norm
+    ("sglang.srt.layers.layer_boundary.stage", "StageBoundary", "finish"),  # records the stage's Contribution
+    ("sglang.srt.layers.layer_boundary.stage", "StageBoundary", "sum_part"),  # FFN part's TP sum (MoE: per part)
+    ("sglang.srt.layers.layer_boundary.residual.batch", None, "start"),  # new ResidualStream on the batch
+    ("sglang.srt.layers.layer_boundary.residual.batch", None, "written_residual"),  # reads the stream's residual
+    ("sglang.srt.layers.layer_boundary.residual.batch", None, "final_norm"),  # completes the stream + final norm
+)
+_EAGER_MARK = "_graphcap_eager_boundary"
+
+
+def _eager_boundaries() -> None:
+    """Wrap sglang's layer-boundary entry points (`_EAGER_BOUNDARY_ENTRIES`) in `torch._dynamo.disable`, once per
+    process (idempotent: an entry already wrapped is left as it is). Dynamo then graph-breaks cleanly at each call
+    and runs it eagerly, and traces the rest of the assistant's forward: attention (qkv proj, q norm, rope, the
+    backend call, o proj), MLP, the post-FFN norm and residual, and the logits head. Without this, torch.compile of
+    the iteration fails inside these calls (`object.__new__(Contribution) is not safe`).
+
+    Patched on sglang's classes and modules, so the target model's layers get it too: harmless, since a disabled
+    function is a plain call outside torch.compile (about 0.3 us a call, and nothing in a replayed CUDA graph), so
+    sglang's own eager and CUDA-graph paths run the same code. Under sglang's own --enable-torch-compile the
+    target's layers would graph-break here too. The residual_batch functions are looked up on their module at each
+    call (gemma4_causal.py calls `residual_batch.start(...)`), so replacing the module attribute reaches them."""
+    import importlib
+
+    for module_name, cls_name, attr in _EAGER_BOUNDARY_ENTRIES:
+        owner = importlib.import_module(module_name)
+        if cls_name is not None:
+            owner = getattr(owner, cls_name)
+        fn = vars(owner).get(attr)
+        if fn is None:
+            where = ".".join(p for p in (module_name, cls_name, attr) if p)
+            raise CaptureError(f"graphcap: sglang has no {where} to run eagerly under torch.compile (written against "
+                               "sglang 0.5.23's layer boundary)")
+        if getattr(fn, _EAGER_MARK, False):
+            continue
+        wrapped = torch._dynamo.disable(fn)
+        setattr(wrapped, _EAGER_MARK, True)
+        setattr(owner, attr, wrapped)
+
 
 class GraphcapDraftAttention:
     """Stands in for the draft's attention backend inside graphcap's iteration (RadixAttention calls
@@ -135,10 +179,10 @@ class SglangAssistantLoop:
     """fn(slots, accepted, tokens, hidden) -> DraftOutput: advance, then the seed step and steps - 1 more steps of
     sglang's Gemma 4 assistant (greedy: topk == 1), as `FrozenKVMTPDraftWorker.draft_forward` does them.
 
-    Traceable by Dynamo with fullgraph=True: nothing sglang-side is constructed inside the call. The ForwardBatch of
-    each bucket is built beforehand (`prepare`) and the forward context (sglang's module-level global that
-    RadixAttention reads its backend from) is set by the caller around every call (`context()`): Dynamo guards on
-    that global, so it must be the same object at every call, capture and replay alike.
+    Built for Dynamo: nothing sglang-side is constructed inside the call. The ForwardBatch of each bucket is built
+    beforehand (`prepare`), and the forward context (sglang's module-level global that RadixAttention reads its
+    backend from) is set by the caller around every call (`context()`): Dynamo guards on that global, so it must be
+    the same object at every call, capture and replay alike.
 
     `compile_scope="model"` compiles only sglang's model forward (what sglang's own --enable-torch-compile does) and
     leaves advance/top-k eager; the default, "iteration", lets the capture engine compile the whole call. sglang
@@ -167,6 +211,13 @@ class SglangAssistantLoop:
         torch.compile (Inductor, no CUDA graphs of its own: the capture engine records them)."""
         for b in sizes:
             self._batches[b] = self._new_forward_batch(b)
+        # Where anything compiles sglang's layers (the engine's compiled backends: the iteration; compile_model: the
+        # model), Dynamo must break around sglang's residual-stream bookkeeping. Done for every backend: the wrapper
+        # is a plain call where nothing compiles (see the function).
+        _eager_boundaries()
+        for m in self.model.modules():  # sglang's fused ops pick their implementation at their first call: pick it
+            if getattr(m, "_forward_method", 0) is None and hasattr(m, "_resolve_forward_method"):  # now, not in a trace
+                m._forward_method = m._resolve_forward_method()
         if compile_model:
             self._forward = torch.compile(self.model.forward, fullgraph=False, dynamic=False,
                                           options={"triton.cudagraphs": False})

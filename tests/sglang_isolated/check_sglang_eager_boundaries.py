@@ -1,0 +1,160 @@
+"""graphcap's `_eager_boundaries` on sglang 0.5.23's real Gemma 4 assistant (tiny checkpoint, CPU): torch.compile
+(fullgraph=False, backend "eager" and "aot_eager") of the draft steps as SglangAssistantLoop runs them graph-breaks
+only at the disabled boundary entry points, compiles the rest (attention incl. the backend call, MLP, logits head)
+and returns exactly what the eager model returns; the patch is idempotent. Without it, Dynamo trips over the
+msgspec records sglang's residual stream builds. Run in a fresh interpreter (it initialises torch.distributed):
+    pytest -o python_files='check_*.py' -o addopts= <this file>
+Makes its checkpoint with bench/sglang_checkpoint.py --size tiny --device cpu in a temporary directory."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytest.importorskip("sglang", reason="the real sglang package is not installed")
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "sglang_isolated")]
+from _sglang_env import install_torchvision_stub  # noqa: E402
+
+install_torchvision_stub()
+if "vllm" not in sys.modules:  # sglang's RotaryEmbedding imports vllm's rope op off CUDA (used only on its fallback)
+    _v = types.ModuleType("vllm")
+    _v._custom_ops = types.ModuleType("vllm._custom_ops")
+    _v._custom_ops.rotary_embedding = None
+    sys.modules.update({"vllm": _v, "vllm._custom_ops": _v._custom_ops})
+
+DTYPE, STEPS = torch.bfloat16, 3
+
+
+@pytest.fixture(scope="module")
+def assistant(tmp_path_factory):
+    CKPT = str(tmp_path_factory.mktemp("ckpt-tiny"))
+    if not os.path.exists(f"{CKPT}/assistant/model.safetensors"):
+        subprocess.run([sys.executable, f"{ROOT}/bench/sglang_checkpoint.py", "--size", "tiny", "--out", CKPT,
+                        "--device", "cpu"], check=True, capture_output=True)
+    from safetensors import safe_open
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29000 + os.getpid() % 2000)), ("RANK", "0"),
+                 ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
+    sa = ServerArgs(model_path=f"{CKPT}/target", speculative_algorithm="NEXTN",
+                    speculative_draft_model_path=f"{CKPT}/assistant", skip_tokenizer_init=True, device="cpu",
+                    attention_backend="triton", page_size=64, disable_radix_cache=True)
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    reset_context()
+    publish(sa, role="test", ranks=SpawnRanks(world_rank=0))
+    if parallel_state._WORLD is not None:
+        get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    initialize_model_parallel(backend="gloo")
+    from sglang.srt.models.gemma4_causal import Gemma4ForCausalLM
+    from sglang.srt.models.gemma4_mtp import Gemma4AssistantForCausalLM
+
+    def build(name, cls, draft):
+        mc = ModelConfig(f"{CKPT}/{name}", is_draft_model=draft, dtype="bfloat16")
+        torch.set_default_dtype(DTYPE)
+        try:
+            m = cls(mc.hf_config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        with safe_open(f"{CKPT}/{name}/model.safetensors", "pt") as f:
+            m.load_weights((k, f.get_tensor(k)) for k in f.keys())
+        return m.to(DTYPE).eval()
+
+    target = build("target", Gemma4ForCausalLM, False)
+    model = build("assistant", Gemma4AssistantForCausalLM, True)
+    model.bind_frozen_kv_context(model.build_frozen_kv_mtp_context(target, None))  # KV-shared: q only, as served
+    model.set_embed_and_head(target.get_embed_and_head()[0], None)
+    return model
+
+
+class _Attention:
+    """The attention backend's place (RadixAttention calls forward): a decode attention over fixed random K/V."""
+
+    def __init__(self, model):
+        g = torch.Generator().manual_seed(1)
+        self.kv = {}
+        for layer in model.model.layers:
+            a = layer.self_attn.attn
+            self.kv.setdefault(a.layer_id, (torch.randn(8, a.tp_k_head_num, a.qk_head_dim, generator=g).to(DTYPE),
+                                            torch.randn(8, a.tp_v_head_num, a.v_head_dim, generator=g).to(DTYPE)))
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        kb, vb = self.kv[layer.layer_id]
+        rep = layer.tp_q_head_num // kb.shape[1]
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).float()
+        s = torch.einsum("bhd,shd->bhs", q3, kb.float().repeat_interleave(rep, 1)) * float(layer.scaling)
+        o = torch.einsum("bhs,shd->bhd", s.softmax(-1), vb.float().repeat_interleave(rep, 1))
+        return o.to(q.dtype).reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    forward_decode = forward
+
+
+def _loop(model, b):
+    """SglangAssistantLoop's ForwardBatch and per-step calls, over the real model (no window buffers)."""
+    from graphcap.integrations.sglang_runtime import SglangAssistantLoop
+
+    worker = types.SimpleNamespace(draft_model_runner=types.SimpleNamespace(model=model, spec_algorithm=None),
+                                   model_config=types.SimpleNamespace(dtype=DTYPE))
+    window = types.SimpleNamespace(device=torch.device("cpu"))
+    attention = _Attention(model)
+    attention.max_context = 8
+    loop = SglangAssistantLoop(worker, window, attention, STEPS)
+    loop.prepare([b])  # builds the batch and patches the boundaries
+    fb = loop.forward_batch(b)
+
+    def steps(tokens, positions, hidden):
+        toks = []
+        for _ in range(STEPS):
+            fb.spec_info.hidden_states = hidden
+            out = model.forward(tokens, positions, fb)
+            top = out.next_token_logits.float().topk(2, dim=-1)
+            tokens, hidden = top.indices[:, 0], out.hidden_states
+            toks.append(top.values[:, 0])
+            toks.append(tokens.float())
+        return torch.stack(toks, 1), hidden
+
+    return loop, steps
+
+
+def _inputs(model, b, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, model.vocab_size, (b,), generator=g), torch.randint(0, 6, (b,), generator=g),
+            torch.randn(b, int(model.backbone_hidden_size), generator=g).to(DTYPE))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_assistant_matches_eager(assistant, backend):
+    from torch._dynamo.utils import counters
+
+    from graphcap.integrations import sglang_runtime as rt
+
+    torch._dynamo.reset()
+    counters.clear()
+    loop, steps = _loop(assistant, 3)
+    rt._eager_boundaries()  # idempotent: a second call wraps nothing twice
+    from sglang.srt.layers.layer_boundary.residual import batch
+    from sglang.srt.layers.layer_boundary.stage import StageBoundary
+
+    for fn in (StageBoundary.prepare, StageBoundary.finish, batch.start, batch.final_norm):
+        assert getattr(fn, rt._EAGER_MARK)
+        assert not getattr(fn._torchdynamo_orig_callable, rt._EAGER_MARK, False)
+    compiled = torch.compile(steps, backend=backend, fullgraph=False, dynamic=False)
+    with loop.context():
+        for seed in range(3):
+            inp = _inputs(assistant, 3, seed)
+            want = steps(*inp)
+            got = compiled(*inp)
+            for w, g in zip(want, got):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+    reasons = [k.splitlines()[0] for k in counters["graph_break"]]
+    assert reasons and all("torch.compiler.disable" in r for r in reasons), reasons
+    assert counters["stats"]["unique_graphs"] >= 6  # attention / MLP / post-FFN pieces per layer type, head, ...
