@@ -1,5 +1,5 @@
 """graphcap's stand-in for `sgl_kernel` (the compiled sglang-kernel package), for running sglang's own engine where
-that package cannot be installed (the lent H200: too large to carry, built against another torch).
+that package cannot be installed (a GPU machine without network access: the wheel is too large to carry and built against another torch).
 
 Use: put `tests/support` on PYTHONPATH (not sys.path of one interpreter: sglang's scheduler and detokenizer run in
 subprocesses that import it too). The `sglang_kernel-0.4.9.dist-info` next to this package answers sglang's start-up
