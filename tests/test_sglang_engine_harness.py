@@ -1,0 +1,94 @@
+"""bench/sglang_engine.py's bookkeeping, on synthetic engine outputs (the engine itself runs on a GPU machine):
+drafts line up per (request, k-th draft call), a differing draft or output is counted, acceptance is completion
+tokens per verify, the workloads straddle the window, and the record keeps timings only for the batches measured."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "sglang_engine.py"
+_spec = importlib.util.spec_from_file_location("sglang_engine", _PATH)
+E = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(E)
+
+
+def _trace(calls: list[tuple[list[str], list[list[int]]]]) -> list[dict]:
+    return [{"rids": rids, "seq_lens": None, "draft": drafts, "gpu_ms": 1.0, "host_ms": 1.0} for rids, drafts in calls]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.sampled_from("abcd"), min_size=1, max_size=4, unique=True), min_size=1, max_size=12),
+       st.integers(0, 2**16))
+def test_drafts_line_up_by_each_requests_call_count_whatever_the_batching(batches, seed):
+    """The same per-request draft sequence, batched two different ways (as two engines may schedule it), maps to the
+    same (rid, k) -> draft table."""
+    rng = random.Random(seed)
+    per_rid: dict[str, list[list[int]]] = {}
+    first = []
+    for rids in batches:
+        drafts = []
+        for r in rids:
+            d = [rng.randrange(1000) for _ in range(3)]
+            per_rid.setdefault(r, []).append(d)
+            drafts.append(d)
+        first.append((rids, drafts))
+    # the second engine runs each request's calls in the same order, one request per call
+    second = [([r], [d]) for r, ds in per_rid.items() for d in ds]
+    a, b = E.draft_map(_trace(first)), E.draft_map(_trace(second))
+    assert a == b
+    assert a == {(r, k): d for r, ds in per_rid.items() for k, d in enumerate(ds)}
+
+
+def _case(name, outputs):
+    return {"name": name, "batch": len(outputs), "outputs": outputs}
+
+
+def test_compare_counts_differing_outputs_drafts_and_acceptance():
+    base = {"cases": [_case("batch2", [{"rid": "x", "tokens": [1, 2, 3], "verify_ct": 2, "completion": 3},
+                                       {"rid": "y", "tokens": [4, 5], "verify_ct": 2, "completion": 2}])]}
+    other = {"cases": [_case("batch2", [{"rid": "x", "tokens": [1, 2, 3], "verify_ct": 2, "completion": 3},
+                                        {"rid": "y", "tokens": [4, 6], "verify_ct": 1, "completion": 2}])]}
+    bt = {("x", 0): [1, 2], ("x", 1): [3, 4], ("y", 0): [5, 6], ("z", 0): [0, 0]}
+    ot = {("x", 0): [1, 2], ("x", 1): [3, 5], ("y", 0): [5, 6]}
+    (row,) = E.compare(base, other, bt, ot)
+    assert row["tokens_equal"] == 1 and row["requests"] == 2
+    assert (row["drafts_compared"], row["drafts_equal"]) == (3, 2)  # z is not in this case
+    assert row["accept_len_sglang"] == (3 / 2 + 2 / 2) / 2
+    assert row["accept_len_graphcap"] == (3 / 2 + 2 / 1) / 2
+
+
+def test_check_workloads_straddle_the_window_and_are_deterministic():
+    cases = E.check_cases(1024)
+    assert cases == E.check_cases(1024)
+    assert [c["batch"] for c in cases] == [*E.CHECK_BATCHES, 96]
+    for c in cases:
+        lens = [len(r["prompt"]) for r in c["requests"]]
+        assert len(c["requests"]) == c["batch"] and len({r["rid"] for r in c["requests"]}) == c["batch"]
+        assert min(lens) < E.WINDOW and (c["batch"] == 1 or max(lens) > E.WINDOW)
+        assert all(3 <= t < 1024 for r in c["requests"] for t in r["prompt"])
+
+
+def test_record_takes_timings_only_where_both_runs_have_the_batch(tmp_path):
+    check = {"default_backend": "cudagraph", "cases": [
+        {"backend": "cudagraph", "batch": b, "requests": b, "tokens_equal": b, "drafts_compared": 5,
+         "drafts_equal": 5 if b != 2 else 4, "crashes": 0, "fallbacks": 0, "accept_len_sglang": 2.5,
+         "accept_len_graphcap": 2.5} for b in (1, 2)]}
+    speed = {"1": {"sglang": {"draft_ms": 2.0, "decode_tok_s": 10.0}, "graphcap-cudagraph": {"draft_ms": 1.5,
+                                                                                            "decode_tok_s": 20.0},
+                   "nospec": {"draft_ms": None, "decode_tok_s": 30.0}}}
+    rec = E.issue_record(check, speed, "abc")
+    one, two = rec["cases"]
+    assert (one["draft_ms_sglang"], one["draft_ms_graphcap"], one["decode_tok_s_no_spec"]) == (2.0, 1.5, 30.0)
+    assert one["near_ties"] == 0 and two["near_ties"] is None  # a differing draft is not waved through as a tie
+    assert two["draft_ms_sglang"] is None and two["decode_tok_s_graphcap"] is None
+    c, s = tmp_path / "c.json", tmp_path / "s.json"
+    c.write_text(json.dumps({"commit": "abc", "check": check}))
+    s.write_text(json.dumps({"speed": speed}))
+    out = tmp_path / "rec.json"
+    assert E.main(["--combine", str(c), str(s), "--out", str(out)]) == 0
+    assert json.loads(out.read_text()) == json.loads(json.dumps(rec))
