@@ -23,7 +23,7 @@ _HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="graphcap-hypothesis-")
 set_hypothesis_home_dir(_HYPOTHESIS_HOME)
 
 
-def pytest_sessionfinish(session, exitstatus):
+def pytest_sessionfinish():  # pytest passes only the arguments a hook names
     shutil.rmtree(_HYPOTHESIS_HOME, ignore_errors=True)
 
 
