@@ -1,14 +1,16 @@
 """sglang's own engine with and without `--enable-draft-graph-capture`: same checkpoint, same prompts, greedy.
 
-Runs on a CUDA machine with sglang installed (scripts/gpu-check.sh stage `engine`). Each engine configuration runs in
-a child process of its own (`--child`): sglang.Engine in-process, `skip_tokenizer_init`, prompts as token ids. The
-parent compares the children's outputs and writes one JSON record:
+Runs on a CUDA machine with sglang installed (scripts/gpu-check.sh stages `engine-check`, `engine-speed`). Each engine
+configuration runs in a child process of its own (`--child`): sglang.Engine in-process, `skip_tokenizer_init`, prompts
+as token ids. The parent compares the children's outputs and writes one JSON record (rewritten after every engine, so
+a run cut at a time limit keeps what finished):
 
 - correctness (`--check`, the tiny checkpoint): batches of 1, 2, 8, 32 and 64 requests with prompts shorter and
-  longer than the sliding window and mixed `max_new_tokens`, then more requests than `--max-running-requests` over a
-  KV pool small enough to queue, retract and evict. Per engine with the flag: output tokens per request against
-  stock sglang's, the draft tokens proposed per (request, length) against stock sglang's (from graphcap's draft trace,
-  `GRAPHCAP_SGLANG_TRACE`), accepted length, fallbacks and captured buckets from graphcap's manifest;
+  longer than the sliding window and mixed `max_new_tokens`, then more requests (96) than `--max-running-requests`
+  (64), so that requests queue and join. Per engine with the flag: output tokens per request against stock sglang's,
+  the draft tokens of each request's k-th draft call against stock sglang's (graphcap's draft trace,
+  `GRAPHCAP_SGLANG_TRACE`, flushed at every call), accepted length, fallbacks and captured buckets from graphcap's
+  manifest;
 - speed (`--speed`, the draft-shapes checkpoint): per batch, the draft phase's GPU time per iteration (CUDA events
   around the worker's draft call) and decode tokens/s, for stock sglang, graphcap and the target alone.
 
@@ -81,6 +83,7 @@ def run_child(cfg: dict) -> dict:
     if cfg.get("flush_manifest"):  # correctness runs (not timed): the engine is killed at shutdown, so keep the
         os.environ["GRAPHCAP_MANIFEST_FLUSH_S"] = "0"  # manifest current; and check every length graphcap reads
         os.environ["GRAPHCAP_SGLANG_CHECK"] = "1"  # or hands on against sglang's after each draft (one sync)
+        os.environ["GRAPHCAP_SGLANG_TRACE_FLUSH"] = "1"  # the trace loses no draft call when the engine is killed
     if cfg["mode"] == "graphcap":
         os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(
             {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"]})
@@ -175,10 +178,12 @@ def compare(base: dict, other: dict, base_trace: dict, other_trace: dict) -> lis
     for cb, co in zip(base["cases"], other["cases"]):
         eq = sum(a["tokens"] == b["tokens"] for a, b in zip(cb["outputs"], co["outputs"]))
         rids = {o["rid"] for o in cb["outputs"]}
-        keys = [k for k in base_trace if k[0] in rids and k in other_trace]
+        mine = {k for k in base_trace if k[0] in rids}
+        theirs = {k for k in other_trace if k[0] in rids}
+        keys = mine & theirs
         same = sum(base_trace[k] == other_trace[k] for k in keys)
         rows.append({"case": cb["name"], "batch": cb["batch"], "requests": len(cb["outputs"]), "tokens_equal": eq,
-                     "drafts_compared": len(keys), "drafts_equal": same,
+                     "drafts_compared": len(keys), "drafts_equal": same, "drafts_unmatched": len(mine ^ theirs),
                      "accept_len_sglang": accept_len(cb), "accept_len_graphcap": accept_len(co)})
     return rows
 
@@ -194,8 +199,9 @@ def issue_record(check: dict | None, speed: dict | None, commit: str | None) -> 
         cases.append({
             "batch": c["batch"], "backend": c["backend"], "requests": c["requests"], "tokens_equal": c["tokens_equal"],
             "drafts_compared": c["drafts_compared"], "drafts_equal": c["drafts_equal"],
-            # the structured checkpoint's draft margins are >= 3.5 logits: a differing draft is a bug, not a tie
+            # differing drafts traced to near-ties: none to trace when all agree; otherwise not traced (null)
             "near_ties": 0 if c["drafts_equal"] == c["drafts_compared"] else None,
+            "drafts_unmatched": c.get("drafts_unmatched"),
             "crashes": c["crashes"], "fallbacks": c["fallbacks"],
             "accept_len_sglang": c["accept_len_sglang"], "accept_len_graphcap": c["accept_len_graphcap"],
             "draft_ms_sglang": base.get("draft_ms"), "draft_ms_graphcap": ours.get("draft_ms"),
@@ -241,7 +247,7 @@ def main(argv=None) -> int:
 
     if a.check:
         cases = check_cases(vocab)
-        # small pool: the 96-request case queues behind --max-running-requests and retracts
+        # a small pool, meant to make the 96-request case retract (64 x 2600 tokens was not small enough to)
         pool = dict(max_total_tokens=64 * 2600, flush_manifest=True)
         base = spawn(cfg("sglang", "sglang", cases, **pool), work)
         from graphcap.integrations.sglang_config import DEFAULT_BACKEND
@@ -251,14 +257,23 @@ def main(argv=None) -> int:
         for be in backends:
             r = spawn(cfg(f"graphcap-{be}", "graphcap", cases, backend=be, **pool), work)
             m = manifest_summary(r["config"]["manifest_dir"])
-            out["engines"][be] = {"startup_s": r.get("startup_s"), "crashed": bool(r.get("crashed")), "manifest": m,
+            crashed = bool(r.get("crashed"))
+            out["engines"][be] = {"startup_s": r.get("startup_s"), "crashed": crashed, "manifest": m,
                                   "log_tail": r.get("log_tail")}
-            if r.get("crashed") or base.get("crashed"):
+            if base.get("crashed"):
                 continue
-            for row in compare(base, r, bt, draft_map(read_trace(r["config"]["trace_dir"]))):
-                out["cases"].append({"backend": be, "crashes": 0, "fallbacks": m.get("fallbacks"), **row})
-        out["sglang_startup_s"] = base.get("startup_s")
-        out["sglang_crashed"] = bool(base.get("crashed"))
+            if crashed:  # every case of a crashed engine is a crash, not a missing row
+                out["cases"] += [{"backend": be, "case": c["name"], "batch": c["batch"], "requests": c["batch"],
+                                  "tokens_equal": 0, "drafts_compared": 0, "drafts_equal": 0, "drafts_unmatched": None,
+                                  "accept_len_sglang": None, "accept_len_graphcap": None, "crashes": 1,
+                                  "fallbacks": m.get("fallbacks")} for c in cases]
+            else:
+                for row in compare(base, r, bt, draft_map(read_trace(r["config"]["trace_dir"]))):
+                    out["cases"].append({"backend": be, "crashes": 0, "fallbacks": m.get("fallbacks"), **row})
+            out["sglang_startup_s"], out["sglang_crashed"] = base.get("startup_s"), bool(base.get("crashed"))
+            record["check"] = out
+            json.dump(record, open(a.out, "w"), indent=1)
+        out["sglang_startup_s"], out["sglang_crashed"] = base.get("startup_s"), bool(base.get("crashed"))
         record["check"] = out
     if a.speed:
         cases = [dict(speed_case(b, vocab, a.context, a.new), decode_rate=True) for b in SPEED_BATCHES]
@@ -269,8 +284,8 @@ def main(argv=None) -> int:
             tr = read_trace(r["config"]["trace_dir"]) if not r.get("crashed") else []
             for c in r.get("cases", []):
                 extra = c["batch"] * (a.new - SHORT_NEW)  # same prompts, same prefill: the difference is decode
-                ms = [t["gpu_ms"] for t in tr if len(t["rids"]) == c["batch"]
-                      and t["rids"][0] == f"s{c['batch']}-r0"]  # the long run's draft calls, full batch only
+                long_run = {f"s{c['batch']}-r{i}" for i in range(c["batch"])}  # not the warm-up's or short run's
+                ms = [t["gpu_ms"] for t in tr if len(t["rids"]) == c["batch"] and set(t["rids"]) == long_run]
                 rows.setdefault(c["batch"], {})[tag] = {
                     "decode_tok_s": extra / max(c["wall_s"] - c["short_s"], 1e-9),
                     "draft_ms": statistics.median(ms[len(ms) // 4:]) if ms else None, "draft_calls": len(ms),
@@ -278,7 +293,8 @@ def main(argv=None) -> int:
             rows.setdefault("startup_s", {})[tag] = r.get("startup_s")
             if r.get("crashed"):
                 rows.setdefault("crashed", []).append(tag)
-        record["speed"] = rows
+            record["speed"] = rows
+            json.dump(record, open(a.out, "w"), indent=1)
     json.dump(record, open(a.out, "w"), indent=1)
     print(json.dumps(summary(record), indent=1))
     return 0

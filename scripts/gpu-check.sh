@@ -17,7 +17,7 @@
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
 #                                 kernel/model tests, gemma4 replay tests
-#   scripts/gpu-check.sh engine-check  sglang's own engine with and without --enable-draft-graph-capture (every
+#   scripts/gpu-check.sh engine-check  sglang's own engine with and without --enable-draft-graph-capture
 #                                 backend) on a tiny structured Gemma 4 pair: tokens, drafts, acceptance, manifests
 #   scripts/gpu-check.sh engine-speed  the same on the draft-shapes pair: draft-phase GPU time and decode tok/s per
 #                                 batch, stock sglang vs graphcap vs the target alone (each engine stage wants a
@@ -27,6 +27,11 @@
 # A copied checkout's .git may be stale: `git rev-parse --short HEAD > .gpu-commit` here (ignored; carry it) records
 # the commit the tree is at in env-<stage>.txt.
 set -uo pipefail
+tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracked or not), content only
+  (cd "$(dirname "$0")/.." && find graphcap bench tests scripts -type f \( -name '*.py' -o -name '*.sh' -o -name '*.toml' \) \
+    -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12)
+}
+[ "${1:-}" = "--tree-hash" ] && { tree_hash; exit 0; }
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke tests kernels capture-warm host-affinity host bench capture-all bench8 check splits engine-check engine-speed"
 for stage in "$@"; do  # every name checked before anything runs
@@ -60,6 +65,9 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$WORK/triton-cache}
 env_report() {  # the one environment report (graphcap.bench.environment), plus what only nvidia-smi says
   python3 -m graphcap.bench.environment
   nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit,clocks.max.sm --format=csv
+  # .gpu-commit can be stale (a tree with later changes): this hash of the code that ran names the tree exactly;
+  # `scripts/gpu-check.sh --tree-hash` at a commit here gives the same value
+  echo "tree hash $(tree_hash)"
 }
 
 step() {  # step NAME CMD...: run, keep the log, report the exit code and time ($STEP_LIMIT s at most, if set)
@@ -176,7 +184,7 @@ case $stage in
     engine_env
     step ckpt-tiny python3 bench/sglang_checkpoint.py --size tiny --out "$WORK/ckpt-tiny" --device cuda
     STEP_LIMIT=${STEP_LIMIT:-540} step engine-check python3 bench/sglang_engine.py --ckpt "$WORK/ckpt-tiny" --check \
-      --backends "${ENGINE_BACKENDS:-cudagraph,inductor-cudagraph,reduce-overhead}" --out "$LOG/engine-check.json"
+      --backends "${ENGINE_BACKENDS:-cudagraph}" --out "$LOG/engine-check.json"
     ;;
   engine-speed)  # speed in sglang's own engine (draft-shapes pair)
     engine_env

@@ -53,11 +53,12 @@ def test_compare_counts_differing_outputs_drafts_and_acceptance():
                                        {"rid": "y", "tokens": [4, 5], "verify_ct": 2, "completion": 2}])]}
     other = {"cases": [_case("batch2", [{"rid": "x", "tokens": [1, 2, 3], "verify_ct": 2, "completion": 3},
                                         {"rid": "y", "tokens": [4, 6], "verify_ct": 1, "completion": 2}])]}
-    bt = {("x", 0): [1, 2], ("x", 1): [3, 4], ("y", 0): [5, 6], ("z", 0): [0, 0]}
+    bt = {("x", 0): [1, 2], ("x", 1): [3, 4], ("x", 2): [7, 7], ("y", 0): [5, 6], ("z", 0): [0, 0]}
     ot = {("x", 0): [1, 2], ("x", 1): [3, 5], ("y", 0): [5, 6]}
     (row,) = E.compare(base, other, bt, ot)
     assert row["tokens_equal"] == 1 and row["requests"] == 2
     assert (row["drafts_compared"], row["drafts_equal"]) == (3, 2)  # z is not in this case
+    assert row["drafts_unmatched"] == 1  # x's third call is in one trace only: counted, not dropped
     assert row["accept_len_sglang"] == (3 / 2 + 2 / 2) / 2
     assert row["accept_len_graphcap"] == (3 / 2 + 2 / 1) / 2
 

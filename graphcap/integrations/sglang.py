@@ -11,6 +11,8 @@ unless asked:
 - Only when enabled: a BEFORE hook on `ServerArgs.check_server_args` (start-up validation, in the launcher), and in a
   process that runs a scheduler the hooks on the draft worker and the schedule batch (RUNTIME_HOOKS below), which
   hand the draft phase to `graphcap.integrations.sglang_runtime`.
+- With or without the flag, where $GRAPHCAP_SGLANG_TRACE names a directory: the draft trace
+  (`graphcap.integrations.sglang_trace`) in scheduler processes - a measurement aid, off unless set.
 
 Written against sglang 0.5.23 (TESTED_SGLANG); docs/sglang.md says what was exercised against the real package.
 """
@@ -24,8 +26,9 @@ from graphcap.integrations.sglang_config import (  # noqa: F401 - the plugin's p
     DEFAULT_BACKEND, RUNTIME_HOOKS, SCHEDULER_MODULE, TESTED_SGLANG, WORKER_DRAFT, WORKER_HOOKS, DraftCaptureConfigError,
     DraftCaptureOptions, attach_options, log, options_from_env, options_from_namespace, options_of, sglang_tp_rank,
     unpatched_worker_hooks, validate_server_args, _DEST, ATTR, WORKER_INIT_GRAPHS, WORKER_EXTEND_PREFILL,
-    WORKER_EXTEND_DECODE, BATCH_RETRACT, BATCH_EVICT_SWA, SERVER_ARGS, SCHEDULE_BATCH, ARG_HOOKS)
+    WORKER_EXTEND_DECODE, BATCH_RETRACT, BATCH_EVICT_SWA, SERVER_ARGS, SCHEDULE_BATCH, ARG_HOOKS, TRACE_ENV)
 from graphcap.backends import GRAPH_BACKENDS
+
 
 class _State:
     registered = 0  # register() calls in this process (tests read it)
@@ -51,7 +54,7 @@ def register() -> None:
     opts = options_from_env()
     if opts.enabled:  # a child of a launcher that parsed the flag (or an Engine user who set the variable)
         register_runtime_hooks(workers=SCHEDULER_MODULE in sys.modules)
-    trace_dir = os.environ.get("GRAPHCAP_SGLANG_TRACE")
+    trace_dir = os.environ.get(TRACE_ENV)
     if trace_dir and SCHEDULER_MODULE in sys.modules and not STATE.trace:  # after graphcap's hooks: wraps them
         from graphcap.integrations.sglang_trace import install
 

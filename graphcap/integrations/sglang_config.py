@@ -25,6 +25,7 @@ FLAG = "--enable-draft-graph-capture"
 BACKEND_FLAG = "--draft-graph-capture-backend"
 MANIFEST_FLAG = "--draft-graph-manifest-dir"
 ENV_VAR = "GRAPHCAP_SGLANG_DRAFT_CAPTURE"
+TRACE_ENV = "GRAPHCAP_SGLANG_TRACE"  # a directory: record every draft call (graphcap.integrations.sglang_trace)
 ATTR = "_graphcap_draft_capture"  # on ServerArgs: underscore names are bookkeeping, allowed even on a sealed record
 _DEST = {"enabled": "enable_draft_graph_capture", "backend": "draft_graph_capture_backend",
          "manifest_dir": "draft_graph_manifest_dir"}

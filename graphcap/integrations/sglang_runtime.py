@@ -1,9 +1,7 @@
 """graphcap inside sglang's scheduler process: the draft phase of FROZEN_KV_MTP with graphcap's window buffers and
-capture engine. Driven by the hooks in `graphcap.integrations.sglang_hooks`; see docs/sglang.md for what of this
-ran against real sglang code (the slot bookkeeping, the window equivalence, the tree inputs) and what is written but
-unexercised here (everything that needs a GPU sglang server with the assistant's weights: `SglangAssistantLoop`,
-`GraphcapDraftAttention`, `GraphcapDraftRuntime.capture` and the sglang half of `draft`; `iterate`, graphcap's half,
-runs in tests/test_sglang_draft.py around a stand-in iteration).
+capture engine. Driven by the hooks in `graphcap.integrations.sglang_hooks`. CPU tests run the slot bookkeeping, the
+window equivalence, the tree inputs and `iterate` against sglang's own code; sglang's engine on a GPU runs all of it
+with the assistant's model (docs/sglang.md, "Measured in sglang's own engine").
 
 Per iteration, instead of sglang's `FrozenKVMTPDraftWorker.draft` (`GraphcapDraftRuntime.iterate`):
 1. host: rows whose request is new to the row, was retracted, or lost in-window SWA pages are rebuilt
@@ -26,6 +24,7 @@ from types import SimpleNamespace
 import torch
 
 from graphcap import manifest as mf
+from graphcap.backends import COMPILED_BACKENDS
 from graphcap.capture import DraftGraphs
 from graphcap.guards import CaptureError
 from graphcap.integrations.sglang_config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
@@ -101,7 +100,7 @@ def chain_tree_inputs(draft_tokens: torch.Tensor):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# The captured iteration over sglang's own assistant model (unexercised here: needs a GPU sglang server)
+# The captured iteration over sglang's own assistant model
 
 # sglang's layer-boundary entry points the assistant's forward calls (Gemma4TextModel.forward and
 # Gemma4DecoderLayer.forward/_next_stream): the residual-stream bookkeeping that builds msgspec records
@@ -181,40 +180,37 @@ class SglangAssistantLoop:
 
     Built for Dynamo: nothing sglang-side is constructed inside the call. The ForwardBatch of each bucket is built
     beforehand (`prepare`), and the forward context (sglang's module-level global that RadixAttention reads its
-    backend from) is set by the caller around every call (`context()`): Dynamo guards on that global, so it must be
-    the same object at every call, capture and replay alike.
+    backend from) is set by the caller around every call (`context()`, which sets this loop's one context object
+    itself): Dynamo guards on that global, so it must be the same object at every call, capture and replay alike.
 
-    `compile_scope="model"` compiles only sglang's model forward (what sglang's own --enable-torch-compile does) and
-    leaves advance/top-k eager; the default, "iteration", lets the capture engine compile the whole call. sglang
-    0.5.23's layers construct msgspec records (its residual-stream bookkeeping) inside the forward, which Dynamo
-    cannot build, so the iteration compiles with graph breaks there (`graph_breaks`); the manual-graph backends
-    record the compiled pieces and the Python between them in one CUDA graph, so a replay runs none of that Python."""
+    Compiled (the capture engine's Inductor backends compile the whole call; `prepare(compile_model=True)` only
+    sglang's model forward, as sglang's own --enable-torch-compile does): sglang 0.5.23's layers construct msgspec
+    records (its residual-stream bookkeeping) inside the forward, which Dynamo cannot build, so the call compiles
+    with graph breaks there (`graph_breaks`, `_eager_boundaries`); the manual-graph backends record the compiled
+    pieces and the Python between them in one CUDA graph, so a replay runs none of that Python."""
 
     graph_breaks = True  # read by graphcap.recording.compile_iteration
 
-    def __init__(self, worker, window: WindowBuffers, attention: GraphcapDraftAttention, steps: int,
-                 compile_scope: str = "iteration") -> None:
+    def __init__(self, worker, window: WindowBuffers, attention: GraphcapDraftAttention, steps: int) -> None:
         from sglang.srt.model_executor.forward_context import ForwardContext
 
-        if compile_scope not in ("iteration", "model"):
-            raise ValueError(f"compile_scope must be 'iteration' or 'model', got {compile_scope!r}")
         self.worker, self.window, self.attention, self.steps = worker, window, attention, steps
         self.model = worker.draft_model_runner.model
         self.forward_ctx = ForwardContext(attn_backend=attention)
-        self.compile_scope = compile_scope
         self._forward = self.model.forward
         self._batches: dict[int, object] = {}
 
-    def prepare(self, sizes, compile_model: bool = False) -> None:
+    def prepare(self, sizes, *, compiled: bool = True, compile_model: bool = False) -> None:
         """Build the ForwardBatch of every batch size that can reach the loop (buckets, and the eager path's
-        larger batches are built on demand by `forward_batch`); with `compile_model`, wrap the model's forward in
-        torch.compile (Inductor, no CUDA graphs of its own: the capture engine records them)."""
+        larger batches are built on demand by `forward_batch`). `compiled`: something will compile sglang's layers
+        (the capture engine's Inductor backends, or `compile_model`: wrap the model's forward in torch.compile,
+        Inductor without CUDA graphs of its own), so Dynamo must break around sglang's residual-stream bookkeeping.
+        Only then are sglang's boundary functions patched: under sglang's own fullgraph compile of the target a
+        disabled function would be an error, so a plain `cudagraph` capture leaves them alone."""
         for b in sizes:
             self._batches[b] = self._new_forward_batch(b)
-        # Where anything compiles sglang's layers (the engine's compiled backends: the iteration; compile_model: the
-        # model), Dynamo must break around sglang's residual-stream bookkeeping. Done for every backend: the wrapper
-        # is a plain call where nothing compiles (see the function).
-        _eager_boundaries()
+        if compiled or compile_model:
+            _eager_boundaries()
         for m in self.model.modules():  # sglang's fused ops pick their implementation at their first call: pick it
             if getattr(m, "_forward_method", 0) is None and hasattr(m, "_resolve_forward_method"):  # now, not in a trace
                 m._forward_method = m._resolve_forward_method()
@@ -222,11 +218,18 @@ class SglangAssistantLoop:
             self._forward = torch.compile(self.model.forward, fullgraph=False, dynamic=False,
                                           options={"triton.cudagraphs": False})
 
+    @contextlib.contextmanager
     def context(self):
-        """sglang's forward context for this loop's calls (enter it around capture, replay and eager runs)."""
-        from sglang.srt.model_executor.forward_context import forward_context
+        """sglang's forward context for this loop's calls (enter it around capture, replay and eager runs). Sets this
+        loop's own context object (sglang's `forward_context()` may hand a copy instead, which Dynamo's guard on the
+        global would see as a change) and restores whatever was there."""
+        from sglang.srt.model_executor.forward_context import set_forward_context
 
-        return forward_context(self.forward_ctx)
+        prev = set_forward_context(self.forward_ctx)
+        try:
+            yield
+        finally:
+            set_forward_context(prev)
 
     def forward_batch(self, b: int):
         fb = self._batches.get(b)
@@ -345,13 +348,15 @@ class GraphcapDraftRuntime:
                                            int(w.target_worker.model_runner.model_config.context_len))
         scope = os.environ.get(COMPILE_SCOPE_ENV, "iteration")
         backend = self.options.backend
+        if scope not in ("iteration", "model"):
+            raise DraftCaptureConfigError(f"{COMPILE_SCOPE_ENV} must be 'iteration' or 'model', got {scope!r}")
         if scope == "model" and backend != "inductor-cudagraph":
             raise DraftCaptureConfigError(f"{COMPILE_SCOPE_ENV}=model needs the inductor-cudagraph backend, "
                                           f"got {backend}")
-        loop = SglangAssistantLoop(w, self.window, attention, self.steps, compile_scope=scope)
+        loop = SglangAssistantLoop(w, self.window, attention, self.steps)
         buckets = sorted(set(get_batch_sizes_to_capture(w.draft_model_runner, 1)[0]))
         # model scope: sglang's model under torch.compile inside a plain recorded graph of the iteration
-        loop.prepare(buckets, compile_model=scope == "model")
+        loop.prepare(buckets, compiled=backend in COMPILED_BACKENDS, compile_model=scope == "model")
         if scope == "model":
             backend = "cudagraph"
         static = {f"window.{k}": v for k, v in self.window.static_tensors().items()}

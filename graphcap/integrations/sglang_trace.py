@@ -18,8 +18,10 @@ import time
 
 import torch
 
-TRACE_ENV = "GRAPHCAP_SGLANG_TRACE"
-FLUSH_EVERY = 16  # records read back per sync: few enough that a killed scheduler loses little
+from graphcap.integrations.sglang_config import TRACE_ENV  # noqa: F401 - where the variable is named
+# Records read back per sync: few enough that a killed scheduler (sglang's engine shutdown kills its children, so
+# no exit handler runs) loses little; `GRAPHCAP_SGLANG_TRACE_FLUSH=1` loses nothing, at one sync per draft.
+FLUSH_EVERY = int(os.environ.get("GRAPHCAP_SGLANG_TRACE_FLUSH", "16"))
 
 
 class DraftTrace:

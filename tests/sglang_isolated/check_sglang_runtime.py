@@ -368,7 +368,7 @@ def test_chain_tree_inputs_match_sglang(steps):
     theirs = organize_draft_results(score_list, token_list, parents_list, steps + 1)
     ours = chain_tree_inputs(torch.stack(chain, 1).t().contiguous().t())  # a column-major view: still made dense
     for a, t in zip(ours, theirs):
-        assert a.shape == t.shape and torch.equal(a.long(), t.long())
+        assert a.shape == t.shape and a.dtype == t.dtype and torch.equal(a, t)
         # sglang's tree kernel (jit/csrc/speculative/tree.cuh) checks every stride of a dimension of size > 1
         # against a dense row-major layout, as sglang's own tensors have it
         assert all(x == y for x, y, n in zip(a.stride(), t.contiguous().stride(), a.shape) if n > 1), \
