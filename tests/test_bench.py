@@ -207,3 +207,45 @@ def test_only_the_buckets_the_measured_batches_use_are_captured():
         for g in got:  # and every captured bucket is the one some batch dispatches to
             below = max([x for x in spec_b if x < g], default=0)
             assert any(below < b <= g for b in cfg.batches)
+
+
+@cpu_only
+def test_sglang_mode_plans_every_layers_splits_as_sglang_does():
+    """sglang plans splits with one `num_kv_head` - Gemma 4's full layers' (TritonAttnBackend.__init__,
+    `_apply_gemma4_attention_overrides`) - and every layer's decode reads the full rows' plan (`forward_decode` passes
+    `forward_metadata.num_kv_splits`). Gemma 4 31B's head counts (32 query, 16 sliding / 4 full KV heads) on an
+    H200's 132 SMs, rows even enough that the SM count and heads decide; sglang's own `get_num_kv_splits_triton` as
+    its backend calls it, under Triton's interpreter."""
+    for name in ("decode_attention", "kv_indices", "metadata"):
+        pytest.importorskip(f"sglang.kernels.ops.attention.{name}")
+    from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
+
+    from graphcap.bench.sglang_ops import MAX_KV_SPLITS, SglangAttention
+
+    spec = load_spec("tiny")
+    lens = [100, 104, 110, 101, 120, 105]
+    st = make_target_state(spec, lens, 128, seed=3, kv=False)
+    wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
+    heads, cores = 32, 132
+    pools = {lt: (torch.zeros(8, kv, 4), torch.zeros(8, kv, 4)) for lt, kv in (("sliding", 16), ("full", 4))}
+    att = SglangAttention(wb, pools, heads, 8, opaque=False, cores=cores)
+    t_lens = torch.tensor(lens, dtype=torch.int32)
+    att.rebuild(st.slots, t_lens)
+
+    def sglang_plan(seq_lens: torch.Tensor, num_kv_head: int) -> list[int]:  # TritonAttnBackend.get_num_kv_splits
+        out = torch.empty(len(seq_lens), dtype=torch.int32)
+        get_num_kv_splits_triton[(1,)](out, seq_lens, len(seq_lens), 1, heads, num_kv_head, MAX_KV_SPLITS, cores,
+                                       MAX_NUM_SEQ=256)
+        return out.tolist()
+
+    full = sglang_plan(t_lens, 4)
+    window = sglang_plan(t_lens.clamp(max=spec.window), 4)
+    assert att.splits["full"][:6].tolist() == full
+    assert att.splits["sliding"][:6].tolist() == window  # computed as sglang computes it (and read by nothing)
+    read = {}
+    att.decode = lambda q, k, v, indptr, indices, splits, *a: read.setdefault(k.shape[1], splits[:6].tolist())
+    for src in att.sources().values():
+        src.attend(torch.zeros(6, heads, 4), 1.0)
+    assert read == {16: full, 4: full}  # both layer types decode with the full rows' plan
+    # the test tells the rules apart: the sliding layers' own heads or window rows would give other counts
+    assert sglang_plan(t_lens, 16) != full and window != full

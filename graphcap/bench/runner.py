@@ -84,6 +84,7 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
             elif name == "sglang":
                 check_available(cuda)
                 runner = SglangBaseline(loop, fused_ops(), buckets)
+                note = _pdl_note(runner.attention.use_pdl)
             elif name == "compile":
                 ops, note = _fused_or_torch(notes, cuda)
                 if not cuda:
@@ -92,6 +93,8 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                 else:
                     check_available(cuda)
                 runner = CompiledBaseline(loop, ops, cfg.batches, sglang_kernels=cuda, warm_slots=state.slots)
+                if runner.attention is not None:
+                    note = "; ".join(x for x in (note, _pdl_note(runner.attention.use_pdl)) if x)
             else:
                 backend = cfg.graphcap_backend
                 if not cuda:
@@ -103,6 +106,13 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
             continue
         modes.append(Mode(name, wb, runner, note))
     return modes
+
+
+def _pdl_note(on: bool) -> str:
+    """sglang's decode kernel launches with programmatic dependent launch where sglang turns it on (compute
+    capability >= 9 with the real sgl_kernel, e.g. an H200)."""
+    return ("sglang decode with PDL (compute capability >= 9, as sglang with the real sgl_kernel)" if on else
+            "sglang decode without PDL (compute capability < 9, as sglang)")
 
 
 def _note(notes: list[str], text: str) -> None:
