@@ -249,3 +249,28 @@ def test_sglang_mode_plans_every_layers_splits_as_sglang_does():
     assert read == {16: full, 4: full}  # both layer types decode with the full rows' plan
     # the test tells the rules apart: the sliding layers' own heads or window rows would give other counts
     assert sglang_plan(t_lens, 16) != full and window != full
+
+
+def test_time_call_host_clock_brackets_the_call_not_the_event_records(monkeypatch):
+    """With CUDA: e0.record(), t0, the call, t1, e1.record(), sync, t2 - host time is the call alone."""
+    from graphcap.bench import timing
+
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            pass
+
+        def record(self) -> None:
+            log.append("record")
+
+        def elapsed_time(self, other) -> float:
+            return 1.0
+
+    clock = iter(range(100))
+    monkeypatch.setattr(timing.torch.cuda, "Event", Event)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: log.append("sync"))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: log.append("clock") or next(clock))
+    s = timing.time_call(lambda: log.append("call"), cuda=True)
+    assert log == ["record", "clock", "call", "clock", "record", "sync", "clock"]
+    assert (s.host_ms, s.wall_ms, s.gpu_ms) == (1e3, 2e3, 1.0)

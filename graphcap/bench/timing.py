@@ -25,11 +25,11 @@ def time_call(fn: Callable[[], object], cuda: bool) -> Sample:
         t1 = time.perf_counter()
         return Sample((t1 - t0) * 1e3, (t1 - t0) * 1e3, None)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
     e0.record()
+    t0 = time.perf_counter()  # the host clock brackets the call alone, not the event records
     fn()
-    e1.record()
     t1 = time.perf_counter()
+    e1.record()
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     return Sample((t2 - t0) * 1e3, (t1 - t0) * 1e3, e0.elapsed_time(e1))
