@@ -13,7 +13,7 @@ import torch
 from test_models import reference_iteration
 
 from graphcap.bench import options
-from graphcap.bench.baselines import CompiledBaseline, RebuildBaseline, SglangBaseline
+from graphcap.bench.baselines import CompiledBaseline, RebuildBaseline, SglangBaseline, graph_problem
 from graphcap.bench.counting import count_kernels, count_syncs
 from graphcap.bench.rows import BenchRow
 from graphcap.bench.runner import build_modes
@@ -64,6 +64,13 @@ def test_every_mode_drafts_the_reference_tokens():
             out = m.runner.run(st.slots, accepted, tokens, hidden, host_slots=st.slots.tolist())
         assert m.window.seq_lens[st.slots].tolist() == lens, m.name
         assert torch.equal(out.tokens[decided], ref_tok[decided]), m.name
+        assert graph_problem(m.runner) == "", m.name
+    # the compiled baseline's recompile check: a batch it was not captured for compiles again, and says so
+    compiled = modes[1].runner
+    assert compiled.syncs == 4  # 3 capture calls + 1: sglang's .item(), outside the compiled function
+    with twins_on_cpu():
+        compiled.run(st.slots[:2], accepted[:2], tokens[:2], hidden[:2])
+    assert graph_problem(compiled) == "recompiled after capture (1 new Dynamo cache entries)"
 
 
 @cpu_only
@@ -274,3 +281,54 @@ def test_time_call_host_clock_brackets_the_call_not_the_event_records(monkeypatc
     s = timing.time_call(lambda: log.append("call"), cuda=True)
     assert log == ["record", "clock", "call", "clock", "record", "sync", "clock"]
     assert (s.host_ms, s.wall_ms, s.gpu_ms) == (1e3, 2e3, 1.0)
+
+
+@cpu_only
+def test_a_failed_bucket_leaves_graphcap_without_speed_ups_and_says_why(tmp_path, monkeypatch):
+    """DraftGraphs runs a bucket whose capture failed eagerly: a mode with one gives no speed-ups, and its rows say
+    which bucket and why."""
+    import graphcap.capture as capture
+
+    real = capture.record_bucket
+
+    def record(inputs, rec, *a, **kw):
+        if rec.batch_size == 4:
+            rec.status, rec.reason = "failed", "RuntimeError: forced"
+            return None, None
+        return real(inputs, rec, *a, **kw)
+
+    monkeypatch.setattr(capture, "record_bucket", record)
+    out = tmp_path / "b"
+    assert main(["bench", "--spec", "tiny", "--batch", "1,3", "--context", "8", "--iters", "2", "--warmup", "1",
+                 "--repeats", "1", "--modes", "eager-rebuild,graphcap", "--graphcap-backend", "eager",
+                 "--out", str(out)]) == 0
+    rows = [BenchRow(**r) for r in json.loads((out / "bench.json").read_text())["rows"]]
+    for r in rows:
+        if r.mode == "graphcap":
+            assert r.x_eager_rebuild is None
+            assert "bucket 4 not captured (RuntimeError: forced), ran eagerly" in r.note
+        else:
+            assert r.note == ""
+
+
+def test_no_speed_up_over_a_baseline_that_lost_its_graphs(monkeypatch):
+    from graphcap.bench import runner
+    from graphcap.bench.counting import Count
+    from graphcap.bench.timing import Sample
+
+    cfg = _config("--spec", "tiny", "--iters", "4", "--warmup", "1")
+    modes = []
+    for name, ms in (("eager-rebuild", 4.0), ("sglang", 3.0), ("graphcap", 1.0)):
+        m = runner.Mode(name, None, name, samples=[Sample(ms, ms, None)] * 3)
+        m.syncs = m.kernels = Count(0, "")
+        modes.append(m)
+    lost = {"sglang": "bucket 8 not captured (OutOfMemoryError), ran eagerly"}
+    monkeypatch.setattr(runner, "graph_problem", lambda r: lost.get(r, ""))
+    rows = {r.mode: r for r in runner._rows(modes, 1, 8, 3, 16, None, cfg)}
+    g = rows["graphcap"]
+    assert g.x_eager_rebuild == 4.0 and g.x_sglang is None and "no speed-up over sglang" in g.note
+    assert "graphs lost" in rows["sglang"].note and "OutOfMemoryError" in rows["sglang"].note
+    lost = {"graphcap": "bucket 1 not captured (x), ran eagerly"}
+    rows = {r.mode: r for r in runner._rows(modes, 1, 8, 3, 16, None, cfg)}
+    assert rows["graphcap"].x_eager_rebuild is None and rows["graphcap"].x_sglang is None
+    assert "graphs lost" in rows["graphcap"].note

@@ -10,9 +10,17 @@
   KV heads, every layer's decode reading the full rows' plan, as sglang; graphcap.bench.sglang_ops) and decode kernel
   (with PDL at compute capability >= 9, as sglang with the real sgl_kernel), the rebuild and `.item()` eager, the
   steps in one CUDA graph.
-- `CompiledBaseline` (`compile`): what a user builds without graphcap - the same loop as `sglang` with the rebuild
-  inside, sglang's kernels as opaque custom ops, under torch.compile(mode="reduce-overhead", fullgraph=True), every
-  persistent tensor marked static. Without CUDA: graphcap's torch twins for the rebuild and attention.
+- `CompiledBaseline` (`compile`): what a user builds without graphcap - the same draft loop as `sglang` with the
+  metadata rebuilt inside the compiled function, sglang's kernels as opaque custom ops, under
+  torch.compile(mode="reduce-overhead", fullgraph=True), every persistent tensor marked static. sglang's
+  `seq_lens.sum().item()` is in its worker's draft(), outside anything a user would compile: here it is in `run()`,
+  before the compiled call, so both modes pay the same host sync. Without CUDA: graphcap's torch twins for the
+  rebuild and attention.
+
+A baseline whose graphs were lost is not a baseline: `graph_problem(runner)` says why a mode's measured calls may not
+be its captured graphs - a DraftGraphs bucket that failed to capture (it runs eagerly), a call past the largest
+bucket, Inductor skipping the compiled baseline's CUDA graphs, a recompile after capture - and the bench then gives
+no speed-ups against (or of) that mode.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import torch
 
 from graphcap.bench.sglang_ops import SglangAttention
 from graphcap.capture import DraftGraphs
+from graphcap.guards import cache_entries, cudagraph_or_error, cudagraph_skips, describe
 from graphcap.kernels.window_update import window_reset
 from graphcap.models.draft_loop import DraftLoop, DraftOutput
 from graphcap.models.draft_ops import DraftOps
@@ -95,7 +104,7 @@ class CompiledBaseline:
         w, m = loop.window, loop.model
         self.warm_slots = warm_slots
         pools = {lt: (src.k_pool, src.v_pool) for lt, src in loop.sources.items()}
-        self.window, self.batches = w, tuple(batches)
+        self.window, self.batches, self.syncs = w, tuple(batches), 0
         self.attention = SglangAttention(w, pools, m.spec.draft.heads, max(batches), opaque=True, cores=cores) \
             if sglang_kernels else None
         sources = self.attention.sources() if self.attention else None
@@ -103,9 +112,12 @@ class CompiledBaseline:
         static = dict(self.loop.static_tensors())
         if self.attention:
             static.update(self.attention.static_tensors())
-        self._fn, _ = compile_iteration(self._iteration, "reduce-overhead", static.values(), len(self.batches),
-                                        f"compile_mode_{id(self):x}")
+        # the code object Dynamo caches the compiled iteration under: its entries count the recompiles
+        self._fn, self._code = compile_iteration(self._iteration, "reduce-overhead", static.values(),
+                                                 len(self.batches), f"compile_mode_{id(self):x}")
         self.cuda = w.device.type == "cuda"
+        self._entries: int | None = None  # Dynamo cache entries after capture
+        self.capture_problem = ""
 
     def _iteration(self, slots, accepted, tokens, hidden) -> DraftOutput:
         w = self.window
@@ -119,17 +131,57 @@ class CompiledBaseline:
 
     def capture(self) -> None:
         """Compile (and on CUDA record) every measured batch size once, on live rows with nothing accepted: the
-        windows are rebuilt as they stand, so the state does not move."""
-        for b in self.batches:
-            slots = self.warm_slots[:b]
-            zeros = torch.zeros(b, dtype=torch.int32, device=slots.device)
-            _, _, tokens, hidden = self.loop.example_inputs(b)
-            for _ in range(3):  # compile, record, first replay
-                self.run(slots, zeros, tokens, hidden)
+        windows are rebuilt as they stand, so the state does not move. On CUDA Inductor must record its graphs
+        (`cudagraph_or_error`, and its skip counter unchanged); a capture that did not is `capture_problem`."""
+        skips0 = cudagraph_skips()
+        try:
+            with cudagraph_or_error(self.cuda):
+                for b in self.batches:
+                    slots = self.warm_slots[:b]
+                    zeros = torch.zeros(b, dtype=torch.int32, device=slots.device)
+                    _, _, tokens, hidden = self.loop.example_inputs(b)
+                    for _ in range(3):  # compile, record, first replay
+                        self.run(slots, zeros, tokens, hidden)
+        except Exception as e:
+            if "skipping cudagraphs" not in str(e):
+                raise
+            self.capture_problem = f"Inductor would not record a CUDA graph: {describe(e)}"
         if self.cuda:
             torch.cuda.synchronize()
+            if not self.capture_problem and cudagraph_skips() > skips0:
+                self.capture_problem = "Inductor skipped CUDA graphs at capture (TORCH_LOGS=cudagraphs says why)"
+        self._entries = cache_entries(self._code)
+
+    def graph_problem(self) -> str:
+        """Why the measured calls may not be the captured ones ('' if they are): the capture's problem, or Dynamo
+        cache entries added since capture (a guard failed: the calls were recompiled, and not replayed)."""
+        if self.capture_problem:
+            return self.capture_problem
+        if self._entries is None:
+            return "not captured"
+        new = cache_entries(self._code) - self._entries
+        return f"recompiled after capture ({new} new Dynamo cache entries)" if new > 0 else ""
 
     def run(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
             *, host_slots: Sequence[int] | None = None) -> DraftOutput:
+        w = self.window
+        # sglang's per-iteration device-to-host sync, in its worker's draft() as here: outside the compiled function
+        self.seq_lens_sum = int((w.seq_lens[slots] + accepted.to(w.seq_lens.dtype)).sum().item())
+        self.syncs += 1
         torch.compiler.cudagraph_mark_step_begin()  # a new iteration: the last one's outputs may be overwritten
         return self._fn(slots, accepted, tokens, hidden)
+
+
+def graph_problem(runner) -> str:
+    """Why a mode's measured calls may not be its captured graphs, or '' when they are (or it has none to lose:
+    eager-rebuild): see the module docstring."""
+    if isinstance(runner, CompiledBaseline):
+        return runner.graph_problem()
+    graphs = runner if isinstance(runner, DraftGraphs) else getattr(runner, "graphs", None)
+    if graphs is None:
+        return ""
+    out = [f"bucket {r.batch_size} not captured ({r.reason}), ran eagerly" for r in graphs.buckets
+           if r.status != "captured"]
+    if graphs.oversize_fallbacks:
+        out.append(f"{graphs.oversize_fallbacks} calls past the largest bucket ran eagerly")
+    return "; ".join(out)

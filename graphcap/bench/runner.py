@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from graphcap.bench.baselines import CompiledBaseline, RebuildBaseline, SglangBaseline
+from graphcap.bench.baselines import CompiledBaseline, RebuildBaseline, SglangBaseline, graph_problem
 from graphcap.bench.counting import Count, count_kernels, count_syncs
 from graphcap.bench.environment import environment
 from graphcap.bench.gpu_monitor import GpuMonitor
@@ -197,6 +197,8 @@ def _measure(m: Mode, cfg: BenchConfig, ctx: int, slots: torch.Tensor, inputs: t
 def _rows(modes: list[Mode], b: int, ctx: int, steps: int, window: int, copy_gb_s: float | None,
           cfg: BenchConfig) -> list[BenchRow]:
     floor = floor_ms(cfg.spec, b, ctx, steps, copy_gb_s) if copy_gb_s else None
+    # checked after measuring: a failed bucket, an oversize call, skipped graphs or a recompile
+    lost = {m.name: graph_problem(m.runner) for m in modes}
     rows = []
     for m in modes:
         med, p90 = median_p90([s.wall_ms for s in m.samples])
@@ -212,10 +214,27 @@ def _rows(modes: list[Mode], b: int, ctx: int, steps: int, window: int, copy_gb_
             iter_per_s=1e3 / med, syncs_per_iter=m.syncs.value, syncs_how=m.syncs.how,
             kernels_per_iter=m.kernels.value, kernels_how=m.kernels.how, capture_s=m.capture_s,
             samples=len(m.samples), floor_ms=floor, x_floor=med / floor if floor else None, util_pct=mean("util_pct"),
-            power_w=mean("power_w"), sm_mhz=mean("sm_mhz"), note=m.note))
+            power_w=mean("power_w"), sm_mhz=mean("sm_mhz"), note=_join(m.note, _lost_note(lost[m.name]))))
+    return [_speedups(r, rows, lost) if r.mode == "graphcap" else r for r in rows]
+
+
+def _lost_note(problem: str) -> str:
+    return f"graphs lost, no speed-up computed with this mode: {problem}" if problem else ""
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
+
+
+def _speedups(row: BenchRow, rows: list[BenchRow], lost: dict[str, str]) -> BenchRow:
+    """graphcap's speed-up over each baseline measured, None (and said) where either side lost its graphs."""
+    if lost.get("graphcap"):
+        return row  # every x_* stays None; the row's note says why
     wall = {r.mode: r.wall_ms for r in rows}
-    return [replace(r, **{f: wall[base] / r.wall_ms for base, f in SPEEDUP_FIELDS.items() if base in wall})
-            if r.mode == "graphcap" else r for r in rows]
+    given = {f: wall[base] / row.wall_ms for base, f in SPEEDUP_FIELDS.items() if base in wall and not lost[base]}
+    missing = [base for base in SPEEDUP_FIELDS if base in wall and lost[base]]
+    note = f"no speed-up over {', '.join(missing)} (its graphs were lost: see its row)" if missing else ""
+    return replace(row, **given, note=_join(row.note, note))
 
 
 def _config(cfg: BenchConfig) -> dict:
