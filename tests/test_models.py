@@ -241,6 +241,36 @@ def test_fused_op_set_drafts_what_the_torch_ops_draft(device, sglang_post_norm):
                              "apply_rope_with_cos_sin_cache_inplace": layers}
 
 
+
+def test_fused_post_norm_weight_unbound_is_an_error_and_refresh_follows_in_place_updates():
+    """The (1 + w) tensors sglang's post-MLP kernel reads are made at bind, keyed by the weight: a weight bind never
+    saw is an error naming what was bound (never a silent three-kernel fallback); an in-place update of a bound
+    weight is picked up by refresh(), in place."""
+    spec = load_spec("tiny")
+    model = FrozenKVDraft(spec, seed=7)
+    calls = []
+
+    def post_norm(x, w1, residual, scalar, eps):
+        calls.append(w1)
+        return x
+
+    ops = dataclasses.replace(fused_ops(sglang_post_norm=False), post_norm=post_norm).bind(model)
+    x = torch.randn(2, spec.draft.hidden)
+    w = model.layers[1].post_mlp_norm.weight
+    ops.norm_add_scale(x, w, x, torch.ones(()))
+    table = calls[-1]
+    assert table is ops.tables["post_mlp_norm_1"] and torch.equal(table, 1.0 + w.float())
+    with torch.no_grad():
+        w.add_(0.25)
+    assert not torch.equal(table, 1.0 + w.float())  # stale until refresh
+    ops.refresh()
+    ops.norm_add_scale(x, w, x, torch.ones(()))
+    assert calls[-1] is table and torch.equal(table, 1.0 + w.float())  # the same tensor, new values
+    stranger = torch.zeros_like(w)
+    with pytest.raises(RuntimeError, match=r"post-MLP norm weight \(32,\) torch.float32 was not bound .*"
+                                           r"layers.0.post_mlp_norm.weight"):
+        ops.norm_add_scale(x, stranger, x, torch.ones(()))
+
 def test_bad_state_and_loop_arguments_are_named():
     spec = load_spec("tiny")
     with pytest.raises(ValueError, match=r"1 capacities for 3 seq_lens"):

@@ -11,7 +11,9 @@
 The reference's norms are Gemma-style, scale (1 + weight) in fp32, so the set takes sgl_kernel's `gemma_rmsnorm` /
 `gemma_fused_add_rmsnorm` (the same kernel as `rmsnorm` / `fused_add_rmsnorm` with the offset folded in: what
 Gemma 4 launches, at the same cost). sglang's post-MLP kernel scales by `weight` alone, so it gets (1 + weight) in
-fp32, made once per model (`bind`). Rotary: the reference rotates halves (NeoX) with cos/sin tables of
+fp32, made once per model (`bind`), looked up by the weight's identity: a weight bind did not see is an error naming
+it (never a silent three-kernel fallback), and a weight updated in place after bind needs `refresh()` (it recomputes
+the (1 + weight) tensors in place, so graphs captured over them read the new values). Rotary: the reference rotates halves (NeoX) with cos/sin tables of
 `head_dim / 2` columns per position; the fused kernel reads the same tables side by side, `[cos | sin]`, as
 sgl_kernel's cos_sin_cache.
 
@@ -150,6 +152,8 @@ class FusedOps:
     post_norm: Callable | None = None
     tables: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> tensor, made by bind
     shifted: dict[int, torch.Tensor] = field(default_factory=dict)  # id(norm weight) -> fp32 1 + weight
+    # id(norm weight) -> (its name, the weight): kept alive, so no other tensor can take its id
+    weights: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
     kv_width: dict[str, int] = field(default_factory=dict)  # layer type -> the dummy key's width
     name: str = "fused"
 
@@ -163,11 +167,20 @@ class FusedOps:
             tables[f"rope_cache_{lt}"] = torch.cat([cos, sin], dim=-1).float().contiguous()
             shape = spec.attention(lt)
             kv_width[lt] = shape.kv_heads * shape.head_dim
+        weights: dict[int, tuple[str, torch.Tensor]] = {}
         if self.post_norm is not None:
             for i, layer in enumerate(model.layers):
                 w = layer.post_mlp_norm.weight
                 shifted[id(w)] = tables[f"post_mlp_norm_{i}"] = (1.0 + w.detach().float()).contiguous()
-        return FusedOps(self.mod, self.post_norm, tables, shifted, kv_width, self.name)
+                weights[id(w)] = (f"layers.{i}.post_mlp_norm.weight", w)
+        return FusedOps(self.mod, self.post_norm, tables, shifted, weights, kv_width, self.name)
+
+    def refresh(self) -> None:
+        """Recompute every (1 + weight) from its weight, in place (same tensors, same addresses): after the bound
+        model's post-MLP norm weights were updated in place."""
+        with torch.no_grad():
+            for key, (_, w) in self.weights.items():
+                self.shifted[key].copy_(1.0 + w.detach().float())
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.tables)
@@ -189,10 +202,14 @@ class FusedOps:
         return x, residual
 
     def norm_add_scale(self, x, weight, residual, scalar):
+        if self.post_norm is None:
+            return (residual + self.norm(x, weight)) * scalar  # 3 kernels: sglang's fused one is not importable
         w1 = self.shifted.get(id(weight))
-        if self.post_norm is not None and w1 is not None:
-            return self.post_norm(x, w1, residual, scalar, EPS)  # one kernel, as sglang's Gemma 4 layer
-        return (residual + self.norm(x, weight)) * scalar  # 3 kernels: sglang's fused one is not importable
+        if w1 is None:
+            bound = ", ".join(name for name, _ in self.weights.values()) or "none"
+            raise RuntimeError(f"FusedOps: post-MLP norm weight {tuple(weight.shape)} {weight.dtype} was not bound "
+                               f"(bound: {bound}); bind(model) the model that owns it (DraftLoop does)")
+        return self.post_norm(x, w1, residual, scalar, EPS)  # one kernel, as sglang's Gemma 4 layer
 
     def gelu_mul(self, gate_up):
         return self.mod.gelu_tanh_and_mul(gate_up)
