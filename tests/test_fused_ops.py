@@ -193,11 +193,55 @@ def test_rope_rotates_query_and_key_in_place(device, dtype, layout, nnz, hq, hk,
 
 
 def test_cpu_without_interpreter_runs_the_twin(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    """Which path ran, proven: every Triton launch goes through wrap_triton, made to raise here; under the
+    interpreter the same call reaches it (the control), without it the twin runs and matches float64."""
+    def no_kernel(*a, **k):
+        raise AssertionError("a Triton kernel was launched")
+
+    monkeypatch.setattr(F, "wrap_triton", no_kernel)
     x = torch.randn(3, 40, dtype=torch.bfloat16)
     w = torch.randn(40, dtype=torch.bfloat16)
-    assert torch.equal(F.rmsnorm(x, w), F.rmsnorm_ref(x, w))
-    assert torch.equal(F.gelu_tanh_and_mul(x), F.gelu_tanh_and_mul_ref(x))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(AssertionError, match="Triton kernel was launched"):
+        F.rmsnorm(x, w)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert_close(F.rmsnorm(x, w), norm64(x, w, 1e-6, 0.0), torch.bfloat16, "rmsnorm without the interpreter")
+    assert_close(F.gelu_tanh_and_mul(x), act64("gelu_tanh_and_mul", x[:, :20]) * x[:, 20:].double(),
+                 torch.bfloat16, "gelu_tanh_and_mul without the interpreter")
+    r = x.clone()
+    F.fused_add_rmsnorm(x.clone(), r, w)  # the add-norm's twin too
+    assert torch.equal(r, (x.float() * 2).to(torch.bfloat16))
+
+
+def _bf16(t: torch.Tensor, truncate: bool) -> torch.Tensor:
+    """float64 -> bf16 through fp32, rounded to nearest (CUDA, torch) or truncated (Triton's CPU interpreter)."""
+    f = t.float()
+    return (f.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16) if truncate else f.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "twin"])
+def test_fused_add_rmsnorm_normalises_the_fp32_sum_not_the_rounded_residual(device, impl):
+    """sgl_kernel's fused_add_rmsnorm is flashinfer's FusedAddRMSNormKernel (include/flashinfer/norm.cuh): per element
+    x = float(input) + float(residual); residual = (T)x; the fp32 x kept in shared memory; input = x * rrms(x) * w.
+    So the norm reads the fp32 sum, the residual is the sum rounded. In bf16 the two readings differ by under one
+    output ulp (< the bf16 tolerance), so this crafted case pins it exactly: inputs 1 + k * 2**-10, whose sums are not
+    bf16 numbers, and only the elements where the two readings round to different bf16 values are compared."""
+    truncate = impl == "kernel" and device == "cpu"  # the interpreter truncates fp32 -> bf16
+    op = F.fused_add_rmsnorm if impl == "kernel" else F.fused_add_rmsnorm_ref
+    g = torch.Generator().manual_seed(0)
+    n = 256
+    x0 = torch.ones(4, n, dtype=torch.bfloat16)
+    r0 = (torch.randint(1, 8, (4, n), generator=g).double() * 2**-10).to(torch.bfloat16)
+    w = (0.5 + torch.rand(n, generator=g)).to(torch.bfloat16)
+    s64 = x0.double() + r0.double()
+    fp32_sum = _bf16(norm64(s64, w, 1e-6, 0.0), truncate)
+    rounded = _bf16(norm64(_bf16(s64, truncate).double(), w, 1e-6, 0.0), truncate)
+    apart = fp32_sum != rounded
+    assert apart.sum() > 30  # the case tells the two readings apart
+    x, r = x0.clone().to(device), r0.clone().to(device)
+    op(x, r, w.to(device), 1e-6)
+    assert torch.equal(r.cpu(), _bf16(s64, truncate)), "residual = the sum, rounded"
+    assert torch.equal(x.cpu()[apart], fp32_sum[apart]), "input = norm of the fp32 sum"
 
 
 def _decode_step(x, r, w, gate_up, pos, qkv, cache):
