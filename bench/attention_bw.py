@@ -13,12 +13,13 @@ Per shape it measures: the op as registered (default config, `splits_for`), a sm
 num_kv_splits 8 (its default) and the best of 8/16/32. Outputs are checked: ours vs sglang (relative error), and ours
 vs a float64 recomputation of two rows.
 
+The config search is bench/attention_tuning.py, the tables and files bench/attention_report.py.
+
     python bench/attention_bw.py --out DIR          # CUDA only; writes attention_bw.{md,csv,json} into DIR
     TRITON_INTERPRET=1 python bench/attention_bw.py --cpu-smoke   # the script's logic on CPU, tiny shapes
 """
 from __future__ import annotations
 
-import csv
 import importlib
 import json
 import math
@@ -28,14 +29,13 @@ import time
 from pathlib import Path
 
 import torch
-
-from tabulate import tabulate
+from attention_report import render, write  # bench/: the script's directory is on sys.path
+from attention_tuning import GRID_TILES, TUNE, cfg_name, grid, sweep
 
 from graphcap.bench import environment as bench_env
 from graphcap.bench import timing
 from graphcap.bench.options import OneLineParser
 from graphcap.kernels.attention import (
-    KernelConfig,
     decode_attention,
     decode_attention_with_config,
     default_config,
@@ -48,10 +48,6 @@ DTYPE = torch.bfloat16  # float32 under --cpu-smoke (the interpreter's bf16 tl.d
 LAYERS = {
     "sliding": dict(heads=32, kv_heads=16, dim=256, window=1024),
     "full": dict(heads=32, kv_heads=4, dim=512, window=0),
-}
-TUNE = {  # (block_n, num_warps, num_stages)
-    "sliding": [(32, 4, 3), (32, 4, 2), (64, 4, 2), (64, 8, 2), (16, 4, 2), (32, 8, 3)],
-    "full": [(32, 8, 3), (32, 8, 2), (16, 4, 2), (32, 4, 2), (64, 8, 2), (16, 8, 3)],
 }
 SGLANG_PATHS = ("sglang.kernels.ops.attention.decode_attention",  # 0.5.23
                 "sglang.srt.layers.attention.triton_ops.decode_attention")  # older releases
@@ -229,57 +225,6 @@ def check_rows(out, q, pools, table, n, sm) -> float:
     return max(errs)
 
 
-def cfg_name(c: KernelConfig) -> str:
-    return f"bn{c.block_n}/w{c.num_warps}/st{c.num_stages}/mc{c.min_chunk}"
-
-
-def sweep(layer: str, run_cfg, s0: int, base: KernelConfig, failed: set, notes: list) -> list:
-    """Tile configs at the heuristic split count, then split counts x minimum chunks for the two best tile configs.
-    Returns [(ms, config, splits)]."""
-    timed = []
-    for bn, nw, ns in TUNE[layer]:
-        cfg = KernelConfig(block_n=bn, num_warps=nw, num_stages=ns, min_chunk=max(bn, base.min_chunk), max_chunk=0)
-        if (layer, bn, nw, ns) in failed:
-            continue
-        try:
-            timed.append((run_cfg(cfg, s0), cfg, s0))
-        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip this config from now on
-            failed.add((layer, bn, nw, ns))
-            notes.append(f"{layer} BLOCK_N={bn} num_warps={nw} num_stages={ns}: {type(e).__name__}: {str(e)[:160]}")
-    timed.sort(key=lambda x: x[0])
-    for _, cfg, _ in timed[:2]:
-        for s in sorted({max(1, s0 // 2), s0 * 2, s0 * 4} - {s0}):
-            for mc in (cfg.block_n, 4 * cfg.block_n):
-                c2 = KernelConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, mc, max_chunk=0)
-                timed.append((run_cfg(c2, min(s, 256)), c2, min(s, 256)))
-    return timed
-
-
-GRID_TILES = [(bn, nw, ns) for bn in (16, 32, 64) for nw in (4, 8) for ns in (1, 2, 3, 4)]
-GRID_SPLITS = (1, 2, 3, 4, 6, 8, 9, 12, 16, 18, 24, 32, 48)
-
-
-def grid(layer: str, run_cfg, n: int, failed: set, notes: list, tiles=GRID_TILES) -> list:
-    """Every tile config x every split count (min_chunk = BLOCK_N, so the splits are what was asked): for the shapes
-    where the heuristic misses its goal. Returns [(ms, config, splits)]."""
-    timed = []
-    for bn, nw, ns in tiles:
-        if (layer, bn, nw, ns) in failed:
-            continue
-        for s in GRID_SPLITS:
-            if s > 1 and -(-n // s) < bn:  # fewer than one tile per split: the extra splits would be empty
-                continue
-            cfg = KernelConfig(block_n=bn, num_warps=nw, num_stages=ns, min_chunk=bn, max_chunk=0)
-            try:
-                timed.append((run_cfg(cfg, s), cfg, s))
-            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip this tile config from now on
-                failed.add((layer, bn, nw, ns))
-                notes.append(f"{layer} BLOCK_N={bn} num_warps={nw} num_stages={ns}: {type(e).__name__}: "
-                             f"{str(e)[:160]}")
-                break
-    return timed
-
-
 def cpu_smoke() -> None:
     """Tiny shapes on CPU through Triton's interpreter, wall-clock timing: checks the script, not the GPU."""
     global DEVICE, DTYPE, bench, graph_ms, copy_bandwidth, environment
@@ -448,55 +393,6 @@ def main() -> None:
     env["elapsed_s"] = round(time.time() - t0, 1)
     write(args.out, env, rows_out, notes)
     print(render(env, rows_out, notes))
-
-
-def write(out: Path | None, env: dict, rows: list[dict], notes: list[str]) -> None:
-    if out is None or not rows:
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "attention_bw.md").write_text(render(env, rows, notes))
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    with open(out / "attention_bw.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=keys)
-        wr.writeheader()
-        wr.writerows(rows)
-    (out / "attention_bw.json").write_text(json.dumps({"env": env, "rows": rows, "notes": notes}, indent=1))
-
-
-L2_TEXT = {
-    "dirty": "replayed in a CUDA graph, L2 emptied before each call by writing 256 MB (triton's do_bench)",
-    "clean": "replayed in a CUDA graph, L2 emptied before each call by reading 256 MB",
-    "in-graph": "inside a CUDA graph of 8 x (read 256 MB, call), the reads' own graph time subtracted",
-}
-
-
-def render(env: dict, rows: list[dict], notes: list[str]) -> str:
-    head = ["layer", "B", "ctx", "MB K+V", "ours default us (splits)", "GB/s", "% copy", "ours best us", "GB/s", "% copy",
-            "best config (splits)", "sglang us (best of 8/16/32)", "sglang GB/s", "sglang / ours best",
-            "sglang / ours default", "ours eager us", "err vs sglang", "err vs f64"]
-    body = []
-    for r in rows:
-        sg = r.get("sglang_best_us")
-        cells = [r["layer"], r["batch"], r["ctx"], r["mbytes"], f"{r['default_us']} ({r['splits']})", r["default_gbps"],
-                 r["default_pct_copy"], r["best_us"], r["best_gbps"], r["best_pct_copy"],
-                 f"{r['best_config']} ({r['best_splits']})"]
-        if sg is not None:
-            cells += [f"{sg} ({r['sglang_best_splits']})", r["sglang_best_gbps"], f"{r['speedup_best_vs_sglang']}x",
-                      f"{r['speedup_default_vs_sglang']}x"]
-        else:
-            cells += ["-"] * 4
-        cells += [r["eager_us"], f"{r['err_vs_sglang']:.1e}" if "err_vs_sglang" in r else "-", f"{r['err_ref']:.1e}"]
-        body.append(cells)
-    lines = [f"# decode attention bandwidth ({env['device']}, {env['date']})", "",
-             f"{bench_env.summary_line(env)}; sglang kernel: {env['sglang_kernel']}; copy bandwidth "
-             f"{env.get('copy_gbps')} GB/s (read + write); {env.get('elapsed_s')} s. Times: median GPU time of one call "
-             f"{L2_TEXT.get(env.get('l2', 'dirty'), '?')} (--l2 {env.get('l2', 'dirty')}); 'eager' = the registered op "
-             "called from Python.", "", tabulate(body, headers=head, tablefmt="github", disable_numparse=True)]
-    if notes:
-        lines += ["", "Notes:"] + [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

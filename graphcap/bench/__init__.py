@@ -6,5 +6,6 @@
 - `timing`: the one timer; `counting`: syncs and kernels per call; `environment`: the one environment report;
 - `roofline`: the bandwidth floor; `gpu_monitor`: NVML sampling; `state`: random target-engine state.
 
-Nothing here is imported by graphcap's library modules.
+graphcap's library modules import nothing here; the command line does: graphcap/cli.py imports `options` at
+module level (the bench's arguments are part of the one parser tree) and `runner` lazily, when `bench` runs.
 """
