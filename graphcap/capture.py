@@ -29,7 +29,7 @@ import torch
 
 from graphcap import manifest as mf
 from graphcap.guards import AddressGuard, CaptureError, cache_entries
-from graphcap.models.draft_loop import DraftLoop, DraftOutput
+from graphcap.iteration import CapturableLoop, DraftOutput
 from graphcap.backends import ALL_BACKENDS, COMPILED_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS
 from graphcap.recording import Inputs, compile_iteration, record_bucket
 from graphcap.window import check_slots
@@ -114,12 +114,12 @@ class DraftGraphs:
         self._env: dict | None = None  # device, driver, versions: read once (NVML), not at every flush
 
     @classmethod
-    def for_loop(cls, loop: DraftLoop, backend: str | None = None, buckets: Sequence[int] | None = None,
+    def for_loop(cls, loop: CapturableLoop, backend: str | None = None, buckets: Sequence[int] | None = None,
                  steps_only: bool = False, **kw) -> DraftGraphs:
         """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph)."""
-        spec = loop.model.spec
+        spec = loop.spec
         return cls(loop.draft_steps if steps_only else loop, buckets=buckets or spec.capture.buckets,
-                   padding_slot=loop.window.padding_slot, example_inputs=loop.example_inputs,
+                   padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
                    static_tensors=loop.static_tensors(), backend=backend or spec.capture.backend, spec=spec, **kw)
 
     # -----------------------------------------------------------------------------------------------------------

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import time
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
 from graphcap import manifest as mf
 from graphcap.backends import MANUAL_GRAPH_BACKENDS
 from graphcap.guards import CaptureError, cudagraph_or_error, cudagraph_skips, describe, reserved_bytes
-from graphcap.models.draft_loop import DraftOutput
-
-Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # slots, accepted, tokens, hidden
-DraftFn = Callable[..., DraftOutput]
+from graphcap.iteration import DraftFn, DraftOutput, Inputs
 
 
 def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor], buckets: int,

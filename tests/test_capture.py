@@ -317,3 +317,19 @@ def test_failed_bucket_falls_back_to_eager_and_is_recorded(device, tmp_path):
         graphs.flush()
         m = mf.read_manifest(path)
         assert m.buckets[0].fallbacks == 2 and m.buckets[0].replays == 0 and m.buckets[0].status == "failed"
+
+
+def test_engine_imports_no_model():
+    """The engine captures any fn -> DraftOutput: importing it (and its types) must not import the reference model,
+    and the models' DraftOutput is the engine's."""
+    import subprocess
+    import sys
+
+    code = ("import sys, graphcap.capture, graphcap.recording, graphcap.iteration; "
+            "print(sorted(m for m in sys.modules if m.startswith('graphcap.models')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    from graphcap import iteration
+    from graphcap.models import DraftOutput
+    assert DraftOutput is iteration.DraftOutput

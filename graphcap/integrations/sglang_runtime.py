@@ -30,7 +30,7 @@ from graphcap.capture import DraftGraphs
 from graphcap.guards import CaptureError
 from graphcap.integrations.sglang_config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
 from graphcap.integrations.sglang_slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
-from graphcap.models.draft_loop import DraftOutput
+from graphcap.iteration import DraftOutput
 from graphcap.window import WindowBuffers
 
 log = logging.getLogger("graphcap.sglang")
