@@ -99,12 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         calls = {"call": r} if name == "eager" else {"run()": lambda *x, r=r: r.run(*x, host_slots=host_slots)}
         if name != "eager":
             calls["replay()"] = lambda *x, r=r: r.replay(b)  # inputs already in place: what is left per call
-            bucket = r._buckets[r._bucket_of[b]]
+            bucket = r.bucket_graph(b)
             if bucket.graph is not None:
                 calls["CUDAGraph.replay()"] = lambda *x, g=bucket.graph: g.replay()
                 calls["CUDAGraph.replay(), GPU busy"] = calls["CUDAGraph.replay()"]
             if a.census and name == "inductor-cudagraph":
-                census[name] = graph_census(r._compiled, bucket.inputs, a.out / f"graph-{name}-b{b}.dot")
+                census[name] = graph_census(r.compiled, bucket.inputs, a.out / f"graph-{name}-b{b}.dot")
         res = results[name] = {}
         for kind, run in calls.items():
             wb.reset(host_slots, [a.context] * b)  # each kind starts at the same context, inside the allocated rows

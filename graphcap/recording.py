@@ -14,7 +14,7 @@ import torch
 
 from graphcap import manifest as mf
 from graphcap.backends import MANUAL_GRAPH_BACKENDS
-from graphcap.guards import CaptureError, cudagraph_or_error, cudagraph_skips, describe, reserved_bytes
+from graphcap.guards import CaptureError, cache_entries, cudagraph_or_error, cudagraph_skips, describe, reserved_bytes
 from graphcap.iteration import DraftFn, DraftOutput, Inputs
 
 
@@ -97,3 +97,28 @@ def record_bucket(inputs: Inputs, rec: mf.BucketRecord, backend: str, fn: DraftF
     rec.capture_s = time.perf_counter() - t0
     rec.pool_bytes = max(0, reserved_bytes() - before) if cuda else 0
     return (None, None) if rec.status == "failed" else (graph, outputs)
+
+
+class CompiledIteration:
+    """The compiled iteration every bucket of one `DraftGraphs` shares, and the recompile guard around a call of it.
+
+    Dynamo's cache for `code` (fresh per DraftGraphs, see `compile_iteration`) holds what capture compiled; an entry
+    added later means a guard failed and the call ran something that was never captured."""
+
+    def __init__(self, fn: DraftFn, code: types.CodeType) -> None:
+        self.fn, self.code = fn, code
+        self.entries = 0  # cache entries once capture finished (`seal`)
+
+    def seal(self) -> None:
+        self.entries = cache_entries(self.code)
+
+    def __call__(self, size: int, *inputs: torch.Tensor) -> DraftOutput:
+        """One call on bucket `size`'s static inputs (compile and reduce-overhead backends: Dynamo runs per call)."""
+        torch.compiler.cudagraph_mark_step_begin()
+        out = self.fn(*inputs)
+        if cache_entries(self.code) != self.entries:
+            # Only visible once the call returned: this iteration did run (the windows advanced), slowly.
+            raise CaptureError(f"bucket {size}: recompiled after capture (a guard failed: a static tensor or the "
+                               "function changed; this iteration still ran and advanced the windows); run with "
+                               "TORCH_LOGS=recompiles for the guard, then recapture()")
+        return out
