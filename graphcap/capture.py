@@ -3,7 +3,8 @@
 The jobs are split as vLLM's cudagraph dispatcher splits them, one module each: graphcap.dispatch picks the bucket of a
 batch size, graphcap.bucket_graph records and replays one bucket (static inputs, graph, static outputs, padding),
 graphcap.static_buffers owns the tensors the graphs read by address and their guard, graphcap.recording compiles and
-records per backend. This module orders the capture, checks batches, runs the eager fallbacks and keeps the manifest.
+records per backend. This module orders the capture, checks batches, runs the eager fallbacks and keeps the manifest;
+what it reports (the manifest file, progress) goes to observers (graphcap.observers): it prints nothing.
 
 Run time: the smallest bucket >= B is chosen, the live batch is copied into its first B rows, the other rows point
 at the padding slot with accepted = 0, the graph replays and views of the first B rows come back. They stay valid
@@ -15,13 +16,10 @@ Zero-copy: an engine that can write its batch straight into the bucket's static 
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
-import sys
 import time
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,6 +30,7 @@ from graphcap.bucket_graph import BucketGraph
 from graphcap.dispatch import BucketDispatcher
 from graphcap.guards import CaptureError
 from graphcap.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
+from graphcap.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
 from graphcap.recording import CompiledIteration, compile_iteration
 from graphcap.static_buffers import StaticBuffers
 from graphcap.window import check_slots
@@ -55,9 +54,12 @@ class DraftGraphs:
         backend: str = DEFAULT_BACKEND,
         spec=None,
         manifest_path: str | os.PathLike | None = "default",
-        progress: bool | None = None,
+        progress: bool = False,
         flush_every_s: float = 10.0,
+        observers: Sequence[CaptureObserver] = (),
     ) -> None:
+        """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
+        file). `progress=True` adds a `StderrProgress`. `observers`: more (graphcap.observers); `add_observer` too."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         self._dispatch = BucketDispatcher(buckets)
@@ -68,7 +70,6 @@ class DraftGraphs:
         self.fn, self.backend, self.spec, self.padding_slot = fn, backend, spec, padding_slot
         self.device = device
         self._static = StaticBuffers(static_tensors, example_inputs)
-        self._progress = sys.stderr.isatty() if progress is None else progress
         self._buckets = [self._new_bucket(b) for b in self._dispatch.sizes]
         self._compiled: CompiledIteration | None = None
         self._warned: set[str] = set()
@@ -77,8 +78,12 @@ class DraftGraphs:
             manifest_path = mf.manifest_path(mf.default_manifest_dir(), spec.name if spec else "unnamed",
                                              spec.hash if spec else "0", backend)
         self.manifest_path = manifest_path
-        if manifest_path:  # counters since the last timed flush reach the file at exit too
-            atexit.register(_flush_at_exit, weakref.ref(self))
+        self._observers: list[CaptureObserver] = []
+        self._flushers: list[CaptureObserver] = []  # the observers that take the manifest at a flush
+        builtin = [ManifestWriter(manifest_path)] if manifest_path else []
+        builtin += [StderrProgress()] if progress else []
+        for o in [*builtin, *observers]:
+            self.add_observer(o)
         self._flush_every_s, self._last_flush = flush_every_s, 0.0
         self._created = None
         self._env: dict | None = None  # device, driver, versions: read once (NVML), not at every flush
@@ -91,6 +96,12 @@ class DraftGraphs:
         return cls(loop.draft_steps if steps_only else loop, buckets=buckets or spec.capture.buckets,
                    padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
                    static_tensors=loop.static_tensors(), backend=backend or spec.capture.backend, spec=spec, **kw)
+
+    def add_observer(self, observer: CaptureObserver) -> None:
+        """Tell `observer` about captures and flushes from now on (graphcap.observers)."""
+        self._observers.append(observer)
+        if wants_flush(observer):
+            self._flushers.append(observer)
 
     @property
     def oversize_fallbacks(self) -> int:
@@ -120,27 +131,26 @@ class DraftGraphs:
                                                                   tag=f"{id(self):x}"))
         pool = torch.cuda.graph_pool_handle() if self.backend in MANUAL_GRAPH_BACKENDS else None
         order = list(reversed(self._buckets))
-        for i, bucket in enumerate(order):
-            self._show(f"capturing bucket {bucket.size:>4} ({i + 1}/{len(order)})")
+        for i, bucket in enumerate(order, 1):
+            for o in self._observers:
+                o.on_bucket_start(bucket.size, i, len(order))
             bucket.capture(self.backend, self.fn, self._compiled, pool)
             if not bucket.captured:
                 self._warn_once(f"capture:{bucket.size}", f"graphcap: bucket {bucket.size} not captured "
                                                           f"({bucket.record.reason}); it will run eagerly")
+            for o in self._observers:
+                o.on_bucket_captured(bucket.record, i, len(order))
         if self._compiled is not None:
             self._compiled.seal()
         self.captured = True
         self._created = self._created or mf.utc_now()
-        ok = [b for b in self._buckets if b.captured]
-        pool_mib = sum(b.record.pool_bytes for b in self._buckets) / 2**20
-        self._show(None)
-        failed = "" if len(ok) == len(self._buckets) else f", {len(self._buckets) - len(ok)} failed (eager fallback)"
-        summary = (f"graphcap: captured {len(ok)}/{len(self._buckets)} buckets "
-                   f"({self._buckets[0].size}..{self._buckets[-1].size}) with {self.backend} in "
-                   f"{time.perf_counter() - t_all:.1f} s, {pool_mib:.0f} MiB graph memory{failed}")
-        if self.manifest_path:
-            self.flush()
-            summary += f"; manifest {self.manifest_path}"
-        print(summary, file=sys.stderr)
+        self.flush()  # an unwritable manifest is the caller's error here
+        summary = CaptureSummary(
+            backend=self.backend, buckets=self._dispatch.sizes, captured=sum(b.captured for b in self._buckets),
+            seconds=time.perf_counter() - t_all, pool_bytes=sum(b.record.pool_bytes for b in self._buckets),
+            manifest_path=str(self.manifest_path) if self.manifest_path else None)
+        for o in self._observers:
+            o.on_capture_done(summary)
 
     def recapture(self) -> None:
         """Capture again after a static tensor moved in place (its storage reallocated or resized, which the address
@@ -197,7 +207,7 @@ class DraftGraphs:
         return self._buckets[self._dispatch.captured_index(caller, b)]
 
     def _finish(self, out: DraftOutput, sliced: bool = False, *, b: int, copy: bool) -> DraftOutput:
-        if self.manifest_path and time.monotonic() - self._last_flush > self._flush_every_s:
+        if self._flushers and time.monotonic() - self._last_flush > self._flush_every_s:
             try:
                 self.flush()
             except OSError as e:  # the iteration ran: return its outputs, retry at the next interval
@@ -245,11 +255,6 @@ class DraftGraphs:
             self._warned.add(key)
             log.warning(message)
 
-    def _show(self, text: str | None) -> None:
-        if self._progress:
-            sys.stderr.write("\r\033[K" + (f"graphcap: {text}" if text else ""))
-            sys.stderr.flush()
-
     # -----------------------------------------------------------------------------------------------------------
     # reporting
 
@@ -267,16 +272,11 @@ class DraftGraphs:
         return m
 
     def flush(self) -> None:
-        """Write the manifest now (run() also does, at most every `flush_every_s`)."""
-        if self.manifest_path:
-            mf.write_manifest(self.manifest(), self.manifest_path)
-            self._last_flush = time.monotonic()
-
-
-def _flush_at_exit(ref: weakref.ref) -> None:
-    graphs = ref()
-    if graphs is not None and graphs.captured:
-        try:
-            graphs.flush()
-        except OSError as e:  # never turn interpreter exit into a traceback
-            log.warning("graphcap: could not write manifest %s at exit: %s", graphs.manifest_path, e)
+        """Hand the manifest as it stands to the observers that take it (the `ManifestWriter` writes the file); run()
+        and replay() also do, at most every `flush_every_s`. Never at exit by itself: a process that wants the last
+        counters written registers `atexit.register(graphs.flush)` (graphcap.observers says why)."""
+        if self._flushers:
+            m = self.manifest()
+            for o in self._flushers:
+                o.on_flush(m)
+        self._last_flush = time.monotonic()
