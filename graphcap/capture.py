@@ -57,9 +57,15 @@ class DraftGraphs:
         progress: bool = False,
         flush_every_s: float = 10.0,
         observers: Sequence[CaptureObserver] = (),
+        dynamic_batch: bool = False,
     ) -> None:
         """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
-        file). `progress=True` adds a `StderrProgress`. `observers`: more (graphcap.observers); `add_observer` too."""
+        file). `progress=True` adds a `StderrProgress`. `observers`: more (graphcap.observers); `add_observer` too.
+
+        `dynamic_batch=True` (compiled backends): compile the iteration once with the batch dimension symbolic
+        (1..largest bucket) and record every bucket from that one artifact, instead of one compile per bucket. `fn`
+        must then derive no Python value from the batch (for_loop calls the loop's `plan_for_any_batch`); one that
+        does fails the capture (Dynamo reports the specialisation). Off by default until a GPU run measures it."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         self._dispatch = BucketDispatcher(buckets)
@@ -67,12 +73,17 @@ class DraftGraphs:
         if backend in GRAPH_BACKENDS and device.type != "cuda":
             raise ValueError(f"DraftGraphs: backend {backend!r} records CUDA graphs; tensors are on {device}. "
                              "Use backend 'compile' or 'eager' on a CPU.")
+        if dynamic_batch and backend not in COMPILED_BACKENDS:
+            raise ValueError(f"DraftGraphs: dynamic_batch compiles once for every bucket; backend {backend!r} "
+                             f"compiles nothing (compiled backends: {', '.join(COMPILED_BACKENDS)})")
+        self.dynamic_batch = dynamic_batch
         self.fn, self.backend, self.spec, self.padding_slot = fn, backend, spec, padding_slot
         self.device = device
         self._static = StaticBuffers(static_tensors, example_inputs)
         self._buckets = [self._new_bucket(b) for b in self._dispatch.sizes]
         self._compiled: CompiledIteration | None = None
         self._warned: set[str] = set()
+        self._notes: list[str] = []  # for the manifest
         self.captured = False
         if manifest_path == "default":  # $GRAPHCAP_MANIFEST_DIR or the per-user cache; None: write none
             manifest_path = mf.manifest_path(mf.default_manifest_dir(), spec.name if spec else "unnamed",
@@ -93,6 +104,8 @@ class DraftGraphs:
                  steps_only: bool = False, **kw) -> DraftGraphs:
         """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph)."""
         spec = loop.spec
+        if kw.get("dynamic_batch"):
+            loop.plan_for_any_batch()
         return cls(loop.draft_steps if steps_only else loop, buckets=buckets or spec.capture.buckets,
                    padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
                    static_tensors=loop.static_tensors(), backend=backend or spec.capture.backend, spec=spec, **kw)
@@ -126,9 +139,21 @@ class DraftGraphs:
         t_all = time.perf_counter()
         self._static.arm()
         if self.backend in COMPILED_BACKENDS:
-            static = self._static.all_tensors(t for b in self._buckets for t in b.inputs)
-            self._compiled = CompiledIteration(*compile_iteration(self.fn, self.backend, static, len(self._buckets),
-                                                                  tag=f"{id(self):x}"))
+            inputs = [t for b in self._buckets for t in b.inputs]
+            if self.dynamic_batch:
+                # One symbol for the batch of all four inputs of every bucket (shape_id), so one graph serves them all.
+                # Unbacked, not mark_dynamic: a backed size is specialised at 1 (bucket 1 would compile again - an
+                # error under mark_dynamic's range) and each input would get its own symbol. (strict=True, which
+                # should refuse a specialisation, made Dynamo specialise at 1 again in torch 2.13: the entry count
+                # after capture is checked instead.) hint_override: Inductor's size hints (autotuning) take the
+                # largest bucket, not its default for unbacked sizes.
+                top = self._dispatch.largest
+                for t in inputs:
+                    torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="batch", min=1, max=top, hint_override=top)
+            static = self._static.all_tensors(iter(inputs))
+            compiled = compile_iteration(self.fn, self.backend, static, len(self._buckets), tag=f"{id(self):x}",
+                                         dynamic_batch=self.dynamic_batch)
+            self._compiled = CompiledIteration(*compiled)
         pool = torch.cuda.graph_pool_handle() if self.backend in MANUAL_GRAPH_BACKENDS else None
         order = list(reversed(self._buckets))
         for i, bucket in enumerate(order, 1):
@@ -142,13 +167,18 @@ class DraftGraphs:
                 o.on_bucket_captured(bucket.record, i, len(order))
         if self._compiled is not None:
             self._compiled.seal()
+            if self.dynamic_batch and self._compiled.entries > 1:  # correct graphs, but not the one compile asked for
+                note = (f"dynamic_batch: {self._compiled.entries} compiles for {len(self._buckets)} buckets, not 1 - "
+                        "something in the function specialises the batch (TORCH_LOGS=recompiles names the guard)")
+                self._warn_once("dynamic_batch", f"graphcap: {note}")
+                self._notes.append(note)
         self.captured = True
         self._created = self._created or mf.utc_now()
         self.flush()  # an unwritable manifest is the caller's error here
         summary = CaptureSummary(
             backend=self.backend, buckets=self._dispatch.sizes, captured=sum(b.captured for b in self._buckets),
             seconds=time.perf_counter() - t_all, pool_bytes=sum(b.record.pool_bytes for b in self._buckets),
-            manifest_path=str(self.manifest_path) if self.manifest_path else None)
+            manifest_path=str(self.manifest_path) if self.manifest_path else None, dynamic_batch=self.dynamic_batch)
         for o in self._observers:
             o.on_capture_done(summary)
 
@@ -160,6 +190,7 @@ class DraftGraphs:
         self.captured = False
         self._buckets = [self._new_bucket(b.size) for b in self._buckets]
         self._compiled = None
+        self._notes.clear()
         self.capture()
 
     def _new_bucket(self, size: int) -> BucketGraph:
@@ -269,6 +300,8 @@ class DraftGraphs:
         m = mf.Manifest.for_spec(self.spec, self.backend, self._env, created=self._created,
                                  buckets=[dataclasses.replace(b.record) for b in self._buckets])
         m.oversize_fallbacks = self.oversize_fallbacks
+        m.dynamic_batch = self.dynamic_batch
+        m.notes = list(self._notes)
         return m
 
     def flush(self) -> None:

@@ -19,7 +19,7 @@ from graphcap.iteration import DraftFn, DraftOutput, Inputs
 
 
 def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor], buckets: int,
-                      tag: str) -> tuple[DraftFn, types.CodeType]:
+                      tag: str, dynamic_batch: bool = False) -> tuple[DraftFn, types.CodeType]:
     """`fn` under torch.compile for `backend` (one of graphcap.backends' COMPILED_BACKENDS), and the code object Dynamo caches it under
     (`draft_iteration_<tag>`), whose entries count the recompiles. Every tensor of `static` (the persistent tensors
     and each bucket's static inputs) is marked with `mark_static_address`, so no replay copies it.
@@ -27,7 +27,10 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
     A function whose `graph_breaks` attribute is true is compiled with fullgraph=False: Dynamo compiles the pieces
     between the Python it cannot trace (sglang's layers build msgspec records mid-forward), and the manual-graph
     backends still record all of it, Python glue included, in one CUDA graph. Its recompile limit is then raised
-    with the recompile limit made an error, so a piece that would silently run eagerly fails the capture instead."""
+    with the recompile limit made an error, so a piece that would silently run eagerly fails the capture instead.
+
+    `dynamic_batch`: compiled with dynamic=None instead of False, so that inputs whose batch dimension the caller
+    marked dynamic (`torch._dynamo.mark_dynamic`) give one graph for every bucket instead of one per bucket."""
     for t in static:
         torch._dynamo.mark_static_address(t)
 
@@ -48,7 +51,8 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
         torch._dynamo.config.fail_on_recompile_limit_hit = True
     mode = "reduce-overhead" if backend == "reduce-overhead" else None
     options = None if mode else {"triton.cudagraphs": False}  # inductor-cudagraph records its own graphs
-    return torch.compile(fresh, mode=mode, options=options, fullgraph=not breaks, dynamic=False), code
+    dynamic = None if dynamic_batch else False
+    return torch.compile(fresh, mode=mode, options=options, fullgraph=not breaks, dynamic=dynamic), code
 
 
 def record_bucket(inputs: Inputs, rec: mf.BucketRecord, backend: str, fn: DraftFn, compiled: DraftFn | None,

@@ -6,6 +6,8 @@ so one CUDA graph per batch bucket can replay it.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -51,6 +53,12 @@ class DraftLoop(nn.Module):
     @property
     def padding_slot(self) -> int:
         return self.window.padding_slot
+
+    def plan_for_any_batch(self) -> None:
+        """Plan the attention grids for any batch, not per call's batch: what one compile for every bucket needs
+        (`DraftGraphs(dynamic_batch=True)` calls it through `for_loop`). The split count (a Python int, the grid) is
+        otherwise derived from the batch (`choose_num_splits`), which would make Dynamo specialise the batch."""
+        self.sources = {lt: dataclasses.replace(src, grid_batch=1) for lt, src in self.sources.items()}
 
     def forward(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
                 hidden: torch.Tensor) -> DraftOutput:
