@@ -64,8 +64,10 @@ class DraftGraphs:
 
         `dynamic_batch=True` (compiled backends): compile the iteration once with the batch dimension symbolic
         (1..largest bucket) and record every bucket from that one artifact, instead of one compile per bucket. `fn`
-        must then derive no Python value from the batch (for_loop calls the loop's `plan_for_any_batch`); one that
-        does fails the capture (Dynamo reports the specialisation). Off by default until a GPU run measures it."""
+        must then derive no Python value from the batch (for_loop calls the loop's `plan_for_any_batch`): one that
+        passes such a value where an int is required fails the bucket's capture (the reason names the symbol), one
+        that only branches on it costs extra compiles (warned, and noted in the manifest). Off by default until a
+        GPU run measures it."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         self._dispatch = BucketDispatcher(buckets)
