@@ -6,6 +6,7 @@ same loop in a manual CUDA graph without Inductor, plus the host time of one cal
 
     python bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --out DIR
     python bench/capture_cost.py ... --capture-only --backends inductor-cudagraph --out DIR2   # e.g. a warm cache
+    python bench/capture_cost.py ... --capture-only --backends inductor-cudagraph --dynamic-batch --out DIR3
 
 Capture time depends on Inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR): empty them for a cold
 start, keep them for what a server restart sees. The output says which phases of torch.compile the time went to.
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="cudagraph,inductor-cudagraph,reduce-overhead")
     p.add_argument("--capture-only", action="store_true", help="time the captures only (no replay timing)")
     p.add_argument("--buckets", default="", help="capture only these buckets (default: the spec's); e.g. 8")
+    p.add_argument("--dynamic-batch", action="store_true",
+                   help="compiled backends: one compile for every bucket (DraftGraphs' dynamic_batch), not one each")
     p.add_argument("--census", action="store_true",
                    help="record --batch's iteration once more as a debug graph: its nodes by type (graph.dot kept)")
     p.add_argument("--out", type=Path, required=True)
@@ -78,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         if backend is None:
             return wb, loop, loop
         path = mf.manifest_path(a.out, spec.name, spec.hash, backend)
-        graphs = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=path, progress=False)
+        dyn = a.dynamic_batch and backend != "cudagraph"  # the cudagraph backend compiles nothing
+        graphs = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=path, progress=True,
+                                      dynamic_batch=dyn)
         t0 = time.perf_counter()
         graphs.capture()
         return wb, graphs, time.perf_counter() - t0
@@ -99,12 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         calls = {"call": r} if name == "eager" else {"run()": lambda *x, r=r: r.run(*x, host_slots=host_slots)}
         if name != "eager":
             calls["replay()"] = lambda *x, r=r: r.replay(b)  # inputs already in place: what is left per call
-            bucket = r._buckets[r._bucket_of[b]]
+            bucket = r.bucket_graph(b)
             if bucket.graph is not None:
                 calls["CUDAGraph.replay()"] = lambda *x, g=bucket.graph: g.replay()
                 calls["CUDAGraph.replay(), GPU busy"] = calls["CUDAGraph.replay()"]
             if a.census and name == "inductor-cudagraph":
-                census[name] = graph_census(r._compiled, bucket.inputs, a.out / f"graph-{name}-b{b}.dot")
+                census[name] = graph_census(r.compiled, bucket.inputs, a.out / f"graph-{name}-b{b}.dot")
         res = results[name] = {}
         for kind, run in calls.items():
             wb.reset(host_slots, [a.context] * b)  # each kind starts at the same context, inside the allocated rows

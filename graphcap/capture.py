@@ -1,8 +1,10 @@
-"""`DraftGraphs`: one captured draft iteration per batch bucket, and the run-time dispatcher around them.
+"""`DraftGraphs`: one captured draft iteration per batch bucket - the capture engine's facade.
 
-How a bucket is recorded, per backend (`reduce-overhead`, `inductor-cudagraph`, `cudagraph`, `compile`, `eager`), is
-graphcap.recording's; this module owns the buckets' static inputs, capturing them in order, the guards at run time,
-the dispatch and the manifest.
+The jobs are split as vLLM's cudagraph dispatcher splits them, one module each: graphcap.dispatch picks the bucket of a
+batch size, graphcap.bucket_graph records and replays one bucket (static inputs, graph, static outputs, padding),
+graphcap.static_buffers owns the tensors the graphs read by address and their guard, graphcap.recording compiles and
+records per backend. This module orders the capture, checks batches, runs the eager fallbacks and keeps the manifest;
+what it reports (the manifest file, progress) goes to observers (graphcap.observers): it prints nothing.
 
 Run time: the smallest bucket >= B is chosen, the live batch is copied into its first B rows, the other rows point
 at the padding slot with accepted = 0, the graph replays and views of the first B rows come back. They stay valid
@@ -14,24 +16,23 @@ Zero-copy: an engine that can write its batch straight into the bucket's static 
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
-import sys
 import time
-import types
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from graphcap import manifest as mf
-from graphcap.guards import AddressGuard, CaptureError, cache_entries
-from graphcap.models.draft_loop import DraftLoop, DraftOutput
 from graphcap.backends import ALL_BACKENDS, COMPILED_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS
-from graphcap.recording import Inputs, compile_iteration, record_bucket
+from graphcap.bucket_graph import BucketGraph
+from graphcap.dispatch import BucketDispatcher
+from graphcap.guards import CaptureError
+from graphcap.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
+from graphcap.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
+from graphcap.recording import CompiledIteration, compile_iteration
+from graphcap.static_buffers import StaticBuffers
 from graphcap.window import check_slots
 
 __all__ = ["DraftGraphs"]  # CaptureError is graphcap.guards'
@@ -39,32 +40,12 @@ __all__ = ["DraftGraphs"]  # CaptureError is graphcap.guards'
 log = logging.getLogger("graphcap")
 
 
-@dataclass
-class _Bucket:
-    size: int
-    inputs: Inputs  # static input buffers, rows [B:] always padding
-    record: mf.BucketRecord
-    graph: torch.cuda.CUDAGraph | None = None  # manual-graph backends
-    outputs: DraftOutput | None = None  # manual-graph backends: the graph's static outputs
-    used_rows: int = 0  # live rows written by the last run (rows past it are padding again)
-    views: dict[int, tuple[Inputs, DraftOutput | None]] = field(default_factory=dict)  # first-B-row views, by B
-
-    def rows(self, b: int) -> tuple[Inputs, DraftOutput | None]:
-        """Views of the first b rows of the static inputs (and static outputs), made once per b: slicing costs
-        host time on every call otherwise."""
-        v = self.views.get(b)
-        if v is None:
-            outs = DraftOutput(*(x[:b] for x in self.outputs)) if self.outputs is not None else None
-            v = self.views[b] = (tuple(x[:b] for x in self.inputs), outs)
-        return v
-
-
 class DraftGraphs:
     """One captured draft iteration per batch bucket, a dispatcher, guards, eager fallback and a manifest."""
 
     def __init__(
         self,
-        fn: Callable[..., DraftOutput],
+        fn: DraftFn,
         *,
         buckets: Sequence[int],
         padding_slot: int,
@@ -73,54 +54,84 @@ class DraftGraphs:
         backend: str = DEFAULT_BACKEND,
         spec=None,
         manifest_path: str | os.PathLike | None = "default",
-        progress: bool | None = None,
+        progress: bool = False,
         flush_every_s: float = 10.0,
+        observers: Sequence[CaptureObserver] = (),
+        dynamic_batch: bool = False,
     ) -> None:
+        """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
+        file). `progress=True` adds a `StderrProgress`. `observers`: more (graphcap.observers); `add_observer` too.
+
+        `dynamic_batch=True` (compiled backends): compile the iteration once with the batch dimension symbolic
+        (1..largest bucket) and record every bucket from that one artifact, instead of one compile per bucket. `fn`
+        must then derive no Python value from the batch (for_loop calls the loop's `plan_for_any_batch`): one that
+        passes such a value where an int is required fails the bucket's capture (the reason names the symbol), one
+        that only branches on it costs extra compiles (warned, and noted in the manifest). Off by default until a
+        GPU run measures it."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
-        if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
-            raise ValueError(f"DraftGraphs: buckets must be positive and strictly increasing, got {list(buckets)}")
+        self._dispatch = BucketDispatcher(buckets)
         device = example_inputs(1)[0].device
         if backend in GRAPH_BACKENDS and device.type != "cuda":
             raise ValueError(f"DraftGraphs: backend {backend!r} records CUDA graphs; tensors are on {device}. "
                              "Use backend 'compile' or 'eager' on a CPU.")
+        if dynamic_batch and backend not in COMPILED_BACKENDS:
+            raise ValueError(f"DraftGraphs: dynamic_batch compiles once for every bucket; backend {backend!r} "
+                             f"compiles nothing (compiled backends: {', '.join(COMPILED_BACKENDS)})")
+        self.dynamic_batch = dynamic_batch
         self.fn, self.backend, self.spec, self.padding_slot = fn, backend, spec, padding_slot
         self.device = device
-        self._example_inputs = example_inputs
-        self._static = dict(static_tensors)
-        self._addresses = AddressGuard({})
-        self._progress = sys.stderr.isatty() if progress is None else progress
-        self._buckets = [self._new_bucket(b) for b in buckets]
-        self._bucket_of = [None] * (buckets[-1] + 1)  # batch size -> bucket index
-        j = 0
-        for b in range(1, buckets[-1] + 1):
-            while buckets[j] < b:
-                j += 1
-            self._bucket_of[b] = j
-        self._compiled: Callable[..., DraftOutput] | None = None
-        self._code: types.CodeType | None = None
-        self._entries_after_capture = 0
+        self._static = StaticBuffers(static_tensors, example_inputs)
+        self._buckets = [self._new_bucket(b) for b in self._dispatch.sizes]
+        self._compiled: CompiledIteration | None = None
         self._warned: set[str] = set()
-        self.oversize_fallbacks = 0
+        self._notes: list[str] = []  # for the manifest
         self.captured = False
         if manifest_path == "default":  # $GRAPHCAP_MANIFEST_DIR or the per-user cache; None: write none
             manifest_path = mf.manifest_path(mf.default_manifest_dir(), spec.name if spec else "unnamed",
                                              spec.hash if spec else "0", backend)
         self.manifest_path = manifest_path
-        if manifest_path:  # counters since the last timed flush reach the file at exit too
-            atexit.register(_flush_at_exit, weakref.ref(self))
+        self._observers: list[CaptureObserver] = []
+        self._flushers: list[CaptureObserver] = []  # the observers that take the manifest at a flush
+        builtin = [ManifestWriter(manifest_path)] if manifest_path else []
+        builtin += [StderrProgress()] if progress else []
+        for o in [*builtin, *observers]:
+            self.add_observer(o)
         self._flush_every_s, self._last_flush = flush_every_s, 0.0
         self._created = None
         self._env: dict | None = None  # device, driver, versions: read once (NVML), not at every flush
 
     @classmethod
-    def for_loop(cls, loop: DraftLoop, backend: str | None = None, buckets: Sequence[int] | None = None,
+    def for_loop(cls, loop: CapturableLoop, backend: str | None = None, buckets: Sequence[int] | None = None,
                  steps_only: bool = False, **kw) -> DraftGraphs:
         """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph)."""
-        spec = loop.model.spec
+        spec = loop.spec
+        if kw.get("dynamic_batch"):
+            loop.plan_for_any_batch()
         return cls(loop.draft_steps if steps_only else loop, buckets=buckets or spec.capture.buckets,
-                   padding_slot=loop.window.padding_slot, example_inputs=loop.example_inputs,
+                   padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
                    static_tensors=loop.static_tensors(), backend=backend or spec.capture.backend, spec=spec, **kw)
+
+    def add_observer(self, observer: CaptureObserver) -> None:
+        """Tell `observer` about captures and flushes from now on (graphcap.observers)."""
+        self._observers.append(observer)
+        if wants_flush(observer):
+            self._flushers.append(observer)
+
+    @property
+    def oversize_fallbacks(self) -> int:
+        """Batches above the largest bucket, run eagerly."""
+        return self._dispatch.oversize
+
+    @property
+    def compiled(self) -> DraftFn | None:
+        """The compiled iteration all buckets share (compiled backends, after capture), else None."""
+        return self._compiled.fn if self._compiled is not None else None
+
+    def bucket_graph(self, b: int) -> BucketGraph:
+        """The bucket that serves a batch of `b` rows (1 <= b <= the largest bucket): its static inputs, graph and
+        record, for benches that time its parts."""
+        return self._buckets[self._dispatch.captured_index("bucket_graph", b)]
 
     # -----------------------------------------------------------------------------------------------------------
     # capture
@@ -128,36 +139,50 @@ class DraftGraphs:
     def capture(self) -> None:
         """Warm up and record every bucket, largest first (so smaller ones reuse its pool memory)."""
         t_all = time.perf_counter()
-        self._addresses = AddressGuard(self._static)
+        self._static.arm()
         if self.backend in COMPILED_BACKENDS:
-            static = [*self._static.values(), *(t for b in self._buckets for t in b.inputs)]
-            self._compiled, self._code = compile_iteration(self.fn, self.backend, static, len(self._buckets),
-                                                           tag=f"{id(self):x}")
+            inputs = [t for b in self._buckets for t in b.inputs]
+            if self.dynamic_batch:
+                # One symbol for the batch of all four inputs of every bucket (shape_id), so one graph serves them all.
+                # Unbacked, not mark_dynamic: a backed size is specialised at 1 (bucket 1 would compile again - an
+                # error under mark_dynamic's range) and each input would get its own symbol. (strict=True, which
+                # should refuse a specialisation, made Dynamo specialise at 1 again in torch 2.13: the entry count
+                # after capture is checked instead.) hint_override: Inductor's size hints (autotuning) take the
+                # largest bucket, not its default for unbacked sizes.
+                top = self._dispatch.largest
+                for t in inputs:
+                    torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="batch", min=1, max=top, hint_override=top)
+            static = self._static.all_tensors(iter(inputs))
+            compiled = compile_iteration(self.fn, self.backend, static, len(self._buckets), tag=f"{id(self):x}",
+                                         dynamic_batch=self.dynamic_batch)
+            self._compiled = CompiledIteration(*compiled)
         pool = torch.cuda.graph_pool_handle() if self.backend in MANUAL_GRAPH_BACKENDS else None
         order = list(reversed(self._buckets))
-        for i, bucket in enumerate(order):
-            self._show(f"capturing bucket {bucket.size:>4} ({i + 1}/{len(order)})")
-            rec = bucket.record
-            bucket.graph, bucket.outputs = record_bucket(bucket.inputs, rec, self.backend, self.fn, self._compiled,
-                                                         pool)
-            if rec.status == "failed":
+        for i, bucket in enumerate(order, 1):
+            for o in self._observers:
+                o.on_bucket_start(bucket.size, i, len(order))
+            bucket.capture(self.backend, self.fn, self._compiled, pool)
+            if not bucket.captured:
                 self._warn_once(f"capture:{bucket.size}", f"graphcap: bucket {bucket.size} not captured "
-                                                          f"({rec.reason}); it will run eagerly")
-        if self._code is not None:
-            self._entries_after_capture = cache_entries(self._code)
+                                                          f"({bucket.record.reason}); it will run eagerly")
+            for o in self._observers:
+                o.on_bucket_captured(bucket.record, i, len(order))
+        if self._compiled is not None:
+            self._compiled.seal()
+            if self.dynamic_batch and self._compiled.entries > 1:  # correct graphs, but not the one compile asked for
+                note = (f"dynamic_batch: {self._compiled.entries} compiles for {len(self._buckets)} buckets, not 1 - "
+                        "something in the function specialises the batch (TORCH_LOGS=recompiles names the guard)")
+                self._warn_once("dynamic_batch", f"graphcap: {note}")
+                self._notes.append(note)
         self.captured = True
         self._created = self._created or mf.utc_now()
-        ok = [b for b in self._buckets if b.record.status == "captured"]
-        pool_mib = sum(b.record.pool_bytes for b in self._buckets) / 2**20
-        self._show(None)
-        failed = "" if len(ok) == len(self._buckets) else f", {len(self._buckets) - len(ok)} failed (eager fallback)"
-        summary = (f"graphcap: captured {len(ok)}/{len(self._buckets)} buckets "
-                   f"({self._buckets[0].size}..{self._buckets[-1].size}) with {self.backend} in "
-                   f"{time.perf_counter() - t_all:.1f} s, {pool_mib:.0f} MiB graph memory{failed}")
-        if self.manifest_path:
-            self.flush()
-            summary += f"; manifest {self.manifest_path}"
-        print(summary, file=sys.stderr)
+        self.flush()  # an unwritable manifest is the caller's error here
+        summary = CaptureSummary(
+            backend=self.backend, buckets=self._dispatch.sizes, captured=sum(b.captured for b in self._buckets),
+            seconds=time.perf_counter() - t_all, pool_bytes=sum(b.record.pool_bytes for b in self._buckets),
+            manifest_path=str(self.manifest_path) if self.manifest_path else None, dynamic_batch=self.dynamic_batch)
+        for o in self._observers:
+            o.on_capture_done(summary)
 
     def recapture(self) -> None:
         """Capture again after a static tensor moved in place (its storage reallocated or resized, which the address
@@ -166,12 +191,12 @@ class DraftGraphs:
         reads). Until the capture finishes nothing replays (run() raises)."""
         self.captured = False
         self._buckets = [self._new_bucket(b.size) for b in self._buckets]
-        self._compiled, self._code = None, None
+        self._compiled = None
+        self._notes.clear()
         self.capture()
 
-    def _new_bucket(self, size: int) -> _Bucket:
-        inputs = tuple(t.clone() for t in self._example_inputs(size))
-        return _Bucket(size, inputs, mf.BucketRecord(size))
+    def _new_bucket(self, size: int) -> BucketGraph:
+        return BucketGraph(size, self._static.new_inputs(size), mf.BucketRecord(size))
 
     # -----------------------------------------------------------------------------------------------------------
     # run time
@@ -184,78 +209,38 @@ class DraftGraphs:
             raise CaptureError("run() before capture()")
         self.check_batch(slots, tokens, hidden, accepted=accepted, host_slots=host_slots)
         b = slots.shape[0]
-        if b > self._buckets[-1].size:
-            self.oversize_fallbacks += 1
+        j = self._dispatch.index(b)
+        if j is None:
             self._warn_once("oversize", f"graphcap: batch {b} is larger than the largest bucket "
-                                        f"{self._buckets[-1].size}; running eagerly (counted in the manifest)")
-            return self._finish(self.fn(slots, accepted, tokens, hidden), b, copy)
-        bucket = self._buckets[self._bucket_of[b]]
-        if bucket.record.status == "captured":
-            self._addresses.check()  # before anything is written
-        (s, a, t, h), _ = bucket.rows(b)
-        bucket.used_rows = max(bucket.used_rows, b)  # written rows: padding again at the next smaller batch
-        s.copy_(slots)
-        a.copy_(accepted)
-        t.copy_(tokens)
-        h.copy_(hidden)
-        return self._replay(bucket, b, copy)
+                                        f"{self._dispatch.largest}; running eagerly (counted in the manifest)")
+            return self._finish(self.fn(slots, accepted, tokens, hidden), b=b, copy=copy)
+        bucket = self._buckets[j]
+        if bucket.captured:
+            self._static.check()  # before anything is written
+        bucket.write(slots, accepted, tokens, hidden)  # written rows: padding again at the next smaller batch
+        return self._finish(*bucket.replay(b, self.fn, self._compiled, self.padding_slot), b=b, copy=copy)
 
     def static_inputs(self, b: int) -> Inputs:
         """Views of the first `b` rows of the static inputs (slots, accepted, tokens, hidden) of `b`'s bucket, for an
         engine that writes its batch straight into them and then calls `replay(b)`. Every row must be written
         before each `replay` (they hold the previous batch otherwise)."""
-        bucket = self._bucket_for("static_inputs", b)
-        bucket.used_rows = max(bucket.used_rows, b)  # the engine writes them: padding again at a smaller batch
-        return bucket.rows(b)[0]
+        return self._bucket_for("static_inputs", b).claim(b)
 
     def replay(self, b: int, *, copy: bool = False) -> DraftOutput:
         """One draft iteration over the batch already written into `static_inputs(b)`: the zero-copy `run`. No
         input checks (shapes are the static buffers'; the engine checks its batch first with `check_batch`)."""
         bucket = self._bucket_for("replay", b)
-        if bucket.record.status == "captured":
-            self._addresses.check()
-        return self._replay(bucket, b, copy)
+        if bucket.captured:
+            self._static.check()
+        return self._finish(*bucket.replay(b, self.fn, self._compiled, self.padding_slot), b=b, copy=copy)
 
-    def _bucket_for(self, caller: str, b: int) -> _Bucket:
+    def _bucket_for(self, caller: str, b: int) -> BucketGraph:
         if not self.captured:
             raise CaptureError(f"{caller}() before capture()")
-        if type(b) is not int or not 1 <= b <= self._buckets[-1].size:
-            raise CaptureError(f"{caller}: batch {b!r} is not an int in the captured buckets' range "
-                               f"1..{self._buckets[-1].size}; use run() (larger batches run eagerly)")
-        return self._buckets[self._bucket_of[b]]
+        return self._buckets[self._dispatch.captured_index(caller, b)]
 
-    def _replay(self, bucket: _Bucket, b: int, copy: bool) -> DraftOutput:
-        rec = bucket.record
-        inputs, outputs = bucket.rows(b)
-        s, a, t, h = bucket.inputs
-        if bucket.used_rows > b:  # rows a larger batch used last time become padding again
-            s[b:bucket.used_rows].fill_(self.padding_slot)
-            a[b:bucket.used_rows].zero_()
-        bucket.used_rows = b
-        if rec.status != "captured":
-            rec.fallbacks += 1
-            return self._finish(self.fn(*inputs), b, copy)
-        if bucket.graph is not None:
-            bucket.graph.replay()
-            rec.replays += 1
-            rec.padded_rows += bucket.size - b
-            return self._finish(outputs, b, copy, sliced=True)
-        if self._compiled is not None:
-            torch.compiler.cudagraph_mark_step_begin()
-            out = self._compiled(s, a, t, h)
-            if cache_entries(self._code) != self._entries_after_capture:
-                # Only visible once the call returned: this iteration did run (the windows advanced), slowly.
-                raise CaptureError(f"bucket {bucket.size}: recompiled after capture (a guard failed: a static "
-                                   "tensor or the function changed; this iteration still ran and advanced the "
-                                   "windows); run with TORCH_LOGS=recompiles for the guard, then recapture()")
-        else:
-            out = self.fn(s, a, t, h)
-        rec.replays += 1
-        rec.padded_rows += bucket.size - b
-        return self._finish(out, b, copy)
-
-    def _finish(self, out: DraftOutput, b: int, copy: bool, sliced: bool = False) -> DraftOutput:
-        if self.manifest_path and time.monotonic() - self._last_flush > self._flush_every_s:
+    def _finish(self, out: DraftOutput, sliced: bool = False, *, b: int, copy: bool) -> DraftOutput:
+        if self._flushers and time.monotonic() - self._last_flush > self._flush_every_s:
             try:
                 self.flush()
             except OSError as e:  # the iteration ran: return its outputs, retry at the next interval
@@ -303,11 +288,6 @@ class DraftGraphs:
             self._warned.add(key)
             log.warning(message)
 
-    def _show(self, text: str | None) -> None:
-        if self._progress:
-            sys.stderr.write("\r\033[K" + (f"graphcap: {text}" if text else ""))
-            sys.stderr.flush()
-
     # -----------------------------------------------------------------------------------------------------------
     # reporting
 
@@ -322,19 +302,16 @@ class DraftGraphs:
         m = mf.Manifest.for_spec(self.spec, self.backend, self._env, created=self._created,
                                  buckets=[dataclasses.replace(b.record) for b in self._buckets])
         m.oversize_fallbacks = self.oversize_fallbacks
+        m.dynamic_batch = self.dynamic_batch
+        m.notes = list(self._notes)
         return m
 
     def flush(self) -> None:
-        """Write the manifest now (run() also does, at most every `flush_every_s`)."""
-        if self.manifest_path:
-            mf.write_manifest(self.manifest(), self.manifest_path)
-            self._last_flush = time.monotonic()
-
-
-def _flush_at_exit(ref: weakref.ref) -> None:
-    graphs = ref()
-    if graphs is not None and graphs.captured:
-        try:
-            graphs.flush()
-        except OSError as e:  # never turn interpreter exit into a traceback
-            log.warning("graphcap: could not write manifest %s at exit: %s", graphs.manifest_path, e)
+        """Hand the manifest as it stands to the observers that take it (the `ManifestWriter` writes the file); run()
+        and replay() also do, at most every `flush_every_s`. Never at exit by itself: a process that wants the last
+        counters written registers `atexit.register(graphs.flush)` (graphcap.observers says why)."""
+        if self._flushers:
+            m = self.manifest()
+            for o in self._flushers:
+                o.on_flush(m)
+        self._last_flush = time.monotonic()

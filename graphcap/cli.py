@@ -136,7 +136,8 @@ def cmd_inspect(path: str | None, as_json: bool = False) -> int:
 def format_manifest(m: Manifest, path: str | Path | None = None) -> str:
     from tabulate import tabulate
 
-    lines = [f"{m.spec_name} (spec {m.spec_hash}), backend {m.backend}"]
+    lines = [f"{m.spec_name} (spec {m.spec_hash}), backend {m.backend}"
+             + (", one compile for every bucket (dynamic batch)" if m.dynamic_batch else "")]
     if path is not None:
         lines.append(f"  file:     {path}")
     lines += [

@@ -88,6 +88,7 @@ class Manifest:
     window: Count
     buckets: list[BucketRecord]
     oversize_fallbacks: Count = 0  # batches larger than the largest bucket, run eagerly
+    dynamic_batch: Annotated[bool, Strict()] = False  # one compile for every bucket (else one per bucket)
     notes: list[Text] = field(default_factory=list)
 
     @classmethod
@@ -254,7 +255,7 @@ def parse_manifest(data: dict[str, Any], source: str = "<manifest>") -> Manifest
         raise ManifestError(source, "format_version",                            # in every field
                             f"written by a newer graphcap (format {v} > {FORMAT_VERSION}); upgrade graphcap")
     # graphcap writes every field, defaulted ones included: a missing one means a cut or hand-edited file
-    missing = _first_missing(data, Manifest, "")
+    missing = _first_missing(data, Manifest, "", optional=_ADDED_FIELDS)
     if missing is None and isinstance(data.get("buckets"), list):
         missing = next((m for i, b in enumerate(data["buckets"]) if isinstance(b, dict)
                         for m in [_first_missing(b, BucketRecord, f"buckets[{i}].")] if m), None)
@@ -275,8 +276,13 @@ def parse_manifest(data: dict[str, Any], source: str = "<manifest>") -> Manifest
 _MANIFEST = TypeAdapter(Manifest)
 
 
-def _first_missing(raw: dict[str, Any], cls: type, prefix: str) -> str | None:
-    return next((prefix + f.name for f in dataclasses.fields(cls) if f.name not in raw), None)
+# Fields added after format 1's first files: absent in those, so absence means the default, not a cut file.
+_ADDED_FIELDS = frozenset({"dynamic_batch"})
+
+
+def _first_missing(raw: dict[str, Any], cls: type, prefix: str, optional: frozenset[str] = frozenset()) -> str | None:
+    return next((prefix + f.name for f in dataclasses.fields(cls) if f.name not in raw and f.name not in optional),
+                None)
 
 
 def _kind(x: Any) -> str:

@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import time
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
 from graphcap import manifest as mf
 from graphcap.backends import MANUAL_GRAPH_BACKENDS
-from graphcap.guards import CaptureError, cudagraph_or_error, cudagraph_skips, describe, reserved_bytes
-from graphcap.models.draft_loop import DraftOutput
-
-Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # slots, accepted, tokens, hidden
-DraftFn = Callable[..., DraftOutput]
+from graphcap.guards import CaptureError, cache_entries, cudagraph_or_error, cudagraph_skips, describe, reserved_bytes
+from graphcap.iteration import DraftFn, DraftOutput, Inputs
 
 
 def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor], buckets: int,
-                      tag: str) -> tuple[DraftFn, types.CodeType]:
+                      tag: str, dynamic_batch: bool = False) -> tuple[DraftFn, types.CodeType]:
     """`fn` under torch.compile for `backend` (one of graphcap.backends' COMPILED_BACKENDS), and the code object Dynamo caches it under
     (`draft_iteration_<tag>`), whose entries count the recompiles. Every tensor of `static` (the persistent tensors
     and each bucket's static inputs) is marked with `mark_static_address`, so no replay copies it.
@@ -30,7 +27,10 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
     A function whose `graph_breaks` attribute is true is compiled with fullgraph=False: Dynamo compiles the pieces
     between the Python it cannot trace (sglang's layers build msgspec records mid-forward), and the manual-graph
     backends still record all of it, Python glue included, in one CUDA graph. Its recompile limit is then raised
-    with the recompile limit made an error, so a piece that would silently run eagerly fails the capture instead."""
+    with the recompile limit made an error, so a piece that would silently run eagerly fails the capture instead.
+
+    `dynamic_batch`: compiled with dynamic=None instead of False, so that inputs whose batch dimension the caller
+    marked dynamic (`torch._dynamo.mark_dynamic`) give one graph for every bucket instead of one per bucket."""
     for t in static:
         torch._dynamo.mark_static_address(t)
 
@@ -51,7 +51,8 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
         torch._dynamo.config.fail_on_recompile_limit_hit = True
     mode = "reduce-overhead" if backend == "reduce-overhead" else None
     options = None if mode else {"triton.cudagraphs": False}  # inductor-cudagraph records its own graphs
-    return torch.compile(fresh, mode=mode, options=options, fullgraph=not breaks, dynamic=False), code
+    dynamic = None if dynamic_batch else False
+    return torch.compile(fresh, mode=mode, options=options, fullgraph=not breaks, dynamic=dynamic), code
 
 
 def record_bucket(inputs: Inputs, rec: mf.BucketRecord, backend: str, fn: DraftFn, compiled: DraftFn | None,
@@ -100,3 +101,28 @@ def record_bucket(inputs: Inputs, rec: mf.BucketRecord, backend: str, fn: DraftF
     rec.capture_s = time.perf_counter() - t0
     rec.pool_bytes = max(0, reserved_bytes() - before) if cuda else 0
     return (None, None) if rec.status == "failed" else (graph, outputs)
+
+
+class CompiledIteration:
+    """The compiled iteration every bucket of one `DraftGraphs` shares, and the recompile guard around a call of it.
+
+    Dynamo's cache for `code` (fresh per DraftGraphs, see `compile_iteration`) holds what capture compiled; an entry
+    added later means a guard failed and the call ran something that was never captured."""
+
+    def __init__(self, fn: DraftFn, code: types.CodeType) -> None:
+        self.fn, self.code = fn, code
+        self.entries = 0  # cache entries once capture finished (`seal`)
+
+    def seal(self) -> None:
+        self.entries = cache_entries(self.code)
+
+    def __call__(self, size: int, *inputs: torch.Tensor) -> DraftOutput:
+        """One call on bucket `size`'s static inputs (compile and reduce-overhead backends: Dynamo runs per call)."""
+        torch.compiler.cudagraph_mark_step_begin()
+        out = self.fn(*inputs)
+        if cache_entries(self.code) != self.entries:
+            # Only visible once the call returned: this iteration did run (the windows advanced), slowly.
+            raise CaptureError(f"bucket {size}: recompiled after capture (a guard failed: a static tensor or the "
+                               "function changed; this iteration still ran and advanced the windows); run with "
+                               "TORCH_LOGS=recompiles for the guard, then recapture()")
+        return out

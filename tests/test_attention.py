@@ -216,6 +216,28 @@ def test_split_adaptation_never_changes_the_answer(device, seed):
             assert rel_err(out, ref) < TOL[torch.float32], (splits, max_chunk, lens)
 
 
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 9])
+def test_wave_from_the_grid_equals_the_hosts(device, batch):
+    """One compile for every bucket: with a symbolic batch the split kernel derives its wave from the launched grid
+    (`wave_in_kernel`) instead of the host's `wave_splits`. Same splits used per row, so bit-identical outputs, at
+    batch sizes on both sides of the wave's steps (programs 8, 2 KV heads: waves 4, 2, 1, 1, 1) and with the grid
+    planned for the call's batch and for batch 1 (what `plan_for_any_batch` launches)."""
+    from graphcap.kernels.attention import KernelConfig, _launch, wave_splits
+
+    g = torch.Generator().manual_seed(300 + batch)
+    lens = torch.randint(0, 200, (batch,), generator=g).tolist()
+    case = make_case(400 + batch, lens=lens, heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32,
+                     device=device, pad_rows=0)
+    ref = reference(*case)
+    cfg = KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1, max_chunk=48, wave=8)
+    assert [wave_splits(b, 2, 8) for b in (1, 2, 3, 5, 9)] == [4, 2, 1, 1, 1]
+    for splits in (choose_num_splits(batch, 2, 200, 8, 48, 16), choose_num_splits(1, 2, 200, 8, 48, 16)):
+        host = _launch(*case, splits, cfg, wave_in_kernel=False)
+        grid = _launch(*case, splits, cfg, wave_in_kernel=True)
+        assert torch.equal(host, grid), (batch, splits)
+        assert rel_err(grid, ref) < TOL[torch.float32]
+
+
 def test_sliding_layer_over_window_buffers(device):
     """The sliding-layer wiring: table = WindowBuffers ring (SWA locations), lens = its seq_lens, window = W, against
     attention over the last W tokens read straight from req_to_token and full_to_swa."""

@@ -10,6 +10,7 @@ from graphcap.capture import DraftGraphs
 from graphcap.guards import CaptureError
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
+from graphcap.observers import CaptureObserver, LoggingProgress
 from graphcap.spec import load_spec
 from graphcap.bench.state import make_target_state
 from graphcap.window import WindowBuffers
@@ -255,8 +256,11 @@ def test_compiled_backend_matches_eager_and_never_recompiles(device, tmp_path):
         assert all(r.status == "captured" for r in graphs.buckets)
 
 
-def test_counters_reach_the_manifest_at_exit(tmp_path, device):
-    """Replays after the last timed flush are written when the process exits (no per-iteration writes)."""
+@pytest.mark.parametrize("register", [False, True])
+def test_counters_reach_the_manifest_at_exit_only_where_the_program_asks(tmp_path, device, register):
+    """The library registers no exit hook: replays after the last timed flush reach the file at exit only in a
+    program that registered `atexit.register(g.flush)` itself (as the sglang plugin does); otherwise the file keeps
+    what capture wrote (no replays). Nothing is printed either way."""
     import subprocess
     import sys
     import textwrap
@@ -265,7 +269,7 @@ def test_counters_reach_the_manifest_at_exit(tmp_path, device):
         pytest.skip("CPU subprocess check")
     path = tmp_path / "m.json"
     code = textwrap.dedent(f"""
-        import sys, torch
+        import atexit, sys, torch
         sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
         from test_capture import build, random_batch
         from graphcap.capture import DraftGraphs
@@ -273,15 +277,70 @@ def test_counters_reach_the_manifest_at_exit(tmp_path, device):
         with twins_on_cpu():
             _, wb, loop = build("cpu")
             g = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path={str(path)!r},
-                                     progress=False, flush_every_s=1e9)
+                                     flush_every_s=1e9)
+            if {register}:
+                atexit.register(g.flush)
             g.capture()
             for _ in range(3):
                 g.run(*random_batch(torch.Generator(), wb, "cpu", 3))
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    assert r.stdout == "" and "graphcap" not in r.stderr
     rec = mf.read_manifest(path).buckets[0]
-    assert (rec.replays, rec.padded_rows) == (3, 3)
+    assert (rec.status, rec.replays, rec.padded_rows) == (("captured", 3, 3) if register else ("captured", 0, 0))
+
+
+class _Recorder(CaptureObserver):
+    def __init__(self):
+        self.events = []
+
+    def on_bucket_start(self, size, index, total):
+        self.events.append(("start", size, index, total))
+
+    def on_bucket_captured(self, record, index, total):
+        self.events.append(("captured", record.batch_size, record.status, index, total))
+
+    def on_capture_done(self, summary):
+        self.events.append(("done", summary))
+
+    def on_flush(self, manifest):
+        self.events.append(("flush", [(r.batch_size, r.replays) for r in manifest.buckets]))
+
+
+def test_observers_see_every_bucket_the_summary_and_the_flushes(device, capfd, caplog):
+    """Hooks in order (largest bucket first), the summary's numbers, the periodic and explicit flushes with the
+    counters; the library writes nothing to stdout/stderr unless progress=True, and LoggingProgress logs the same
+    summary instead."""
+    import logging
+
+    _, wb, loop = build(device)
+    rec, logged = _Recorder(), LoggingProgress(logging.getLogger("graphcap.test"))
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(2, 4, 8), manifest_path=None, flush_every_s=1e9,
+                                  observers=[rec, logged])
+    with caplog.at_level(logging.INFO, logger="graphcap.test"):
+        graphs.capture()
+    starts = [e for e in rec.events if e[0] == "start"]
+    assert starts == [("start", 8, 1, 3), ("start", 4, 2, 3), ("start", 2, 3, 3)]
+    assert [e for e in rec.events if e[0] == "captured"] == [("captured", s, "captured", i, 3)
+                                                             for s, i in ((8, 1), (4, 2), (2, 3))]
+    assert rec.events[-2] == ("flush", [(2, 0), (4, 0), (8, 0)])  # the capture's own flush, then the summary
+    done = rec.events[-1][1]
+    assert (done.captured, done.buckets, done.backend, done.manifest_path) == (3, (2, 4, 8), "eager", None)
+    assert caplog.messages == ["graphcap: " + done.text()] and done.text().startswith("captured 3/3 buckets (2..8)")
+    g = torch.Generator().manual_seed(1)
+    for b in (3, 3, 1):
+        graphs.run(*random_batch(g, wb, device, b))
+    assert rec.events[-1][0] == "done"  # flush_every_s not reached: no periodic flush
+    graphs.flush()
+    assert rec.events[-1] == ("flush", [(2, 1), (4, 2), (8, 0)])
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+    shown = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=True)
+    shown.capture()
+    err = capfd.readouterr().err
+    assert "graphcap: capturing bucket    4 (1/1)" in err
+    assert "graphcap: captured 1/1 buckets (4..4) with eager in " in err and err.endswith(" MiB graph memory\n")
 
 
 def test_failed_bucket_falls_back_to_eager_and_is_recorded(device, tmp_path):
@@ -317,3 +376,70 @@ def test_failed_bucket_falls_back_to_eager_and_is_recorded(device, tmp_path):
         graphs.flush()
         m = mf.read_manifest(path)
         assert m.buckets[0].fallbacks == 2 and m.buckets[0].replays == 0 and m.buckets[0].status == "failed"
+
+
+def test_engine_imports_no_model():
+    """The engine captures any fn -> DraftOutput: importing it (and its types) must not import the reference model,
+    and the models' DraftOutput is the engine's."""
+    import subprocess
+    import sys
+
+    code = ("import sys, graphcap.capture, graphcap.recording, graphcap.iteration; "
+            "print(sorted(m for m in sys.modules if m.startswith('graphcap.models')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    from graphcap import iteration
+    from graphcap.models import DraftOutput
+    assert DraftOutput is iteration.DraftOutput
+
+
+def test_dynamic_batch_compiles_once_for_every_bucket(device, tmp_path):
+    """dynamic_batch=True: three buckets, one Dynamo frame compile (one cache entry, one unique graph; the static
+    compile: three), and the outputs agree with the per-bucket static compile's and the eager loop's, each on its
+    own twin state, at batch sizes that pad into every bucket: the same windows, the same decided tokens, scores and
+    hidden within 1e-4. The manifest says which was used."""
+    if device == "cuda":
+        pytest.skip("CPU check with the compile backend; the GPU backends need a GPU run")
+    from torch._dynamo.utils import counters
+
+    from graphcap.guards import cache_entries
+
+    with twins_on_cpu():  # Inductor cannot lower interpreted Triton kernels: the twins are the CPU path
+        loops = {name: build(device) for name in ("eager", "static", "dynamic")}
+        buckets = (1, 2, 5)
+        graphs = {}
+        for name in ("static", "dynamic"):
+            before = counters["stats"]["unique_graphs"]
+            graphs[name] = DraftGraphs.for_loop(loops[name][2], backend="compile", buckets=buckets,
+                                                manifest_path=tmp_path / f"{name}.json",
+                                                dynamic_batch=name == "dynamic")
+            graphs[name].capture()
+            assert [r.status for r in graphs[name].buckets] == ["captured"] * 3, graphs[name].buckets
+            want = 1 if name == "dynamic" else len(buckets)
+            assert cache_entries(graphs[name]._compiled.code) == want
+            assert counters["stats"]["unique_graphs"] - before == want
+        g = torch.Generator().manual_seed(21)
+        for b in (5, 1, 2, 4, 3, 1, 5, 7):  # 7: above the largest bucket, eager in both
+            batch = random_batch(g, loops["eager"][1], device, b)
+            want = loops["eager"][2](*batch)
+            got = {name: gr.run(*batch, copy=True) for name, gr in graphs.items()}
+            # Bit for bit against the static compile except at bucket 1, where Inductor's code for a static batch of
+            # 1 differs from the symbolic batch's (~1e-6 here); Inductor differs from eager per bucket too (fp32
+            # reductions' last bits). Same decided tokens everywhere.
+            if b > 1:
+                for x, y, field in zip(got["dynamic"], got["static"], want._fields):
+                    assert torch.equal(x, y), (b, field)
+            decided = want.margins > 1e-3
+            for name in graphs:
+                for field in ("scores", "margins", "hidden"):
+                    torch.testing.assert_close(getattr(got[name], field), getattr(want, field), rtol=1e-4, atol=1e-4)
+                assert torch.equal(got[name].tokens[decided], want.tokens[decided]), (name, b)
+                assert torch.equal(loops[name][1].ring, loops["eager"][1].ring)
+                assert torch.equal(loops[name][1].seq_lens, loops["eager"][1].seq_lens)
+        for name, gr in graphs.items():
+            assert cache_entries(gr._compiled.code) == (1 if name == "dynamic" else 3)  # nothing compiled since
+            gr.flush()
+            assert mf.read_manifest(tmp_path / f"{name}.json").dynamic_batch is (name == "dynamic")
+    with pytest.raises(ValueError, match="dynamic_batch compiles once for every bucket; backend 'eager'"):
+        DraftGraphs.for_loop(build(device)[2], backend="eager", manifest_path=None, dynamic_batch=True)

@@ -220,3 +220,20 @@ def test_newer_format_wins_over_shape_errors(tmp_path):
 def test_manifest_module_does_not_import_torch():
     code = "import sys, graphcap.manifest, graphcap.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+
+
+def test_dynamic_batch_field_is_optional_in_older_files_and_strict_when_present():
+    """`dynamic_batch` came after format 1's first files: a file without it reads as False (not "missing"); a
+    present one must be a JSON boolean."""
+    from graphcap.manifest import ManifestError, parse_manifest
+
+    d = random_manifest(random.Random(5)).to_dict()
+    d["dynamic_batch"] = True
+    assert parse_manifest(dict(d)).dynamic_batch is True
+    del d["dynamic_batch"]
+    assert parse_manifest(dict(d)).dynamic_batch is False
+    with pytest.raises(ManifestError, match="dynamic_batch"):
+        parse_manifest({**d, "dynamic_batch": "yes"})
+    d.pop("window")
+    with pytest.raises(ManifestError, match="window: missing"):  # other fields are still required
+        parse_manifest(d)

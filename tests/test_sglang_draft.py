@@ -372,3 +372,26 @@ def test_only_tp_rank_0_writes_the_manifest(tmp_path, rank, writes):
     names = [p.name for p in mf.list_manifests(tmp_path)]
     assert names == (["sglang-test-w8-s3-eager.json"] if writes else [])
     assert sglang_tp_rank(SimpleNamespace(tp_rank=2)) == 2  # a worker that carries its rank (older sglang layouts)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_plugin_logs_the_capture_and_registers_its_own_exit_flush(tmp_path, monkeypatch, glog, rank):
+    """The library prints nothing and registers no exit hook; the plugin logs the summary (graphcap.sglang) and, on
+    the rank that writes the manifest, registers the flush that brings the last counters to the file at exit."""
+    from graphcap.integrations import sglang_runtime
+
+    registered = []
+    monkeypatch.setattr(sglang_runtime.atexit, "register", lambda fn, *a: registered.append((fn, a)))
+    window = _window()
+    graphs = capture_graphs(window, _iteration(window), buckets=[1, 2], example_inputs=_example_inputs(window),
+                            static_tensors=window.static_tensors(), backend="eager", manifest_dir=str(tmp_path),
+                            name="sglang-test", steps=3, tp_rank=rank)
+    summaries = [r.getMessage() for r in glog.records if r.name == "graphcap.sglang" and "captured 2/2" in r.getMessage()]
+    assert len(summaries) == 1
+    assert len(registered) == (1 if rank == 0 else 0)
+    if rank == 0:
+        graphs.run(*_example_inputs(window)(2))
+        fn, args = registered[0]
+        fn(*args)  # what the interpreter does at exit
+        m = mf.read_manifest(mf.list_manifests(tmp_path)[0])
+        assert [r.replays for r in m.buckets] == [0, 1]

@@ -31,8 +31,9 @@ import torch
 from graphcap.bench.sglang_ops import SglangAttention
 from graphcap.capture import DraftGraphs
 from graphcap.guards import cache_entries, cudagraph_or_error, cudagraph_skips, describe
+from graphcap.iteration import DraftOutput
 from graphcap.kernels.window_update import window_reset
-from graphcap.models.draft_loop import DraftLoop, DraftOutput
+from graphcap.models.draft_loop import DraftLoop
 from graphcap.models.draft_ops import DraftOps
 from graphcap.recording import compile_iteration
 

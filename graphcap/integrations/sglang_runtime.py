@@ -16,9 +16,11 @@ Per iteration, instead of sglang's `FrozenKVMTPDraftWorker.draft` (`GraphcapDraf
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -29,7 +31,8 @@ from graphcap.capture import DraftGraphs
 from graphcap.guards import CaptureError
 from graphcap.integrations.sglang_config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
 from graphcap.integrations.sglang_slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
-from graphcap.models.draft_loop import DraftOutput
+from graphcap.iteration import DraftOutput
+from graphcap.observers import LoggingProgress
 from graphcap.window import WindowBuffers
 
 log = logging.getLogger("graphcap.sglang")
@@ -46,7 +49,9 @@ def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static
                    manifest_dir: str | None, name: str, steps: int, tp_rank: int | None = None) -> DraftGraphs:
     """Capture `fn` per bucket. Only TP rank 0 writes the manifest (`tp_rank` None: `sglang_tp_rank()`): every rank
     captures the same buckets and replays the same batches, so one file per server, as without TP. Rank 0 also
-    writes it where the rank is unknown."""
+    writes it where the rank is unknown. Progress goes to the server's log (`graphcap.sglang`), and the counters
+    since the last timed flush are written when the scheduler process exits (the plugin registers that here: the
+    library registers no exit hooks)."""
     # Not a capture spec (sglang's model defines the draft): a stand-in with the fields a manifest records.
     spec = SimpleNamespace(name=name, hash=f"w{window.window}-s{steps}", source="sglang", window=window.window,
                            capture=SimpleNamespace(steps=steps))
@@ -55,9 +60,20 @@ def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static
     flush_s = float(os.environ.get(FLUSH_ENV, "10"))
     graphs = DraftGraphs(fn, buckets=list(buckets), padding_slot=window.padding_slot, example_inputs=example_inputs,
                          static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path,
-                         flush_every_s=flush_s)
+                         flush_every_s=flush_s, observers=[LoggingProgress(log)])
     graphs.capture()
+    if path:
+        atexit.register(_flush_at_exit, weakref.ref(graphs))  # weak: a replaced DraftGraphs is not kept alive
     return graphs
+
+
+def _flush_at_exit(ref: weakref.ref) -> None:
+    graphs = ref()
+    if graphs is not None and graphs.captured:
+        try:
+            graphs.flush()
+        except OSError as e:  # never turn interpreter exit into a traceback
+            log.warning("graphcap: could not write manifest %s at exit: %s", graphs.manifest_path, e)
 
 
 def check_lengths(window: WindowBuffers, batch, host_slots: list[int], seq_lens_sum: int, source: str) -> None:

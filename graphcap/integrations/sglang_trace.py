@@ -29,7 +29,6 @@ class DraftTrace:
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, f"draft-trace-{os.getpid()}.jsonl")
         self.pending: list[tuple] = []
-        atexit.register(self.flush)
 
     def around_draft(self, original, worker, batch, *args, **kwargs):
         if batch.forward_mode.is_idle():
@@ -63,5 +62,6 @@ def install(directory: str, target: str) -> DraftTrace:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     trace = DraftTrace(directory)
+    atexit.register(trace.flush)  # the records since the last FLUSH_EVERY reach the file at the scheduler's exit
     HookRegistry.register(target, trace.around_draft, HookType.AROUND)
     return trace

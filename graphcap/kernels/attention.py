@@ -158,7 +158,7 @@ def _split_kernel(
     stride_qb, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_t, stride_ob, stride_oh,
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_TILES: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE: tl.constexpr, F32_DOT: tl.constexpr,
+    SINGLE: tl.constexpr, F32_DOT: tl.constexpr, WAVE_IN_KERNEL: tl.constexpr = False,
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -168,6 +168,9 @@ def _split_kernel(
 
     slot = tl.load(slots + b).to(tl.int64)
     length = tl.maximum(tl.minimum(tl.load(lens + slot).to(tl.int32), cols), 0)
+    if WAVE_IN_KERNEL:  # `wave` holds the target programs; the batch is the grid's (`wave_splits`, on the device)
+        bh = tl.num_programs(0) * (H // GROUP)
+        wave = tl.minimum(num_splits, tl.where(10 * bh >= 9 * wave, 1, tl.maximum(1, wave // bh)))
     used = tl.minimum(num_splits, tl.maximum(wave, tl.cdiv(length, max_chunk)))  # splits this row uses
     chunk = tl.maximum(tl.cdiv(tl.cdiv(length, used), BLOCK_N) * BLOCK_N, min_chunk)
     start = split * chunk
@@ -252,7 +255,11 @@ def _combine_kernel(
 def _launch(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, config: KernelConfig,
+    wave_in_kernel: bool | None = None,
 ) -> torch.Tensor:
+    """`wave_in_kernel` (None: when the batch is symbolic - one compile for every bucket): the split kernel derives
+    the wave (`wave_splits`) from its grid's batch instead of taking it from the host, where a symbolic batch would
+    make it a symbolic, guarded Python value. The same number either way; the default path is unchanged."""
     b, h, d = q.shape
     hkv = k_pool.shape[1]
     group = h // hkv
@@ -264,11 +271,14 @@ def _launch(
     if b == 0:
         return out
     single = num_splits == 1
+    if wave_in_kernel is None:
+        wave_in_kernel = not isinstance(b, int)
     if config.max_chunk > 0:  # adapt per row (module docstring); else every row uses num_splits
-        wave = min(num_splits, wave_splits(b, hkv, config.wave or target_programs(d, q.dtype, q.device)))
+        programs = config.wave or target_programs(d, q.dtype, q.device)
+        wave = max(1, programs) if wave_in_kernel else min(num_splits, wave_splits(b, hkv, programs))
         max_chunk = config.max_chunk
     else:
-        wave, max_chunk = num_splits, 1 << 30
+        wave, max_chunk, wave_in_kernel = num_splits, 1 << 30, False
     if single:  # placeholders, never touched
         part = torch.empty((1,), dtype=torch.float32, device=q.device)
         lse = part
@@ -281,7 +291,7 @@ def _launch(
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         table.stride(0), out.stride(0), out.stride(1),
         H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
-        BLOCK_N=config.block_n, SINGLE=single,
+        BLOCK_N=config.block_n, SINGLE=single, WAVE_IN_KERNEL=wave_in_kernel,
         # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16 tiles
         # returns garbage (seen with triton 3.9), so the tiles are upcast there.
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,

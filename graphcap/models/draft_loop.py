@@ -6,21 +6,15 @@ so one CUDA graph per batch bucket can replay it.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import torch
 from torch import nn
 
+from graphcap.iteration import DraftOutput  # the engine's type (re-exported here for older imports)
 from graphcap.models.draft_ops import TORCH_OPS, DraftOps
 from graphcap.models.frozen_kv_draft import FrozenKVDraft, KVSource
 from graphcap.window import WindowBuffers
-
-
-class DraftOutput(NamedTuple):
-    tokens: torch.Tensor  # [B, steps] int64 draft tokens
-    scores: torch.Tensor  # [B, steps] fp32 logit of each draft token
-    margins: torch.Tensor  # [B, steps] fp32 its margin over the runner-up
-    hidden: torch.Tensor  # [B, target hidden] the last step's post-projection (next iteration's draft input)
 
 
 class DraftLoop(nn.Module):
@@ -50,6 +44,21 @@ class DraftLoop(nn.Module):
             "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window),
             "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1]),
         }
+
+    @property
+    def spec(self):
+        """The model's capture spec (what `DraftGraphs.for_loop` takes buckets, backend and the manifest's name from)."""
+        return self.model.spec
+
+    @property
+    def padding_slot(self) -> int:
+        return self.window.padding_slot
+
+    def plan_for_any_batch(self) -> None:
+        """Plan the attention grids for any batch, not per call's batch: what one compile for every bucket needs
+        (`DraftGraphs(dynamic_batch=True)` calls it through `for_loop`). The split count (a Python int, the grid) is
+        otherwise derived from the batch (`choose_num_splits`), which would make Dynamo specialise the batch."""
+        self.sources = {lt: dataclasses.replace(src, grid_batch=1) for lt, src in self.sources.items()}
 
     def forward(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
                 hidden: torch.Tensor) -> DraftOutput:

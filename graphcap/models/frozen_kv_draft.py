@@ -31,6 +31,10 @@ class KVSource:
     window: int
     max_len: int  # the longest row this source can hold (split heuristic)
     attend: Callable[[torch.Tensor, float], torch.Tensor] | None = None  # another attention (the sglang baseline)
+    # The batch the split grid is planned for: 0 = the call's own (one compile per bucket), 1 = any batch (one
+    # compile for every bucket: the grid must not depend on a symbolic batch; batch 1 needs the most splits, and
+    # each row uses only its share, decided in-kernel). DraftLoop.plan_for_any_batch sets it.
+    grid_batch: int = 0
     # programs one attention call should launch: `target_programs` of the pools' head dim, dtype and device, taken
     # here once so that tracing sees a constant
     programs: int = field(init=False)
@@ -91,7 +95,7 @@ class DraftLayer(nn.Module):
         if src.attend is not None:
             attn = src.attend(q, self.scale)
         else:
-            splits = choose_num_splits(b, src.k_pool.shape[1], src.max_len, src.programs)
+            splits = choose_num_splits(src.grid_batch or b, src.k_pool.shape[1], src.max_len, src.programs)
             attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale, splits)
         o = ops.norm(attn.reshape(b, -1) @ self.o_proj.t(), self.post_attn_norm.weight)
         h, x = ops.add_norm(o, x, self.pre_mlp_norm.weight)  # x + o and its norm (sglang: one kernel)

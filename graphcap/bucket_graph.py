@@ -1,0 +1,85 @@
+"""One batch bucket's captured iteration: its static inputs, how it was recorded, and one replay over them.
+
+The graph wrapper of vLLM's cudagraph dispatcher split: the dispatcher (graphcap.dispatch) picks the bucket, this
+records and replays it. A replay of B rows reads the bucket's static inputs, whose rows [B:] must be padding (the
+padding slot, accepted = 0: length 0, so they read and write nothing); rows a larger batch wrote last time are reset
+first. What comes back are views of the first B rows, valid until the bucket's next replay.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from graphcap import manifest as mf
+from graphcap.iteration import DraftFn, DraftOutput, Inputs
+from graphcap.recording import CompiledIteration, record_bucket
+
+
+@dataclass
+class BucketGraph:
+    size: int
+    inputs: Inputs  # static input buffers, rows [used_rows:] always padding
+    record: mf.BucketRecord
+    graph: torch.cuda.CUDAGraph | None = None  # manual-graph backends
+    outputs: DraftOutput | None = None  # manual-graph backends: the graph's static outputs
+    used_rows: int = 0  # live rows written since the last replay's reset (rows past it are padding)
+    views: dict[int, tuple[Inputs, DraftOutput | None]] = field(default_factory=dict)  # first-B-row views, by B
+
+    @property
+    def captured(self) -> bool:
+        return self.record.status == "captured"
+
+    def capture(self, backend: str, fn: DraftFn, compiled: CompiledIteration | None, pool) -> None:
+        """Warm up and record over the static inputs (graphcap.recording), filling the manifest record."""
+        self.views.clear()  # views of the old static outputs must not outlive them
+        self.graph, self.outputs = record_bucket(self.inputs, self.record, backend, fn,
+                                                 compiled.fn if compiled is not None else None, pool)
+
+    def rows(self, b: int) -> tuple[Inputs, DraftOutput | None]:
+        """Views of the first b rows of the static inputs (and static outputs), made once per b: slicing costs
+        host time on every call otherwise."""
+        v = self.views.get(b)
+        if v is None:
+            outs = DraftOutput(*(x[:b] for x in self.outputs)) if self.outputs is not None else None
+            v = self.views[b] = (tuple(x[:b] for x in self.inputs), outs)  # type: ignore[assignment]
+        return v
+
+    def claim(self, b: int) -> Inputs:
+        """The first b rows' static inputs, to be written by the caller: they are padding again at the next replay
+        of a smaller batch (even if this batch is never replayed)."""
+        self.used_rows = max(self.used_rows, b)
+        return self.rows(b)[0]
+
+    def write(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Copy a live batch of B rows into the first B static rows (`run`'s path)."""
+        s, a, t, h = self.claim(slots.shape[0])
+        s.copy_(slots)
+        a.copy_(accepted)
+        t.copy_(tokens)
+        h.copy_(hidden)
+
+    def replay(self, b: int, fn: DraftFn, compiled: CompiledIteration | None, padding_slot: int
+               ) -> tuple[DraftOutput, bool]:
+        """One iteration over the first b rows. Returns the outputs and whether they are already the first b rows
+        (a recorded graph's static-output views) or still the whole bucket's. A bucket whose capture failed runs
+        `fn` eagerly on the first b rows (counted as a fallback, not a replay)."""
+        rec = self.record
+        s, a, t, h = self.inputs
+        if self.used_rows > b:  # rows a larger batch used last time become padding again
+            s[b:self.used_rows].fill_(padding_slot)
+            a[b:self.used_rows].zero_()
+        self.used_rows = b
+        if not self.captured:
+            rec.fallbacks += 1
+            return fn(*self.rows(b)[0]), True  # already b rows
+        if self.graph is not None:
+            self.graph.replay()
+            out, sliced = self.rows(b)[1], True
+        elif compiled is not None:
+            out, sliced = compiled(self.size, s, a, t, h), False
+        else:  # eager backend: same dispatch, no capture
+            out, sliced = fn(s, a, t, h), False
+        rec.replays += 1
+        rec.padded_rows += self.size - b
+        return out, sliced  # type: ignore[return-value]
