@@ -308,9 +308,9 @@ def test_time_call_host_clock_brackets_the_call_not_the_event_records(monkeypatc
 def test_a_failed_bucket_leaves_graphcap_without_speed_ups_and_says_why(tmp_path, monkeypatch):
     """DraftGraphs runs a bucket whose capture failed eagerly: a mode with one gives no speed-ups, and its rows say
     which bucket and why."""
-    import graphcap.capture as capture
+    import graphcap.bucket_graph as bucket_graph
 
-    real = capture.record_bucket
+    real = bucket_graph.record_bucket
 
     def record(inputs, rec, *a, **kw):
         if rec.batch_size == 4:
@@ -318,7 +318,7 @@ def test_a_failed_bucket_leaves_graphcap_without_speed_ups_and_says_why(tmp_path
             return None, None
         return real(inputs, rec, *a, **kw)
 
-    monkeypatch.setattr(capture, "record_bucket", record)
+    monkeypatch.setattr(bucket_graph, "record_bucket", record)
     out = tmp_path / "b"
     assert main(["bench", "--spec", "tiny", "--batch", "1,3", "--context", "8", "--iters", "2", "--warmup", "1",
                  "--repeats", "1", "--modes", "eager-rebuild,graphcap", "--graphcap-backend", "eager",

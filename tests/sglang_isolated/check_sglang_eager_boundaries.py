@@ -100,7 +100,7 @@ class _Attention:
 
 def _loop(model, b):
     """SglangAssistantLoop's ForwardBatch and per-step calls, over the real model (no window buffers)."""
-    from graphcap.integrations.sglang_runtime import SglangAssistantLoop
+    from graphcap.integrations.sglang_loop import SglangAssistantLoop
 
     worker = types.SimpleNamespace(draft_model_runner=types.SimpleNamespace(model=model, spec_algorithm=None),
                                    model_config=types.SimpleNamespace(dtype=DTYPE))
@@ -135,7 +135,7 @@ def _inputs(model, b, seed):
 def test_compiled_assistant_matches_eager(assistant, backend):
     from torch._dynamo.utils import counters
 
-    from graphcap.integrations import sglang_runtime as rt
+    from graphcap.integrations import sglang_loop as rt
 
     torch._dynamo.reset()
     counters.clear()

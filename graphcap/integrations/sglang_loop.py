@@ -1,0 +1,193 @@
+"""The draft iteration graphcap captures over sglang's own Gemma 4 assistant model: `SglangAssistantLoop` (advance the
+windows, then the seed step and the other steps of sglang's model, as `FrozenKVMTPDraftWorker.draft_forward` does
+them), `GraphcapDraftAttention` (the attention backend those steps see: graphcap's decode kernel over the target's
+pools, sliding layers through graphcap's window ring), and what makes sglang's layers traceable by Dynamo
+(`_eager_boundaries`). The per-worker runtime that captures and serves it is graphcap.integrations.sglang_runtime.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from graphcap.guards import CaptureError
+from graphcap.iteration import DraftOutput
+from graphcap.window import WindowBuffers
+
+# sglang's layer-boundary entry points the assistant's forward calls (Gemma4TextModel.forward and
+# Gemma4DecoderLayer.forward/_next_stream): the residual-stream bookkeeping that builds msgspec records
+# (ResidualStream.record's Contribution / OwedOutput, DeclaredSum, ExitDecision) mid-forward, which Dynamo cannot build.
+# The norms and residual adds they run (input / post-attention / pre-FFN / final norm) run eagerly with them.
+_EAGER_BOUNDARY_ENTRIES = (
+    ("sglang.srt.layers.layer_boundary.stage", "StageBoundary", "prepare"),  # attn/ffn input: add + norm
+    ("sglang.srt.layers.layer_boundary.stage", "StageBoundary", "finish"),  # records the stage's Contribution
+    ("sglang.srt.layers.layer_boundary.stage", "StageBoundary", "sum_part"),  # FFN part's TP sum (MoE: per part)
+    ("sglang.srt.layers.layer_boundary.residual.batch", None, "start"),  # new ResidualStream on the batch
+    ("sglang.srt.layers.layer_boundary.residual.batch", None, "written_residual"),  # reads the stream's residual
+    ("sglang.srt.layers.layer_boundary.residual.batch", None, "final_norm"),  # completes the stream + final norm
+)
+_EAGER_MARK = "_graphcap_eager_boundary"
+
+
+def _eager_boundaries() -> None:
+    """Wrap sglang's layer-boundary entry points (`_EAGER_BOUNDARY_ENTRIES`) in `torch._dynamo.disable`, once per
+    process (idempotent: an entry already wrapped is left as it is). Dynamo then graph-breaks cleanly at each call
+    and runs it eagerly, and traces the rest of the assistant's forward: attention (qkv proj, q norm, rope, the
+    backend call, o proj), MLP, the post-FFN norm and residual, and the logits head. Without this, torch.compile of
+    the iteration fails inside these calls (`object.__new__(Contribution) is not safe`).
+
+    Patched on sglang's classes and modules, so the target model's layers get it too: harmless, since a disabled
+    function is a plain call outside torch.compile (about 0.3 us a call, and nothing in a replayed CUDA graph), so
+    sglang's own eager and CUDA-graph paths run the same code. Under sglang's own --enable-torch-compile the
+    target's layers would graph-break here too. The residual_batch functions are looked up on their module at each
+    call (gemma4_causal.py calls `residual_batch.start(...)`), so replacing the module attribute reaches them."""
+    import importlib
+
+    for module_name, cls_name, attr in _EAGER_BOUNDARY_ENTRIES:
+        owner = importlib.import_module(module_name)
+        if cls_name is not None:
+            owner = getattr(owner, cls_name)
+        fn = vars(owner).get(attr)
+        if fn is None:
+            where = ".".join(p for p in (module_name, cls_name, attr) if p)
+            raise CaptureError(f"graphcap: sglang has no {where} to run eagerly under torch.compile (written against "
+                               "sglang 0.5.23's layer boundary)")
+        if getattr(fn, _EAGER_MARK, False):
+            continue
+        wrapped = torch._dynamo.disable(fn)
+        setattr(wrapped, _EAGER_MARK, True)
+        setattr(owner, attr, wrapped)
+
+
+class GraphcapDraftAttention:
+    """Stands in for the draft's attention backend inside graphcap's iteration (RadixAttention calls
+    `get_attn_backend().forward`): sliding layers read graphcap's ring (SWA-pool ids), full layers `req_to_token`,
+    both through graphcap's decode kernel over the target's pools. The draft writes no KV."""
+
+    def __init__(self, window: WindowBuffers, target_pool, max_context: int) -> None:
+        self.window, self.token_to_kv_pool, self.max_context = window, target_pool, max_context
+        self.slots: torch.Tensor | None = None
+
+    def bind(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        from graphcap.kernels.attention import decode_attention, splits_for
+
+        sliding = layer.sliding_window_size is not None and layer.sliding_window_size > -1
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        vb = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        table, w = (self.window.ring, self.window.window) if sliding else (self.window.req_to_token, 0)
+        splits = splits_for(q3, kb, w or self.max_context)
+        o = decode_attention(q3, kb, vb, table, self.slots, self.window.seq_lens, w, float(layer.scaling), splits)
+        return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    forward_decode = forward
+
+
+class SglangAssistantLoop:
+    """fn(slots, accepted, tokens, hidden) -> DraftOutput: advance, then the seed step and steps - 1 more steps of
+    sglang's Gemma 4 assistant (greedy: topk == 1), as `FrozenKVMTPDraftWorker.draft_forward` does them.
+
+    Built for Dynamo: nothing sglang-side is constructed inside the call. The ForwardBatch of each bucket is built
+    beforehand (`prepare`), and the forward context (sglang's module-level global that RadixAttention reads its
+    backend from) is set by the caller around every call (`context()`, which sets this loop's one context object
+    itself): Dynamo guards on that global, so it must be the same object at every call, capture and replay alike.
+
+    Compiled (the capture engine's Inductor backends compile the whole call; `prepare(compile_model=True)` only
+    sglang's model forward, as sglang's own --enable-torch-compile does): sglang 0.5.23's layers construct msgspec
+    records (its residual-stream bookkeeping) inside the forward, which Dynamo cannot build, so the call compiles
+    with graph breaks there (`graph_breaks`, `_eager_boundaries`); the manual-graph backends record the compiled
+    pieces and the Python between them in one CUDA graph, so a replay runs none of that Python."""
+
+    graph_breaks = True  # read by graphcap.recording.compile_iteration
+
+    def __init__(self, worker, window: WindowBuffers, attention: GraphcapDraftAttention, steps: int) -> None:
+        from sglang.srt.model_executor.forward_context import ForwardContext
+
+        self.worker, self.window, self.attention, self.steps = worker, window, attention, steps
+        self.model = worker.draft_model_runner.model
+        self.forward_ctx = ForwardContext(attn_backend=attention)
+        self._forward = self.model.forward
+        self._batches: dict[int, object] = {}
+
+    def prepare(self, sizes, *, compiled: bool = True, compile_model: bool = False) -> None:
+        """Build the ForwardBatch of every batch size that can reach the loop (buckets, and the eager path's
+        larger batches are built on demand by `forward_batch`). `compiled`: something will compile sglang's layers
+        (the capture engine's Inductor backends, or `compile_model`: wrap the model's forward in torch.compile,
+        Inductor without CUDA graphs of its own), so Dynamo must break around sglang's residual-stream bookkeeping.
+        Only then are sglang's boundary functions patched: under sglang's own fullgraph compile of the target a
+        disabled function would be an error, so a plain `cudagraph` capture leaves them alone."""
+        for b in sizes:
+            self._batches[b] = self._new_forward_batch(b)
+        if compiled or compile_model:
+            _eager_boundaries()
+        for m in self.model.modules():  # sglang's fused ops pick their implementation at their first call: pick it
+            if getattr(m, "_forward_method", 0) is None and hasattr(m, "_resolve_forward_method"):  # now, not in a trace
+                m._forward_method = m._resolve_forward_method()
+        if compile_model:
+            self._forward = torch.compile(self.model.forward, fullgraph=False, dynamic=False,
+                                          options={"triton.cudagraphs": False})
+
+    @contextlib.contextmanager
+    def context(self):
+        """sglang's forward context for this loop's calls (enter it around capture, replay and eager runs). Sets this
+        loop's own context object (sglang's `forward_context()` may hand a copy instead, which Dynamo's guard on the
+        global would see as a change) and restores whatever was there."""
+        from sglang.srt.model_executor.forward_context import set_forward_context
+
+        prev = set_forward_context(self.forward_ctx)
+        try:
+            yield
+        finally:
+            set_forward_context(prev)
+
+    def forward_batch(self, b: int):
+        fb = self._batches.get(b)
+        if fb is None:  # eager path only (a batch above the largest bucket): built outside any trace
+            fb = self._batches[b] = self._new_forward_batch(b)
+        return fb
+
+    def __call__(self, slots, accepted, tokens, hidden):
+        self.window.advance(slots, accepted)
+        positions = self.window.seq_lens.index_select(0, slots).to(torch.int64).sub(1).clamp(min=0)
+        fb = self.forward_batch(slots.shape[0])
+        self.attention.bind(slots)
+        toks, scores, margins = [], [], []
+        for _ in range(self.steps):
+            fb.spec_info.hidden_states = hidden  # the assistant reads its recurrent input from here
+            out = self._forward(tokens, positions, fb)
+            top = out.next_token_logits.float().topk(2, dim=-1)
+            tokens, hidden = top.indices[:, 0], out.hidden_states
+            toks.append(tokens)
+            scores.append(top.values[:, 0])
+            margins.append(top.values[:, 0] - top.values[:, 1])
+        return DraftOutput(torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(margins, 1), hidden)
+
+    def _new_forward_batch(self, b: int):
+        """The ForwardBatch sglang's FrozenKVMTPCudaGraphRunner.capture_one_shape builds. Its tensors are
+        placeholders of the right batch size: graphcap's attention reads the window buffers, and the model reads
+        only the batch's mode, size and spec_info from it."""
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+        from sglang.srt.speculative.frozen_kv_mtp_info import FrozenKVMTPDraftInput
+
+        dev = self.window.device
+        hidden = torch.zeros(b, int(self.model.backbone_hidden_size), dtype=self.worker.model_config.dtype,
+                             device=dev)
+        spec_info = FrozenKVMTPDraftInput(hidden_states=hidden, capture_hidden_mode=CaptureHiddenMode.LAST)
+        spec_info.num_tokens_per_req = spec_info.num_tokens_for_logprob_per_req = 1
+        zeros = torch.zeros(b, dtype=torch.int64, device=dev)
+        spec_info.positions = zeros
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=b, input_ids=zeros.clone(), req_pool_indices=zeros.clone(),
+            seq_lens=zeros.clone(), seq_lens_cpu=None, out_cache_loc=None,
+            seq_lens_sum=b * self.attention.max_context, return_logprob=False, positions=zeros,
+            spec_algorithm=self.worker.draft_model_runner.spec_algorithm, spec_info=spec_info,
+            capture_hidden_mode=CaptureHiddenMode.LAST)
+
+    def example_inputs(self, b: int):
+        dev = self.window.device
+        return (torch.full((b,), self.window.padding_slot, dtype=torch.int64, device=dev),
+                torch.zeros(b, dtype=torch.int32, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),
+                torch.zeros(b, int(self.model.backbone_hidden_size), dtype=self.worker.model_config.dtype, device=dev))
