@@ -36,11 +36,12 @@ def _eager_boundaries() -> None:
     backend call, o proj), MLP, the post-FFN norm and residual, and the logits head. Without this, torch.compile of
     the iteration fails inside these calls (`object.__new__(Contribution) is not safe`).
 
-    Patched on sglang's classes and modules, so the target model's layers get it too: harmless, since a disabled
-    function is a plain call outside torch.compile (about 0.3 us a call, and nothing in a replayed CUDA graph), so
-    sglang's own eager and CUDA-graph paths run the same code. Under sglang's own --enable-torch-compile the
-    target's layers would graph-break here too. The residual_batch functions are looked up on their module at each
-    call (gemma4_causal.py calls `residual_batch.start(...)`), so replacing the module attribute reaches them."""
+    Patched on sglang's classes and modules, so the target model's layers get it too. Outside torch.compile a
+    disabled function is a plain call (about 0.3 us, and nothing in a replayed CUDA graph), so sglang's own eager and
+    CUDA-graph paths run the same code; but under sglang's own fullgraph compile of the target (--enable-torch-compile)
+    a disabled call is an error, which is why only a graphcap backend that compiles asks for this
+    (`SglangAssistantLoop.prepare`). The residual_batch functions are looked up on their module at each call
+    (gemma4_causal.py calls `residual_batch.start(...)`), so replacing the module attribute reaches them."""
     import importlib
 
     for module_name, cls_name, attr in _EAGER_BOUNDARY_ENTRIES:
