@@ -199,6 +199,8 @@ def _resolved(sa, **fields):
      r"--speculative-draft-attention-backend trtllm_mha is not supported"),
     (["--enable-unified-memory"], None, r"--enable-unified-memory"),
     (["--pp-size", "2"], None, r"--pp-size 2 is not supported"),
+    (["--enable-torch-compile", "--draft-graph-capture-backend", "inductor-cudagraph"], None,
+     r"--draft-graph-capture-backend inductor-cudagraph with --enable-torch-compile"),
     (["--attn-dp-size", "2"], None, r"attention data parallelism \(--attn-dp-size 2\) is not supported"),
     (["--dp-size", "2", "--enable-dp-attention"], None, r"\(--enable-dp-attention with --dp-size 2\)"),
     # what sglang's handle_deprecated_dp_attention declares for the same flags (it needs the stubbed torchvision)
@@ -208,6 +210,8 @@ def _resolved(sa, **fields):
     (["--draft-graph-manifest-dir", "/proc/graphcap-cannot-exist"], None, r"--draft-graph-manifest-dir .*cannot create"),
 ])
 def test_unsupported_settings_are_named(fresh, argv, resolved, match):
+    """Each refused setting is named in the error (the last `--enable-torch-compile` case: graphcap's compiling
+    backends patch sglang's layer boundaries, which sglang's own fullgraph compile of the target cannot take)."""
     fresh.load_plugins()
     argv = [a for a in ENABLED if a not in ("--speculative-algorithm", "NEXTN")] + (
         argv if "--speculative-algorithm" in argv else ["--speculative-algorithm", "NEXTN"] + argv)

@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from graphcap.backends import GRAPH_BACKENDS  # light: no torch
+from graphcap.backends import COMPILED_BACKENDS, GRAPH_BACKENDS  # light: no torch
 
 log = logging.getLogger("graphcap.sglang")
 
@@ -186,6 +186,11 @@ def validate_server_args(server_args) -> DraftCaptureOptions:
     pp = get("pp_size") or 1
     if int(pp) > 1:
         raise DraftCaptureConfigError(f"{FLAG}: --pp-size {pp} is not supported (the draft runs on one stage)")
+    if opts.backend in COMPILED_BACKENDS and get("enable_torch_compile"):
+        raise DraftCaptureConfigError(
+            f"{FLAG}: {BACKEND_FLAG} {opts.backend} with --enable-torch-compile is not supported: to compile sglang's "
+            "layers graphcap makes Dynamo break around their residual-stream bookkeeping, which sglang's own "
+            "fullgraph compile of the target cannot take. Use the default backend (cudagraph) or drop one of the two.")
     if get("speculative_adaptive"):
         raise DraftCaptureConfigError(f"{FLAG}: --speculative-adaptive is not supported with FROZEN_KV_MTP")
     attn_dp = _attention_dp(get)
