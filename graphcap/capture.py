@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from graphcap import compile_cache as cc
 from graphcap import manifest as mf
 from graphcap.backends import ALL_BACKENDS, COMPILED_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS
 from graphcap.bucket_graph import BucketGraph
@@ -58,6 +59,8 @@ class DraftGraphs:
         flush_every_s: float = 10.0,
         observers: Sequence[CaptureObserver] = (),
         dynamic_batch: bool = False,
+        compile_cache: str | os.PathLike | None = None,
+        cache_key: str | None = None,
     ) -> None:
         """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
         file). `progress=True` adds a `StderrProgress`. `observers`: more (graphcap.observers); `add_observer` too.
@@ -67,7 +70,11 @@ class DraftGraphs:
         must then derive no Python value from the batch (for_loop calls the loop's `plan_for_any_batch`): one that
         passes such a value where an int is required fails the bucket's capture (the reason names the symbol), one
         that only branches on it costs extra compiles (warned, and noted in the manifest). Off by default until a
-        GPU run measures it."""
+        GPU run measures it.
+
+        `compile_cache=DIR` (compiled backends; opt-in): load torch's compile artifacts for this capture from DIR
+        before compiling, and save them there after (graphcap.compile_cache: the key, and the rules that refuse an
+        untrusted file). Without a spec, `cache_key` (e.g. the model path and config) names what is compiled."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         self._dispatch = BucketDispatcher(buckets)
@@ -79,6 +86,11 @@ class DraftGraphs:
             raise ValueError(f"DraftGraphs: dynamic_batch compiles once for every bucket; backend {backend!r} "
                              f"compiles nothing (compiled backends: {', '.join(COMPILED_BACKENDS)})")
         self.dynamic_batch = dynamic_batch
+        self.compile_cache = compile_cache if backend in COMPILED_BACKENDS else None
+        if self.compile_cache is not None and spec is None and not cache_key:
+            raise ValueError("DraftGraphs: compile_cache without a spec needs a cache_key (what is compiled)")
+        self._cache_key_text = cache_key
+        self._cache_state: str | None = None  # the manifest's compile_cache: hit, miss, refused: <why>
         self.fn, self.backend, self.spec, self.padding_slot = fn, backend, spec, padding_slot
         self.device = device
         self._static = StaticBuffers(static_tensors, example_inputs)
@@ -153,6 +165,8 @@ class DraftGraphs:
                 for t in inputs:
                     torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="batch", min=1, max=top, hint_override=top)
             static = self._static.all_tensors(iter(inputs))
+            if self.compile_cache is not None:
+                self._cache_state = cc.load(self.compile_cache, self._cache_key())
             compiled = compile_iteration(self.fn, self.backend, static, len(self._buckets), tag=f"{id(self):x}",
                                          dynamic_batch=self.dynamic_batch)
             self._compiled = CompiledIteration(*compiled)
@@ -174,6 +188,9 @@ class DraftGraphs:
                         "something in the function specialises the batch (TORCH_LOGS=recompiles names the guard)")
                 self._warn_once("dynamic_batch", f"graphcap: {note}")
                 self._notes.append(note)
+        if self.compile_cache is not None and self._cache_state != cc.HIT \
+                and all(b.captured for b in self._buckets):
+            cc.save(self.compile_cache, self._cache_key())
         self.captured = True
         self._created = self._created or mf.utc_now()
         self.flush()  # an unwritable manifest is the caller's error here
@@ -194,6 +211,11 @@ class DraftGraphs:
         self._compiled = None
         self._notes.clear()
         self.capture()
+
+    def _cache_key(self) -> str:
+        return cc.cache_key(spec_hash=self.spec.hash if self.spec is not None else None,
+                             key=self._cache_key_text, backend=self.backend, buckets=self._dispatch.sizes,
+                             dynamic_batch=self.dynamic_batch, device=self.device)
 
     def _new_bucket(self, size: int) -> BucketGraph:
         return BucketGraph(size, self._static.new_inputs(size), mf.BucketRecord(size))
@@ -303,6 +325,7 @@ class DraftGraphs:
                                  buckets=[dataclasses.replace(b.record) for b in self._buckets])
         m.oversize_fallbacks = self.oversize_fallbacks
         m.dynamic_batch = self.dynamic_batch
+        m.compile_cache = self._cache_state
         m.notes = list(self._notes)
         return m
 

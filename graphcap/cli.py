@@ -146,6 +146,7 @@ def format_manifest(m: Manifest, path: str | Path | None = None) -> str:
         f"  versions: torch {m.torch_version}, triton {m.triton_version or 'n/a'}, graphcap {m.graphcap_version}",
         f"  loop:     {m.steps} draft steps, window {m.window}",
         f"  created:  {m.created}, updated {m.updated}",
+        *([f"  compile cache: {m.compile_cache}"] if m.compile_cache else []),
         "",
     ]
     rows = [[b.batch_size, b.status, f"{b.capture_s:.2f}", f"{b.pool_bytes / 2**20:.1f}", b.replays, b.fallbacks,

@@ -90,6 +90,7 @@ class Manifest:
     oversize_fallbacks: Count = 0  # batches larger than the largest bucket, run eagerly
     dynamic_batch: Annotated[bool, Strict()] = False  # one compile for every bucket (else one per bucket)
     notes: list[Text] = field(default_factory=list)
+    compile_cache: Text | None = None  # DraftGraphs(compile_cache=...): "hit", "miss" or "refused: <why>"; else None
 
     @classmethod
     def for_spec(cls, spec: Any, backend: str | None = None, env: dict[str, Any] | None = None, *,
@@ -277,7 +278,7 @@ _MANIFEST = TypeAdapter(Manifest)
 
 
 # Fields added after format 1's first files: absent in those, so absence means the default, not a cut file.
-_ADDED_FIELDS = frozenset({"dynamic_batch"})
+_ADDED_FIELDS = frozenset({"dynamic_batch", "compile_cache"})
 
 
 def _first_missing(raw: dict[str, Any], cls: type, prefix: str, optional: frozenset[str] = frozenset()) -> str | None:

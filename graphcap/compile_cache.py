@@ -1,0 +1,151 @@
+"""An opt-in on-disk compile cache: torch's cache artifacts (`torch.compiler.save_cache_artifacts` /
+`load_cache_artifacts`), one file per key, for `DraftGraphs(compile_cache=DIR)`.
+
+A compile cache is code: loading it runs what it holds. So the directory is created 0700, files are written 0600
+(temp file + os.replace), and nothing is loaded from a directory or file that is a symlink, not owned by this user,
+or writable by group or others - that is one warning line and a normal compile, never an error. A file that does
+not load (corrupt, another torch) is one warning line and a normal compile too; it is left in place (its path is
+logged) and overwritten by the next successful capture's artifacts.
+
+The key (`cache_key`) is a hex digest of everything whose change must miss: the spec hash (or a caller's string),
+backend, buckets, dynamic_batch, graphcap/torch/triton versions and the device (name and capability; CPU: the
+machine architecture).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import stat
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger("graphcap")
+
+__all__ = ["cache_key", "cache_file", "load", "save", "HIT", "MISS"]
+
+HIT, MISS = "hit", "miss"  # manifest values; a refusal is "refused: <why>"
+
+
+def _version(dist: str, fallback: str | None = None) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return fallback
+
+
+def _device_id(device) -> str:
+    import torch
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        cap = torch.cuda.get_device_capability(idx)
+        return f"cuda:{torch.cuda.get_device_name(idx)}:sm{cap[0]}{cap[1]}"
+    return f"{device.type}:{platform.machine()}"
+
+
+def cache_key(*, spec_hash: str | None = None, key: str | None = None, backend: str, buckets: Sequence[int],
+              dynamic_batch: bool = False, device=None) -> str:
+    """The hex digest naming a cache file. `spec_hash`, else `key` (a caller's description of what is compiled,
+    e.g. a model path and config), must be given."""
+    import torch
+
+    import graphcap
+
+    if not spec_hash and not key:
+        raise ValueError("compile cache: a spec (its hash) or a cache_key string is needed for the key")
+    parts = {
+        "spec_hash": spec_hash or "", "key": key or "", "backend": backend, "buckets": sorted(int(b) for b in buckets),
+        "dynamic_batch": bool(dynamic_batch),
+        "graphcap": [graphcap.__version__, _version("graphcap")],  # the module's, and the installed dist's
+        "torch": str(torch.__version__), "triton": _version("triton"),
+        "device": _device_id(device),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def cache_file(directory: str | os.PathLike, key: str) -> Path:
+    return Path(directory) / f"{key}.bin"
+
+
+def _unsafe(path: Path, what: str) -> str | None:
+    """Why `path` must not be trusted (None: it may be)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return f"the {what} is a symlink"
+    if st.st_uid != os.getuid():
+        return f"the {what} is owned by uid {st.st_uid}, not this user ({os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"the {what} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def ensure_dir(directory: str | os.PathLike) -> Path:
+    """Create the cache directory 0700 if it is missing (an existing one keeps its mode: `load` checks it)."""
+    d = Path(directory).expanduser()
+    if not os.path.lexists(d):
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(d, 0o700)  # mkdir's mode is masked by the umask
+    return d
+
+
+def load(directory: str | os.PathLike, key: str) -> str:
+    """Load the artifacts of `key` into this process's compile caches if present and trusted. Returns the manifest
+    value: "hit", "miss" (no file, or it did not load) or "refused: <why>". Never raises for a bad cache."""
+    import torch
+
+    d = ensure_dir(directory)
+    f = cache_file(d, key)
+    if not os.path.lexists(f):
+        return MISS
+    why = _unsafe(d, "directory") or _unsafe(f, "file")
+    if why:
+        log.warning("graphcap: not loading the compile cache %s: %s; compiling instead", f, why)
+        return f"refused: {why}"
+    try:
+        data = f.read_bytes()
+        info = torch.compiler.load_cache_artifacts(data)
+        if info is None:  # torch logs why (its own warning) and returns None for bytes it cannot read
+            raise ValueError("torch could not deserialize it")
+    except Exception as e:  # corrupt, truncated, another torch: compile as usual, leave the file for inspection
+        log.warning("graphcap: could not load the compile cache %s (%s: %s); compiling instead (file left in place)",
+                    f, type(e).__name__, e)
+        return MISS
+    return HIT
+
+
+def save(directory: str | os.PathLike, key: str) -> Path | None:
+    """Write this process's compile artifacts (`torch.compiler.save_cache_artifacts()`) to `<directory>/<key>.bin`,
+    atomically and 0600. None if torch had nothing to save or the write failed (logged: the capture stands)."""
+    import torch
+
+    try:
+        got = torch.compiler.save_cache_artifacts()
+        if not got or not got[0]:
+            return None
+        d = ensure_dir(directory)
+        path = cache_file(d, key)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{path.name}.", suffix=".tmp")  # 0600
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(got[0])
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return path
+    except Exception as e:
+        log.warning("graphcap: could not save the compile cache in %s (%s: %s)", directory, type(e).__name__, e)
+        return None

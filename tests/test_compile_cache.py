@@ -1,0 +1,187 @@
+"""graphcap.compile_cache: the key, the rules that refuse an untrusted cache, a corrupt file, and one CPU capture
+that saves its artifacts and a second that loads them (DraftGraphs(compile_cache=...))."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+import graphcap
+from graphcap import compile_cache as cc
+
+BASE = dict(spec_hash="c5014fdd5fe74bb2", backend="compile", buckets=(1, 2, 4), dynamic_batch=False, device="cpu")
+
+
+def _mode(p) -> int:
+    return stat.S_IMODE(os.lstat(p).st_mode)
+
+
+def test_key_is_stable_and_covers_what_must_miss(monkeypatch):
+    k = cc.cache_key(**BASE)
+    assert k == cc.cache_key(**BASE) and len(k) == 64 and int(k, 16) >= 0
+    changed = [dict(BASE, spec_hash="0000000000000000"), dict(BASE, backend="inductor-cudagraph"),
+               dict(BASE, buckets=(1, 2, 8)), dict(BASE, dynamic_batch=True),
+               dict(BASE, spec_hash=None, key="/models/x {'layers': 1}")]
+    keys = {cc.cache_key(**kw) for kw in changed}
+    assert k not in keys and len(keys) == len(changed)
+    assert cc.cache_key(**dict(BASE, buckets=(4, 2, 1))) == k  # the set of buckets, not their order
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert cc.cache_key(**BASE) != k
+    monkeypatch.undo()
+    monkeypatch.setattr(graphcap, "__version__", "9.9.9")
+    assert cc.cache_key(**BASE) != k
+    monkeypatch.undo()
+    assert cc.cache_key(**BASE) == k
+    with pytest.raises(ValueError, match="cache_key"):
+        cc.cache_key(**dict(BASE, spec_hash=None))
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: calls.append(data) or object())
+    return calls
+
+
+def _cache(tmp_path, dir_mode=0o700, file_mode=0o600, data=b"artifacts"):
+    d = tmp_path / "cache"
+    d.mkdir()
+    f = cc.cache_file(d, "k")
+    f.write_bytes(data)
+    os.chmod(f, file_mode)
+    os.chmod(d, dir_mode)
+    return d, f
+
+
+def test_missing_directory_is_created_0700_and_misses(tmp_path, loads):
+    d = tmp_path / "a" / "cache"
+    assert cc.load(d, "k") == "miss" and _mode(d) == 0o700 and loads == []
+
+
+def test_a_private_cache_loads(tmp_path, loads, glog):
+    d, _ = _cache(tmp_path)
+    assert cc.load(d, "k") == "hit"
+    assert loads == [b"artifacts"] and not [r for r in glog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("dir_mode,file_mode,why", [(0o777, 0o600, "writable by others (mode 0777)"),
+                                                    (0o770, 0o600, "writable by others (mode 0770)"),
+                                                    (0o700, 0o666, "writable by others (mode 0666)")])
+def test_a_shared_writable_cache_is_refused(tmp_path, loads, glog, dir_mode, file_mode, why):
+    d, f = _cache(tmp_path, dir_mode, file_mode)
+    try:
+        state = cc.load(d, "k")
+    finally:
+        os.chmod(d, 0o700)
+    assert state.startswith("refused: ") and why in state and loads == []
+    warned = [r.getMessage() for r in glog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and str(f) in warned[0] and why in warned[0] and "compiling instead" in warned[0]
+    assert f.exists()
+
+
+def test_a_foreign_owner_or_a_symlink_is_refused(tmp_path, loads, glog, monkeypatch):
+    d, f = _cache(tmp_path)
+    me = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: me + 1)
+    assert "owned by uid" in cc.load(d, "k")
+    monkeypatch.undo()
+    real = tmp_path / "elsewhere.bin"
+    f.rename(real)
+    f.symlink_to(real)
+    assert cc.load(d, "k") == "refused: the file is a symlink"
+    assert loads == [] and len([r for r in glog.records if r.levelname == "WARNING"]) == 2
+
+
+def test_a_corrupt_cache_warns_once_and_is_left_in_place(tmp_path, glog):
+    d, f = _cache(tmp_path, data=b"\x00not a cache")
+    assert cc.load(d, "k") == "miss"
+    warned = [r.getMessage() for r in glog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and str(f) in warned[0] and "left in place" in warned[0]
+    assert f.read_bytes() == b"\x00not a cache"
+
+
+def test_save_writes_0600_atomically(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"abc", object()))
+    p = cc.save(tmp_path / "c", "k")
+    assert p == cc.cache_file(tmp_path / "c", "k") and p.read_bytes() == b"abc"
+    assert _mode(p) == 0o600 and _mode(p.parent) == 0o700 and os.listdir(p.parent) == ["k.bin"]
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    assert cc.save(tmp_path / "d", "k") is None
+
+
+def test_capture_saves_and_a_fresh_process_state_loads(tmp_path, monkeypatch, cpu_twins):
+    """What this shows on a CPU: the first capture (`compile` backend, one bucket) writes the artifacts file (0600,
+    directory 0700); after `torch._dynamo.reset()`, with Inductor's own local cache pointed at an empty directory
+    (so the second capture cannot just reuse the first's files), a fresh DraftGraphs loads the file (manifest
+    "hit", load_cache_artifacts called with its bytes) and its compile gives outputs equal to the first's. Not
+    the speed-up: that needs a GPU."""
+    from graphcap import manifest as mf
+    from graphcap.capture import DraftGraphs
+
+    from tests.test_capture import build, random_batch
+
+    def fresh_inductor_cache(name):
+        d = tmp_path / name
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(d))
+        return d
+
+    cache = tmp_path / "cc"
+    fresh_inductor_cache("inductor1")
+    torch._dynamo.reset()
+    _, wb1, loop1 = build("cpu")
+    g1 = DraftGraphs.for_loop(loop1, backend="compile", buckets=(4,), manifest_path=tmp_path / "m1.json",
+                              compile_cache=cache)
+    g1.capture()
+    files = list(cache.iterdir())
+    assert [p.name for p in files] == [f"{g1._cache_key()}.bin"]
+    assert _mode(files[0]) == 0o600 and _mode(cache) == 0o700
+    assert mf.read_manifest(tmp_path / "m1.json").compile_cache == "miss"
+    batch = random_batch(torch.Generator().manual_seed(3), wb1, "cpu", 3)
+    out1 = g1.run(*batch, copy=True)
+
+    torch._dynamo.reset()
+    fresh_inductor_cache("inductor2")
+    real_load, loaded = torch.compiler.load_cache_artifacts, []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: (loaded.append(data), real_load(data))[1])
+    _, wb2, loop2 = build("cpu")
+    g2 = DraftGraphs.for_loop(loop2, backend="compile", buckets=(4,), manifest_path=tmp_path / "m2.json",
+                              compile_cache=cache)
+    g2.capture()
+    assert loaded == [files[0].read_bytes()]
+    assert g2.manifest().compile_cache == "hit" and mf.read_manifest(tmp_path / "m2.json").compile_cache == "hit"
+    out2 = g2.run(*batch, copy=True)
+    for a, b in zip(out1, out2):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(wb1.ring, wb2.ring)
+
+
+def test_compile_cache_without_spec_needs_a_key():
+    from graphcap.capture import DraftGraphs
+
+    def ex(b):
+        return (torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
+                torch.zeros(b, 2))
+
+    with pytest.raises(ValueError, match="cache_key"):
+        DraftGraphs(lambda *a: a, buckets=(1,), padding_slot=0, example_inputs=ex, static_tensors={},
+                    backend="compile", manifest_path=None, compile_cache="/nonexistent")
+
+
+def test_manifest_field_is_optional_and_inspect_shows_it(tmp_path):
+    from graphcap import manifest as mf
+    from graphcap.cli import format_manifest
+    from graphcap.spec import load_spec
+
+    m = mf.Manifest.for_spec(load_spec("tiny"), "compile", dict(device="cpu", driver=None, torch_version="2",
+                                                                 triton_version=None, graphcap_version="0"))
+    d = m.to_dict()
+    assert d["compile_cache"] is None and "compile cache" not in format_manifest(m)
+    del d["compile_cache"]  # a file written before the field existed
+    assert mf.parse_manifest(d).compile_cache is None
+    m.compile_cache = "refused: the file is a symlink"
+    mf.write_manifest(m, tmp_path / "m.json")
+    back = mf.read_manifest(tmp_path / "m.json")
+    assert back.compile_cache == m.compile_cache
+    assert "  compile cache: refused: the file is a symlink" in format_manifest(back).splitlines()
