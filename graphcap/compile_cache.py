@@ -130,6 +130,10 @@ def save(directory: str | os.PathLike, key: str) -> Path | None:
         if not got or not got[0]:
             return None
         d = ensure_dir(directory)
+        why = _unsafe(d, "directory")
+        if why:  # code written where others can replace it would only be refused at the next load
+            log.warning("graphcap: not saving the compile cache in %s: %s", d, why)
+            return None
         path = cache_file(d, key)
         fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{path.name}.", suffix=".tmp")  # 0600
         try:

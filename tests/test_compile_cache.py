@@ -185,3 +185,17 @@ def test_manifest_field_is_optional_and_inspect_shows_it(tmp_path):
     back = mf.read_manifest(tmp_path / "m.json")
     assert back.compile_cache == m.compile_cache
     assert "  compile cache: refused: the file is a symlink" in format_manifest(back).splitlines()
+
+
+def test_nothing_is_saved_where_others_could_replace_it(tmp_path, monkeypatch, caplog):
+    """A directory writable by others gets no artifact (the next load would refuse it anyway): one warning, no file."""
+    import torch
+
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifact", None))
+    with caplog.at_level("WARNING", logger="graphcap"):
+        assert cc.save(d, "k" * 64) is None
+    assert list(d.iterdir()) == []
+    assert [r for r in caplog.records if "not saving the compile cache" in r.getMessage()]
