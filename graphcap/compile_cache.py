@@ -19,9 +19,10 @@ import logging
 import os
 import platform
 import stat
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from graphcap.atomic import write_atomic
 
 log = logging.getLogger("graphcap")
 
@@ -134,21 +135,7 @@ def save(directory: str | os.PathLike, key: str) -> Path | None:
         if why:  # code written where others can replace it would only be refused at the next load
             log.warning("graphcap: not saving the compile cache in %s: %s", d, why)
             return None
-        path = cache_file(d, key)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{path.name}.", suffix=".tmp")  # 0600
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(got[0])
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        path = write_atomic(cache_file(d, key), got[0], 0o600)
         return path
     except Exception as e:
         log.warning("graphcap: could not save the compile cache in %s (%s: %s)", directory, type(e).__name__, e)

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, with_config
 
 from graphcap.backends import ALL_BACKENDS  # no torch: `graphcap inspect` stays light
+from graphcap.atomic import write_atomic
 from graphcap.errors import GraphcapInputError
 
 FORMAT_VERSION = 1
@@ -212,20 +212,7 @@ def write_manifest(m: Manifest, path: str | Path) -> Path:
     m.updated = utc_now()
     text = json.dumps(m.to_dict(), indent=2, allow_nan=False) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomic(path, text.encode(), 0o644)
     return path
 
 
