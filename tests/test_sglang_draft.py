@@ -395,3 +395,32 @@ def test_plugin_logs_the_capture_and_registers_its_own_exit_flush(tmp_path, monk
         fn(*args)  # what the interpreter does at exit
         m = mf.read_manifest(mf.list_manifests(tmp_path)[0])
         assert [r.replays for r in m.buckets] == [0, 1]
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1", "nan"])
+def test_a_bad_manifest_flush_interval_is_named_before_anything_is_captured(tmp_path, monkeypatch, raw):
+    from graphcap.integrations.sglang_runtime import FLUSH_ENV
+
+    monkeypatch.setenv(FLUSH_ENV, raw)
+    window = _window()
+    calls = []
+
+    def iteration(*a):
+        calls.append(a)
+        return _iteration(window)(*a)
+
+    with pytest.raises(ValueError, match=rf"\${FLUSH_ENV}: expected seconds >= 0, got '{raw}'"):
+        capture_graphs(window, iteration, buckets=[1], example_inputs=_example_inputs(window),
+                       static_tensors=window.static_tensors(), backend="eager", manifest_dir=str(tmp_path),
+                       name="sglang-test", steps=3, tp_rank=0)
+    assert calls == [] and mf.list_manifests(tmp_path) == []
+
+
+@pytest.mark.parametrize("raw", ["0", "x", "-3", "1.5"])
+def test_a_bad_trace_flush_count_is_named(tmp_path, monkeypatch, raw):
+    pytest.importorskip("sglang", reason="the real sglang package is not installed")
+    from graphcap.integrations import sglang_trace
+
+    monkeypatch.setenv(sglang_trace.FLUSH_ENV, raw)
+    with pytest.raises(ValueError, match=rf"\${sglang_trace.FLUSH_ENV}: expected a whole number .* got '{raw}'"):
+        sglang_trace.install(str(tmp_path / "trace"), "sglang.srt.managers.scheduler.Scheduler.does_not_matter")

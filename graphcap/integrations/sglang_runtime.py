@@ -58,7 +58,13 @@ def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static
                            capture=SimpleNamespace(steps=steps))
     rank = sglang_tp_rank() if tp_rank is None else tp_rank
     path = None if rank else mf.manifest_path(manifest_dir or mf.default_manifest_dir(), name, spec.hash, backend)
-    flush_s = float(os.environ.get(FLUSH_ENV, "10"))
+    raw = os.environ.get(FLUSH_ENV, "10")
+    try:
+        flush_s = float(raw)
+    except ValueError:
+        flush_s = -1.0
+    if not flush_s >= 0:  # also NaN
+        raise DraftCaptureConfigError(f"${FLUSH_ENV}: expected seconds >= 0, got {raw!r}")
     graphs = DraftGraphs(fn, buckets=list(buckets), padding_slot=window.padding_slot, example_inputs=example_inputs,
                          static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path,
                          flush_every_s=flush_s, observers=[LoggingProgress(log)])

@@ -21,11 +21,13 @@ import torch
 from graphcap.integrations.sglang_config import TRACE_ENV  # noqa: F401 - where the variable is named
 # Records read back per sync: few enough that a killed scheduler (sglang's engine shutdown kills its children, so
 # no exit handler runs) loses little; `GRAPHCAP_SGLANG_TRACE_FLUSH=1` loses nothing, at one sync per draft.
-FLUSH_EVERY = int(os.environ.get("GRAPHCAP_SGLANG_TRACE_FLUSH", "16"))
+FLUSH_ENV = "GRAPHCAP_SGLANG_TRACE_FLUSH"
+FLUSH_EVERY = 16
 
 
 class DraftTrace:
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, flush_every: int = FLUSH_EVERY) -> None:
+        self.flush_every = flush_every
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, f"draft-trace-{os.getpid()}.jsonl")
         self.pending: list[tuple] = []
@@ -43,7 +45,7 @@ class DraftTrace:
         host_ms = (time.perf_counter() - t0) * 1e3
         tokens = result.draft_token.detach().reshape(len(rids), -1).clone()  # [B, steps + 1]: bonus token first
         self.pending.append((rids, lens, tokens, start, end, host_ms))
-        if len(self.pending) >= FLUSH_EVERY:
+        if len(self.pending) >= self.flush_every:
             self.flush()
         return result
 
@@ -61,7 +63,10 @@ class DraftTrace:
 def install(directory: str, target: str) -> DraftTrace:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    trace = DraftTrace(directory)
+    raw = os.environ.get(FLUSH_ENV, str(FLUSH_EVERY))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"${FLUSH_ENV}: expected a whole number of draft calls >= 1, got {raw!r}")
+    trace = DraftTrace(directory, int(raw))
     atexit.register(trace.flush)  # the records since the last FLUSH_EVERY reach the file at the scheduler's exit
     HookRegistry.register(target, trace.around_draft, HookType.AROUND)
     return trace
