@@ -84,6 +84,10 @@ def run_child(cfg: dict) -> dict:
         os.environ["GRAPHCAP_MANIFEST_FLUSH_S"] = "0"  # manifest current; and check every length graphcap reads
         os.environ["GRAPHCAP_SGLANG_CHECK"] = "1"  # or hands on against sglang's after each draft (one sync)
         os.environ["GRAPHCAP_SGLANG_TRACE_FLUSH"] = "1"  # the trace loses no draft call when the engine is killed
+    if cfg.get("retract_every"):  # sglang's own test switch: retract running requests every N forwards (they are
+        # re-queued and prefilled again), in the scheduler process the engine starts with this environment
+        os.environ["SGLANG_TEST_RETRACT"] = "1"
+        os.environ["SGLANG_TEST_RETRACT_INTERVAL"] = str(cfg["retract_every"])
     if cfg["mode"] == "graphcap":
         os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(
             {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"]})
@@ -113,7 +117,8 @@ def run_child(cfg: dict) -> dict:
             result["cases"].append({"name": case["name"], "batch": case["batch"], "wall_s": wall,
                                     "short_s": short_s, "outputs": [
                 {"rid": r["rid"], "tokens": o["output_ids"], "verify_ct": o["meta_info"].get("spec_verify_ct"),
-                 "completion": o["meta_info"].get("completion_tokens")} for r, o in zip(reqs, outs)]})
+                 "completion": o["meta_info"].get("completion_tokens"),
+                 "retractions": o["meta_info"].get("num_retractions")} for r, o in zip(reqs, outs)]})
     finally:
         engine.shutdown()
     return result
@@ -163,6 +168,12 @@ def accept_len(case: dict) -> float | None:
     return statistics.mean(v) if v else None
 
 
+def retractions(case: dict) -> int | None:
+    """Times the case's requests were retracted (sglang's per-request count; None where sglang did not report it)."""
+    v = [o.get("retractions") for o in case["outputs"]]
+    return None if any(x is None for x in v) else sum(v)
+
+
 def manifest_summary(d: str) -> dict:
     ms = [json.load(open(p)) for p in glob.glob(os.path.join(d, "*.json"))]
     if not ms:
@@ -184,6 +195,7 @@ def compare(base: dict, other: dict, base_trace: dict, other_trace: dict) -> lis
         same = sum(base_trace[k] == other_trace[k] for k in keys)
         rows.append({"case": cb["name"], "batch": cb["batch"], "requests": len(cb["outputs"]), "tokens_equal": eq,
                      "drafts_compared": len(keys), "drafts_equal": same, "drafts_unmatched": len(mine ^ theirs),
+                     "retractions_sglang": retractions(cb), "retractions_graphcap": retractions(co),
                      "accept_len_sglang": accept_len(cb), "accept_len_graphcap": accept_len(co)})
     return rows
 
@@ -203,6 +215,7 @@ def issue_record(check: dict | None, speed: dict | None, commit: str | None) -> 
             "near_ties": 0 if c["drafts_equal"] == c["drafts_compared"] else None,
             "drafts_unmatched": c.get("drafts_unmatched"),
             "crashes": c["crashes"], "fallbacks": c["fallbacks"],
+            "retractions_sglang": c.get("retractions_sglang"), "retractions_graphcap": c.get("retractions_graphcap"),
             "accept_len_sglang": c["accept_len_sglang"], "accept_len_graphcap": c["accept_len_graphcap"],
             "draft_ms_sglang": base.get("draft_ms"), "draft_ms_graphcap": ours.get("draft_ms"),
             "decode_tok_s_sglang": base.get("decode_tok_s"), "decode_tok_s_graphcap": ours.get("decode_tok_s"),
@@ -220,6 +233,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=None, help="default: the checkpoint's")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--new", type=int, default=160)
+    ap.add_argument("--retract-every", type=int, default=0, metavar="N",
+                    help="--check: every engine retracts running requests every N forwards (sglang's "
+                         "SGLANG_TEST_RETRACT), so requests leave, queue and are prefilled again mid-decode")
     ap.add_argument("--combine", nargs=2, metavar=("CHECK_JSON", "SPEED_JSON"),
                     help="write the issue record (--out) from a --check and a --speed output")
     ap.add_argument("--child")
@@ -248,7 +264,7 @@ def main(argv=None) -> int:
     if a.check:
         cases = check_cases(vocab)
         # a small pool, meant to make the 96-request case retract (64 x 2600 tokens was not small enough to)
-        pool = dict(max_total_tokens=64 * 2600, flush_manifest=True)
+        pool = dict(max_total_tokens=64 * 2600, flush_manifest=True, retract_every=a.retract_every)
         base = spawn(cfg("sglang", "sglang", cases, **pool), work)
         from graphcap.integrations.sglang_config import DEFAULT_BACKEND
 
@@ -304,7 +320,8 @@ def summary(record: dict) -> dict:
     s = {}
     if record["check"]:
         s["check"] = [{k: c[k] for k in ("backend", "case", "requests", "tokens_equal", "drafts_compared",
-                                         "drafts_equal", "accept_len_sglang", "accept_len_graphcap", "fallbacks")}
+                                         "drafts_equal", "accept_len_sglang", "accept_len_graphcap", "fallbacks", "retractions_sglang",
+                                         "retractions_graphcap") if k in c}
                       for c in record["check"]["cases"]]
         s["engines"] = {b: {k: v for k, v in e.items() if k != "log_tail"} for b, e in record["check"]["engines"].items()}
     if record["speed"]:

@@ -11,14 +11,16 @@
 #   scripts/gpu-check.sh host-affinity  host time per call, 3 runs free / 3 pinned to a core near the GPU
 #   scripts/gpu-check.sh host     host time per call (GPU idle / busy) and a census of the graph's nodes, batch 8
 #   scripts/gpu-check.sh bench    `graphcap bench`: graphcap / compile / sglang / eager-rebuild over batch 1..64 at
-#                                 context 2048, 3 steps (bench.json in $LOG/bench-main); the context sweep at batch 8;
-#                                 `graphcap inspect` of the manifests
+#                                 context 2048, 3 steps (bench.json in $LOG/bench-small, -large); `graphcap inspect`
+#   scripts/gpu-check.sh capture  one compile for every bucket + the compile cache: cold, warm restart, warm restart
+#                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead)
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
 #                                 kernel/model tests, gemma4 replay tests
-#   scripts/gpu-check.sh engine-check  sglang's own engine with and without --enable-draft-graph-capture
+#   scripts/gpu-check.sh engine-check  sglang's own engine with and without --enable-draft-graph-capture (per
 #                                 backend) on a tiny structured Gemma 4 pair: tokens, drafts, acceptance, manifests
+#                                 (ENGINE_RETRACT=N: every engine retracts running requests every N forwards)
 #   scripts/gpu-check.sh engine-speed  the same on the draft-shapes pair: draft-phase GPU time and decode tok/s per
 #                                 batch, stock sglang vs graphcap vs the target alone (each engine stage wants a
 #                                 call of its own: an engine starts in 40-150 s; ENGINE_BACKENDS picks the backends)
@@ -33,7 +35,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 }
 [ "${1:-}" = "--tree-hash" ] && { tree_hash; exit 0; }
 [ $# -eq 0 ] && set -- smoke
-STAGES="perf smoke tests kernels capture-warm host-affinity host bench capture-all bench8 check splits engine-check engine-speed"
+STAGES="perf smoke tests kernels capture-warm host-affinity host bench capture capture-all bench8 check splits engine-check engine-speed"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -138,14 +140,29 @@ case $stage in
     step host-time python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --buckets 8 \
       --backends cudagraph,inductor-cudagraph --census --out "$LOG/host-time"
     ;;
-  bench)  # iter/s vs batch against sglang's launches and a user's torch.compile loop, then the context sweep at
-    # batch 8 (to 32000: SWA path flat?). The sglang modules the bench imports (decode attention, index builder, split
-    # rule, Gemma 4 post-MLP norm) import no sgl_kernel, so tests/support stays off PYTHONPATH here.
-    step bench-main python3 -m graphcap.cli bench --batch 1,2,4,8,16,32,64 --context 2048 --steps 3 \
-      --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-main"
-    step bench-context python3 -m graphcap.cli bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
-      --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-context"
+  bench)  # iter/s vs batch against sglang's launches and a user's torch.compile loop (bench.json in
+    # $LOG/bench-small and bench-large; the context sweep at batch 8 is stage bench8). The sglang modules the bench imports (decode
+    # attention, index builder, split rule, Gemma 4 post-MLP norm) import no sgl_kernel, so tests/support stays off
+    # PYTHONPATH here.
+    # Two runs (each compiles its own buckets), so that a call cut at its time limit keeps the first.
+    for part in small:1,2,4,8 large:16,32,64; do
+      STEP_LIMIT=${STEP_LIMIT:-420} step bench-${part%%:*} python3 -m graphcap.cli bench --batch ${part##*:} \
+        --context 2048 --steps 3 --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-${part%%:*}"
+    done
     step inspect python3 -m graphcap.cli inspect "$GRAPHCAP_MANIFEST_DIR"
+    ;;
+  capture)  # start-up cost of one compile for every bucket (dynamic batch) with the compile cache: empty caches,
+    # a warm restart, a warm restart with other KV pool sizes (another context), then host time per call at batch 8
+    fresh=$WORK/capture-$(date +%s)
+    cc=$fresh/compile-cache; mkdir -p "$cc"; chmod 700 "$fresh" "$cc"
+    for run in cold:2048 warm:2048 warm-other-pools:4096; do
+      step capture-${run%%:*} env TORCHINDUCTOR_CACHE_DIR=$fresh/inductor TRITON_CACHE_DIR=$fresh/triton \
+        python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context ${run##*:} --capture-only \
+        --dynamic-batch --backends inductor-cudagraph --compile-cache "$cc" --out "$LOG/capture-${run%%:*}"
+    done
+    step capture-host env TORCHINDUCTOR_CACHE_DIR=$fresh/inductor TRITON_CACHE_DIR=$fresh/triton \
+      python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --dynamic-batch \
+      --backends inductor-cudagraph,reduce-overhead --compile-cache "$cc" --out "$LOG/capture-host"
     ;;
   capture-all)  # the replay-equality test for the gemma4 spec over every bucket (compile-heavy: ~25 s per bucket);
     # cut at 560 s so that what ran still comes back inside a 600 s per-command limit
@@ -184,7 +201,7 @@ case $stage in
     engine_env
     step ckpt-tiny python3 bench/sglang_checkpoint.py --size tiny --out "$WORK/ckpt-tiny" --device cuda
     STEP_LIMIT=${STEP_LIMIT:-540} step engine-check python3 bench/sglang_engine.py --ckpt "$WORK/ckpt-tiny" --check \
-      --backends "${ENGINE_BACKENDS:-cudagraph}" --out "$LOG/engine-check.json"
+      --backends "${ENGINE_BACKENDS:-cudagraph}" --retract-every "${ENGINE_RETRACT:-0}" --out "$LOG/engine-check.json"
     ;;
   engine-speed)  # speed in sglang's own engine (draft-shapes pair)
     engine_env

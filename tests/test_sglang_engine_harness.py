@@ -93,3 +93,38 @@ def test_record_takes_timings_only_where_both_runs_have_the_batch(tmp_path):
     out = tmp_path / "rec.json"
     assert E.main(["--combine", str(c), str(s), "--out", str(out)]) == 0
     assert json.loads(out.read_text()) == json.loads(json.dumps(rec))
+
+
+def test_retractions_are_summed_per_case_and_unknown_when_sglang_does_not_report_them():
+    outs = [{"rid": "x", "tokens": [1], "verify_ct": 1, "completion": 1, "retractions": 2},
+            {"rid": "y", "tokens": [2], "verify_ct": 1, "completion": 1, "retractions": 1}]
+    base = {"cases": [_case("batch2", outs)]}
+    other = {"cases": [_case("batch2", [dict(o, retractions=None) if o["rid"] == "y" else o for o in outs])]}
+    (row,) = E.compare(base, other, {}, {})
+    assert (row["retractions_sglang"], row["retractions_graphcap"]) == (3, None)
+
+
+def test_retraction_switch_reaches_sglangs_scheduler_environment(monkeypatch):
+    """--retract-every sets sglang's own test switch before sglang is imported (the scheduler process inherits it);
+    the engine is stubbed: only the environment the child leaves is checked."""
+    import os
+    import sys
+    import types
+
+    seen = {}
+
+    class Engine:
+        def __init__(self, **kw):
+            seen.update({k: os.environ.get(k) for k in ("SGLANG_TEST_RETRACT", "SGLANG_TEST_RETRACT_INTERVAL")})
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=Engine))
+    for k in ("SGLANG_TEST_RETRACT", "SGLANG_TEST_RETRACT_INTERVAL", "GRAPHCAP_SGLANG_TRACE"):
+        monkeypatch.setenv(k, "")  # recorded, so whatever run_child sets is undone after the test
+        monkeypatch.delenv(k)
+    cfg = {"mode": "sglang", "ckpt": "/nonexistent", "cases": [], "max_running": 4, "trace_dir": "/tmp/t",
+           "retract_every": 7}
+    E.run_child(cfg)
+    assert seen == {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "7"}
