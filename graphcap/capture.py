@@ -32,7 +32,7 @@ from graphcap.dispatch import BucketDispatcher
 from graphcap.guards import CaptureError
 from graphcap.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
 from graphcap.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
-from graphcap.recording import CompiledIteration, compile_iteration
+from graphcap.recording import CompiledIteration, compile_iteration, mark_batch_unbacked
 from graphcap.static_buffers import StaticBuffers
 from graphcap.window import check_slots
 
@@ -163,12 +163,13 @@ class DraftGraphs:
                 # largest bucket, not its default for unbacked sizes.
                 top = self._dispatch.largest
                 for t in inputs:
-                    torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="batch", min=1, max=top, hint_override=top)
+                    mark_batch_unbacked(t, top)
             static = self._static.all_tensors(iter(inputs))
             if self.compile_cache is not None:
                 self._cache_state = cc.load(self.compile_cache, self._cache_key())
             compiled = compile_iteration(self.fn, self.backend, static, len(self._buckets), tag=f"{id(self):x}",
-                                         dynamic_batch=self.dynamic_batch)
+                                         dynamic_batch=self.dynamic_batch,
+                                         batch_range=(1, self._dispatch.largest) if self.dynamic_batch else None)
             self._compiled = CompiledIteration(*compiled)
         pool = torch.cuda.graph_pool_handle() if self.backend in MANUAL_GRAPH_BACKENDS else None
         order = list(reversed(self._buckets))

@@ -6,6 +6,7 @@ its static outputs (manual-graph backends) coming out.
 """
 from __future__ import annotations
 
+import inspect
 import time
 import types
 from collections.abc import Iterable
@@ -18,8 +19,21 @@ from graphcap.guards import CaptureError, cache_entries, cudagraph_or_error, cud
 from graphcap.iteration import DraftFn, DraftOutput, Inputs
 
 
+def mark_batch_unbacked(t: torch.Tensor, top: int) -> None:
+    """Mark dim 0 of `t` as the one unbacked batch symbol ("batch") of every bucket, in [1, top] where this torch
+    takes a range (2.13); torch 2.11's mark_unbacked has no min/max, so there `compile_iteration`'s `batch_range`
+    states the range inside the compiled function instead (torch._check)."""
+    kw = {k: v for k, v in (("shape_id", "batch"), ("hint_override", top), ("min", 1), ("max", top))
+          if k in _MARK_UNBACKED_PARAMS}
+    torch._dynamo.decorators.mark_unbacked(t, 0, **kw)
+
+
+_MARK_UNBACKED_PARAMS = frozenset(inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters)
+
+
 def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor], buckets: int,
-                      tag: str, dynamic_batch: bool = False) -> tuple[DraftFn, types.CodeType]:
+                      tag: str, dynamic_batch: bool = False,
+                      batch_range: tuple[int, int] | None = None) -> tuple[DraftFn, types.CodeType]:
     """`fn` under torch.compile for `backend` (one of graphcap.backends' COMPILED_BACKENDS), and the code object Dynamo caches it under
     (`draft_iteration_<tag>`), whose entries count the recompiles. Every tensor of `static` (the persistent tensors
     and each bucket's static inputs) is marked with `mark_static_address`, so no replay copies it.
@@ -30,13 +44,19 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
     with the recompile limit made an error, so a piece that would silently run eagerly fails the capture instead.
 
     `dynamic_batch`: compiled with dynamic=None instead of False, so that inputs whose batch dimension the caller
-    marked dynamic (`torch._dynamo.mark_dynamic`) give one graph for every bucket instead of one per bucket."""
+    marked dynamic (`mark_batch_unbacked`) give one graph for every bucket instead of one per bucket; `batch_range`
+    (lo, hi) bounds that batch inside the function, for torch versions whose marks take no range."""
     for t in static:
         torch._dynamo.mark_static_address(t)
 
     # A fresh code object per DraftGraphs: its own Dynamo cache (one entry per bucket), so recompiles are counted
     # exactly and other compiled code in the process cannot push it past the recompile limit.
+    lo, hi = batch_range or (0, 0)
+
     def draft_iteration(slots, accepted, tokens, hidden):
+        if batch_range is not None:  # the unbacked batch's range (mark_batch_unbacked): no branch on b == 0 or 1
+            torch._check(slots.shape[0] >= lo)
+            torch._check(slots.shape[0] <= hi)
         return fn(slots, accepted, tokens, hidden)
 
     code = draft_iteration.__code__.replace(co_name=f"draft_iteration_{tag}")

@@ -443,3 +443,36 @@ def test_dynamic_batch_compiles_once_for_every_bucket(device, tmp_path):
             assert mf.read_manifest(tmp_path / f"{name}.json").dynamic_batch is (name == "dynamic")
     with pytest.raises(ValueError, match="dynamic_batch compiles once for every bucket; backend 'eager'"):
         DraftGraphs.for_loop(build(device)[2], backend="eager", manifest_path=None, dynamic_batch=True)
+
+
+def test_dynamic_batch_on_a_torch_whose_unbacked_marks_take_no_range(device, tmp_path, monkeypatch):
+    """torch 2.11's mark_unbacked has no min/max (the H200's torch): the batch's range [1, largest bucket] is then
+    stated inside the compiled function. Simulated here by hiding the range parameters: still one compile for every
+    bucket, every bucket captured, the same decided tokens as the eager loop."""
+    if device == "cuda":
+        pytest.skip("CPU check with the compile backend; the GPU backends need a GPU run")
+    import inspect
+
+    from graphcap import recording
+    from graphcap.guards import cache_entries
+
+    params = set(inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters) - {"min", "max"}
+    monkeypatch.setattr(recording, "_MARK_UNBACKED_PARAMS", frozenset(params))
+    seen = []
+    real = torch._dynamo.decorators.mark_unbacked
+    monkeypatch.setattr(torch._dynamo.decorators, "mark_unbacked", lambda t, i, **kw: (seen.append(kw), real(t, i, **kw)))
+    with twins_on_cpu():
+        eager, dyn = build(device), build(device)
+        graphs = DraftGraphs.for_loop(dyn[2], backend="compile", buckets=(1, 2, 5), manifest_path=None,
+                                      dynamic_batch=True)
+        graphs.capture()
+        assert seen and all("min" not in kw and "max" not in kw for kw in seen)
+        assert [r.status for r in graphs.buckets] == ["captured"] * 3
+        g = torch.Generator().manual_seed(5)
+        for b in (5, 1, 3, 2):
+            batch = random_batch(g, eager[1], device, b)
+            want, got = eager[2](*batch), graphs.run(*batch, copy=True)
+            decided = want.margins > 1e-3
+            torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
+            assert torch.equal(got.tokens[decided], want.tokens[decided]), b
+        assert cache_entries(graphs._compiled.code) == 1
