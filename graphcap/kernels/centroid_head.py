@@ -143,6 +143,7 @@ def centroid_logits(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, t
     int32/int64 cluster ids in [0, C), tokens_per_cluster T. The Triton kernel where Triton runs (CUDA; CPU under
     TRITON_INTERPRET=1), the twin elsewhere.
     """
+    _check(lm_head, x, top, tokens_per_cluster)  # here too: the op's schema would reject a bad type first, unnamed
     return _centroid_logits_op(lm_head, x, top, tokens_per_cluster)
 
 
