@@ -213,7 +213,7 @@ def test_fused_op_set_drafts_what_the_torch_ops_draft(device, sglang_post_norm):
         wb.reset(st.slots.tolist(), lens0)
         loop = DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, ops=op_set)
         head = model.head
-        model.head = lambda x, name=name: (logits[name].append(x @ model.lm_head.t()), head(x))[1]
+        model.head = lambda x, *rest, name=name: (logits[name].append(x @ model.lm_head.t()), head(x, *rest))[1]
         try:
             g = torch.Generator().manual_seed(9)
             for _ in range(3):

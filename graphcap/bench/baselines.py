@@ -6,10 +6,10 @@
   the steps eagerly (`eager-rebuild`) or replayed from a CUDA graph of the steps alone (`graph-rebuild`). The rebuild
   writes the ring in the canonical layout `advance` keeps, so both produce exactly graphcap's tokens.
 - `SglangBaseline` (`sglang`): what sglang 0.5.23 launches on CUDA - the fused op set (one kernel per norm,
-  add-norm, gelu-mul, rotary), sglang's index builder, split rule (both layer types planned with the full layers'
-  KV heads, every layer's decode reading the full rows' plan, as sglang; graphcap.bench.sglang_ops) and decode kernel
-  (with PDL at compute capability >= 9, as sglang with the real sgl_kernel), the rebuild and `.item()` eager, the
-  steps in one CUDA graph.
+  add-norm, gelu-mul, rotary; the centroid head's row gather + batched product, as sglang's assistant head), sglang's
+  index builder, split rule (both layer types planned with the full layers' KV heads, every layer's decode reading
+  the full rows' plan, as sglang; graphcap.bench.sglang_ops) and decode kernel (with PDL at compute capability >= 9,
+  as sglang with the real sgl_kernel), the rebuild and `.item()` eager, the steps in one CUDA graph.
 - `CompiledBaseline` (`compile`): what a user builds without graphcap - the same draft loop as `sglang` with the
   metadata rebuilt inside the compiled function, sglang's kernels as opaque custom ops, under
   torch.compile(mode="reduce-overhead", fullgraph=True), every persistent tensor marked static. sglang's

@@ -21,6 +21,12 @@ Numerics: float32 results agree to rounding. In bf16 the fused set rounds once p
 after each torch op (the add-norm normalises the fp32 sum, as sgl_kernel does; the post-MLP kernel adds and scales
 in fp32) - differences of an output ulp, the difference between sglang and a plain-torch Gemma.
 
+The centroid LM head's scoring is part of the set too: the torch set calls graphcap's kernel
+(`graphcap.kernels.centroid_head`: lm_head rows read in place, fp32 accumulation; its gather twin where Triton cannot
+run), as the loop calls graphcap's attention kernel; the fused set gathers the chosen clusters' rows and takes a
+batched product, as sglang's Gemma 4 assistant head does (`Gemma4AssistantForCausalLM._apply_centroid_masking`), so
+the sglang-style baselines keep sglang's head.
+
 A draft loop picks its set (`DraftLoop(..., ops=...)`, which calls `ops.bind(model)`), so the sglang-style
 baselines and graphcap's own loop run one model with the same weights.
 """
@@ -35,6 +41,7 @@ import torch
 from torch import nn
 
 from graphcap.kernels import use_triton
+from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torch
 
 EPS = 1e-6
 LAYER_TYPES = ("sliding", "full")
@@ -61,6 +68,9 @@ class DraftOps(Protocol):
 
     def rope(self, q: torch.Tensor, rope: tuple) -> torch.Tensor: ...
 
+    def centroid_logits(self, lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor,
+                        tokens_per_cluster: int) -> torch.Tensor: ...
+
 
 def _norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     xf = x.float()
@@ -78,7 +88,7 @@ def _rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 @dataclass(frozen=True)
 class TorchOps:
-    """Plain torch ops: the reference model's own code."""
+    """Plain torch ops: the reference model's own code (the centroid head: graphcap's kernel, module docstring)."""
 
     name: str = "torch"
 
@@ -107,6 +117,9 @@ class TorchOps:
 
     def rope(self, q, rope):
         return _rope(q, *rope)
+
+    def centroid_logits(self, lm_head, x, top, tokens_per_cluster):
+        return centroid_logits(lm_head, x, top, tokens_per_cluster)  # graphcap's kernel (the twin on CPU)
 
 
 TORCH_OPS = TorchOps()
@@ -221,6 +234,9 @@ class FusedOps:
         key = q.new_zeros(q.shape[0], kv_width)
         self.mod.apply_rope_with_cos_sin_cache_inplace(pos, q, key, q.shape[-1], cache, is_neox=True)
         return q
+
+    def centroid_logits(self, lm_head, x, top, tokens_per_cluster):
+        return centroid_logits_torch(lm_head, x, top, tokens_per_cluster)  # sglang's gather + batched product
 
 
 def fused_ops(sglang_post_norm: bool = True) -> FusedOps:

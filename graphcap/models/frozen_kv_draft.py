@@ -136,10 +136,11 @@ class FrozenKVDraft(nn.Module):
             self.register_buffer(f"rope_cos_{lt}", cos, persistent=False)
             self.register_buffer(f"rope_sin_{lt}", sin, persistent=False)
 
-    def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def head(self, x: torch.Tensor, ops: DraftOps = TORCH_OPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Greedy token, its logit, and the decision's margin: how far the nearest competing choice is (the
         runner-up token, and for the centroid head also the first cluster left out). Tests compare backends only
-        where this margin exceeds the dtype's tolerance."""
+        where this margin exceeds the dtype's tolerance. `ops` scores the chosen clusters' tokens (graphcap's kernel
+        in the torch set, sglang's gather in the fused set)."""
         cluster_margin = None
         if self.spec.draft.head == "centroid":
             d = self.spec.draft
@@ -147,8 +148,7 @@ class FrozenKVDraft(nn.Module):
             top = cs.indices[:, : d.centroid_top_k]  # [B, k]
             if d.centroid_top_k < d.centroids:
                 cluster_margin = cs.values[:, d.centroid_top_k - 1] - cs.values[:, d.centroid_top_k]
-            rows = self.lm_head.view(d.centroids, d.vocab // d.centroids, -1)[top]  # [B, k, T, hidden]
-            logits = torch.einsum("bkth,bh->bkt", rows, x).flatten(1).float()
+            logits = ops.centroid_logits(self.lm_head, x, top, d.vocab // d.centroids)  # [B, k * T] fp32
             cand = self.token_of_cluster[top].flatten(1)  # [B, k * T] token ids
         else:
             cand = None
@@ -168,5 +168,5 @@ class FrozenKVDraft(nn.Module):
         for layer in self.layers:
             x = layer(x, ropes[layer.layer_type], sources[layer.layer_type], slots, lens, ops)
         x = ops.norm(x, self.final_norm.weight)
-        token, score, margin = self.head(x)
+        token, score, margin = self.head(x, ops)
         return token, score, margin, x @ self.post_proj.t()
