@@ -33,7 +33,8 @@ Kernel ("flash-decoding", split-KV):
    one program merges serially; docs/results.md#attention-kernels.)
 Grid and temporaries depend only on static shapes (B, H, D, num_splits), never on GPU values: the op can be captured
 in a CUDA graph and traced by torch.compile (it is a `torch.library.triton_op`). Those host-side decisions (launch
-configuration, split count, query tiling) live in `attention_plan`.
+configuration, split count, wave) are one `attention_plan.AttentionPlan`, made per bucket before anything is traced
+and passed to the op as ints; the launch derives only the query tiling from the shapes.
 
 `decode_attention_torch` is the plain-torch twin (static shapes: gathers `table[slots, :cols]` with a mask, masked
 softmax in fp32). It is the CPU path and a test reference; it materialises [B, cols, Hkv, D] in fp32, so it is meant

@@ -1,9 +1,9 @@
 """graphcap's `_eager_boundaries` on sglang 0.5.23's real Gemma 4 assistant (tiny checkpoint, CPU): torch.compile
 (fullgraph=False, backend "eager" and "aot_eager") of the draft steps as SglangAssistantLoop runs them graph-breaks
 only at the disabled boundary entry points, compiles the rest (attention incl. the backend call, MLP, logits head)
-and returns exactly what the eager model returns; the patch is idempotent. Also: `prepare` plans graphcap's
-attention for each of the real model's attention layers. Without it, Dynamo trips over the
-msgspec records sglang's residual stream builds. Run in a fresh interpreter (it initialises torch.distributed):
+and returns exactly what the eager model returns; the patch is idempotent. Without it, Dynamo trips over the
+msgspec records sglang's residual stream builds. Also: `prepare` plans graphcap's attention for each of the real
+model's attention layers. Run in a fresh interpreter (it initialises torch.distributed):
     pytest -o python_files='check_*.py' -o addopts= <this file>
 Makes its checkpoint with bench/sglang_checkpoint.py --size tiny --device cpu in a temporary directory."""
 from __future__ import annotations
