@@ -46,4 +46,4 @@ class CapturableLoop(Protocol):
 
     def plan_for_batches(self, sizes: Sequence[int]) -> None: ...  # called before a capture with its buckets
 
-    def plan_for_any_batch(self) -> None: ...  # called instead before a dynamic_batch capture (DraftGraphs' dynamic_batch)
+    def plan_for_any_batch(self) -> None: ...  # called instead before a capture with DraftGraphs' dynamic_batch
