@@ -32,7 +32,7 @@ SPEC = load_spec("tiny")
 # Every function that plans (and the device queries behind them), by module: attention.py re-exports some.
 PLANNERS = ("plan_attention", "choose_num_splits", "target_programs", "default_config", "plan_config",
             "wave_splits", "splits_for", "_device_smem", "_device_smem_of", "_device_smem_per_sm",
-            "device_sm_count", "_planned_args", "plan_for_inputs")
+            "device_sm_count", "plan_for_inputs")
 
 
 def forbid_planning(monkeypatch) -> list[str]:
@@ -108,20 +108,22 @@ def test_plan_overrides_and_checks():
         AttentionPlan(1, 0, 1, 1, 16, 0, 1, 8, 1)
     with pytest.raises(AttentionError, match="wave"):
         AttentionPlan(1, 16, 1, 1, 16, 0, 1, 8, -1)
+    with pytest.raises(AttentionError, match="num_splits or a plan"):
+        attn.decode_attention(*[None] * 8)
     with pytest.raises(AttentionError, match="num_splits 3 != the plan's 2"):
         attn.decode_attention(*[None] * 8, 3, plan=AttentionPlan(2, 16, 1, 1, 16, 64, 1, 8, 2))
 
 
 def test_a_planned_call_plans_nothing_and_equals_the_unplanned_one(device, monkeypatch):
-    """The Triton launch with a plan handed in (interpreted on CPU) calls no planner, and gives bit for bit what the
-    call that plans from its inputs gives."""
+    """The Triton launch with a plan handed in (interpreted on CPU) calls no planner, and gives bit for bit what a
+    call without one (planned inside the op from its inputs) gives."""
     from test_attention import make_case
 
     case = make_case(7, lens=[40, 3, 0, 77], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32,
                      device=device)
     q, k, _, table = case[:4]
-    want = attn.decode_attention(*case)
     plan = attn.plan_for_inputs(q, k, table, 0)
+    want = attn.decode_attention(*case, plan.num_splits)  # planned inside the op
     forbid_planning(monkeypatch)
     assert torch.equal(attn.decode_attention(*case, plan=plan), want)
 

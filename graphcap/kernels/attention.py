@@ -342,13 +342,14 @@ def decode_attention(
     q [B, H, D] (RoPE applied), k_pool/v_pool [P, Hkv, D] (read in place), table [rows, cols] int32/int64 locations,
     slots [B], lens indexed by slot. Returns [B, H, D] in q's dtype; rows of length 0 give zeros.
 
-    `plan`: the call's `AttentionPlan`, made beforehand (per bucket, outside anything traced); without one it is
-    planned here from the inputs (`num_splits`, when given, overrides the split rule).
+    `plan`: the call's `AttentionPlan`, made beforehand (per bucket, outside anything traced). Without one the op
+    plans from its concrete inputs with the given `num_splits` (a direct call; torch.compile traces no planning
+    either way).
     """
     if plan is None:
-        _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, 1 if num_splits is None else num_splits)
-        args = _planned_args(_batch_of(q), k_pool.shape[1], q.shape[-1], q.dtype, q.device,
-                             window if window > 0 else table.shape[1], num_splits)
+        if num_splits is None:
+            raise AttentionError("decode_attention: pass num_splits or a plan (attention_plan.plan_attention)")
+        args = (num_splits, *_UNPLANNED)
     elif num_splits is not None and num_splits != plan.num_splits:
         raise AttentionError(f"decode_attention: num_splits {num_splits} != the plan's {plan.num_splits}")
     else:
@@ -358,13 +359,7 @@ def decode_attention(
     return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, *args)
 
 
-@torch.compiler.assume_constant_result
-def _planned_args(batch: int | None, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                  max_len: int, num_splits: int | None) -> tuple[int, ...]:
-    """The plan of a direct call that brings none. Under torch.compile Dynamo runs this once per trace and keeps the
-    result as constants (static numbers, guarded by the shapes, dtype and device it came from) instead of tracing
-    the planners and their caches."""
-    return plan_attention(batch, kv_heads, head_dim, dtype, device, max_len, num_splits=num_splits).launch_args()
+_UNPLANNED = (0,) * 8  # the op's plan arguments after num_splits when the call brought no plan
 
 
 @triton_op("graphcap::decode_attention", mutates_args=())
@@ -374,10 +369,14 @@ def _decode_attention_op(
     num_stages: int, min_chunk: int, max_chunk: int, combine_warps: int, programs: int, wave: int,
 ) -> torch.Tensor:
     """The registered op behind `decode_attention` (traceable by torch.compile, capturable in a CUDA graph). The
-    plan's numbers arrive as ints (an op takes only tensors and scalars)."""
+    plan's numbers arrive as ints (an op takes only tensors and scalars); block_n 0 means the call brought none and
+    it is planned here, from the concrete inputs (Dynamo does not trace an op's body)."""
     _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
     if not use_triton(q):
         return decode_attention_torch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
-    plan = AttentionPlan(num_splits, block_n, num_warps, num_stages, min_chunk, max_chunk, combine_warps, programs,
-                         wave)
+    if block_n == 0:
+        plan = plan_for_inputs(q, k_pool, table, window, num_splits)
+    else:
+        plan = AttentionPlan(num_splits, block_n, num_warps, num_stages, min_chunk, max_chunk, combine_warps,
+                             programs, wave)
     return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, plan)

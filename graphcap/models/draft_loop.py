@@ -59,15 +59,17 @@ class DraftLoop(nn.Module):
         """Plan the attention of every batch in `sizes` (the capture's buckets) now, on the host: the traced and
         replayed calls then only look their plan up (`KVSource.plan`). `DraftGraphs.for_loop` calls it."""
         sizes = tuple(sizes)
-        self.sources = {lt: src if src.attend is not None else src.planned(sizes)
-                        for lt, src in self.sources.items()}
+        sources = {lt: src if src.attend is not None else src.planned(sizes) for lt, src in self.sources.items()}
+        if any(sources[lt] is not src for lt, src in self.sources.items()):  # else keep the dict compiled code saw
+            self.sources = sources
 
     def plan_for_any_batch(self) -> None:
         """Plan the attention for any batch, not per bucket: what one compile for every bucket needs
         (`DraftGraphs(dynamic_batch=True)` calls it through `for_loop`). A per-batch plan (a Python int grid and wave
         looked up by the batch) would make Dynamo specialise the batch."""
-        self.sources = {lt: src if src.attend is not None else src.for_any_batch()
-                        for lt, src in self.sources.items()}
+        sources = {lt: src if src.attend is not None else src.for_any_batch() for lt, src in self.sources.items()}
+        if any(sources[lt] is not src for lt, src in self.sources.items()):
+            self.sources = sources
 
     def forward(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
                 hidden: torch.Tensor) -> DraftOutput:

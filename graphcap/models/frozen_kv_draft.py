@@ -44,11 +44,12 @@ class KVSource:
                               self.k_pool.device, self.max_len)
 
     def planned(self, batches: Iterable[int]) -> KVSource:
-        """This source with plans for `batches` too."""
-        return dataclasses.replace(self, plans={**self.plans, **{b: self._plan(b) for b in batches}})
+        """This source with plans for `batches` too (itself when it has them: compiled code guards on the object)."""
+        new = {b: self._plan(b) for b in batches if b not in self.plans}
+        return dataclasses.replace(self, plans={**self.plans, **new}) if new else self
 
     def for_any_batch(self) -> KVSource:
-        return dataclasses.replace(self, any_batch=self._plan(None))
+        return self if self.any_batch is not None else dataclasses.replace(self, any_batch=self._plan(None))
 
     def plan(self, batch: int) -> AttentionPlan:
         """The plan of a call over `batch` rows: the one made for it (or for any batch), else made now - a batch no
