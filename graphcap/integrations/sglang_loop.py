@@ -146,18 +146,19 @@ class SglangAssistantLoop:
 
     def prepare(self, sizes, *, compiled: bool = True, compile_model: bool = False) -> None:
         """Build the ForwardBatch and the attention plans of every batch size that can reach the loop (buckets, and
-        the eager path's larger batches are built on demand by `forward_batch`). `compiled`: something will compile sglang's layers
-        (the capture engine's Inductor backends, or `compile_model`: wrap the model's forward in torch.compile,
-        Inductor without CUDA graphs of its own), so Dynamo must break around sglang's residual-stream bookkeeping.
-        Only then are sglang's boundary functions patched: under sglang's own fullgraph compile of the target a
-        disabled function would be an error, so a plain `cudagraph` capture leaves them alone."""
+        the eager path's larger batches are built on demand by `forward_batch`). `compiled`: something will compile
+        sglang's layers (the capture engine's Inductor backends, or `compile_model`: wrap the model's forward in
+        torch.compile, Inductor without CUDA graphs of its own), so Dynamo must break around sglang's residual-stream
+        bookkeeping. Only then are sglang's boundary functions patched: under sglang's own fullgraph compile of the
+        target a disabled function would be an error, so a plain `cudagraph` capture leaves them alone."""
         sizes = tuple(sizes)
         for b in sizes:
             self._batches[b] = self._new_forward_batch(b)
         if isinstance(self.attention, GraphcapDraftAttention):  # (a test's stand-in backend plans nothing)
             from sglang.srt.layers.radix_attention import RadixAttention
 
-            self.attention.plan_for([m for m in self.model.modules() if isinstance(m, RadixAttention)], sizes)
+            layers = [m for m in self.model.modules() if isinstance(m, RadixAttention)]
+            self.attention.plan_for(layers, sizes)
         if compiled or compile_model:
             _eager_boundaries()
         for m in self.model.modules():  # sglang's fused ops pick their implementation at their first call: pick it
