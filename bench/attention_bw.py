@@ -8,7 +8,7 @@ writing (`--l2 dirty`, triton's do_bench), by reading (`--l2 clean`), or timed a
 Pools are random bf16 with page-shuffled allocation (page 64), read through per-token location tables exactly as the
 draft does (sliding: a [B, W] ring, full: req_to_token rows).
 
-Per shape it measures: the op as registered (default config, `splits_for`), a small sweep of kernel configs
+Per shape it measures: the op as registered (its plan, `plan_attention`), a small sweep of kernel configs
 (BLOCK_N, num_warps, num_stages) and split choices (splits, min_chunk), keeping the best; sglang's kernel at
 num_kv_splits 8 (its default) and the best of 8/16/32. Outputs are checked: ours vs sglang (relative error), and ours
 vs a float64 recomputation of two rows.
@@ -39,7 +39,7 @@ from graphcap.kernels.attention import (
     decode_attention,
     decode_attention_with_config,
     default_config,
-    splits_for,
+    plan_attention,
 )
 
 PAGE = 64
@@ -317,13 +317,14 @@ def main() -> None:
                 tab[slots] = table  # row b of the batch reads table row slots[b]
                 nbytes = b * n * per_tok
                 gbs = lambda ms: nbytes / (ms * 1e-3) / 1e9  # noqa: E731
-                s0 = splits_for(q, pools.k, n)  # what the draft layers use for rows of n tokens
+                plan = plan_attention(b, hkv, d, DTYPE, DEVICE, n)  # what the draft layers use for rows of n tokens
+                s0 = plan.num_splits
                 row = dict(layer=layer, batch=b, ctx=ctx, tokens_read=n, mbytes=round(nbytes / 1e6, 2), splits=s0)
 
-                out = decode_attention(q, pools.k, pools.v, tab, slots, lens, w, sm, s0)
+                out = decode_attention(q, pools.k, pools.v, tab, slots, lens, w, sm, plan=plan)
                 table_b = table  # = tab[slots]: batch row i's locations
                 row["err_ref"] = check_rows(out, q, pools, table_b, n, sm)
-                op = lambda: decode_attention(q, pools.k, pools.v, tab, slots, lens, w, sm, s0)  # noqa: E731
+                op = lambda: decode_attention(q, pools.k, pools.v, tab, slots, lens, w, sm, plan=plan)  # noqa: E731
                 ms = graph_ms(op, args.rep_ms)
                 eager_ms = bench(op, args.rep_ms)
                 row.update(default_us=round(ms * 1e3, 1), default_gbps=round(gbs(ms)),

@@ -118,9 +118,12 @@ class DraftGraphs:
                  steps_only: bool = False, **kw) -> DraftGraphs:
         """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph)."""
         spec = loop.spec
+        buckets = buckets or spec.capture.buckets
         if kw.get("dynamic_batch"):
             loop.plan_for_any_batch()
-        return cls(loop.draft_steps if steps_only else loop, buckets=buckets or spec.capture.buckets,
+        else:
+            loop.plan_for_batches(buckets)
+        return cls(loop.draft_steps if steps_only else loop, buckets=buckets,
                    padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
                    static_tensors=loop.static_tensors(), backend=backend or spec.capture.backend, spec=spec, **kw)
 

@@ -6,7 +6,7 @@ model: any function `fn(slots, accepted, tokens, hidden) -> DraftOutput` can be 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -44,4 +44,6 @@ class CapturableLoop(Protocol):
 
     def static_tensors(self) -> dict[str, torch.Tensor]: ...
 
-    def plan_for_any_batch(self) -> None: ...  # called before a dynamic_batch capture (DraftGraphs' dynamic_batch)
+    def plan_for_batches(self, sizes: Sequence[int]) -> None: ...  # called before a capture with its buckets
+
+    def plan_for_any_batch(self) -> None: ...  # called instead before a capture with DraftGraphs' dynamic_batch

@@ -162,7 +162,7 @@ def test_every_argument_reaches_the_registered_op(monkeypatch):
     case = make_case(2, lens=[5], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device="cpu")
     attn.decode_attention(*case, 2)
     (args, kwargs), = seen
-    assert len(args) == len(schema.arguments) and not kwargs and args[-1] == 2
+    assert len(args) == len(schema.arguments) and not kwargs and args[8] == 2  # num_splits, then the plan's ints
 
 
 def test_only_padding_rows_give_zeros(device):
@@ -222,7 +222,9 @@ def test_wave_from_the_grid_equals_the_hosts(device, batch):
     (`wave_in_kernel`) instead of the host's `wave_splits`. Same splits used per row, so bit-identical outputs, at
     batch sizes on both sides of the wave's steps (programs 8, 2 KV heads: waves 4, 2, 1, 1, 1) and with the grid
     planned for the call's batch and for batch 1 (what `plan_for_any_batch` launches)."""
-    from graphcap.kernels.attention import KernelConfig, _launch, wave_splits
+    import dataclasses
+
+    from graphcap.kernels.attention import KernelConfig, _launch, plan_attention, wave_splits
 
     g = torch.Generator().manual_seed(300 + batch)
     lens = torch.randint(0, 200, (batch,), generator=g).tolist()
@@ -232,8 +234,10 @@ def test_wave_from_the_grid_equals_the_hosts(device, batch):
     cfg = KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1, max_chunk=48, wave=8)
     assert [wave_splits(b, 2, 8) for b in (1, 2, 3, 5, 9)] == [4, 2, 1, 1, 1]
     for splits in (choose_num_splits(batch, 2, 200, 8, 48, 16), choose_num_splits(1, 2, 200, 8, 48, 16)):
-        host = _launch(*case, splits, cfg, wave_in_kernel=False)
-        grid = _launch(*case, splits, cfg, wave_in_kernel=True)
+        plan = plan_attention(batch, 2, 16, torch.float32, device, 200, num_splits=splits, config=cfg)
+        assert plan.wave == min(splits, wave_splits(batch, 2, 8)) and plan.programs == 8
+        host = _launch(*case, plan)
+        grid = _launch(*case, dataclasses.replace(plan, wave=0))  # what a plan for any batch launches
         assert torch.equal(host, grid), (batch, splits)
         assert rel_err(grid, ref) < TOL[torch.float32]
 

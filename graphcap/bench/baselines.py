@@ -110,6 +110,7 @@ class CompiledBaseline:
             if sglang_kernels else None
         sources = self.attention.sources() if self.attention else None
         self.loop = DraftLoop(m, w, *pools["sliding"], *pools["full"], steps=loop.steps, sources=sources, ops=ops)
+        self.loop.plan_for_batches(self.batches)  # graphcap's attention (no sglang kernels): planned before the trace
         static = dict(self.loop.static_tensors())
         if self.attention:
             static.update(self.attention.static_tensors())

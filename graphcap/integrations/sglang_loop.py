@@ -7,12 +7,17 @@ pools, sliding layers through graphcap's window ring), and what makes sglang's l
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphcap.guards import CaptureError
 from graphcap.iteration import DraftOutput
 from graphcap.window import WindowBuffers
+
+if TYPE_CHECKING:
+    from graphcap.kernels.attention_plan import AttentionPlan
 
 # sglang's layer-boundary entry points the assistant's forward calls (Gemma4TextModel.forward and
 # Gemma4DecoderLayer.forward/_next_stream): the residual-stream bookkeeping that builds msgspec records
@@ -63,25 +68,51 @@ def _eager_boundaries() -> None:
 class GraphcapDraftAttention:
     """Stands in for the draft's attention backend inside graphcap's iteration (RadixAttention calls
     `get_attn_backend().forward`): sliding layers read graphcap's ring (SWA-pool ids), full layers `req_to_token`,
-    both through graphcap's decode kernel over the target's pools. The draft writes no KV."""
+    both through graphcap's decode kernel over the target's pools. The draft writes no KV.
+
+    Its attention plans (split grid, launch configuration) are made per layer and bucket before capture
+    (`plan_for`, from `SglangAssistantLoop.prepare`), so the traced and replayed forward only looks them up."""
 
     def __init__(self, window: WindowBuffers, target_pool, max_context: int) -> None:
         self.window, self.token_to_kv_pool, self.max_context = window, target_pool, max_context
         self.slots: torch.Tensor | None = None
+        self._plans: dict[tuple[int, int], AttentionPlan] = {}  # (layer id, batch) -> its plan
 
     def bind(self, slots: torch.Tensor) -> None:
         self.slots = slots
 
-    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        from graphcap.kernels.attention import decode_attention, splits_for
+    def plan_for(self, layers: Iterable, sizes: Iterable[int]) -> None:
+        """Plan the attention of every layer in `layers` (sglang's RadixAttention modules of the draft) at every
+        batch in `sizes`, on the host."""
+        sizes = tuple(sizes)
+        for layer in layers:
+            for b in sizes:
+                self._plans[(layer.layer_id, b)] = self._plan(layer, b)
 
-        sliding = layer.sliding_window_size is not None and layer.sliding_window_size > -1
+    @staticmethod
+    def _sliding(layer) -> bool:
+        return layer.sliding_window_size is not None and layer.sliding_window_size > -1
+
+    def _plan(self, layer, batch: int | None) -> AttentionPlan:
+        from graphcap.kernels.attention_plan import plan_attention
+
+        kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        max_len = self.window.window if self._sliding(layer) else self.max_context
+        return plan_attention(batch, kb.shape[1], layer.qk_head_dim, kb.dtype, kb.device, max_len)
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        from graphcap.kernels.attention import decode_attention
+
+        sliding = self._sliding(layer)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         vb = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
         table, w = (self.window.ring, self.window.window) if sliding else (self.window.req_to_token, 0)
-        splits = splits_for(q3, kb, w or self.max_context)
-        o = decode_attention(q3, kb, vb, table, self.slots, self.window.seq_lens, w, float(layer.scaling), splits)
+        b = q3.shape[0]
+        plan = self._plans.get((layer.layer_id, b)) if isinstance(b, int) else None
+        if plan is None:  # a batch no bucket planned for (the eager path above the largest bucket)
+            plan = self._plan(layer, b if isinstance(b, int) else None)
+        o = decode_attention(q3, kb, vb, table, self.slots, self.window.seq_lens, w, float(layer.scaling), plan=plan)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     forward_decode = forward
@@ -114,14 +145,20 @@ class SglangAssistantLoop:
         self._batches: dict[int, object] = {}
 
     def prepare(self, sizes, *, compiled: bool = True, compile_model: bool = False) -> None:
-        """Build the ForwardBatch of every batch size that can reach the loop (buckets, and the eager path's
-        larger batches are built on demand by `forward_batch`). `compiled`: something will compile sglang's layers
-        (the capture engine's Inductor backends, or `compile_model`: wrap the model's forward in torch.compile,
-        Inductor without CUDA graphs of its own), so Dynamo must break around sglang's residual-stream bookkeeping.
-        Only then are sglang's boundary functions patched: under sglang's own fullgraph compile of the target a
-        disabled function would be an error, so a plain `cudagraph` capture leaves them alone."""
+        """Build the ForwardBatch and the attention plans of every batch size that can reach the loop (buckets, and
+        the eager path's larger batches are built on demand by `forward_batch`). `compiled`: something will compile
+        sglang's layers (the capture engine's Inductor backends, or `compile_model`: wrap the model's forward in
+        torch.compile, Inductor without CUDA graphs of its own), so Dynamo must break around sglang's residual-stream
+        bookkeeping. Only then are sglang's boundary functions patched: under sglang's own fullgraph compile of the
+        target a disabled function would be an error, so a plain `cudagraph` capture leaves them alone."""
+        sizes = tuple(sizes)
         for b in sizes:
             self._batches[b] = self._new_forward_batch(b)
+        if isinstance(self.attention, GraphcapDraftAttention):  # (a test's stand-in backend plans nothing)
+            from sglang.srt.layers.radix_attention import RadixAttention
+
+            layers = [m for m in self.model.modules() if isinstance(m, RadixAttention)]
+            self.attention.plan_for(layers, sizes)
         if compiled or compile_model:
             _eager_boundaries()
         for m in self.model.modules():  # sglang's fused ops pick their implementation at their first call: pick it

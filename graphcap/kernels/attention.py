@@ -33,7 +33,8 @@ Kernel ("flash-decoding", split-KV):
    one program merges serially; docs/results.md#attention-kernels.)
 Grid and temporaries depend only on static shapes (B, H, D, num_splits), never on GPU values: the op can be captured
 in a CUDA graph and traced by torch.compile (it is a `torch.library.triton_op`). Those host-side decisions (launch
-configuration, split count, query tiling) live in `attention_plan`.
+configuration, split count, wave) are one `attention_plan.AttentionPlan`, made per bucket before anything is traced
+and passed to the op as ints; the launch derives only the query tiling from the shapes.
 
 `decode_attention_torch` is the plain-torch twin (static shapes: gathers `table[slots, :cols]` with a mask, masked
 softmax in fp32). It is the CPU path and a test reference; it materialises [B, cols, Hkv, D] in fp32, so it is meant
@@ -49,11 +50,13 @@ from torch.library import triton_op, wrap_triton
 from graphcap.kernels import use_triton
 from graphcap.kernels.attention_plan import (  # noqa: F401 - re-exported: the op's public planning helpers
     AttentionError,
+    AttentionPlan,
     KernelConfig,
     _device_smem,
     choose_num_splits,
     default_config,
     device_sm_count,
+    plan_attention,
     query_block,
     splits_for,
     target_programs,
@@ -254,12 +257,12 @@ def _combine_kernel(
 
 def _launch(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
-    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, config: KernelConfig,
-    wave_in_kernel: bool | None = None,
+    lens: torch.Tensor, window: int, sm_scale: float, plan: AttentionPlan,
 ) -> torch.Tensor:
-    """`wave_in_kernel` (None: when the batch is symbolic - one compile for every bucket): the split kernel derives
-    the wave (`wave_splits`) from its grid's batch instead of taking it from the host, where a symbolic batch would
-    make it a symbolic, guarded Python value. The same number either way; the default path is unchanged."""
+    """The kernels as `plan` says; nothing here plans. A plan for any batch (`wave` 0), or a symbolic batch (one
+    compile for every bucket), has the split kernel derive the wave (`wave_splits`) from its grid's batch instead of
+    taking it from the host, where a symbolic batch would make it a symbolic, guarded Python value. The same number
+    either way."""
     b, h, d = q.shape
     hkv = k_pool.shape[1]
     group = h // hkv
@@ -270,13 +273,12 @@ def _launch(
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
+    num_splits = plan.num_splits
     single = num_splits == 1
-    if wave_in_kernel is None:
-        wave_in_kernel = not isinstance(b, int)
-    if config.max_chunk > 0:  # adapt per row (module docstring); else every row uses num_splits
-        programs = config.wave or target_programs(d, q.dtype, q.device)
-        wave = max(1, programs) if wave_in_kernel else min(num_splits, wave_splits(b, hkv, programs))
-        max_chunk = config.max_chunk
+    if plan.max_chunk > 0:  # adapt per row (module docstring); else every row uses num_splits
+        wave_in_kernel = plan.wave == 0 or not isinstance(b, int)
+        wave = plan.programs if wave_in_kernel else plan.wave
+        max_chunk = plan.max_chunk
     else:
         wave, max_chunk, wave_in_kernel = num_splits, 1 << 30, False
     if single:  # placeholders, never touched
@@ -287,23 +289,37 @@ def _launch(
         lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     wrap_triton(_split_kernel)[(b, hkv * head_tiles, num_splits)](
         q, k_pool, v_pool, table, slots, lens, out, part, lse,
-        float(sm_scale) * LOG2E, cols, num_splits, config.min_chunk, wave, max_chunk,
+        float(sm_scale) * LOG2E, cols, num_splits, plan.min_chunk, wave, max_chunk,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         table.stride(0), out.stride(0), out.stride(1),
         H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
-        BLOCK_N=config.block_n, SINGLE=single, WAVE_IN_KERNEL=wave_in_kernel,
+        BLOCK_N=plan.block_n, SINGLE=single, WAVE_IN_KERNEL=wave_in_kernel,
         # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16 tiles
         # returns garbage (seen with triton 3.9), so the tiles are upcast there.
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if not single:
         wrap_triton(_combine_kernel)[(b, h)](
             part, lse, out, num_splits, out.stride(0), out.stride(1),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=config.combine_warps, num_stages=1,
+            num_warps=plan.combine_warps, num_stages=1,
         )
     return out
+
+
+def _batch_of(q: torch.Tensor) -> int | None:
+    """q's batch as a host int, or None where it is symbolic (one compile for every bucket)."""
+    b = q.shape[0]
+    return b if isinstance(b, int) else None
+
+
+def plan_for_inputs(q: torch.Tensor, k_pool: torch.Tensor, table: torch.Tensor, window: int,
+                    num_splits: int | None = None, config: KernelConfig | None = None) -> AttentionPlan:
+    """`plan_attention` from a call's own tensors (rows at most `window`, or the table's columns, long): the plan of
+    a direct call that brings none. Draft layers plan per bucket instead, before anything is traced."""
+    return plan_attention(_batch_of(q), k_pool.shape[1], q.shape[-1], q.dtype, q.device,
+                          window if window > 0 else table.shape[1], num_splits=num_splits, config=config)
 
 
 def decode_attention_with_config(
@@ -312,37 +328,55 @@ def decode_attention_with_config(
 ) -> torch.Tensor:
     """The kernels with an explicit launch configuration (for tuning; not a registered op)."""
     _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
-    if config is None:
-        config = _config_for(q)
-    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, config)
-
-
-def _config_for(q: torch.Tensor) -> KernelConfig:
-    smem = _device_smem(q.device) if q.is_cuda else None
-    return default_config(q.shape[2], q.dtype, q.is_cuda, smem_bytes=smem)
+    plan = plan_for_inputs(q, k_pool, table, window, num_splits, config)
+    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, plan)
 
 
 def decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
-    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int,
+    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int | None = None, *,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Decode attention over `table[slots[b], :min(lens[slots[b]], window or table.shape[1])]` per batch row.
 
     q [B, H, D] (RoPE applied), k_pool/v_pool [P, Hkv, D] (read in place), table [rows, cols] int32/int64 locations,
     slots [B], lens indexed by slot. Returns [B, H, D] in q's dtype; rows of length 0 give zeros.
+
+    `plan`: the call's `AttentionPlan`, made beforehand (per bucket, outside anything traced). Without one the op
+    plans from its concrete inputs with the given `num_splits` (a direct call; torch.compile traces no planning
+    either way).
     """
+    if plan is None:
+        if num_splits is None:
+            raise AttentionError("decode_attention: pass num_splits or a plan (attention_plan.plan_attention)")
+        args = (num_splits, *_UNPLANNED)
+    elif num_splits is not None and num_splits != plan.num_splits:
+        raise AttentionError(f"decode_attention: num_splits {num_splits} != the plan's {plan.num_splits}")
+    else:
+        args = plan.launch_args()
     # Every argument passed, positionally: nothing relies on how a torch version's custom-op wrapper fills in
     # defaults.
-    return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
+    return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, *args)
+
+
+_UNPLANNED = (0,) * 8  # the op's plan arguments after num_splits when the call brought no plan
 
 
 @triton_op("graphcap::decode_attention", mutates_args=())
 def _decode_attention_op(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
-    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int,
+    lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, block_n: int, num_warps: int,
+    num_stages: int, min_chunk: int, max_chunk: int, combine_warps: int, programs: int, wave: int,
 ) -> torch.Tensor:
-    """The registered op behind `decode_attention` (traceable by torch.compile, capturable in a CUDA graph)."""
+    """The registered op behind `decode_attention` (traceable by torch.compile, capturable in a CUDA graph). The
+    plan's numbers arrive as ints (an op takes only tensors and scalars); block_n 0 means the call brought none and
+    it is planned here, from the concrete inputs (Dynamo does not trace an op's body)."""
     _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
     if not use_triton(q):
         return decode_attention_torch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
-    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits, _config_for(q))
+    if block_n == 0:
+        plan = plan_for_inputs(q, k_pool, table, window, num_splits)
+    else:
+        plan = AttentionPlan(num_splits, block_n, num_warps, num_stages, min_chunk, max_chunk, combine_warps,
+                             programs, wave)
+    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, plan)

@@ -1,7 +1,10 @@
 """Host-side planning for `graphcap.kernels.attention` (FlashInfer's split of planning from the run): the launch
 configuration, the split count per capture bucket and the query-head tiling.
-Everything here depends on static numbers only (shapes, the device's properties), never on GPU values, so it is
-decided once per bucket at capture and is constant in the replayed graph."""
+Everything here depends on static numbers only (shapes, the device's properties), never on GPU values. `plan_attention`
+turns them into one `AttentionPlan` per bucket, on the host, before anything is traced or captured; the op takes the
+plan's numbers as int arguments and calls no planner, so torch.compile traces no planning (nor its lru_caches) and
+the replayed graph holds the plan as constants. (A direct call that brings no plan is planned inside the op, from its
+concrete inputs.)"""
 from __future__ import annotations
 
 import functools
@@ -128,12 +131,72 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, programs: int = 2
     return int(max(1, min(splits, -(-n // max(1, min_chunk)), 64)))
 
 
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Everything one decode-attention launch decides on the host: the split grid, the launch configuration and the
+    split adaptation's wave. Made by `plan_attention`; handed to the op as ints (`launch_args`)."""
+
+    num_splits: int  # the grid's split dimension
+    block_n: int  # KernelConfig's fields the launch needs
+    num_warps: int
+    num_stages: int
+    min_chunk: int
+    max_chunk: int  # 0: no split adaptation (every row uses num_splits)
+    combine_warps: int
+    programs: int  # programs the split adaptation fills (`target_programs`, or the config's `wave`)
+    # splits per row that fill `programs` at the planned batch (`wave_splits`); 0: planned for any batch, the split
+    # kernel derives it from its grid's batch (a symbolic batch has no host value to derive it from)
+    wave: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_splits", "block_n", "num_warps", "num_stages", "min_chunk", "combine_warps", "programs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise AttentionError(f"AttentionPlan: {name} must be an int >= 1, got {v!r}")
+        for name in ("max_chunk", "wave"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise AttentionError(f"AttentionPlan: {name} must be an int >= 0, got {v!r}")
+
+    def launch_args(self) -> tuple[int, ...]:
+        """The op's int arguments from `num_splits` on, in its order."""
+        return (self.num_splits, self.block_n, self.num_warps, self.num_stages, self.min_chunk, self.max_chunk,
+                self.combine_warps, self.programs, self.wave)
+
+
+def plan_attention(batch: int | None, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                   max_len: int, *, num_splits: int | None = None, config: KernelConfig | None = None) -> AttentionPlan:
+    """The plan of a decode-attention call over `batch` rows (None: any batch - the grid is sized for batch 1, the
+    most any batch needs, and the wave is left to the kernel) of `kv_heads` KV heads of `head_dim`, rows at most
+    `max_len` keys long (W for sliding layers, the context bound for full layers). The one place the split count,
+    launch configuration and wave are decided: call it per bucket, outside anything traced.
+
+    `num_splits` overrides the split rule (`choose_num_splits`, sized by the H200's configuration on a CPU), `config`
+    the launch configuration (`default_config` of the device: small tiles on a CPU, where Triton interprets)."""
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    if config is None:
+        config = default_config(head_dim, dtype, on_gpu, _device_smem(device) if on_gpu else None)
+    programs = config.wave or target_programs(head_dim, dtype, device)
+    if num_splits is None:
+        split_cfg = plan_config(head_dim, dtype, device)
+        num_splits = choose_num_splits(batch or 1, kv_heads, max_len, programs, split_cfg.max_chunk,
+                                       split_cfg.min_chunk)
+    if config.max_chunk <= 0:
+        wave = num_splits  # no adaptation: every row uses the whole grid
+    elif batch is None:
+        wave = 0
+    else:  # an empty batch launches nothing; plan it as one row
+        wave = min(num_splits, wave_splits(max(1, batch), kv_heads, programs))
+    return AttentionPlan(num_splits=int(num_splits), block_n=config.block_n, num_warps=config.num_warps,
+                         num_stages=config.num_stages, min_chunk=config.min_chunk, max_chunk=config.max_chunk,
+                         combine_warps=config.combine_warps, programs=int(programs), wave=int(wave))
+
+
 def splits_for(q: torch.Tensor, k_pool: torch.Tensor, max_len: int) -> int:
-    """`choose_num_splits` for a call of the op on `q` [B, H, D] over `k_pool` [.., Hkv, D] whose rows are at most
-    `max_len` long: what the draft layers and the sglang plugin use per bucket."""
-    cfg = plan_config(q.shape[-1], q.dtype, q.device)
-    return choose_num_splits(q.shape[0], k_pool.shape[1], max_len, target_programs(q.shape[-1], q.dtype, q.device),
-                             cfg.max_chunk, cfg.min_chunk)
+    """The planned split count (`plan_attention`) of a call of the op on `q` [B, H, D] over `k_pool` [.., Hkv, D]
+    whose rows are at most `max_len` long."""
+    return plan_attention(q.shape[0], k_pool.shape[1], q.shape[-1], q.dtype, q.device, max_len).num_splits
 
 
 def query_block(group: int, d: int) -> int:

@@ -6,7 +6,7 @@ so one CUDA graph per batch bucket can replay it.
 """
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ class DraftLoop(nn.Module):
             "sliding": KVSource(k_swa, v_swa, window.ring, window.window, window.window),
             "full": KVSource(k_full, v_full, window.req_to_token, 0, window.req_to_token.shape[1]),
         }
+        self.plan_for_batches(spec.capture.buckets)  # the spec's buckets; a capture over others plans those too
 
     @property
     def spec(self):
@@ -54,11 +55,21 @@ class DraftLoop(nn.Module):
     def padding_slot(self) -> int:
         return self.window.padding_slot
 
+    def plan_for_batches(self, sizes: Iterable[int]) -> None:
+        """Plan the attention of every batch in `sizes` (the capture's buckets) now, on the host: the traced and
+        replayed calls then only look their plan up (`KVSource.plan`). `DraftGraphs.for_loop` calls it."""
+        sizes = tuple(sizes)
+        sources = {lt: src if src.attend is not None else src.planned(sizes) for lt, src in self.sources.items()}
+        if any(sources[lt] is not src for lt, src in self.sources.items()):  # else keep the dict compiled code saw
+            self.sources = sources
+
     def plan_for_any_batch(self) -> None:
-        """Plan the attention grids for any batch, not per call's batch: what one compile for every bucket needs
-        (`DraftGraphs(dynamic_batch=True)` calls it through `for_loop`). The split count (a Python int, the grid) is
-        otherwise derived from the batch (`choose_num_splits`), which would make Dynamo specialise the batch."""
-        self.sources = {lt: dataclasses.replace(src, grid_batch=1) for lt, src in self.sources.items()}
+        """Plan the attention for any batch, not per bucket: what one compile for every bucket needs
+        (`DraftGraphs(dynamic_batch=True)` calls it through `for_loop`). A per-batch plan (a Python int grid and wave
+        looked up by the batch) would make Dynamo specialise the batch."""
+        sources = {lt: src if src.attend is not None else src.for_any_batch() for lt, src in self.sources.items()}
+        if any(sources[lt] is not src for lt, src in self.sources.items()):
+            self.sources = sources
 
     def forward(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor,
                 hidden: torch.Tensor) -> DraftOutput:

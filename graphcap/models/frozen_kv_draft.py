@@ -8,40 +8,61 @@ does not ship a trained draft. What is simplified against Gemma 4 is listed in d
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from graphcap.kernels.attention import choose_num_splits, decode_attention, target_programs
+from graphcap.kernels.attention import AttentionPlan, decode_attention, plan_attention
 from graphcap.models.draft_ops import TORCH_OPS, DraftOps
 from graphcap.spec import CaptureSpec
 
 
 @dataclass(frozen=True)
 class KVSource:
-    """Where one layer type's attention reads: pools, the index table and the window (0 = full attention)."""
+    """Where one layer type's attention reads: pools, the index table and the window (0 = full attention), and its
+    attention plans: one per batch bucket, made on the host before capture (`planned`), so that neither the eager
+    call nor a trace of it plans anything."""
 
     k_pool: torch.Tensor
     v_pool: torch.Tensor
     table: torch.Tensor  # sliding: WindowBuffers.ring; full: req_to_token
     window: int
-    max_len: int  # the longest row this source can hold (split heuristic)
+    max_len: int  # the longest row this source can hold (the split grid is sized for it)
     attend: Callable[[torch.Tensor, float], torch.Tensor] | None = None  # another attention (the sglang baseline)
-    # The batch the split grid is planned for: 0 = the call's own (one compile per bucket), 1 = any batch (one
-    # compile for every bucket: the grid must not depend on a symbolic batch; batch 1 needs the most splits, and
-    # each row uses only its share, decided in-kernel). DraftLoop.plan_for_any_batch sets it.
-    grid_batch: int = 0
-    # programs one attention call should launch: `target_programs` of the pools' head dim, dtype and device, taken
-    # here once so that tracing sees a constant
-    programs: int = field(init=False)
+    plans: Mapping[int, AttentionPlan] = field(default_factory=dict, compare=False)  # per batch (bucket)
+    # One plan for every batch (one compile for every bucket: nothing may be derived from a symbolic batch): the grid
+    # for batch 1, the most any batch needs; each row uses only its share, decided in-kernel.
+    any_batch: AttentionPlan | None = field(default=None, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "programs", target_programs(self.k_pool.shape[-1], self.k_pool.dtype,
-                                                             self.k_pool.device))
+    def _plan(self, batch: int | None) -> AttentionPlan:
+        return plan_attention(batch, self.k_pool.shape[1], self.k_pool.shape[-1], self.k_pool.dtype,
+                              self.k_pool.device, self.max_len)
+
+    def planned(self, batches: Iterable[int]) -> KVSource:
+        """This source with plans for `batches` too (itself when it has them: compiled code guards on the object)."""
+        new = {b: self._plan(b) for b in batches if b not in self.plans}
+        return dataclasses.replace(self, plans={**self.plans, **new}) if new else self
+
+    def for_any_batch(self) -> KVSource:
+        return self if self.any_batch is not None else dataclasses.replace(self, any_batch=self._plan(None))
+
+    def plan(self, batch: int) -> AttentionPlan:
+        """The plan of a call over `batch` rows: the one made for it (or for any batch), else made now - a batch no
+        bucket planned for (the eager path above the largest bucket, a direct call)."""
+        if self.any_batch is not None:
+            return self.any_batch
+        p = self.plans.get(batch)
+        return p if p is not None else self._plan(batch)
+
+    @property
+    def programs(self) -> int:
+        """Programs one attention call over this source should launch (`target_programs` of its pools)."""
+        return self._plan(1).programs
 
 
 def random_weight(out_f: int, in_f: int, gen: torch.Generator, dtype: torch.dtype, device) -> nn.Parameter:
@@ -95,8 +116,8 @@ class DraftLayer(nn.Module):
         if src.attend is not None:
             attn = src.attend(q, self.scale)
         else:
-            splits = choose_num_splits(src.grid_batch or b, src.k_pool.shape[1], src.max_len, src.programs)
-            attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale, splits)
+            attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale,
+                                    plan=src.plan(b))
         o = ops.norm(attn.reshape(b, -1) @ self.o_proj.t(), self.post_attn_norm.weight)
         h, x = ops.add_norm(o, x, self.pre_mlp_norm.weight)  # x + o and its norm (sglang: one kernel)
         d = ops.gelu_mul(h @ self.gate_up.t()) @ self.down.t()

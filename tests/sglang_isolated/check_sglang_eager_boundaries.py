@@ -2,7 +2,8 @@
 (fullgraph=False, backend "eager" and "aot_eager") of the draft steps as SglangAssistantLoop runs them graph-breaks
 only at the disabled boundary entry points, compiles the rest (attention incl. the backend call, MLP, logits head)
 and returns exactly what the eager model returns; the patch is idempotent. Without it, Dynamo trips over the
-msgspec records sglang's residual stream builds. Run in a fresh interpreter (it initialises torch.distributed):
+msgspec records sglang's residual stream builds. Also: `prepare` plans graphcap's attention for each of the real
+model's attention layers. Run in a fresh interpreter (it initialises torch.distributed):
     pytest -o python_files='check_*.py' -o addopts= <this file>
 Makes its checkpoint with bench/sglang_checkpoint.py --size tiny --device cpu in a temporary directory."""
 from __future__ import annotations
@@ -158,3 +159,27 @@ def test_compiled_assistant_matches_eager(assistant, backend):
     reasons = [k.splitlines()[0] for k in counters["graph_break"]]
     assert reasons and all("torch.compiler.disable" in r for r in reasons), reasons
     assert counters["stats"]["unique_graphs"] >= 6  # attention / MLP / post-FFN pieces per layer type, head, ...
+
+
+def test_graphcap_attention_plans_every_draft_layer_per_bucket(assistant):
+    """`prepare` plans graphcap's attention for every RadixAttention of the real assistant at every bucket (what its
+    traced forward then looks up), sliding layers for the window and full layers for the context."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from graphcap.integrations.sglang_loop import GraphcapDraftAttention, SglangAssistantLoop
+    from graphcap.kernels.attention_plan import plan_attention
+
+    layers = [m for m in assistant.modules() if isinstance(m, RadixAttention)]
+    kv = {a.layer_id: torch.empty(8, a.tp_k_head_num, a.qk_head_dim, dtype=DTYPE) for a in layers}
+    pool = types.SimpleNamespace(get_key_buffer=kv.__getitem__, get_value_buffer=kv.__getitem__)
+    window = types.SimpleNamespace(device=torch.device("cpu"), window=4)
+    attention = GraphcapDraftAttention(window, pool, 64)
+    worker = types.SimpleNamespace(draft_model_runner=types.SimpleNamespace(model=assistant, spec_algorithm=None),
+                                   model_config=types.SimpleNamespace(dtype=DTYPE))
+    SglangAssistantLoop(worker, window, attention, STEPS).prepare([1, 3], compiled=False)
+    assert layers and set(attention._plans) == {(a.layer_id, b) for a in layers for b in (1, 3)}
+    assert {a.sliding_window_size > -1 for a in layers} == {True, False}  # both layer types
+    for a in layers:
+        n = 4 if a.sliding_window_size > -1 else 64
+        assert attention._plans[a.layer_id, 3] == plan_attention(3, a.tp_k_head_num, a.qk_head_dim, DTYPE,
+                                                                 torch.device("cpu"), n)
