@@ -4,6 +4,7 @@
 #   scripts/gpu-check.sh perf     capture cost (cold and warm Inductor caches, host time per call), per-kernel
 #                                 profile of an iteration, attention GPU tests + default configs vs sglang
 #   scripts/gpu-check.sh smoke    quick (the default stage): CUDA unit tests of window/attention/model + a tiny bench
+#   scripts/gpu-check.sh unit     the kernels' GPU tests (attention, plan, centroid head, fused ops)
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included), attention tuning grid
 #   scripts/gpu-check.sh kernels  bench/window_advance.py, bench/attention_bw.py defaults timed three ways (L2
 #                                 emptied by writing / by reading; in-graph among other work)
@@ -35,7 +36,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 }
 [ "${1:-}" = "--tree-hash" ] && { tree_hash; exit 0; }
 [ $# -eq 0 ] && set -- smoke
-STAGES="perf smoke tests kernels capture-warm host-affinity host bench capture capture-all bench8 check splits engine-check engine-speed"
+STAGES="perf smoke unit tests kernels capture-warm host-affinity host bench capture capture-all bench8 check splits engine-check engine-speed"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -105,6 +106,10 @@ case $stage in
     step smoke-pytest python3 -m pytest -q -x tests/test_window.py tests/test_attention.py tests/test_models.py
     step smoke-bench python3 -m graphcap.cli bench --spec tiny --batch 1,4 --context 64 --iters 5 --repeats 1 \
       --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-smoke"
+    ;;
+  unit)  # the kernels' GPU tests alone (attention, its plan, the centroid head, fused ops): quick
+    step unit-gpu python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_attention_plan.py \
+      tests/test_centroid_head.py tests/test_fused_ops.py
     ;;
   tests)  # the whole suite, then the attention grid at the shapes short of 70% of copy bandwidth
     step pytest python3 -m pytest -q -rs tests/
