@@ -16,6 +16,9 @@
   `seq_lens.sum().item()` is in its worker's draft(), outside anything a user would compile: here it is in `run()`,
   before the compiled call, so both modes pay the same host sync. Without CUDA: graphcap's torch twins for the
   rebuild and attention.
+- `CompiledBaseline(host_sync=False)` (`compile-nosync`): the same compiled loop without that sync - the most a user
+  gets from torch.compile alone if they also take sglang's `.item()` out of the worker, and what graphcap's margin
+  is smallest against.
 
 A baseline whose graphs were lost is not a baseline: `graph_problem(runner)` says why a mode's measured calls may not
 be its captured graphs - a DraftGraphs bucket that failed to capture (it runs eagerly), a call past the largest
@@ -98,11 +101,11 @@ class SglangBaseline:
 
 
 class CompiledBaseline:
-    name = "compile"
-
     def __init__(self, loop: DraftLoop, ops: DraftOps, batches: Sequence[int], sglang_kernels: bool,
-                 warm_slots: torch.Tensor, *, cores: int | None = None) -> None:
+                 warm_slots: torch.Tensor, *, cores: int | None = None, host_sync: bool = True) -> None:
         w, m = loop.window, loop.model
+        self.host_sync = host_sync
+        self.name = "compile" if host_sync else "compile-nosync"
         self.warm_slots = warm_slots
         pools = {lt: (src.k_pool, src.v_pool) for lt, src in loop.sources.items()}
         self.window, self.batches, self.syncs = w, tuple(batches), 0
@@ -167,9 +170,10 @@ class CompiledBaseline:
     def run(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
             *, host_slots: Sequence[int] | None = None) -> DraftOutput:
         w = self.window
-        # sglang's per-iteration device-to-host sync, in its worker's draft() as here: outside the compiled function
-        self.seq_lens_sum = int((w.seq_lens[slots] + accepted.to(w.seq_lens.dtype)).sum().item())
-        self.syncs += 1
+        if self.host_sync:  # sglang's per-iteration device-to-host sync, in its worker's draft() as here: outside
+            # the compiled function
+            self.seq_lens_sum = int((w.seq_lens[slots] + accepted.to(w.seq_lens.dtype)).sum().item())
+            self.syncs += 1
         torch.compiler.cudagraph_mark_step_begin()  # a new iteration: the last one's outputs may be overwritten
         return self._fn(slots, accepted, tokens, hidden)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from graphcap.spec import CaptureSpec, load_spec
 
 # Measured modes, cheapest-to-build baseline first; graphcap last.
-MODES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "graphcap")
-BASELINES = ("eager-rebuild", "graph-rebuild", "sglang", "compile")  # graphcap's speed-ups are against these
+MODES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "compile-nosync", "graphcap")
+BASELINES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "compile-nosync")  # graphcap's speed-ups are against these
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXTS = (256, 1024, 2048, 4096)
 # Without CUDA: one bucket (each compiled mode pays an Inductor C++ compile per bucket, ~20-50 s on 2 cores),

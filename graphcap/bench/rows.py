@@ -31,6 +31,7 @@ class BenchRow:
     x_graph_rebuild: float | None = None
     x_sglang: float | None = None
     x_compile: float | None = None
+    x_compile_nosync: float | None = None
     util_pct: float | None = None  # NVML, mean over the measured iterations
     power_w: float | None = None
     sm_mhz: float | None = None
@@ -41,7 +42,7 @@ class BenchRow:
 
 
 SPEEDUP_FIELDS = {"eager-rebuild": "x_eager_rebuild", "graph-rebuild": "x_graph_rebuild", "sglang": "x_sglang",
-                  "compile": "x_compile"}
+                  "compile": "x_compile", "compile-nosync": "x_compile_nosync"}
 
 
 @dataclass(frozen=True)

@@ -85,14 +85,15 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                 check_available(cuda)
                 runner = SglangBaseline(loop, fused_ops(), buckets)
                 note = _pdl_note(runner.attention.use_pdl)
-            elif name == "compile":
+            elif name in ("compile", "compile-nosync"):
                 ops, note = _fused_or_torch(notes, cuda)
                 if not cuda:
                     note = "; ".join(x for x in (note, "graphcap's torch twins for rebuild and attention (sglang's "
                                                         "kernels need CUDA); Inductor C++, no graphs") if x)
                 else:
                     check_available(cuda)
-                runner = CompiledBaseline(loop, ops, cfg.batches, sglang_kernels=cuda, warm_slots=state.slots)
+                runner = CompiledBaseline(loop, ops, cfg.batches, sglang_kernels=cuda, warm_slots=state.slots,
+                                          host_sync=name == "compile")
                 if runner.attention is not None:
                     note = "; ".join(x for x in (note, _pdl_note(runner.attention.use_pdl)) if x)
             else:

@@ -17,9 +17,9 @@ log = logging.getLogger("graphcap.sglang")
 
 TESTED_SGLANG = ("0.5.23",)
 # The plugin's default backend. sglang's Gemma 4 layers already run one fused kernel per norm, activation and rotary,
-# so recording them as they are leaves Inductor little to fuse; and Dynamo cannot trace sglang 0.5.23's layer
-# boundary whole (it builds msgspec records mid-forward). `cudagraph` captures every bucket in seconds and is the
-# backend measured in sglang's own engine (docs/sglang.md, Measured).
+# so recording them as they are leaves Inductor little to fuse, and Dynamo breaks the graph at every layer boundary
+# (sglang 0.5.23 builds msgspec records there). All three backends serve with sglang's tokens in its own engine;
+# `cudagraph` starts about 40 s sooner (no compile) and is the one whose speed was measured (docs/sglang.md, Measured).
 DEFAULT_BACKEND = "cudagraph"
 FLAG = "--enable-draft-graph-capture"
 BACKEND_FLAG = "--draft-graph-capture-backend"
