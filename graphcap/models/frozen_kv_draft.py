@@ -59,11 +59,6 @@ class KVSource:
         p = self.plans.get(batch)
         return p if p is not None else self._plan(batch)
 
-    @property
-    def programs(self) -> int:
-        """Programs one attention call over this source should launch (`target_programs` of its pools)."""
-        return self._plan(1).programs
-
 
 def random_weight(out_f: int, in_f: int, gen: torch.Generator, dtype: torch.dtype, device) -> nn.Parameter:
     """[out_f, in_f] N(0, 1/in_f) (drawn in fp32 from `gen`, so a seed gives the same model in every dtype)."""
