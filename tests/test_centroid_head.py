@@ -244,3 +244,33 @@ def test_torch_compile_reduce_overhead_on_gpu():
         out = compiled(x).clone()
     assert not counters["inductor"]["cudagraph_skips"]
     torch.testing.assert_close(out, f(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sglang_style_head_gathers_with_a_contiguous_index_and_scores_as_the_torch_set(dtype):
+    """The fused op set's head (sglang's _apply_centroid_masking: contiguous gather, batched product) against the
+    torch set's (graphcap's kernel) and float64: the same candidates, scores within the dtype's rounding, the same
+    greedy token where the float64 runner-up is not within it; a strided cluster index (a slice of topk's output)
+    gives exactly what a contiguous one does."""
+    from graphcap.models.draft_ops import TORCH_OPS, fused_ops
+
+    clusters, tokens, hidden, k = 16, 12, 40, 5
+    w, x, top, t = make_case(7, batch=6, clusters=clusters, tokens=tokens, hidden=hidden, k=k, dtype=dtype, device="cpu")
+    w = w.contiguous()  # the model's lm_head: one block, viewed by clusters
+    g = torch.Generator().manual_seed(8)
+    token_of_cluster = torch.randperm(clusters * tokens, generator=g).view(clusters, tokens)
+    assert not top.is_contiguous()
+    with twins_on_cpu():
+        fused, fused_ids = fused_ops().centroid_head(w, token_of_cluster, x, top)
+        fused_c, _ = fused_ops().centroid_head(w, token_of_cluster, x, top.contiguous())
+        mine, ids = TORCH_OPS.centroid_head(w, token_of_cluster, x, top)
+    assert torch.equal(fused, fused_c) and torch.equal(fused_ids, ids)
+    assert torch.equal(ids, token_of_cluster[top].flatten(1)) and fused.dtype == mine.dtype == torch.float32
+    want, _ = reference(w, x, top, t)
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+    for got in (fused, mine):
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    top2 = want.topk(2, dim=1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 4 * tol * want.abs().max()
+    assert decided.any()
+    assert torch.equal(fused.argmax(1)[decided], mine.argmax(1)[decided])

@@ -6,7 +6,7 @@
   the steps eagerly (`eager-rebuild`) or replayed from a CUDA graph of the steps alone (`graph-rebuild`). The rebuild
   writes the ring in the canonical layout `advance` keeps, so both produce exactly graphcap's tokens.
 - `SglangBaseline` (`sglang`): what sglang 0.5.23 launches on CUDA - the fused op set (one kernel per norm,
-  add-norm, gelu-mul, rotary; the centroid head's row gather + batched product, as sglang's assistant head), sglang's
+  add-norm, gelu-mul, rotary; sglang's centroid head: contiguous row gather, batched product), sglang's
   index builder, split rule (both layer types planned with the full layers' KV heads, every layer's decode reading
   the full rows' plan, as sglang; graphcap.bench.sglang_ops) and decode kernel (with PDL at compute capability >= 9,
   as sglang with the real sgl_kernel), the rebuild and `.item()` eager, the steps in one CUDA graph.

@@ -21,11 +21,14 @@ Numerics: float32 results agree to rounding. In bf16 the fused set rounds once p
 after each torch op (the add-norm normalises the fp32 sum, as sgl_kernel does; the post-MLP kernel adds and scales
 in fp32) - differences of an output ulp, the difference between sglang and a plain-torch Gemma.
 
-The centroid LM head's scoring is part of the set too: the torch set calls graphcap's kernel
+The centroid LM head's scoring is part of the set too. The torch set calls graphcap's kernel
 (`graphcap.kernels.centroid_head`: lm_head rows read in place, fp32 accumulation; its gather twin where Triton cannot
-run), as the loop calls graphcap's attention kernel; the fused set gathers the chosen clusters' rows and takes a
-batched product, as sglang's Gemma 4 assistant head does (`Gemma4AssistantForCausalLM._apply_centroid_masking`), so
-the sglang-style baselines keep sglang's head.
+run), as the loop calls graphcap's attention kernel. The fused set runs sglang's Gemma 4 assistant head
+(`_apply_centroid_masking`) op for op, so the sglang-style baselines keep it: the chosen clusters' rows gathered
+with a contiguous index (torch's vectorised gather; a strided index falls back to its element-wise kernel, several
+times slower on a GPU), one batched product in the weights' dtype. Both sets then take the greedy token among the
+candidates; sglang also scatters the candidates' scores into a full-vocabulary row first, which no set does (it is
+the same for graphcap's plugin, which runs sglang's own head, and would only add the same cost to every mode).
 
 A draft loop picks its set (`DraftLoop(..., ops=...)`, which calls `ops.bind(model)`), so the sglang-style
 baselines and graphcap's own loop run one model with the same weights.
@@ -41,7 +44,7 @@ import torch
 from torch import nn
 
 from graphcap.kernels import use_triton
-from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torch
+from graphcap.kernels.centroid_head import centroid_logits
 
 EPS = 1e-6
 LAYER_TYPES = ("sliding", "full")
@@ -68,8 +71,11 @@ class DraftOps(Protocol):
 
     def rope(self, q: torch.Tensor, rope: tuple) -> torch.Tensor: ...
 
-    def centroid_logits(self, lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor,
-                        tokens_per_cluster: int) -> torch.Tensor: ...
+    def centroid_head(self, lm_head: torch.Tensor, token_of_cluster: torch.Tensor, x: torch.Tensor,
+                      top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 scores [B, k * T] of rows `x` [B, H] over the tokens of clusters `top` [B, k], and those tokens'
+        ids [B, k * T]."""
+        ...
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -118,8 +124,10 @@ class TorchOps:
     def rope(self, q, rope):
         return _rope(q, *rope)
 
-    def centroid_logits(self, lm_head, x, top, tokens_per_cluster):
-        return centroid_logits(lm_head, x, top, tokens_per_cluster)  # graphcap's kernel (the twin on CPU)
+    def centroid_head(self, lm_head, token_of_cluster, x, top):
+        # graphcap's kernel (the twin on CPU), over the candidates only
+        logits = centroid_logits(lm_head, x, top, token_of_cluster.shape[1])
+        return logits, token_of_cluster[top].flatten(1)
 
 
 TORCH_OPS = TorchOps()
@@ -235,8 +243,14 @@ class FusedOps:
         self.mod.apply_rope_with_cos_sin_cache_inplace(pos, q, key, q.shape[-1], cache, is_neox=True)
         return q
 
-    def centroid_logits(self, lm_head, x, top, tokens_per_cluster):
-        return centroid_logits_torch(lm_head, x, top, tokens_per_cluster)  # sglang's gather + batched product
+    def centroid_head(self, lm_head, token_of_cluster, x, top):
+        # sglang 0.5.23's Gemma4AssistantForCausalLM._apply_centroid_masking up to its scatter (module docstring)
+        top = top.contiguous()  # sglang's index is torch.topk's own output: contiguous
+        b, k = top.shape
+        clusters, t = token_of_cluster.shape
+        sel = lm_head.view(clusters, t, -1)[top].reshape(b, k * t, -1)
+        logits = torch.bmm(x.unsqueeze(1), sel.transpose(1, 2)).squeeze(1)
+        return logits.float(), token_of_cluster[top].flatten(1)
 
 
 def fused_ops(sglang_post_norm: bool = True) -> FusedOps:

@@ -156,7 +156,7 @@ class FrozenKVDraft(nn.Module):
         """Greedy token, its logit, and the decision's margin: how far the nearest competing choice is (the
         runner-up token, and for the centroid head also the first cluster left out). Tests compare backends only
         where this margin exceeds the dtype's tolerance. `ops` scores the chosen clusters' tokens (graphcap's kernel
-        in the torch set, sglang's gather in the fused set)."""
+        in the torch set, sglang's contiguous gather and batched product in the fused set: draft_ops' docstring)."""
         cluster_margin = None
         if self.spec.draft.head == "centroid":
             d = self.spec.draft
@@ -164,8 +164,7 @@ class FrozenKVDraft(nn.Module):
             top = cs.indices[:, : d.centroid_top_k]  # [B, k]
             if d.centroid_top_k < d.centroids:
                 cluster_margin = cs.values[:, d.centroid_top_k - 1] - cs.values[:, d.centroid_top_k]
-            logits = ops.centroid_logits(self.lm_head, x, top, d.vocab // d.centroids)  # [B, k * T] fp32
-            cand = self.token_of_cluster[top].flatten(1)  # [B, k * T] token ids
+            logits, cand = ops.centroid_head(self.lm_head, self.token_of_cluster, x, top)
         else:
             cand = None
             logits = (x @ self.lm_head.t()).float()
