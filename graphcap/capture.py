@@ -33,7 +33,7 @@ from graphcap.guards import CaptureError
 from graphcap.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
 from graphcap.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
 from graphcap.recording import CompiledIteration, compile_iteration, mark_batch_unbacked
-from graphcap.static_buffers import StaticBuffers
+from graphcap.static_buffers import PoolDims, StaticBuffers
 from graphcap.window import check_slots
 
 __all__ = ["DraftGraphs"]  # CaptureError is graphcap.guards'
@@ -61,6 +61,7 @@ class DraftGraphs:
         dynamic_batch: bool = False,
         compile_cache: str | os.PathLike | None = None,
         cache_key: str | None = None,
+        pool_dims: PoolDims | None = None,
     ) -> None:
         """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
         file). `progress=True` adds a `StderrProgress`. `observers`: more (graphcap.observers); `add_observer` too.
@@ -74,7 +75,12 @@ class DraftGraphs:
 
         `compile_cache=DIR` (compiled backends; opt-in): load torch's compile artifacts for this capture from DIR
         before compiling, and save them there after (graphcap.compile_cache: the key, and the rules that refuse an
-        untrusted file). Without a spec, `cache_key` (e.g. the model path and config) names what is compiled."""
+        untrusted file). Without a spec, `cache_key` (e.g. the model path and config) names what is compiled.
+
+        `pool_dims` (compiled backends): {static tensor name: its dimensions sized by the engine's memory settings}
+        (KV pools' token capacity, req_to_token, full_to_swa, slot rows), compiled symbolically so that a restart
+        with other pool sizes hits Inductor's on-disk caches instead of compiling again (graphcap.static_buffers).
+        `for_loop` takes the loop's `pool_dims()`."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         self._dispatch = BucketDispatcher(buckets)
@@ -93,7 +99,7 @@ class DraftGraphs:
         self._cache_state: str | None = None  # the manifest's compile_cache: hit, miss, refused: <why>
         self.fn, self.backend, self.spec, self.padding_slot = fn, backend, spec, padding_slot
         self.device = device
-        self._static = StaticBuffers(static_tensors, example_inputs)
+        self._static = StaticBuffers(static_tensors, example_inputs, pool_dims)
         self._buckets = [self._new_bucket(b) for b in self._dispatch.sizes]
         self._compiled: CompiledIteration | None = None
         self._warned: set[str] = set()
@@ -123,6 +129,8 @@ class DraftGraphs:
             loop.plan_for_any_batch()
         else:
             loop.plan_for_batches(buckets)
+        if "pool_dims" not in kw and hasattr(loop, "pool_dims"):
+            kw["pool_dims"] = loop.pool_dims()
         return cls(loop.draft_steps if steps_only else loop, buckets=buckets,
                    padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
                    static_tensors=loop.static_tensors(), backend=backend or spec.capture.backend, spec=spec, **kw)
@@ -167,6 +175,7 @@ class DraftGraphs:
                 top = self._dispatch.largest
                 for t in inputs:
                     mark_batch_unbacked(t, top)
+            self._static.mark_pool_dims()  # per-bucket compiles and the one dynamic-batch compile alike
             static = self._static.all_tensors(iter(inputs))
             if self.compile_cache is not None:
                 self._cache_state = cc.load(self.compile_cache, self._cache_key())

@@ -26,7 +26,8 @@ DraftFn = Callable[..., DraftOutput]  # fn(slots, accepted, tokens, hidden) -> D
 
 class CapturableLoop(Protocol):
     """What `DraftGraphs.for_loop` reads from a loop (graphcap.models.DraftLoop is one). Structural, so the engine
-    needs no import of any model to accept one."""
+    needs no import of any model to accept one. Optional besides: `pool_dims() -> {static tensor name: dims}`, the
+    dimensions sized by the engine's memory settings (DraftGraphs' `pool_dims`)."""
 
     @property
     def spec(self) -> Any: ...  # the CaptureSpec: default buckets and backend, the manifest's name and hash

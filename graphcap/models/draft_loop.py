@@ -103,6 +103,14 @@ class DraftLoop(nn.Module):
             out[f"{lt}.k_pool"], out[f"{lt}.v_pool"] = src.k_pool, src.v_pool
         return out
 
+    def pool_dims(self) -> dict[str, tuple[int, ...]]:
+        """The dimensions of `static_tensors` sized by the engine's memory settings (the pools' token capacity, the
+        window buffers'), which capture compiles symbolically; the model's own tensors follow the spec."""
+        out = {f"window.{n}": d for n, d in self.window.pool_dims().items()}
+        for lt in self.sources:
+            out[f"{lt}.k_pool"] = out[f"{lt}.v_pool"] = (0,)
+        return out
+
     def example_inputs(self, batch: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
         """Random inputs for `batch` padding rows: capture warms up on these without touching any live slot."""
         dev, spec = self.window.device, self.model.spec
