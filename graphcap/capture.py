@@ -77,10 +77,11 @@ class DraftGraphs:
         before compiling, and save them there after (graphcap.compile_cache: the key, and the rules that refuse an
         untrusted file). Without a spec, `cache_key` (e.g. the model path and config) names what is compiled.
 
-        `pool_dims` (compiled backends): {static tensor name: its dimensions sized by the engine's memory settings}
-        (KV pools' token capacity, req_to_token, full_to_swa, slot rows), compiled symbolically so that a restart
-        with other pool sizes hits Inductor's on-disk caches instead of compiling again (graphcap.static_buffers).
-        `for_loop` takes the loop's `pool_dims()`."""
+        `pool_dims` (with `dynamic_batch`): {static tensor name: its dimensions sized by the engine's memory
+        settings} (KV pools' token capacity, req_to_token, full_to_swa, slot rows), compiled symbolically like the
+        batch, so that a restart with other pool sizes hits Inductor's on-disk caches instead of compiling again
+        (graphcap.static_buffers). `for_loop` takes the loop's `pool_dims()`. The per-bucket compile (the default)
+        still specialises on them."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         self._dispatch = BucketDispatcher(buckets)
@@ -175,7 +176,8 @@ class DraftGraphs:
                 top = self._dispatch.largest
                 for t in inputs:
                     mark_batch_unbacked(t, top)
-            self._static.mark_pool_dims()  # per-bucket compiles and the one dynamic-batch compile alike
+            if self.dynamic_batch:  # the opt-in symbolic compile only, until the H200 has measured it (docs)
+                self._static.mark_pool_dims()
             static = self._static.all_tensors(iter(inputs))
             if self.compile_cache is not None:
                 self._cache_state = cc.load(self.compile_cache, self._cache_key())

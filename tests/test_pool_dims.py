@@ -68,18 +68,17 @@ def test_the_compile_cache_key_leaves_pool_sizes_out():
     assert keys[0] == keys[1] != keys[2]
 
 
-@pytest.mark.parametrize("dynamic_batch", [True, False], ids=["dynamic-batch", "per-bucket"])
 def test_other_pool_sizes_hit_the_on_disk_caches_and_another_model_misses(tmp_path, monkeypatch, cpu_twins,
-                                                                          fx_graph_cache, dynamic_batch):
-    """Capture (one compile for two buckets, or the per-bucket compile of one bucket) on one state; then, in a fresh Dynamo state and a fresh Inductor cache
+                                                                          fx_graph_cache):
+    """dynamic_batch (which compiles the pool sizes symbolically too): capture on one state; then, in a fresh Dynamo
+    state and a fresh Inductor cache
     directory that only the compile cache's artifacts fill, on a state with bigger pools, more slot rows and
     another req_to_token width: Inductor's FX graph cache hits (no compile), every bucket is captured, and the
-    outputs equal the eager loop's on that state. A model of another width still misses (checked once: the same
-    rule serves both paths)."""
+    outputs equal the eager loop's on that state. A model of another width still misses."""
     from torch._dynamo.utils import counters
 
     artifacts = tmp_path / "compile-cache"
-    buckets = (1, 2) if dynamic_batch else (2,)  # one compile either way: CI has two cores
+    buckets = (1, 2)
 
     def capture(spec, name, **state):
         torch._dynamo.reset()  # nothing compiled in this process is reused: only what is on disk
@@ -87,7 +86,7 @@ def test_other_pool_sizes_hit_the_on_disk_caches_and_another_model_misses(tmp_pa
         st, wb, loop = build(spec, **state)
         before = dict(counters["inductor"])
         g = DraftGraphs.for_loop(loop, backend="compile", buckets=buckets, manifest_path=None,
-                                 dynamic_batch=dynamic_batch, compile_cache=artifacts)
+                                 dynamic_batch=True, compile_cache=artifacts)
         g.capture()
         delta = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
         assert [r.status for r in g.buckets] == ["captured"] * len(buckets), g.buckets
@@ -101,7 +100,7 @@ def test_other_pool_sizes_hit_the_on_disk_caches_and_another_model_misses(tmp_pa
     _, eager_wb, eager = build(SPEC, **state)
     assert g._static.persistent["sliding.k_pool"].shape[0] > 0 and wb.ring.shape[0] == LIVE + 9
     gen = torch.Generator().manual_seed(4)
-    for b in (2, 1, 2) if dynamic_batch else (2, 2):
+    for b in (2, 1, 2):
         slots = torch.randperm(LIVE, generator=gen)[:b]
         batch = (slots, torch.randint(1, 3, (b,), generator=gen), torch.randint(0, SPEC.draft.vocab, (b,), generator=gen),
                  torch.randn(b, SPEC.target.hidden, generator=gen))
@@ -110,8 +109,6 @@ def test_other_pool_sizes_hit_the_on_disk_caches_and_another_model_misses(tmp_pa
         assert torch.equal(got.tokens[decided], want.tokens[decided]), b
         torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
         assert torch.equal(wb.ring, eager_wb.ring) and torch.equal(wb.seq_lens, eager_wb.seq_lens)
-    if not dynamic_batch:
-        return
     wider = dataclasses.replace(SPEC, draft=dataclasses.replace(SPEC.draft, hidden=40))
     g, _, third, _ = capture(wider, "wider", grow=60, rows=LIVE + 8, cols=120)
     assert g.manifest().compile_cache == cc.MISS and third == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}
