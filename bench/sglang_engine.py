@@ -92,6 +92,8 @@ def run_child(cfg: dict) -> dict:
         os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(
             {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"]})
     os.environ["GRAPHCAP_SGLANG_TRACE"] = cfg["trace_dir"]
+    if cfg.get("profile_batches"):  # kernel tables of a few draft calls per batch (graphcap.integrations.sglang_trace)
+        os.environ["GRAPHCAP_SGLANG_TRACE_PROFILE"] = ",".join(map(str, cfg["profile_batches"]))
     import sglang
 
     t0 = time.perf_counter()
@@ -150,6 +152,15 @@ def read_trace(trace_dir: str) -> list[dict]:
     for p in glob.glob(os.path.join(trace_dir, "draft-trace-*.jsonl")):
         rows += [json.loads(line) for line in open(p)]
     return rows
+
+
+def read_profile(trace_dir: str, batch: int, top: int = 30) -> dict | None:
+    """The trace's kernel table for `batch` (GRAPHCAP_SGLANG_TRACE_PROFILE), its `top` kernels by time; None if none."""
+    paths = glob.glob(os.path.join(trace_dir, f"draft-profile-*-b{batch}.json"))
+    if not paths:
+        return None
+    d = json.load(open(paths[0]))
+    return {**d, "kernels": d["kernels"][:top]}
 
 
 def draft_map(rows: list[dict]) -> dict:
@@ -236,6 +247,10 @@ def main(argv=None) -> int:
     ap.add_argument("--retract-every", type=int, default=0, metavar="N",
                     help="--check: every engine retracts running requests every N forwards (sglang's "
                          "SGLANG_TEST_RETRACT), so requests leave, queue and are prefilled again mid-decode")
+    ap.add_argument("--profile-batches", default="", metavar="B,B",
+                    help="--speed: also record the kernels of 5 warm draft calls at each of these batch sizes (each "
+                         "engine). Those calls sync and fall in the short run: left out of draft_ms, but they bias "
+                         "the decode rate up a little - leave this off for decode rates")
     ap.add_argument("--combine", nargs=2, metavar=("CHECK_JSON", "SPEED_JSON"),
                     help="write the issue record (--out) from a --check and a --speed output")
     ap.add_argument("--child")
@@ -296,16 +311,18 @@ def main(argv=None) -> int:
         rows = {}
         for tag, mode, be in (("nospec", "nospec", None), ("sglang", "sglang", None),
                               (f"graphcap-{backends[0]}", "graphcap", backends[0])):
-            r = spawn(cfg("speed-" + tag, mode, cases, backend=be), work)
+            prof = [int(x) for x in a.profile_batches.split(",") if x.strip()]
+            r = spawn(cfg("speed-" + tag, mode, cases, backend=be, profile_batches=prof), work)
             tr = read_trace(r["config"]["trace_dir"]) if not r.get("crashed") else []
             for c in r.get("cases", []):
                 extra = c["batch"] * (a.new - SHORT_NEW)  # same prompts, same prefill: the difference is decode
                 long_run = {f"s{c['batch']}-r{i}" for i in range(c["batch"])}  # not the warm-up's or short run's
-                ms = [t["gpu_ms"] for t in tr if len(t["rids"]) == c["batch"] and set(t["rids"]) == long_run]
+                ms = [t["gpu_ms"] for t in tr if len(t["rids"]) == c["batch"] and set(t["rids"]) == long_run
+                      and not t.get("profiled")]
                 rows.setdefault(c["batch"], {})[tag] = {
                     "decode_tok_s": extra / max(c["wall_s"] - c["short_s"], 1e-9),
                     "draft_ms": statistics.median(ms[len(ms) // 4:]) if ms else None, "draft_calls": len(ms),
-                    "accept_len": accept_len(c)}
+                    "accept_len": accept_len(c), "profile": read_profile(r["config"]["trace_dir"], c["batch"])}
             rows.setdefault("startup_s", {})[tag] = r.get("startup_s")
             if r.get("crashed"):
                 rows.setdefault("crashed", []).append(tag)

@@ -132,6 +132,9 @@ class DraftGraphs:
             loop.plan_for_batches(buckets)
         if "pool_dims" not in kw and hasattr(loop, "pool_dims"):
             kw["pool_dims"] = loop.pool_dims()
+        # what is compiled beyond the spec: the loop's own step count and whether the advance is in it
+        what = f"steps={getattr(loop, 'steps', spec.capture.steps)}" + (";steps_only" if steps_only else "")
+        kw["cache_key"] = ";".join(x for x in (kw.get("cache_key"), what) if x)
         return cls(loop.draft_steps if steps_only else loop, buckets=buckets,
                    padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
                    static_tensors=loop.static_tensors(), backend=backend or spec.capture.backend, spec=spec, **kw)

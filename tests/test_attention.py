@@ -478,5 +478,5 @@ def test_kv_sources_plan_from_their_own_pools():
     for lt in ("sliding", "full"):
         a = spec.attention(lt)
         pool = torch.empty(4, a.kv_heads, a.head_dim, dtype=torch.bfloat16, device="meta")
-        programs[lt] = KVSource(pool, pool, table, 0, spec.window).programs
+        programs[lt] = KVSource(pool, pool, table, 0, spec.window).plan(1).programs
     assert programs["sliding"] == 2 * programs["full"]

@@ -112,3 +112,15 @@ def test_other_pool_sizes_hit_the_on_disk_caches_and_another_model_misses(tmp_pa
     wider = dataclasses.replace(SPEC, draft=dataclasses.replace(SPEC.draft, hidden=40))
     g, _, third, _ = capture(wider, "wider", grow=60, rows=LIVE + 8, cols=120)
     assert g.manifest().compile_cache == cc.MISS and third == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}
+
+
+def test_the_compile_cache_key_names_the_loops_steps_and_what_is_compiled():
+    """A loop with another step count, or its steps alone (the rebuild baseline's graph), is other compiled code:
+    another cache file, not a reported hit that never saves."""
+    keys = set()
+    for steps, steps_only in ((1, False), (2, False), (1, True)):
+        loop = build(SPEC, grow=0, rows=LIVE, cols=128, steps=steps)[2]
+        g = DraftGraphs.for_loop(loop, backend="compile", buckets=(1, 2), manifest_path=None,
+                                 compile_cache="/nonexistent", steps_only=steps_only)
+        keys.add(g._cache_key())
+    assert len(keys) == 3

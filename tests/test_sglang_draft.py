@@ -424,3 +424,82 @@ def test_a_bad_trace_flush_count_is_named(tmp_path, monkeypatch, raw):
     monkeypatch.setenv(sglang_trace.FLUSH_ENV, raw)
     with pytest.raises(ValueError, match=rf"\${sglang_trace.FLUSH_ENV}: expected a whole number .* got '{raw}'"):
         sglang_trace.install(str(tmp_path / "trace"), "sglang.srt.managers.scheduler.Scheduler.does_not_matter")
+
+
+def test_trace_profiles_the_kernels_of_a_few_warm_draft_calls_per_listed_batch(tmp_path, monkeypatch):
+    """GRAPHCAP_SGLANG_TRACE_PROFILE: at each listed batch size, draft calls PROFILE_SKIP .. +PROFILE_CALLS are
+    profiled (their records flagged, as a profiled call pays a sync); the kernel table is the per-call mean of what
+    the profiler saw, copies left out; other batch sizes are never profiled. CUDA events and the profiler are
+    stand-ins here (no GPU)."""
+    import json
+    from types import SimpleNamespace
+
+    from graphcap.integrations import sglang_trace as tr
+
+    class Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.5
+
+    monkeypatch.setattr(tr.torch.cuda, "Event", Event)
+    cuda, cpu = tr.torch.autograd.DeviceType.CUDA, tr.torch.autograd.DeviceType.CPU
+    opened = []
+
+    class Profiler:
+        def __enter__(self):
+            opened.append(self)
+
+        def __exit__(self, *a):
+            pass
+
+        def events(self):
+            k = len(opened)  # a different amount per call: the table must be the mean
+            return [SimpleNamespace(name="gemm", device_type=cuda, device_time=10.0 * k),
+                    SimpleNamespace(name="gemm", device_type=cuda, device_time=10.0 * k),
+                    SimpleNamespace(name="topk", device_type=cuda, device_time=3.0),
+                    SimpleNamespace(name="Memcpy HtoD", device_type=cuda, device_time=99.0),
+                    SimpleNamespace(name="aten::mm", device_type=cpu, device_time=0.0)]
+
+    trace = tr.DraftTrace(str(tmp_path), flush_every=1000, profile_batches=(2,), profiler=Profiler)
+
+    def draft(worker, batch):
+        return SimpleNamespace(draft_token=tr.torch.arange(len(batch.reqs) * 4))
+
+    def batch(n):
+        return SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False), seq_lens_cpu=None,
+                               reqs=[SimpleNamespace(rid=f"r{i}") for i in range(n)])
+
+    for _ in range(tr.PROFILE_SKIP + tr.PROFILE_CALLS + 3):
+        trace.around_draft(draft, None, batch(2))
+        trace.around_draft(draft, None, batch(3))
+    trace.flush()
+    records = [json.loads(line) for line in open(trace.path)]
+    flagged = [i for i, r in enumerate(x for x in records if len(x["rids"]) == 2) if r.get("profiled")]
+    assert flagged == list(range(tr.PROFILE_SKIP, tr.PROFILE_SKIP + tr.PROFILE_CALLS))
+    assert not any(r.get("profiled") for r in records if len(r["rids"]) == 3)
+    assert len(opened) == tr.PROFILE_CALLS
+    (path,) = tmp_path.glob("draft-profile-*-b2.json")
+    table = json.loads(path.read_text())
+    n = tr.PROFILE_CALLS
+    gemm = 2 * 10.0 * sum(range(1, n + 1)) / n
+    assert table["kernels"] == [{"name": "gemm", "launches_per_draft": 2.0, "us_per_draft": gemm},
+                                {"name": "topk", "launches_per_draft": 1.0, "us_per_draft": 3.0}]
+    assert table["gpu_us_per_draft"] == gemm + 3.0 and table["launches_per_draft"] == 3.0
+
+
+@pytest.mark.parametrize("raw", ["8,x", "0", "-2"])
+def test_a_bad_trace_profile_list_is_named(tmp_path, monkeypatch, raw):
+    pytest.importorskip("sglang", reason="the real sglang package is not installed")
+    from graphcap.integrations import sglang_trace
+
+    monkeypatch.setenv(sglang_trace.PROFILE_ENV, raw)
+    with pytest.raises(ValueError, match=rf"\${sglang_trace.PROFILE_ENV}: expected batch sizes"):
+        sglang_trace.install(str(tmp_path / "trace"), "sglang.srt.managers.scheduler.Scheduler.does_not_matter")

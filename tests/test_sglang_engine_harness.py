@@ -128,3 +128,11 @@ def test_retraction_switch_reaches_sglangs_scheduler_environment(monkeypatch):
            "retract_every": 7}
     E.run_child(cfg)
     assert seen == {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "7"}
+
+
+def test_profile_tables_are_read_per_batch_and_cut_to_the_top_kernels(tmp_path):
+    table = {"batch": 8, "draft_calls": 5, "gpu_us_per_draft": 30.0, "launches_per_draft": 3.0,
+             "kernels": [{"name": f"k{i}", "launches_per_draft": 1.0, "us_per_draft": 10.0 - i} for i in range(3)]}
+    (tmp_path / "draft-profile-123-b8.json").write_text(json.dumps(table))
+    assert E.read_profile(str(tmp_path), 8, top=2) == {**table, "kernels": table["kernels"][:2]}
+    assert E.read_profile(str(tmp_path), 64) is None

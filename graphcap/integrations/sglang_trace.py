@@ -8,6 +8,11 @@ when the variable is set, after graphcap's own hooks, so it wraps whichever draf
 
 Cost: a clone of the draft tokens and two events per call; one sync every FLUSH_EVERY calls, when the records are
 read back and appended to DIR/draft-trace-<pid>.jsonl. Meant for measurement runs, not for serving.
+
+`GRAPHCAP_SGLANG_TRACE_PROFILE=8,64` (batch sizes) also profiles the kernels of PROFILE_CALLS draft calls at each
+of those batch sizes, after PROFILE_SKIP warm ones (torch.profiler's CUDA activity, CUDA-graph replays' kernels
+included), into DIR/draft-profile-<pid>-b<B>.json: per kernel name, launches and GPU microseconds per draft call.
+Those calls' trace records say `"profiled": true` (a profiled call pays a sync; timings should leave them out).
 """
 from __future__ import annotations
 
@@ -23,28 +28,75 @@ from graphcap.integrations.sglang_config import TRACE_ENV  # noqa: F401 - where 
 # no exit handler runs) loses little; `GRAPHCAP_SGLANG_TRACE_FLUSH=1` loses nothing, at one sync per draft.
 FLUSH_ENV = "GRAPHCAP_SGLANG_TRACE_FLUSH"
 FLUSH_EVERY = 16
+PROFILE_ENV = "GRAPHCAP_SGLANG_TRACE_PROFILE"
+PROFILE_SKIP, PROFILE_CALLS = 8, 5
+
+
+def _cuda_profiler():
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
 
 
 class DraftTrace:
-    def __init__(self, directory: str, flush_every: int = FLUSH_EVERY) -> None:
+    def __init__(self, directory: str, flush_every: int = FLUSH_EVERY, profile_batches: tuple[int, ...] = (),
+                 profiler=_cuda_profiler) -> None:
         self.flush_every = flush_every
         os.makedirs(directory, exist_ok=True)
+        self.directory = directory
         self.path = os.path.join(directory, f"draft-trace-{os.getpid()}.jsonl")
         self.pending: list[tuple] = []
+        self._seen = {b: 0 for b in profile_batches}  # draft calls seen per profiled batch size
+        self._kernels: dict[int, dict[str, list[float]]] = {b: {} for b in profile_batches}  # name -> [us, launches]
+        self._profiler = profiler
+
+    def _profiling(self, b: int) -> bool:
+        seen = self._seen.get(b)
+        if seen is None:
+            return False
+        self._seen[b] = seen + 1
+        return PROFILE_SKIP <= seen < PROFILE_SKIP + PROFILE_CALLS
+
+    def _add_profile(self, b: int, events) -> None:
+        totals = self._kernels[b]
+        for ev in events:
+            if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.lower().startswith(("memcpy",
+                                                                                                  "memset")):
+                t = totals.setdefault(ev.name, [0.0, 0])
+                t[0] += ev.device_time
+                t[1] += 1
+        if self._seen[b] == PROFILE_SKIP + PROFILE_CALLS:  # the last profiled call: write the table
+            rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
+            out = {"batch": b, "draft_calls": PROFILE_CALLS,
+                   "gpu_us_per_draft": sum(us for us, _ in totals.values()) / PROFILE_CALLS,
+                   "launches_per_draft": sum(n for _, n in totals.values()) / PROFILE_CALLS,
+                   "kernels": [{"name": name, "launches_per_draft": n / PROFILE_CALLS, "us_per_draft": us / PROFILE_CALLS}
+                               for name, (us, n) in rows]}
+            with open(os.path.join(self.directory, f"draft-profile-{os.getpid()}-b{b}.json"), "w") as f:
+                json.dump(out, f, indent=1)
 
     def around_draft(self, original, worker, batch, *args, **kwargs):
         if batch.forward_mode.is_idle():
             return original(worker, batch, *args, **kwargs)
         rids = [r.rid for r in batch.reqs]
         lens = batch.seq_lens_cpu.tolist() if getattr(batch, "seq_lens_cpu", None) is not None else None
+        profiling = self._profiling(len(rids))
+        prof = self._profiler() if profiling else None
+        if prof is not None:
+            prof.__enter__()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         start.record()
-        result = original(worker, batch, *args, **kwargs)
-        end.record()
+        try:
+            result = original(worker, batch, *args, **kwargs)
+        finally:
+            end.record()
+            if prof is not None:
+                end.synchronize()  # the draft's kernels done before the profiler stops collecting
+                prof.__exit__(None, None, None)
         host_ms = (time.perf_counter() - t0) * 1e3
+        if prof is not None:
+            self._add_profile(len(rids), prof.events())
         tokens = result.draft_token.detach().reshape(len(rids), -1).clone()  # [B, steps + 1]: bonus token first
-        self.pending.append((rids, lens, tokens, start, end, host_ms))
+        self.pending.append((rids, lens, tokens, start, end, host_ms, profiling))
         if len(self.pending) >= self.flush_every:
             self.flush()
         return result
@@ -55,9 +107,12 @@ class DraftTrace:
         pending, self.pending = self.pending, []
         pending[-1][4].synchronize()
         with open(self.path, "a") as f:
-            for rids, lens, tokens, start, end, host_ms in pending:
-                f.write(json.dumps({"rids": rids, "seq_lens": lens, "draft": tokens[:, 1:].tolist(),
-                                    "gpu_ms": start.elapsed_time(end), "host_ms": host_ms}) + "\n")
+            for rids, lens, tokens, start, end, host_ms, profiled in pending:
+                rec = {"rids": rids, "seq_lens": lens, "draft": tokens[:, 1:].tolist(),
+                       "gpu_ms": start.elapsed_time(end), "host_ms": host_ms}
+                if profiled:
+                    rec["profiled"] = True
+                f.write(json.dumps(rec) + "\n")
 
 
 def install(directory: str, target: str) -> DraftTrace:
@@ -66,7 +121,11 @@ def install(directory: str, target: str) -> DraftTrace:
     raw = os.environ.get(FLUSH_ENV, str(FLUSH_EVERY))
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"${FLUSH_ENV}: expected a whole number of draft calls >= 1, got {raw!r}")
-    trace = DraftTrace(directory, int(raw))
+    prof = [x.strip() for x in os.environ.get(PROFILE_ENV, "").split(",") if x.strip()]
+    if not all(x.isdigit() and int(x) >= 1 for x in prof):
+        raise ValueError(f"${PROFILE_ENV}: expected batch sizes >= 1 separated by commas, got "
+                         f"{os.environ.get(PROFILE_ENV)!r}")
+    trace = DraftTrace(directory, int(raw), tuple(int(x) for x in prof))
     atexit.register(trace.flush)  # the records since the last FLUSH_EVERY reach the file at the scheduler's exit
     HookRegistry.register(target, trace.around_draft, HookType.AROUND)
     return trace
