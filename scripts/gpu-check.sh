@@ -11,8 +11,8 @@
 #   scripts/gpu-check.sh capture-warm  all buckets from the warm caches an earlier stage left, host time, census
 #   scripts/gpu-check.sh host-affinity  host time per call, 3 runs free / 3 pinned to a core near the GPU
 #   scripts/gpu-check.sh host     host time per call (GPU idle / busy) and a census of the graph's nodes, batch 8
-#   scripts/gpu-check.sh bench    `graphcap bench`: graphcap / compile / sglang / eager-rebuild over batch 1..64 at
-#                                 context 2048, 3 steps (bench.json in $LOG/bench-small, -large); `graphcap inspect`
+#   scripts/gpu-check.sh bench    `graphcap bench`: graphcap / compile(-nosync) / sglang / eager-rebuild over batch 1..64 at
+#                                 context 2048, 3 steps (bench.json in $LOG/bench-small, -large)
 #   scripts/gpu-check.sh capture  one compile for every bucket + the compile cache: cold, warm restart, warm restart
 #                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead)
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
@@ -153,9 +153,9 @@ case $stage in
     # Two runs (each compiles its own buckets), so that a call cut at its time limit keeps the first.
     for part in small:1,2,4,8 large:16,32,64; do
       STEP_LIMIT=${STEP_LIMIT:-420} step bench-${part%%:*} python3 -m graphcap.cli bench --batch ${part##*:} \
-        --context 2048 --steps 3 --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-${part%%:*}"
+        --context 2048 --steps 3 --modes graphcap,compile,compile-nosync,sglang,eager-rebuild \
+        --out "$LOG/bench-${part%%:*}"
     done
-    step inspect python3 -m graphcap.cli inspect "$GRAPHCAP_MANIFEST_DIR"
     ;;
   capture)  # start-up cost of one compile for every bucket (dynamic batch) with the compile cache: empty caches,
     # a warm restart, a warm restart with other KV pool sizes (another context), then host time per call at batch 8
