@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="compiled backends: one compile for every bucket (DraftGraphs' dynamic_batch), not one each")
     p.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                    help="compiled backends: load/save torch's compile artifacts in DIR (DraftGraphs' compile_cache)")
+    p.add_argument("--precompile", action="store_true",
+                   help="with --dynamic-batch and --compile-cache: save / load the whole compiled iteration "
+                        "(DraftGraphs' precompile: a warm restart traces nothing); inductor-cudagraph only")
     p.add_argument("--census", action="store_true",
                    help="record --batch's iteration once more as a debug graph: its nodes by type (graph.dot kept)")
     p.add_argument("--out", type=Path, required=True)
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         path = mf.manifest_path(a.out, spec.name, spec.hash, backend)
         dyn = a.dynamic_batch and backend != "cudagraph"  # the cudagraph backend compiles nothing
         graphs = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=path, progress=True,
-                                      dynamic_batch=dyn, compile_cache=a.compile_cache)
+                                      dynamic_batch=dyn, compile_cache=a.compile_cache,
+                                      precompile=a.precompile and backend == "inductor-cudagraph")
         t0 = time.perf_counter()
         graphs.capture()
         return wb, graphs, time.perf_counter() - t0

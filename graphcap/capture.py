@@ -26,13 +26,14 @@ import torch
 
 from graphcap import compile_cache as cc
 from graphcap import manifest as mf
+from graphcap import precompile as precompile_mod
 from graphcap.backends import ALL_BACKENDS, COMPILED_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS
 from graphcap.bucket_graph import BucketGraph
 from graphcap.dispatch import BucketDispatcher
 from graphcap.guards import CaptureError
 from graphcap.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
 from graphcap.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
-from graphcap.recording import CompiledIteration, compile_iteration, mark_batch_unbacked
+from graphcap.recording import CompiledIteration, compile_iteration, iteration_function, mark_batch_unbacked
 from graphcap.static_buffers import PoolDims, StaticBuffers
 from graphcap.window import check_slots
 
@@ -62,6 +63,7 @@ class DraftGraphs:
         compile_cache: str | os.PathLike | None = None,
         cache_key: str | None = None,
         pool_dims: PoolDims | None = None,
+        precompile: bool = False,
     ) -> None:
         """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
         file). `progress=True` adds a `StderrProgress`. `observers`: more (graphcap.observers); `add_observer` too.
@@ -81,7 +83,11 @@ class DraftGraphs:
         settings} (KV pools' token capacity, req_to_token, full_to_swa, slot rows), compiled symbolically like the
         batch, so that a restart with other pool sizes hits Inductor's on-disk caches instead of compiling again
         (graphcap.static_buffers). `for_loop` takes the loop's `pool_dims()`. The per-bucket compile (the default)
-        still specialises on them."""
+        still specialises on them.
+
+        `precompile=True` (with `dynamic_batch` and `compile_cache`; backends inductor-cudagraph and compile;
+        experimental): save the compiled iteration whole in the cache directory, Dynamo's output included, and at the
+        next capture load it instead of tracing (graphcap.precompile: what replaces Dynamo's guards)."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         self._dispatch = BucketDispatcher(buckets)
@@ -92,12 +98,20 @@ class DraftGraphs:
         if dynamic_batch and backend not in COMPILED_BACKENDS:
             raise ValueError(f"DraftGraphs: dynamic_batch compiles once for every bucket; backend {backend!r} "
                              f"compiles nothing (compiled backends: {', '.join(COMPILED_BACKENDS)})")
+        if precompile and not (dynamic_batch and compile_cache is not None and backend in precompile_mod.BACKENDS):
+            raise ValueError(f"DraftGraphs: precompile needs dynamic_batch=True, a compile_cache directory and a "
+                             f"backend of {', '.join(precompile_mod.BACKENDS)} (got dynamic_batch={dynamic_batch}, "
+                             f"compile_cache={compile_cache!r}, backend {backend!r})")
+        if precompile and getattr(fn, "graph_breaks", False):
+            raise ValueError("DraftGraphs: precompile needs a function Dynamo traces whole (fn.graph_breaks is set)")
         self.dynamic_batch = dynamic_batch
+        self.precompile = precompile
         self.compile_cache = compile_cache if backend in COMPILED_BACKENDS else None
         if self.compile_cache is not None and spec is None and not cache_key:
             raise ValueError("DraftGraphs: compile_cache without a spec needs a cache_key (what is compiled)")
         self._cache_key_text = cache_key
         self._cache_state: str | None = None  # the manifest's compile_cache: hit, miss, refused: <why>
+        self._aot_to_save = None  # a precompiled iteration compiled by this capture, saved once all buckets record
         self.fn, self.backend, self.spec, self.padding_slot = fn, backend, spec, padding_slot
         self.device = device
         self._static = StaticBuffers(static_tensors, example_inputs, pool_dims)
@@ -184,10 +198,13 @@ class DraftGraphs:
             static = self._static.all_tensors(iter(inputs))
             if self.compile_cache is not None:
                 self._cache_state = cc.load(self.compile_cache, self._cache_key())
-            compiled = compile_iteration(self.fn, self.backend, static, len(self._buckets), tag=f"{id(self):x}",
-                                         dynamic_batch=self.dynamic_batch,
-                                         batch_range=(1, self._dispatch.largest) if self.dynamic_batch else None)
-            self._compiled = CompiledIteration(*compiled)
+            batch_range = (1, self._dispatch.largest) if self.dynamic_batch else None
+            if self.precompile:
+                self._compiled = self._precompiled(static, batch_range)
+            else:
+                compiled = compile_iteration(self.fn, self.backend, static, len(self._buckets), tag=f"{id(self):x}",
+                                             dynamic_batch=self.dynamic_batch, batch_range=batch_range)
+                self._compiled = CompiledIteration(*compiled)
         pool = torch.cuda.graph_pool_handle() if self.backend in MANUAL_GRAPH_BACKENDS else None
         order = list(reversed(self._buckets))
         for i, bucket in enumerate(order, 1):
@@ -209,6 +226,9 @@ class DraftGraphs:
         if self.compile_cache is not None and self._cache_state != cc.HIT \
                 and all(b.captured for b in self._buckets):
             cc.save(self.compile_cache, self._cache_key())
+        if self._aot_to_save is not None and all(b.captured for b in self._buckets):
+            precompile_mod.save(self.compile_cache, self._aot_key(), self._aot_to_save, {"fn": self.fn})
+        self._aot_to_save = None
         self.captured = True
         self._created = self._created or mf.utc_now()
         self.flush()  # an unwritable manifest is the caller's error here
@@ -229,6 +249,23 @@ class DraftGraphs:
         self._compiled = None
         self._notes.clear()
         self.capture()
+
+    def _aot_key(self) -> str:
+        return f"{self._cache_key()}-{precompile_mod.signature(self._static.persistent, self._static.pool_dims, self.fn)}"
+
+    def _precompiled(self, static: list[torch.Tensor], batch_range: tuple[int, int]) -> CompiledIteration:
+        """The precompiled iteration from the cache directory, else compiled now (saved once every bucket is
+        captured); the manifest's compile_cache says which ("hit": loaded, nothing traced)."""
+        fn, state = precompile_mod.load(self.compile_cache, self._aot_key(), {"fn": self.fn})
+        self._cache_state = state
+        if fn is None:
+            for t in static:
+                torch._dynamo.mark_static_address(t)
+            fresh, _ = iteration_function(self.fn, f"{id(self):x}", batch_range)
+            fn = self._aot_to_save = precompile_mod.compile_aot(fresh, self._buckets[-1].inputs)
+        else:
+            self._notes.append("precompiled: the iteration was loaded, not traced")
+        return CompiledIteration(fn, None)
 
     def _cache_key(self) -> str:
         return cc.cache_key(spec_hash=self.spec.hash if self.spec is not None else None,

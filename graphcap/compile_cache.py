@@ -75,7 +75,7 @@ def cache_file(directory: str | os.PathLike, key: str) -> Path:
     return Path(directory) / f"{key}.bin"
 
 
-def _unsafe(path: Path, what: str) -> str | None:
+def untrusted(path: Path, what: str) -> str | None:
     """Why `path` must not be trusted (None: it may be)."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
@@ -105,7 +105,7 @@ def load(directory: str | os.PathLike, key: str) -> str:
     f = cache_file(d, key)
     if not os.path.lexists(f):
         return MISS
-    why = _unsafe(d, "directory") or _unsafe(f, "file")
+    why = untrusted(d, "directory") or untrusted(f, "file")
     if why:
         log.warning("graphcap: not loading the compile cache %s: %s; compiling instead", f, why)
         return f"refused: {why}"
@@ -131,7 +131,7 @@ def save(directory: str | os.PathLike, key: str) -> Path | None:
         if not got or not got[0]:
             return None
         d = ensure_dir(directory)
-        why = _unsafe(d, "directory")
+        why = untrusted(d, "directory")
         if why:  # code written where others can replace it would only be refused at the next load
             log.warning("graphcap: not saving the compile cache in %s: %s", d, why)
             return None

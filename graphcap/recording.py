@@ -31,6 +31,23 @@ def mark_batch_unbacked(t: torch.Tensor, top: int) -> None:
 _MARK_UNBACKED_PARAMS = frozenset(inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters)
 
 
+def iteration_function(fn: DraftFn, tag: str, batch_range: tuple[int, int] | None = None
+                       ) -> tuple[DraftFn, types.CodeType]:
+    """The function a capture compiles: `fn` behind a fresh code object (`draft_iteration_<tag>`) - its own Dynamo
+    cache (one entry per bucket), so recompiles are counted exactly and other compiled code in the process cannot
+    push it past the recompile limit - with the unbacked batch's range stated where `batch_range` is given."""
+    lo, hi = batch_range or (0, 0)
+
+    def draft_iteration(slots, accepted, tokens, hidden):
+        if batch_range is not None:  # the unbacked batch's range (mark_batch_unbacked): no branch on b == 0 or 1
+            torch._check(slots.shape[0] >= lo)
+            torch._check(slots.shape[0] <= hi)
+        return fn(slots, accepted, tokens, hidden)
+
+    code = draft_iteration.__code__.replace(co_name=f"draft_iteration_{tag}")
+    return types.FunctionType(code, draft_iteration.__globals__, code.co_name, None, draft_iteration.__closure__), code
+
+
 def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor], buckets: int,
                       tag: str, dynamic_batch: bool = False,
                       batch_range: tuple[int, int] | None = None) -> tuple[DraftFn, types.CodeType]:
@@ -48,19 +65,7 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
     (lo, hi) bounds that batch inside the function, for torch versions whose marks take no range."""
     for t in static:
         torch._dynamo.mark_static_address(t)
-
-    # A fresh code object per DraftGraphs: its own Dynamo cache (one entry per bucket), so recompiles are counted
-    # exactly and other compiled code in the process cannot push it past the recompile limit.
-    lo, hi = batch_range or (0, 0)
-
-    def draft_iteration(slots, accepted, tokens, hidden):
-        if batch_range is not None:  # the unbacked batch's range (mark_batch_unbacked): no branch on b == 0 or 1
-            torch._check(slots.shape[0] >= lo)
-            torch._check(slots.shape[0] <= hi)
-        return fn(slots, accepted, tokens, hidden)
-
-    code = draft_iteration.__code__.replace(co_name=f"draft_iteration_{tag}")
-    fresh = types.FunctionType(code, draft_iteration.__globals__, code.co_name, None, draft_iteration.__closure__)
+    fresh, code = iteration_function(fn, tag, batch_range)
     breaks = bool(getattr(fn, "graph_breaks", False))
     # pieces after a graph break are cached per layer instance and bucket: room for all of them
     limit = buckets + 2 if not breaks else 64 * (buckets + 2)
@@ -129,18 +134,19 @@ class CompiledIteration:
     Dynamo's cache for `code` (fresh per DraftGraphs, see `compile_iteration`) holds what capture compiled; an entry
     added later means a guard failed and the call ran something that was never captured."""
 
-    def __init__(self, fn: DraftFn, code: types.CodeType) -> None:
+    def __init__(self, fn: DraftFn, code: types.CodeType | None) -> None:
+        """`code` None: a precompiled iteration (graphcap.precompile), which Dynamo does not run: nothing to count."""
         self.fn, self.code = fn, code
         self.entries = 0  # cache entries once capture finished (`seal`)
 
     def seal(self) -> None:
-        self.entries = cache_entries(self.code)
+        self.entries = cache_entries(self.code) if self.code is not None else 0
 
     def __call__(self, size: int, *inputs: torch.Tensor) -> DraftOutput:
         """One call on bucket `size`'s static inputs (compile and reduce-overhead backends: Dynamo runs per call)."""
         torch.compiler.cudagraph_mark_step_begin()
         out = self.fn(*inputs)
-        if cache_entries(self.code) != self.entries:
+        if self.code is not None and cache_entries(self.code) != self.entries:
             # Only visible once the call returned: this iteration did run (the windows advanced), slowly.
             raise CaptureError(f"bucket {size}: recompiled after capture (a guard failed: a static tensor or the "
                                "function changed; this iteration still ran and advanced the windows); run with "

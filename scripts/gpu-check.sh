@@ -14,7 +14,8 @@
 #   scripts/gpu-check.sh bench    `graphcap bench`: graphcap / compile(-nosync) / sglang / eager-rebuild over batch 1..64 at
 #                                 context 2048, 3 steps (bench.json in $LOG/bench-small, -large)
 #   scripts/gpu-check.sh capture  one compile for every bucket + the compile cache: cold, warm restart, warm restart
-#                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead)
+#                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead);
+#                                 the three starts again with the iteration precompiled
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
@@ -160,7 +161,7 @@ case $stage in
   capture)  # start-up cost of one compile for every bucket (dynamic batch) with the compile cache: empty caches,
     # a warm restart, a warm restart with other KV pool sizes (another context), then host time per call at batch 8
     fresh=$WORK/capture-$(date +%s)
-    cc=$fresh/compile-cache; mkdir -p "$cc"; chmod 700 "$fresh" "$cc"
+    cc=$fresh/compile-cache; mkdir -p "$cc" "$fresh/pre-cache"; chmod 700 "$fresh" "$cc" "$fresh/pre-cache"
     for run in cold:2048 warm:2048 warm-other-pools:4096; do
       step capture-${run%%:*} env TORCHINDUCTOR_CACHE_DIR=$fresh/inductor TRITON_CACHE_DIR=$fresh/triton \
         python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context ${run##*:} --capture-only \
@@ -169,6 +170,13 @@ case $stage in
     step capture-host env TORCHINDUCTOR_CACHE_DIR=$fresh/inductor TRITON_CACHE_DIR=$fresh/triton \
       python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --dynamic-batch \
       --backends inductor-cudagraph,reduce-overhead --compile-cache "$cc" --out "$LOG/capture-host"
+    # the same three starts with the whole iteration precompiled (a warm restart traces nothing)
+    for run in pre-cold:2048 pre-warm:2048 pre-warm-other-pools:4096; do
+      step capture-${run%%:*} env TORCHINDUCTOR_CACHE_DIR=$fresh/pre-inductor TRITON_CACHE_DIR=$fresh/pre-triton \
+        python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context ${run##*:} --capture-only \
+        --dynamic-batch --precompile --backends inductor-cudagraph --compile-cache "$fresh/pre-cache" \
+        --out "$LOG/capture-${run%%:*}"
+    done
     ;;
   capture-all)  # the replay-equality test for the gemma4 spec over every bucket (compile-heavy: ~25 s per bucket);
     # cut at 560 s so that what ran still comes back inside a 600 s per-command limit

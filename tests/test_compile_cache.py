@@ -199,3 +199,67 @@ def test_nothing_is_saved_where_others_could_replace_it(tmp_path, monkeypatch, c
         assert cc.save(d, "k" * 64) is None
     assert list(d.iterdir()) == []
     assert [r for r in caplog.records if "not saving the compile cache" in r.getMessage()]
+
+
+def test_precompiled_iteration_loads_without_tracing_over_other_pools(tmp_path, monkeypatch):
+    """precompile=True: the first capture compiles (AOT) and saves the iteration; a capture in a fresh Dynamo state,
+    on a state with bigger pools and more slot rows, loads it - no frame traced - records every bucket and equals
+    the eager loop. A file others can write is refused (one warning) and compiled instead."""
+    import os
+
+    from torch._dynamo.utils import counters
+
+    from graphcap import precompile
+    from graphcap.capture import DraftGraphs
+    from graphcap.kernels import twins_on_cpu
+    from test_pool_dims import LIVE, SPEC, build
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    def capture(**state):
+        torch._dynamo.reset()
+        st, wb, loop = build(SPEC, **state)
+        frames = counters["stats"]["unique_graphs"]
+        g = DraftGraphs.for_loop(loop, backend="compile", buckets=(1, 2), manifest_path=None, dynamic_batch=True,
+                                 compile_cache=cache, precompile=True)
+        g.capture()
+        assert [r.status for r in g.buckets] == ["captured"] * 2
+        return g, wb, loop, counters["stats"]["unique_graphs"] - frames
+
+    with twins_on_cpu():
+        g, _, _, traced = capture(grow=0, rows=LIVE, cols=128)
+        assert traced == 1 and g.manifest().compile_cache == cc.MISS
+        (aot,) = cache.glob(f"*{precompile.SUFFIX}")
+        assert oct(aot.stat().st_mode & 0o777) == oct(0o600)
+        g, wb, loop, traced = capture(grow=60, rows=LIVE + 8, cols=128)
+        assert traced == 0 and g.manifest().compile_cache == cc.HIT
+        assert "precompiled: the iteration was loaded, not traced" in g.manifest().notes
+        _, eager_wb, eager = build(SPEC, grow=60, rows=LIVE + 8, cols=128)
+        gen = torch.Generator().manual_seed(3)
+        for b in (2, 1, 2):
+            slots = torch.randperm(LIVE, generator=gen)[:b]
+            batch = (slots, torch.randint(1, 3, (b,), generator=gen),
+                     torch.randint(0, SPEC.draft.vocab, (b,), generator=gen),
+                     torch.randn(b, SPEC.target.hidden, generator=gen))
+            want, got = eager(*batch), g.run(*batch, copy=True)
+            decided = want.margins > 1e-3
+            assert torch.equal(got.tokens[decided], want.tokens[decided]), b
+            torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
+            assert torch.equal(wb.ring, eager_wb.ring) and torch.equal(wb.seq_lens, eager_wb.seq_lens)
+        os.chmod(aot, 0o666)
+        g, _, _, traced = capture(grow=0, rows=LIVE, cols=128)
+        assert traced == 1 and g.manifest().compile_cache.startswith("refused: the file is writable by others")
+
+
+def test_precompile_refuses_what_it_cannot_serve(tmp_path):
+    from test_pool_dims import LIVE, SPEC, build
+
+    from graphcap.capture import DraftGraphs
+
+    loop = build(SPEC, grow=0, rows=LIVE, cols=128)[2]
+    for kw in (dict(dynamic_batch=False, compile_cache=tmp_path), dict(dynamic_batch=True),
+               dict(dynamic_batch=True, compile_cache=tmp_path, backend="eager")):
+        # (the eager backend is refused by dynamic_batch's own check first)
+        with pytest.raises(ValueError, match="precompile needs dynamic_batch=True|dynamic_batch compiles once"):
+            DraftGraphs.for_loop(loop, manifest_path=None, precompile=True, **{"backend": "compile", **kw})

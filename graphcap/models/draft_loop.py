@@ -103,6 +103,13 @@ class DraftLoop(nn.Module):
             out[f"{lt}.k_pool"], out[f"{lt}.v_pool"] = src.k_pool, src.v_pool
         return out
 
+    def precompile_signature(self) -> str:
+        """What a precompiled iteration bakes in beyond its tensors' shapes (graphcap.precompile): the step count and
+        the attention plans."""
+        plans = {lt: (src.any_batch, sorted(src.plans.items())) for lt, src in self.sources.items()
+                 if src.attend is None}
+        return f"steps={self.steps};plans={plans}"
+
     def pool_dims(self) -> dict[str, tuple[int, ...]]:
         """The dimensions of `static_tensors` sized by the engine's memory settings (the pools' token capacity, the
         window buffers'), which capture compiles symbolically; the model's own tensors follow the spec."""

@@ -1,0 +1,109 @@
+"""Opt-in precompiled iteration (`DraftGraphs(precompile=True)`): the one dynamic-batch compile saved whole, Dynamo's
+output included, with torch's AOT compile (`torch.compile(...).aot_compile`, `load_compiled_function`), so that a
+restart loads it and records its graphs without tracing anything.
+
+Why: a warm restart from Inductor's caches still re-runs Dynamo over the whole iteration (2.2 s of 6.6 s on the
+H200 for buckets 1..64). A precompiled iteration skips that; it needs `dynamic_batch` (one artifact for every bucket,
+the pool sizes symbolic, so other memory settings load it too).
+
+What replaces Dynamo's guards: the artifact is saved with none (torch would check them against objects of the
+process that compiled it). graphcap's key stands in for them: the compile cache's key (spec hash or caller's key,
+backend, buckets, versions, device) plus the static tensors' names, dtypes and sizes other than the pool-sized
+dimensions, plus the loop's `precompile_signature()` where it has one (its attention plans). Anything else that
+would change the compiled code must change one of these.
+
+A precompiled file is code, kept under the compile cache's rules (graphcap.compile_cache): 0600 in a 0700 directory
+this user owns, nothing loaded from a shared-writable, foreign or symlinked path. A file that does not load is one
+warning and a normal compile. The function compiled is the capture's own (`recording.iteration_function`); the
+model object it closes over travels as external data (it is the live object of the loading process, not a copy).
+
+Experimental in torch (2.11 and 2.13 both have the API); checked on CPU (Inductor's C++ backend), not yet on a GPU.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from graphcap import compile_cache as cc
+from graphcap.atomic import write_atomic
+from graphcap.iteration import DraftFn, Inputs
+
+log = logging.getLogger("graphcap")
+
+BACKENDS = ("inductor-cudagraph", "compile")  # Inductor without CUDA graphs of its own: graphcap records them
+SUFFIX = ".aot"
+
+
+def _no_guards(entries: Sequence) -> list[bool]:
+    return [False] * len(entries)
+
+
+def signature(static: Mapping[str, torch.Tensor], pool_dims: Mapping[str, Sequence[int]], fn: object) -> str:
+    """What the key adds for a precompiled artifact (module docstring): static tensors' names, dtypes and sizes with
+    the pool-sized dimensions left out, and `fn.precompile_signature()` if it has one."""
+    parts = []
+    for name in sorted(static):
+        t = static[name]
+        dims = set(pool_dims.get(name, ()))
+        parts.append(f"{name}:{t.dtype}:{[s if i not in dims else '*' for i, s in enumerate(t.shape)]}")
+    extra = getattr(fn, "precompile_signature", None)
+    if callable(extra):
+        parts.append(str(extra()))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def compile_aot(fresh: DraftFn, example_inputs: Inputs) -> DraftFn:
+    """`fresh` (the capture's iteration function) compiled now, for the example inputs whose batch dimension is
+    marked unbacked: one artifact for every bucket, saved with no guards."""
+    compiled = torch.compile(fresh, fullgraph=True, dynamic=None,
+                             options={"triton.cudagraphs": False, "guard_filter_fn": _no_guards})
+    return compiled.aot_compile((tuple(example_inputs), {}))
+
+
+def path_for(directory: str | os.PathLike, key: str) -> Path:
+    return Path(directory).expanduser() / f"{key}{SUFFIX}"
+
+
+def save(directory: str | os.PathLike, key: str, compiled: DraftFn, external: Mapping[str, object]) -> Path | None:
+    """Write `compiled` to `<directory>/<key>.aot`, 0600, atomically; None (logged) where it cannot be serialised or
+    written: the capture stands either way."""
+    try:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        data = AOTCompiledFunction.serialize(compiled, dict(external)).serialized_data
+        d = cc.ensure_dir(directory)
+        why = cc.untrusted(d, "directory")
+        if why:
+            log.warning("graphcap: not saving the precompiled iteration in %s: %s", d, why)
+            return None
+        return write_atomic(path_for(d, key), data, 0o600)
+    except Exception as e:  # noqa: BLE001 - an experimental torch API: the capture must not die of it
+        log.warning("graphcap: could not save the precompiled iteration in %s (%s: %s)", directory,
+                    type(e).__name__, e)
+        return None
+
+
+def load(directory: str | os.PathLike, key: str, external: Mapping[str, object]) -> tuple[DraftFn | None, str]:
+    """The precompiled iteration of `key` and the manifest's compile_cache value ("hit", "miss", "refused: <why>");
+    (None, ...) where there is none or it is refused or does not load."""
+    d = cc.ensure_dir(directory)
+    f = path_for(d, key)
+    if not os.path.lexists(f):
+        return None, cc.MISS
+    why = cc.untrusted(d, "directory") or cc.untrusted(f, "file")
+    if why:
+        log.warning("graphcap: not loading the precompiled iteration %s: %s; compiling instead", f, why)
+        return None, f"refused: {why}"
+    try:
+        fn = torch.compiler.load_compiled_function(io.BytesIO(f.read_bytes()), external_data=dict(external))
+    except Exception as e:  # noqa: BLE001 - corrupt, truncated, another torch: compile as usual
+        log.warning("graphcap: could not load the precompiled iteration %s (%s: %s); compiling instead",
+                    f, type(e).__name__, e)
+        return None, cc.MISS
+    return fn, cc.HIT
