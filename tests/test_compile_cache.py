@@ -212,7 +212,7 @@ def test_precompiled_iteration_loads_without_tracing_over_other_pools(tmp_path, 
     from graphcap import precompile
     from graphcap.capture import DraftGraphs
     from graphcap.kernels import twins_on_cpu
-    from test_pool_dims import LIVE, SPEC, build
+    from test_pool_dims import LIVE, SPEC, assert_runs_as_eager, build
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
@@ -235,18 +235,7 @@ def test_precompiled_iteration_loads_without_tracing_over_other_pools(tmp_path, 
         g, wb, loop, traced = capture(grow=60, rows=LIVE + 8, cols=128)
         assert traced == 0 and g.manifest().compile_cache == cc.HIT
         assert "precompiled: the iteration was loaded, not traced" in g.manifest().notes
-        _, eager_wb, eager = build(SPEC, grow=60, rows=LIVE + 8, cols=128)
-        gen = torch.Generator().manual_seed(3)
-        for b in (2, 1, 2):
-            slots = torch.randperm(LIVE, generator=gen)[:b]
-            batch = (slots, torch.randint(1, 3, (b,), generator=gen),
-                     torch.randint(0, SPEC.draft.vocab, (b,), generator=gen),
-                     torch.randn(b, SPEC.target.hidden, generator=gen))
-            want, got = eager(*batch), g.run(*batch, copy=True)
-            decided = want.margins > 1e-3
-            assert torch.equal(got.tokens[decided], want.tokens[decided]), b
-            torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
-            assert torch.equal(wb.ring, eager_wb.ring) and torch.equal(wb.seq_lens, eager_wb.seq_lens)
+        assert_runs_as_eager(g, wb, dict(grow=60, rows=LIVE + 8, cols=128), seed=3)
         os.chmod(aot, 0o666)
         g, _, _, traced = capture(grow=0, rows=LIVE, cols=128)
         assert traced == 1 and g.manifest().compile_cache.startswith("refused: the file is writable by others")

@@ -33,6 +33,22 @@ def build(spec, *, grow: int, rows: int, cols: int, steps: int = 1):
     return st, wb, DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, steps=steps)
 
 
+def assert_runs_as_eager(graphs, wb, state: dict, seed: int) -> None:
+    """`graphs` (captured over `wb` of a `build(SPEC, **state)`) against the eager loop of a twin state, batches 2, 1,
+    2 of random live slots: the same decided tokens, hidden within 1e-4, the same windows after each."""
+    _, eager_wb, eager = build(SPEC, **state)
+    gen = torch.Generator().manual_seed(seed)
+    for b in (2, 1, 2):
+        slots = torch.randperm(LIVE, generator=gen)[:b]
+        batch = (slots, torch.randint(1, 3, (b,), generator=gen), torch.randint(0, SPEC.draft.vocab, (b,), generator=gen),
+                 torch.randn(b, SPEC.target.hidden, generator=gen))
+        want, got = eager(*batch), graphs.run(*batch, copy=True)
+        decided = want.margins > 1e-3
+        assert torch.equal(got.tokens[decided], want.tokens[decided]), b
+        torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
+        assert torch.equal(wb.ring, eager_wb.ring) and torch.equal(wb.seq_lens, eager_wb.seq_lens)
+
+
 @pytest.fixture
 def fx_graph_cache():
     """Inductor's on-disk FX graph cache on (the default; an environment may turn it off). A config patch, not
@@ -97,18 +113,8 @@ def test_other_pool_sizes_hit_the_on_disk_caches_and_another_model_misses(tmp_pa
     g, wb, second, state = capture(SPEC, "other-pools", grow=60, rows=LIVE + 8, cols=120)
     assert g.manifest().compile_cache == cc.HIT  # the same artifacts file (the key has no pool size)
     assert second == {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0}
-    _, eager_wb, eager = build(SPEC, **state)
     assert g._static.persistent["sliding.k_pool"].shape[0] > 0 and wb.ring.shape[0] == LIVE + 9
-    gen = torch.Generator().manual_seed(4)
-    for b in (2, 1, 2):
-        slots = torch.randperm(LIVE, generator=gen)[:b]
-        batch = (slots, torch.randint(1, 3, (b,), generator=gen), torch.randint(0, SPEC.draft.vocab, (b,), generator=gen),
-                 torch.randn(b, SPEC.target.hidden, generator=gen))
-        want, got = eager(*batch), g.run(*batch, copy=True)
-        decided = want.margins > 1e-3
-        assert torch.equal(got.tokens[decided], want.tokens[decided]), b
-        torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
-        assert torch.equal(wb.ring, eager_wb.ring) and torch.equal(wb.seq_lens, eager_wb.seq_lens)
+    assert_runs_as_eager(g, wb, state, seed=4)
     wider = dataclasses.replace(SPEC, draft=dataclasses.replace(SPEC.draft, hidden=40))
     g, _, third, _ = capture(wider, "wider", grow=60, rows=LIVE + 8, cols=120)
     assert g.manifest().compile_cache == cc.MISS and third == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}
