@@ -354,3 +354,15 @@ def test_no_speed_up_over_a_baseline_that_lost_its_graphs(monkeypatch):
     rows = {r.mode: r for r in runner._rows(modes, 1, 8, 3, 16, None, cfg)}
     assert rows["graphcap"].x_eager_rebuild is None and rows["graphcap"].x_sglang is None
     assert "graphs lost" in rows["graphcap"].note
+
+
+def test_sync_count_runs_the_call_with_the_collector_off_and_restores_it(device):
+    """A cycle collected mid-call can free earlier captures' CUDA memory, and the allocator syncs for that: the count
+    is of the call's own syncs, so the collector is off while it runs (and on again after, as it was)."""
+    import gc
+
+    seen = []
+    x = torch.randn(4, device=device)
+    assert gc.isenabled()
+    assert count_syncs(lambda: seen.append(gc.isenabled()) or (x * 2).sum().item(), device == "cuda").value == 1
+    assert seen == [False] and gc.isenabled()

@@ -4,11 +4,15 @@
   (`.item()`, `nonzero`, a blocking copy), and each warning is counted. Without CUDA there is no device to wait for;
   what would be a sync - the host reading a tensor's value (`aten::_local_scalar_dense`, behind `.item()` and
   `int(t)`) - is counted with torch.profiler instead, which also sees through compiled code.
+- The collector is off while the call runs: a cycle collected mid-call can free CUDA memory of earlier captures (a
+  graph pool, a side stream's blocks), and the allocator synchronises for that - a sync of the collector's timing,
+  not of the call's (graphcap's first counted call after the other modes' captures showed one such).
 - Kernels, with CUDA: torch.profiler's device activity (CUPTI), kernels of CUDA-graph replays included; copies and
   memsets are not kernels. Without CUDA: None and the reason.
 """
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +30,17 @@ class Count:
 
 
 def count_syncs(fn: Callable[[], object], cuda: bool) -> Count:
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        return _count_syncs(fn, cuda)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _count_syncs(fn: Callable[[], object], cuda: bool) -> Count:
     if cuda:
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
