@@ -88,15 +88,15 @@ def test_fixed_shapes_fp16_and_bf16(device, shape):
 
 
 def test_twin_is_the_gather_and_einsum(device):
-    """The twin is the model's previous head math, op for op (bit-identical), and the op's path where Triton cannot
-    run."""
+    """The twin is the gather-then-einsum head math, op for op (bit-identical), and the op's path where Triton
+    cannot run."""
     w, x, top, t = make_case(3, batch=3, clusters=6, tokens=8, hidden=24, k=4, dtype=torch.bfloat16, device=device)
     w = w.contiguous()
-    old = torch.einsum("bkth,bh->bkt", w.view(6, 8, 24)[top], x).flatten(1).float()
-    assert torch.equal(centroid_logits_torch(w, x, top, t), old)
+    gathered = torch.einsum("bkth,bh->bkt", w.view(6, 8, 24)[top], x).flatten(1).float()
+    assert torch.equal(centroid_logits_torch(w, x, top, t), gathered)
     if device == "cpu":
         with twins_on_cpu():
-            assert torch.equal(centroid_logits(w, x, top, t), old)
+            assert torch.equal(centroid_logits(w, x, top, t), gathered)
 
 
 def test_out_of_range_clusters_read_nothing_and_give_nan(device):

@@ -5,7 +5,7 @@ cluster c, so a cluster's T rows are one contiguous block. Per batch row b and c
 
     logits[b, j * T + t] = dot(lm_head[top[b, j] * T + t, :], x[b, :])        (fp32 accumulation, fp32 out)
 
-`centroid_logits_torch` is the plain-torch twin and the model's previous math (and sglang's: gather the chosen
+`centroid_logits_torch` is the plain-torch twin, the gather-then-product math (sglang's too: gather the chosen
 clusters' rows into a [B, k, T, H] copy, then a batched product in the weights' dtype, then fp32). The kernel reads
 each chosen row once, straight from lm_head, and accumulates in fp32 - no [B, k, T, H] copy, which at the Gemma 4
 shapes is 100 MB written and read again per step at batch 8.
