@@ -11,8 +11,8 @@
 #   scripts/gpu-check.sh capture-warm  all buckets from the warm caches an earlier stage left, host time, census
 #   scripts/gpu-check.sh host-affinity  host time per call, 3 runs free / 3 pinned to a core near the GPU
 #   scripts/gpu-check.sh host     host time per call (GPU idle / busy) and a census of the graph's nodes, batch 8
-#   scripts/gpu-check.sh bench    `graphcap bench`: graphcap / compile(-nosync) / sglang / eager-rebuild over batch 1..64 at
-#                                 context 2048, 3 steps (bench.json in $LOG/bench-small, -large)
+#   scripts/gpu-check.sh bench    `graphcap bench`: graphcap / compile(-nosync, -plain) / sglang / eager-rebuild
+#                                 over batch 1..64 at context 2048, 3 steps (bench.json in $LOG/bench-small, -large)
 #   scripts/gpu-check.sh capture  one compile for every bucket + the compile cache: cold, warm restart, warm restart
 #                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead);
 #                                 the three starts again with the iteration precompiled
@@ -154,7 +154,7 @@ case $stage in
     # Two runs (each compiles its own buckets), so that a call cut at its time limit keeps the first.
     for part in small:1,2,4,8 large:16,32,64; do
       STEP_LIMIT=${STEP_LIMIT:-420} step bench-${part%%:*} python3 -m graphcap.cli bench --batch ${part##*:} \
-        --context 2048 --steps 3 --modes graphcap,compile,compile-nosync,sglang,eager-rebuild \
+        --context 2048 --steps 3 --modes graphcap,compile,compile-nosync,compile-plain,sglang,eager-rebuild \
         --out "$LOG/bench-${part%%:*}"
     done
     ;;

@@ -40,12 +40,13 @@ def test_every_mode_drafts_the_reference_tokens():
     spec = load_spec("tiny")  # W = 16: rows below, at and past the window
     lens0 = [1, 5, 16, 40, 70, 3]
     cfg = _config("--spec", "tiny", "--batch", str(len(lens0)), "--context", "8", "--iters", "1",
-                  "--modes", "eager-rebuild,compile,compile-nosync,graphcap", "--graphcap-backend", "eager")
+                  "--modes", "eager-rebuild,compile,compile-nosync,compile-plain,graphcap", "--graphcap-backend",
+                  "eager")
     st = make_target_state(spec, lens0, [n + 8 for n in lens0], seed=3)
     model = FrozenKVDraft(spec, seed=4)
     notes: list[str] = []
     modes = build_modes(cfg, model, st, spec.capture.steps, notes)
-    assert [m.name for m in modes] == ["eager-rebuild", "compile", "compile-nosync", "graphcap"]
+    assert [m.name for m in modes] == ["eager-rebuild", "compile", "compile-nosync", "compile-plain", "graphcap"]
     g = torch.Generator().manual_seed(5)
     accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=g, dtype=torch.int32)
     tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=g)
@@ -69,6 +70,7 @@ def test_every_mode_drafts_the_reference_tokens():
     compiled = modes[1].runner
     assert compiled.syncs == 4  # 3 capture calls + 1: sglang's .item(), outside the compiled function
     assert modes[2].runner.syncs == 0  # compile-nosync: the same compiled loop without it
+    assert modes[3].runner.syncs == 0 and modes[3].runner.loop.ops.name == "torch-plain"  # a hand-written loop
     with twins_on_cpu():
         compiled.run(st.slots[:2], accepted[:2], tokens[:2], hidden[:2])
     assert graph_problem(compiled) == "recompiled after capture (1 new Dynamo cache entries)"

@@ -17,8 +17,11 @@
   before the compiled call, so both modes pay the same host sync. Without CUDA: graphcap's torch twins for the
   rebuild and attention.
 - `CompiledBaseline(host_sync=False)` (`compile-nosync`): the same compiled loop without that sync - the most a user
-  gets from torch.compile alone if they also take sglang's `.item()` out of the worker, and what graphcap's margin
-  is smallest against.
+  gets from torch.compile alone if they also take sglang's `.item()` out of the worker.
+- `compile-plain` (asked for by name): a hand-written loop under the same compile - plain torch ops for the norms,
+  activation and rotary (Inductor fuses them with their neighbours, where sglang's fused kernels are opaque to it),
+  the centroid head's gather and product, sglang's attention kernels, no sync: the loop that beat graphcap at batch 1
+  in an earlier H200 measurement.
 
 A baseline whose graphs were lost is not a baseline: `graph_problem(runner)` says why a mode's measured calls may not
 be its captured graphs - a DraftGraphs bucket that failed to capture (it runs eagerly), a call past the largest
@@ -102,10 +105,11 @@ class SglangBaseline:
 
 class CompiledBaseline:
     def __init__(self, loop: DraftLoop, ops: DraftOps, batches: Sequence[int], sglang_kernels: bool,
-                 warm_slots: torch.Tensor, *, cores: int | None = None, host_sync: bool = True) -> None:
+                 warm_slots: torch.Tensor, *, cores: int | None = None, host_sync: bool = True,
+                 name: str | None = None) -> None:
         w, m = loop.window, loop.model
         self.host_sync = host_sync
-        self.name = "compile" if host_sync else "compile-nosync"
+        self.name = name or ("compile" if host_sync else "compile-nosync")
         self.warm_slots = warm_slots
         pools = {lt: (src.k_pool, src.v_pool) for lt, src in loop.sources.items()}
         self.window, self.batches, self.syncs = w, tuple(batches), 0

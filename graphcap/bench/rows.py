@@ -32,6 +32,7 @@ class BenchRow:
     x_sglang: float | None = None
     x_compile: float | None = None
     x_compile_nosync: float | None = None
+    x_compile_plain: float | None = None
     util_pct: float | None = None  # NVML, mean over the measured iterations
     power_w: float | None = None
     sm_mhz: float | None = None
@@ -42,7 +43,8 @@ class BenchRow:
 
 
 SPEEDUP_FIELDS = {"eager-rebuild": "x_eager_rebuild", "graph-rebuild": "x_graph_rebuild", "sglang": "x_sglang",
-                  "compile": "x_compile", "compile-nosync": "x_compile_nosync"}
+                  "compile": "x_compile", "compile-nosync": "x_compile_nosync",
+                  "compile-plain": "x_compile_plain"}
 
 
 @dataclass(frozen=True)

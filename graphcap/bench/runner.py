@@ -28,7 +28,7 @@ from graphcap.bench.state import TargetState, make_target_state
 from graphcap.bench.timing import Sample, median_p90, time_call
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
-from graphcap.models.draft_ops import TORCH_OPS, DraftOps, fused_ops
+from graphcap.models.draft_ops import PLAIN_OPS, TORCH_OPS, DraftOps, fused_ops
 from graphcap.window import WindowBuffers
 
 CPU_SHOWS = ("A CPU run checks that every mode runs the same draft, counts host reads of tensor values (syncs on "
@@ -85,15 +85,15 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                 check_available(cuda)
                 runner = SglangBaseline(loop, fused_ops(), buckets)
                 note = _pdl_note(runner.attention.use_pdl)
-            elif name in ("compile", "compile-nosync"):
-                ops, note = _fused_or_torch(notes, cuda)
+            elif name in ("compile", "compile-nosync", "compile-plain"):
+                ops, note = (PLAIN_OPS, "") if name == "compile-plain" else _fused_or_torch(notes, cuda)
                 if not cuda:
                     note = "; ".join(x for x in (note, "graphcap's torch twins for rebuild and attention (sglang's "
                                                         "kernels need CUDA); Inductor C++, no graphs") if x)
                 else:
                     check_available(cuda)
                 runner = CompiledBaseline(loop, ops, cfg.batches, sglang_kernels=cuda, warm_slots=state.slots,
-                                          host_sync=name == "compile")
+                                          host_sync=name == "compile", name=name)
                 if runner.attention is not None:
                     note = "; ".join(x for x in (note, _pdl_note(runner.attention.use_pdl)) if x)
             else:

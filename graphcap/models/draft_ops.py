@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from graphcap.kernels import use_triton
-from graphcap.kernels.centroid_head import centroid_logits
+from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torch
 
 EPS = 1e-6
 LAYER_TYPES = ("sliding", "full")
@@ -94,9 +94,11 @@ def _rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 @dataclass(frozen=True)
 class TorchOps:
-    """Plain torch ops: the reference model's own code (the centroid head: graphcap's kernel, module docstring)."""
+    """Plain torch ops: the reference model's own code (the centroid head: graphcap's kernel, module docstring;
+    `centroid_kernel=False`: the gather and batched product a plain loop would write, `PLAIN_OPS`)."""
 
     name: str = "torch"
+    centroid_kernel: bool = True
 
     def bind(self, model: nn.Module) -> TorchOps:
         return self
@@ -125,12 +127,15 @@ class TorchOps:
         return _rope(q, *rope)
 
     def centroid_head(self, lm_head, token_of_cluster, x, top):
-        # graphcap's kernel (the twin on CPU), over the candidates only
-        logits = centroid_logits(lm_head, x, top, token_of_cluster.shape[1])
+        t = token_of_cluster.shape[1]
+        # graphcap's kernel (the twin on CPU), or the plain gather + product
+        logits = centroid_logits(lm_head, x, top, t) if self.centroid_kernel else centroid_logits_torch(lm_head, x,
+                                                                                                        top, t)
         return logits, token_of_cluster[top].flatten(1)
 
 
 TORCH_OPS = TorchOps()
+PLAIN_OPS = TorchOps(name="torch-plain", centroid_kernel=False)  # what a hand-written loop runs (bench compile-plain)
 FUSED_MODULE = "graphcap.kernels.fused_ops"
 SGLANG_POST_NORM = "sglang.kernels.ops.layernorm.gemma4_fused_ops"  # gemma_rmsnorm_residual_scalar
 
