@@ -24,6 +24,8 @@ that name what they mutate, so torch.compile/Inductor can trace loops that call 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -275,34 +277,25 @@ def _act_out(op: str, input: torch.Tensor, out: torch.Tensor | None) -> torch.Te
     return out
 
 
-def gelu_tanh_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    out = _act_out("gelu_tanh_and_mul", input, out)
-    _act_and_mul_op(out, input, ACTS["gelu_tanh"])
-    return out
+def _act_and_mul(name: str, act: str) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """sgl_kernel's `name(input, out=None)`: act(input[..., :d]) * input[..., d:] in one kernel, and its torch twin
+    (`name`_ref), for one activation of ACTS."""
+    def fused(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = _act_out(name, input, out)
+        _act_and_mul_op(out, input, ACTS[act])
+        return out
+
+    def ref(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _act_out(name, input, out).copy_(_act_torch(input, ACTS[act]))
+
+    fused.__name__ = fused.__qualname__ = name
+    ref.__name__ = ref.__qualname__ = f"{name}_ref"
+    return fused, ref
 
 
-def gelu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    out = _act_out("gelu_and_mul", input, out)
-    _act_and_mul_op(out, input, ACTS["gelu"])
-    return out
-
-
-def silu_and_mul(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    out = _act_out("silu_and_mul", input, out)
-    _act_and_mul_op(out, input, ACTS["silu"])
-    return out
-
-
-def gelu_tanh_and_mul_ref(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    return _act_out("gelu_tanh_and_mul", input, out).copy_(_act_torch(input, ACTS["gelu_tanh"]))
-
-
-def gelu_and_mul_ref(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    return _act_out("gelu_and_mul", input, out).copy_(_act_torch(input, ACTS["gelu"]))
-
-
-def silu_and_mul_ref(input: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    return _act_out("silu_and_mul", input, out).copy_(_act_torch(input, ACTS["silu"]))
+gelu_tanh_and_mul, gelu_tanh_and_mul_ref = _act_and_mul("gelu_tanh_and_mul", "gelu_tanh")
+gelu_and_mul, gelu_and_mul_ref = _act_and_mul("gelu_and_mul", "gelu")
+silu_and_mul, silu_and_mul_ref = _act_and_mul("silu_and_mul", "silu")
 
 
 # ---------------------------------------------------------------------------------------------------------------
