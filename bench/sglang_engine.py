@@ -256,6 +256,15 @@ def main(argv=None) -> int:
     ap.add_argument("--child")
     ap.add_argument("--child-out")
     a = ap.parse_args(argv)
+    if not a.child:  # what each mode needs, named before anything starts
+        if not a.out:
+            ap.error("--out is required")
+        if not a.combine and not (a.ckpt and (a.check or a.speed)):
+            ap.error("give --ckpt with --check and/or --speed, or --combine CHECK_JSON SPEED_JSON")
+        if not [b for b in a.backends.split(",") if b]:
+            ap.error("--backends: give at least one backend")
+        if any(not x.strip().isdigit() or int(x) < 1 for x in a.profile_batches.split(",") if x.strip()):
+            ap.error(f"--profile-batches: expected batch sizes >= 1, got {a.profile_batches!r}")
     if a.child:
         res = run_child(json.load(open(a.child)))
         json.dump(res, open(a.child_out, "w"))

@@ -33,7 +33,8 @@ from graphcap.dispatch import BucketDispatcher
 from graphcap.guards import CaptureError
 from graphcap.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
 from graphcap.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
-from graphcap.recording import CompiledIteration, compile_iteration, iteration_function, mark_batch_unbacked
+from graphcap.recording import (CompiledIteration, compile_iteration, iteration_function, mark_batch_unbacked,
+                                mark_static)
 from graphcap.static_buffers import PoolDims, StaticBuffers
 from graphcap.window import check_slots
 
@@ -81,7 +82,9 @@ class DraftGraphs:
 
         `pool_dims` (with `dynamic_batch`): {static tensor name: its dimensions sized by the engine's memory
         settings} (KV pools' token capacity, req_to_token, full_to_swa, slot rows), compiled symbolically like the
-        batch, so that a restart with other pool sizes hits Inductor's on-disk caches instead of compiling again
+        batch, so that a restart with other pool sizes hits Inductor's on-disk caches instead of compiling again -
+        unless its context bound (`req_to_token`'s columns) changes the full layer's planned split count, a constant
+        of the graph
         (graphcap.static_buffers). `for_loop` takes the loop's `pool_dims()`. The per-bucket compile (the default)
         still specialises on them.
 
@@ -140,18 +143,20 @@ class DraftGraphs:
         """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph)."""
         spec = loop.spec
         buckets = buckets or spec.capture.buckets
-        if kw.get("dynamic_batch"):
-            loop.plan_for_any_batch()
-        else:
-            loop.plan_for_batches(buckets)
         if "pool_dims" not in kw and hasattr(loop, "pool_dims"):
             kw["pool_dims"] = loop.pool_dims()
         # what is compiled beyond the spec: the loop's own step count and whether the advance is in it
         what = f"steps={getattr(loop, 'steps', spec.capture.steps)}" + (";steps_only" if steps_only else "")
         kw["cache_key"] = ";".join(x for x in (kw.get("cache_key"), what) if x)
-        return cls(loop.draft_steps if steps_only else loop, buckets=buckets,
-                   padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
-                   static_tensors=loop.static_tensors(), backend=backend or spec.capture.backend, spec=spec, **kw)
+        graphs = cls(loop.draft_steps if steps_only else loop, buckets=buckets,
+                     padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
+                     static_tensors=loop.static_tensors(), backend=backend or spec.capture.backend, spec=spec, **kw)
+        # planned once the arguments are known good: a refused call leaves the loop as it was
+        if graphs.dynamic_batch:
+            loop.plan_for_any_batch()
+        else:
+            loop.plan_for_batches(graphs._dispatch.sizes)
+        return graphs
 
     def add_observer(self, observer: CaptureObserver) -> None:
         """Tell `observer` about captures and flushes from now on (graphcap.observers)."""
@@ -180,6 +185,7 @@ class DraftGraphs:
     def capture(self) -> None:
         """Warm up and record every bucket, largest first (so smaller ones reuse its pool memory)."""
         t_all = time.perf_counter()
+        self._aot_to_save = None  # nothing left over from a capture that raised
         self._static.arm()
         if self.backend in COMPILED_BACKENDS:
             inputs = [t for b in self._buckets for t in b.inputs]
@@ -259,8 +265,7 @@ class DraftGraphs:
         fn, state = precompile_mod.load(self.compile_cache, self._aot_key(), {"fn": self.fn})
         self._cache_state = state
         if fn is None:
-            for t in static:
-                torch._dynamo.mark_static_address(t)
+            mark_static(static)
             fresh, _ = iteration_function(self.fn, f"{id(self):x}", batch_range)
             fn = self._aot_to_save = precompile_mod.compile_aot(fresh, self._buckets[-1].inputs)
         else:

@@ -192,9 +192,10 @@ def layer_pattern(layers: Sequence[str]) -> str:
 
 def _bench_description() -> str:
     return ("Draft-phase iterations/s against batch (and context, steps): graphcap against eager-rebuild, "
-            "graph-rebuild, sglang (what sglang 0.5.23 launches) and compile (torch.compile reduce-overhead of the "
-            "same loop), on one target state, modes interleaved. Without CUDA: the tiny spec, graphs and sglang's "
-            "kernels skipped with the reason.")
+            "graph-rebuild, sglang (what sglang 0.5.23 launches), compile (that loop under torch.compile "
+            "reduce-overhead, sglang's .item() kept), compile-nosync (without it) and compile-plain (a hand-written "
+            "loop: torch ops Inductor fuses, no sync), on one target state, modes interleaved. Without CUDA: the tiny "
+            "spec, graphs and sglang's kernels skipped with the reason, compile-plain left out unless named.")
 
 
 def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -206,6 +207,11 @@ def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise CliError(f"graphcap bench is unavailable: {e}") from None
     cfg = bench_options.config_from_args(args, torch.cuda.is_available(),
                                          command=" ".join([PROG, *argv]))
+    if cfg.out is not None:  # before the run, not after it
+        try:
+            cfg.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CliError(f"--out {cfg.out}: {e.strerror or e}") from None
     return runner.main(cfg)
 
 

@@ -19,12 +19,14 @@ import logging
 import os
 import platform
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from graphcap.atomic import write_atomic
 
 log = logging.getLogger("graphcap")
+T = TypeVar("T")
 
 __all__ = ["cache_key", "cache_file", "load", "save", "HIT", "MISS"]
 
@@ -96,47 +98,66 @@ def ensure_dir(directory: str | os.PathLike) -> Path:
     return d
 
 
-def load(directory: str | os.PathLike, key: str) -> str:
-    """Load the artifacts of `key` into this process's compile caches if present and trusted. Returns the manifest
-    value: "hit", "miss" (no file, or it did not load) or "refused: <why>". Never raises for a bad cache."""
-    import torch
-
+def read_trusted(directory: str | os.PathLike, name: str, what: str, loader: Callable[[bytes], T]
+                 ) -> tuple[T | None, str]:
+    """`loader(bytes of <directory>/<name>)` if the file is there and trusted, with the manifest value: "hit", "miss"
+    (no file, or it did not load: logged, the file left in place for inspection) or "refused: <why>" (logged).
+    Never raises for a bad cache: the caller compiles instead."""
     d = ensure_dir(directory)
-    f = cache_file(d, key)
+    f = d / name
     if not os.path.lexists(f):
-        return MISS
+        return None, MISS
     why = untrusted(d, "directory") or untrusted(f, "file")
     if why:
-        log.warning("graphcap: not loading the compile cache %s: %s; compiling instead", f, why)
-        return f"refused: {why}"
+        log.warning("graphcap: not loading the %s %s: %s; compiling instead", what, f, why)
+        return None, f"refused: {why}"
     try:
-        data = f.read_bytes()
-        info = torch.compiler.load_cache_artifacts(data)
-        if info is None:  # torch logs why (its own warning) and returns None for bytes it cannot read
-            raise ValueError("torch could not deserialize it")
-    except Exception as e:  # corrupt, truncated, another torch: compile as usual, leave the file for inspection
-        log.warning("graphcap: could not load the compile cache %s (%s: %s); compiling instead (file left in place)",
-                    f, type(e).__name__, e)
-        return MISS
-    return HIT
+        return loader(f.read_bytes()), HIT
+    except Exception as e:  # corrupt, truncated, another torch: compile as usual
+        log.warning("graphcap: could not load the %s %s (%s: %s); compiling instead (file left in place)",
+                    what, f, type(e).__name__, e)
+        return None, MISS
 
 
-def save(directory: str | os.PathLike, key: str) -> Path | None:
-    """Write this process's compile artifacts (`torch.compiler.save_cache_artifacts()`) to `<directory>/<key>.bin`,
-    atomically and 0600. None if torch had nothing to save or the write failed (logged: the capture stands)."""
-    import torch
-
+def write_trusted(directory: str | os.PathLike, name: str, what: str, produce: Callable[[], bytes | None]
+                  ) -> Path | None:
+    """Write `produce()` to `<directory>/<name>`, atomically and 0600; None if it produced nothing, the directory is
+    not trusted (code written where others can replace it would only be refused at the next load) or the write
+    failed (logged: the capture stands)."""
     try:
-        got = torch.compiler.save_cache_artifacts()
-        if not got or not got[0]:
+        data = produce()
+        if not data:
             return None
         d = ensure_dir(directory)
         why = untrusted(d, "directory")
-        if why:  # code written where others can replace it would only be refused at the next load
-            log.warning("graphcap: not saving the compile cache in %s: %s", d, why)
+        if why:
+            log.warning("graphcap: not saving the %s in %s: %s", what, d, why)
             return None
-        path = write_atomic(cache_file(d, key), got[0], 0o600)
-        return path
-    except Exception as e:
-        log.warning("graphcap: could not save the compile cache in %s (%s: %s)", directory, type(e).__name__, e)
+        return write_atomic(d / name, data, 0o600)
+    except Exception as e:  # noqa: BLE001 - torch's serialisers are experimental: the capture must not die of them
+        log.warning("graphcap: could not save the %s in %s (%s: %s)", what, directory, type(e).__name__, e)
         return None
+
+
+def _load_artifacts(data: bytes) -> None:
+    import torch
+
+    if torch.compiler.load_cache_artifacts(data) is None:  # torch logs why and returns None for bytes it cannot read
+        raise ValueError("torch could not deserialize it")
+
+
+def _saved_artifacts() -> bytes | None:
+    import torch
+
+    got = torch.compiler.save_cache_artifacts()
+    return got[0] if got else None
+
+
+def load(directory: str | os.PathLike, key: str) -> str:
+    """Load the artifacts of `key` into this process's compile caches if present and trusted; the manifest value."""
+    return read_trusted(directory, cache_file(directory, key).name, "compile cache", _load_artifacts)[1]
+
+
+def save(directory: str | os.PathLike, key: str) -> Path | None:
+    """Write this process's compile artifacts (`torch.compiler.save_cache_artifacts()`) to `<directory>/<key>.bin`."""
+    return write_trusted(directory, cache_file(directory, key).name, "compile cache", _saved_artifacts)

@@ -16,8 +16,8 @@ class BucketDispatcher:
 
     def __init__(self, sizes: Sequence[int]) -> None:
         sizes = list(sizes)
-        if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
-            raise ValueError(f"DraftGraphs: buckets must be positive and strictly increasing, got {sizes}")
+        if not sizes or any(type(s) is not int for s in sizes) or sizes != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"DraftGraphs: buckets must be positive, strictly increasing ints, got {sizes}")
         self.sizes: tuple[int, ...] = tuple(sizes)
         self.largest = sizes[-1]
         # A list index per call: a search (bisect) would cost host time on every iteration.

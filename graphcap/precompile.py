@@ -4,7 +4,8 @@ restart loads it and records its graphs without tracing anything.
 
 Why: a warm restart from Inductor's caches still re-runs Dynamo over the whole iteration (2.2 s of 6.6 s on the
 H200 for buckets 1..64). A precompiled iteration skips that; it needs `dynamic_batch` (one artifact for every bucket,
-the pool sizes symbolic, so other memory settings load it too).
+the pool sizes symbolic, so other memory settings load it too - unless they change the context bound enough to
+change the full layer's split count, which is in the key).
 
 What replaces Dynamo's guards: the artifact is saved with none (torch would check them against objects of the
 process that compiled it). graphcap's key stands in for them: the compile cache's key (spec hash or caller's key,
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,10 +31,7 @@ from pathlib import Path
 import torch
 
 from graphcap import compile_cache as cc
-from graphcap.atomic import write_atomic
 from graphcap.iteration import DraftFn, Inputs
-
-log = logging.getLogger("graphcap")
 
 BACKENDS = ("inductor-cudagraph", "compile")  # Inductor without CUDA graphs of its own: graphcap records them
 SUFFIX = ".aot"
@@ -52,7 +49,7 @@ def signature(static: Mapping[str, torch.Tensor], pool_dims: Mapping[str, Sequen
         t = static[name]
         dims = set(pool_dims.get(name, ()))
         parts.append(f"{name}:{t.dtype}:{[s if i not in dims else '*' for i, s in enumerate(t.shape)]}")
-    extra = getattr(fn, "precompile_signature", None)
+    extra = getattr(getattr(fn, "__self__", fn), "precompile_signature", None)  # a bound draft_steps: its loop
     if callable(extra):
         parts.append(str(extra()))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -66,44 +63,23 @@ def compile_aot(fresh: DraftFn, example_inputs: Inputs) -> DraftFn:
     return compiled.aot_compile((tuple(example_inputs), {}))
 
 
-def path_for(directory: str | os.PathLike, key: str) -> Path:
-    return Path(directory).expanduser() / f"{key}{SUFFIX}"
+def file_name(key: str) -> str:
+    return f"{key}{SUFFIX}"
 
 
 def save(directory: str | os.PathLike, key: str, compiled: DraftFn, external: Mapping[str, object]) -> Path | None:
-    """Write `compiled` to `<directory>/<key>.aot`, 0600, atomically; None (logged) where it cannot be serialised or
-    written: the capture stands either way."""
-    try:
+    """Write `compiled` to `<directory>/<key>.aot` under the compile cache's rules; None (logged) where it cannot be
+    serialised or written: the capture stands either way."""
+    def produce() -> bytes:
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
-        data = AOTCompiledFunction.serialize(compiled, dict(external)).serialized_data
-        d = cc.ensure_dir(directory)
-        why = cc.untrusted(d, "directory")
-        if why:
-            log.warning("graphcap: not saving the precompiled iteration in %s: %s", d, why)
-            return None
-        return write_atomic(path_for(d, key), data, 0o600)
-    except Exception as e:  # noqa: BLE001 - an experimental torch API: the capture must not die of it
-        log.warning("graphcap: could not save the precompiled iteration in %s (%s: %s)", directory,
-                    type(e).__name__, e)
-        return None
+        return AOTCompiledFunction.serialize(compiled, dict(external)).serialized_data
+
+    return cc.write_trusted(directory, file_name(key), "precompiled iteration", produce)
 
 
 def load(directory: str | os.PathLike, key: str, external: Mapping[str, object]) -> tuple[DraftFn | None, str]:
     """The precompiled iteration of `key` and the manifest's compile_cache value ("hit", "miss", "refused: <why>");
     (None, ...) where there is none or it is refused or does not load."""
-    d = cc.ensure_dir(directory)
-    f = path_for(d, key)
-    if not os.path.lexists(f):
-        return None, cc.MISS
-    why = cc.untrusted(d, "directory") or cc.untrusted(f, "file")
-    if why:
-        log.warning("graphcap: not loading the precompiled iteration %s: %s; compiling instead", f, why)
-        return None, f"refused: {why}"
-    try:
-        fn = torch.compiler.load_compiled_function(io.BytesIO(f.read_bytes()), external_data=dict(external))
-    except Exception as e:  # noqa: BLE001 - corrupt, truncated, another torch: compile as usual
-        log.warning("graphcap: could not load the precompiled iteration %s (%s: %s); compiling instead",
-                    f, type(e).__name__, e)
-        return None, cc.MISS
-    return fn, cc.HIT
+    return cc.read_trusted(directory, file_name(key), "precompiled iteration", lambda data:
+                           torch.compiler.load_compiled_function(io.BytesIO(data), external_data=dict(external)))

@@ -31,6 +31,13 @@ def mark_batch_unbacked(t: torch.Tensor, top: int) -> None:
 _MARK_UNBACKED_PARAMS = frozenset(inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters)
 
 
+def mark_static(static: Iterable[torch.Tensor]) -> None:
+    """`mark_static_address` on every tensor a graph reads by address: one Dynamo sees as a plain input would be
+    copied into the graph at every replay."""
+    for t in static:
+        torch._dynamo.mark_static_address(t)
+
+
 def iteration_function(fn: DraftFn, tag: str, batch_range: tuple[int, int] | None = None
                        ) -> tuple[DraftFn, types.CodeType]:
     """The function a capture compiles: `fn` behind a fresh code object (`draft_iteration_<tag>`) - its own Dynamo
@@ -63,8 +70,7 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
     `dynamic_batch`: compiled with dynamic=None instead of False, so that inputs whose batch dimension the caller
     marked dynamic (`mark_batch_unbacked`) give one graph for every bucket instead of one per bucket; `batch_range`
     (lo, hi) bounds that batch inside the function, for torch versions whose marks take no range."""
-    for t in static:
-        torch._dynamo.mark_static_address(t)
+    mark_static(static)
     fresh, code = iteration_function(fn, tag, batch_range)
     breaks = bool(getattr(fn, "graph_breaks", False))
     # pieces after a graph break are cached per layer instance and bucket: room for all of them
@@ -122,7 +128,7 @@ def record_bucket(inputs: Inputs, rec: mf.BucketRecord, backend: str, fn: DraftF
         if backend == "reduce-overhead" and cudagraph_skips() > skips0:
             raise CaptureError(f"bucket {rec.batch_size}: Inductor skipped CUDA graphs "
                                "(see TORCH_LOGS=cudagraphs for the reason)")
-        rec.status = "captured"
+        rec.status, rec.reason = "captured", None
     rec.capture_s = time.perf_counter() - t0
     rec.pool_bytes = max(0, reserved_bytes() - before) if cuda else 0
     return (None, None) if rec.status == "failed" else (graph, outputs)

@@ -197,6 +197,9 @@ def _relations(f: _SpecFile) -> tuple[str, str] | None:
         kv_heads = getattr(f.attention, lt).kv_heads
         if d.heads % kv_heads:
             return f"attention.{lt}.kv_heads", f"must divide draft.heads={d.heads}, got {kv_heads}"
+        head_dim = getattr(f.attention, lt).head_dim
+        if head_dim % 2:
+            return f"attention.{lt}.head_dim", f"must be even (rotary turns pairs of halves), got {head_dim}"
     if c.top_k != 1:
         return "capture.top_k", f"only 1 (a chain draft) is supported, got {c.top_k}"
     if any(b <= a for a, b in zip(c.buckets, c.buckets[1:])):

@@ -8,7 +8,8 @@ turns that into a `CaptureError` before anything is written (then `DraftGraphs.r
 Some persistent tensors are sized by the server's memory settings, not by the model: the KV pools (token capacity),
 `req_to_token` (request rows x context columns), `full_to_swa`, the window buffers' slot rows. Those dimensions
 (`pool_dims`) are compiled symbolically in a `dynamic_batch` capture (`mark_pool_dims`), so a restart with other pool
-sizes reuses the compiled artifact from Inductor's on-disk caches instead of compiling again. The marks stay on the
+sizes reuses the compiled artifact from Inductor's on-disk caches instead of compiling again (unless a new context
+bound changes the full layer's planned split count, a constant of the graph). The marks stay on the
 tensors: a later compile in the process over the same pools treats those dimensions as dynamic too.
 """
 from __future__ import annotations

@@ -17,6 +17,7 @@
 #                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead);
 #                                 the three starts again with the iteration precompiled
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
+#   scripts/gpu-check.sh bench8   the draft-phase bench at batch 8 over contexts 256..32000
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
 #                                 kernel/model tests, gemma4 replay tests
@@ -151,9 +152,10 @@ case $stage in
     # $LOG/bench-small and bench-large; the context sweep at batch 8 is stage bench8). The sglang modules the bench imports (decode
     # attention, index builder, split rule, Gemma 4 post-MLP norm) import no sgl_kernel, so tests/support stays off
     # PYTHONPATH here.
-    # Two runs (each compiles its own buckets), so that a call cut at its time limit keeps the first.
+    # Two runs (each compiles its own buckets), so that a call cut at its time limit keeps the first; 280 s each fits
+    # both in one 600 s call (each took ~150-190 s with four modes).
     for part in small:1,2,4,8 large:16,32,64; do
-      STEP_LIMIT=${STEP_LIMIT:-420} step bench-${part%%:*} python3 -m graphcap.cli bench --batch ${part##*:} \
+      STEP_LIMIT=${STEP_LIMIT:-280} step bench-${part%%:*} python3 -m graphcap.cli bench --batch ${part##*:} \
         --context 2048 --steps 3 --modes graphcap,compile,compile-nosync,compile-plain,sglang,eager-rebuild \
         --out "$LOG/bench-${part%%:*}"
     done

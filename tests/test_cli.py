@@ -214,3 +214,20 @@ def test_inspect_reads_the_inductor_cudagraph_manifest_of_the_h200_run(capsys):
     assert [b["batch_size"] for b in data["buckets"]] == [1, 2, 4, 8, 16, 32, 64]
     assert all(b["status"] == "captured" and b["pool_bytes"] > 0 for b in data["buckets"])
     assert sum(b["replays"] for b in data["buckets"]) > 0
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU defaults and refusals")
+@pytest.mark.parametrize("args, fragment", [
+    (["--modes", "graphcap,graphcap"], "names a mode twice"),
+    (["--graphcap-backend", "cudagraph"], "records CUDA graphs and this machine has no CUDA"),
+])
+def test_bench_refuses_bad_options_in_one_line_before_running(capsys, args, fragment):
+    assert main(["bench", *args]) == 2
+    one_line_error(capsys, fragment)
+
+
+def test_bench_refuses_an_unwritable_out_before_running(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "--spec", "tiny", "--out", str(blocker / "sub")]) == 2
+    one_line_error(capsys, "--out", "sub")

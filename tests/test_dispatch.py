@@ -25,6 +25,6 @@ def test_zero_copy_range_and_bad_sizes():
         with pytest.raises(CaptureError, match=rf"replay: batch {bad!r} is not an int in the captured buckets' range"):
             d.captured_index("replay", bad)
     assert d.oversize == 0  # the zero-copy calls have no eager path: nothing counted
-    for sizes in ([], [4, 2], [2, 2], [0, 4]):
+    for sizes in ([], [4, 2], [2, 2], [0, 4], [1, 2.0], ["4"], [True, 2]):
         with pytest.raises(ValueError, match="strictly increasing"):
             BucketDispatcher(sizes)

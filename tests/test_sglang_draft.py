@@ -319,10 +319,10 @@ def _plus_one(t: torch.Tensor) -> torch.Tensor:
 def test_check_mode_names_what_disagrees(device, monkeypatch, corrupt, named):
     """GRAPHCAP_SGLANG_CHECK=1 checks every length graphcap hands on to sglang (seq_lens_sum, seq_lens_cpu) and the
     rows it replayed against batch.seq_lens / the requests, not only the window lengths; off, it checks nothing."""
+    monkeypatch.setenv(CHECK_ENV, "1")  # read when the runtime is made
     rt, sched = _steady(device)
     batch = sched.batch()
     corrupt(batch)
-    monkeypatch.setenv(CHECK_ENV, "1")
     with pytest.raises(RuntimeError, match=CHECK_ENV) as e:
         rt.iterate(batch)
     for pattern in named:
@@ -330,8 +330,8 @@ def test_check_mode_names_what_disagrees(device, monkeypatch, corrupt, named):
 
 
 def test_check_mode_passes_consistent_host_lengths_and_counts_the_fallback_sync(device, monkeypatch):
-    rt, sched = _steady(device)
     monkeypatch.setenv(CHECK_ENV, "1")
+    rt, sched = _steady(device)
     batch = sched.batch()
     batch.seq_lens_sum = None
     assert rt.iterate(batch)[1] == int(batch.seq_lens_cpu.sum()) and rt.host_syncs == 0
@@ -503,3 +503,12 @@ def test_a_bad_trace_profile_list_is_named(tmp_path, monkeypatch, raw):
     monkeypatch.setenv(sglang_trace.PROFILE_ENV, raw)
     with pytest.raises(ValueError, match=rf"\${sglang_trace.PROFILE_ENV}: expected batch sizes"):
         sglang_trace.install(str(tmp_path / "trace"), "sglang.srt.managers.scheduler.Scheduler.does_not_matter")
+
+
+@pytest.mark.parametrize("raw", ["yes", "true", "2"])
+def test_a_bad_check_switch_is_named_when_the_runtime_is_made(device, monkeypatch, raw):
+    from graphcap.integrations.sglang_config import DraftCaptureConfigError
+
+    monkeypatch.setenv(CHECK_ENV, raw)
+    with pytest.raises(DraftCaptureConfigError, match=rf"\${CHECK_ENV}: expected 0 or 1, got '{raw}'"):
+        _steady(device)

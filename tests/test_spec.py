@@ -64,6 +64,7 @@ BAD = [
     ("draft.centroid_top_k", 17, "draft.centroid_top_k: must be in [1, centroids=16]"),
     ("draft.colour", "red", "draft.colour: unknown key"),
     ("attention.sliding.kv_heads", 3, "attention.sliding.kv_heads: must divide draft.heads=4"),
+    ("attention.full.head_dim", 15, "attention.full.head_dim: must be even"),
     ("attention.full", KeyError, "attention.full: missing"),
     ("capture.buckets", [1, 4, 2], "capture.buckets: must be strictly increasing, got [1, 4, 2]"),
     ("capture.buckets", [1, 1, 2], "capture.buckets: must be strictly increasing"),

@@ -18,7 +18,7 @@
   rebuild and attention.
 - `CompiledBaseline(host_sync=False)` (`compile-nosync`): the same compiled loop without that sync - the most a user
   gets from torch.compile alone if they also take sglang's `.item()` out of the worker.
-- `compile-plain` (asked for by name): a hand-written loop under the same compile - plain torch ops for the norms,
+- `compile-plain` (a default mode with CUDA only): a hand-written loop under the same compile - plain torch ops for the norms,
   activation and rotary (Inductor fuses them with their neighbours, where sglang's fused kernels are opaque to it),
   the centroid head's gather and product, sglang's attention kernels, no sync: the loop that beat graphcap at batch 1
   in an earlier H200 measurement.

@@ -8,6 +8,7 @@ locations are already allocated in req_to_token, as after a verify), so windows 
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -158,8 +159,8 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                               torch.randn(n, b, spec.target.hidden, generator=g).to(device, spec.torch_dtype()))
                     for m in modes:
                         m.samples, m.monitor, m.syncs, m.kernels = [], [], None, None
-                    for _ in range(cfg.repeats):
-                        for m in modes:
+                    for r in range(cfg.repeats):
+                        for m in modes[r % len(modes):] + modes[:r % len(modes)]:  # each mode goes first in turn
                             progress.set_postfix_str(f"steps {steps} ctx {ctx} batch {b} {m.name}")
                             _measure(m, cfg, ctx, state.slots[:b], inputs, cuda)
                         progress.update()
@@ -188,9 +189,16 @@ def _measure(m: Mode, cfg: BenchConfig, ctx: int, slots: torch.Tensor, inputs: t
     if cuda:
         torch.cuda.synchronize()
     mon = GpuMonitor() if cuda else None
-    with mon or contextlib.nullcontext():
-        for i in range(cfg.warmup + 2, cfg.warmup + 2 + cfg.iters):
-            m.samples.append(time_call(it(i), cuda))
+    gc_was_on = gc.isenabled()
+    gc.collect()
+    gc.disable()  # a collection mid-call can free earlier captures' CUDA memory and sync: timed in no mode
+    try:
+        with mon or contextlib.nullcontext():
+            for i in range(cfg.warmup + 2, cfg.warmup + 2 + cfg.iters):
+                m.samples.append(time_call(it(i), cuda))
+    finally:
+        if gc_was_on:
+            gc.enable()
     if mon is not None:
         m.monitor.append(mon.summary())
 

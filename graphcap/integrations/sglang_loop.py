@@ -183,8 +183,9 @@ class SglangAssistantLoop:
 
     def forward_batch(self, b: int):
         fb = self._batches.get(b)
-        if fb is None:  # eager path only (a batch above the largest bucket): built outside any trace
-            fb = self._batches[b] = self._new_forward_batch(b)
+        if fb is None:  # eager path only (a batch above the largest bucket): built per call, outside any trace, and
+            # not kept (one per size would hold its hidden states for good)
+            fb = self._new_forward_batch(b)
         return fb
 
     def __call__(self, slots, accepted, tokens, hidden):

@@ -54,7 +54,7 @@ def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static
     writes it where the rank is unknown. Progress goes to the server's log (`graphcap.sglang`), and the counters
     since the last timed flush are written when the scheduler process exits (the plugin registers that here: the
     library registers no exit hooks). `pool_dims`: the static tensors' dimensions sized by the server's memory
-    settings (DraftGraphs'), compiled symbolically so a restart with other pool sizes reuses Inductor's caches."""
+    settings (DraftGraphs'; symbolic only in a dynamic_batch compile, which the plugin does not ask for)."""
     # Not a capture spec (sglang's model defines the draft): a stand-in with the fields a manifest records.
     spec = SimpleNamespace(name=name, hash=f"w{window.window}-s{steps}", source="sglang", window=window.window,
                            capture=SimpleNamespace(steps=steps))
@@ -112,8 +112,9 @@ _TREE_INPUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (batch, ste
 def chain_tree_inputs(draft_tokens: torch.Tensor):
     """(parent_list, top_scores_index, draft_tokens) exactly as sglang's `draft_forward` + `organize_draft_results`
     produce them for a chain (topk == 1): parents -1, 0, 1, ... (none for one step), every token selected in order.
-    Contiguous, row-major: sglang's tree kernel checks the strides of every dimension of size > 1 (an `expand`ed view
-    with stride 0 along the batch is refused). The two index tensors are constants per batch size, made once."""
+    The two index tensors are contiguous and row-major - sglang's tree kernel checks their strides in every dimension
+    of size > 1 (an `expand`ed view with stride 0 along the batch is refused) - and constants per batch size, made
+    once; the draft tokens are passed as sglang's draft makes them (sglang copies them with torch.cat)."""
     b, steps = draft_tokens.shape
     dev = draft_tokens.device
     key = (b, steps, dev)
@@ -132,6 +133,10 @@ class GraphcapDraftRuntime:
     def __init__(self, worker, options: DraftCaptureOptions, window: WindowBuffers, target_pool) -> None:
         self.worker, self.options, self.window, self.target_pool = worker, options, window, target_pool
         self.tracker = SlotTracker(window)
+        check = os.environ.get(CHECK_ENV, "0")
+        if check not in ("0", "1"):
+            raise DraftCaptureConfigError(f"${CHECK_ENV}: expected 0 or 1, got {check!r}")
+        self.check = check == "1"  # read once: the draft path reads no environment per call
         self.steps = int(worker.speculative_num_steps)
         self.graphs: DraftGraphs | None = None
         self.max_bucket = 0
@@ -207,7 +212,7 @@ class GraphcapDraftRuntime:
         static.update({f"draft.{n}": t for n, t in loop.model.named_buffers() if t is not None})
         static["pending_accepts"] = self.tracker.pending
         # sized by the server's memory settings (--mem-fraction-static, --max-running-requests, --context-length),
-        # not the model: compiled symbolically
+        # not the model: named for DraftGraphs, which compiles them symbolically only with dynamic_batch (not used here)
         pool_dims = {f"window.{k}": d for k, d in self.window.pool_dims().items()}
         pool_dims["pending_accepts"] = (0,)
         for logical, phys in sorted(w.kv_context.physical_layer_ids.items()):
@@ -260,7 +265,7 @@ class GraphcapDraftRuntime:
                 out = self.graphs.run(slots, self.tracker.take_accepted(slots), tokens, hidden,
                                       host_slots=host_slots)
         seq_lens_sum, source = self._seq_lens_sum(batch)
-        if os.environ.get(CHECK_ENV) == "1":
+        if self.check:
             check_lengths(self.window, batch, host_slots, seq_lens_sum, source)
         return out, seq_lens_sum
 

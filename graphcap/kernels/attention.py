@@ -343,8 +343,8 @@ def decode_attention(
     slots [B], lens indexed by slot. Returns [B, H, D] in q's dtype; rows of length 0 give zeros.
 
     `plan`: the call's `AttentionPlan`, made beforehand (per bucket, outside anything traced). Without one the op
-    plans from its concrete inputs with the given `num_splits` (a direct call; torch.compile traces no planning
-    either way).
+    plans inside its body from the inputs with the given `num_splits` (a direct call; under torch.compile Inductor
+    traces that body, so a compiled caller should bring a plan).
     """
     if plan is None:
         if num_splits is None:
@@ -370,7 +370,8 @@ def _decode_attention_op(
 ) -> torch.Tensor:
     """The registered op behind `decode_attention` (traceable by torch.compile, capturable in a CUDA graph). The
     plan's numbers arrive as ints (an op takes only tensors and scalars); block_n 0 means the call brought none and
-    it is planned here, from the concrete inputs (Dynamo does not trace an op's body)."""
+    it is planned here, from the inputs (Dynamo does not trace an op's body; Inductor's lowering does, on fake
+    tensors, which is why a symbolic batch plans for any batch)."""
     _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
     if not use_triton(q):
         return decode_attention_torch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)

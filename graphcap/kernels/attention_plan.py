@@ -2,7 +2,7 @@
 configuration, the split count per capture bucket and the query-head tiling.
 Everything here depends on static numbers only (shapes, the device's properties), never on GPU values. `plan_attention`
 turns them into one `AttentionPlan` per bucket, on the host, before anything is traced or captured; the op takes the
-plan's numbers as int arguments and calls no planner, so torch.compile traces no planning (nor its lru_caches) and
+plan's numbers as int arguments and calls no planner, so a planned call traces no planning (nor its lru_caches) and
 the replayed graph holds the plan as constants. (A direct call that brings no plan is planned inside the op, from its
 concrete inputs.)"""
 from __future__ import annotations

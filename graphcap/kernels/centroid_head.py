@@ -77,7 +77,7 @@ def _check(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per
 def centroid_logits_torch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor,
                           tokens_per_cluster: int) -> torch.Tensor:
     """Twin of the kernel: gather the chosen clusters' rows, batched product in the inputs' dtype, fp32 out.
-    Static shapes only, so it traces under torch.compile. lm_head must be contiguous (a view by clusters)."""
+    Static shapes only, so it traces under torch.compile. lm_head's row stride is free (the view splits rows only)."""
     clusters = lm_head.shape[0] // tokens_per_cluster
     rows = lm_head.view(clusters, tokens_per_cluster, -1)[top]  # [B, k, T, H]: a copy
     return torch.einsum("bkth,bh->bkt", rows, x).flatten(1).float()

@@ -59,7 +59,9 @@ class DraftLoop(nn.Module):
         """Plan the attention of every batch in `sizes` (the capture's buckets) now, on the host: the traced and
         replayed calls then only look their plan up (`KVSource.plan`). `DraftGraphs.for_loop` calls it."""
         sizes = tuple(sizes)
-        sources = {lt: src if src.attend is not None else src.planned(sizes) for lt, src in self.sources.items()}
+        # per bucket from now on: a plan for any batch (an earlier dynamic_batch capture) would override these
+        sources = {lt: src if src.attend is not None else src.planned(sizes).per_bucket()
+                   for lt, src in self.sources.items()}
         if any(sources[lt] is not src for lt, src in self.sources.items()):  # else keep the dict compiled code saw
             self.sources = sources
 

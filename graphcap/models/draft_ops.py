@@ -25,8 +25,8 @@ The centroid LM head's scoring is part of the set too. The torch set calls graph
 (`graphcap.kernels.centroid_head`: lm_head rows read in place, fp32 accumulation; its gather twin where Triton cannot
 run), as the loop calls graphcap's attention kernel. The fused set runs sglang's Gemma 4 assistant head
 (`_apply_centroid_masking`) op for op, so the sglang-style baselines keep it: the chosen clusters' rows gathered
-with a contiguous index (torch's vectorised gather; a strided index falls back to its element-wise kernel, several
-times slower on a GPU), one batched product in the weights' dtype. Both sets then take the greedy token among the
+with a contiguous index (torch's vectorised gather; a strided index falls back to its element-wise kernel, by
+torch's code - how much slower is not yet measured here), one batched product in the weights' dtype. Both sets then take the greedy token among the
 candidates; sglang also scatters the candidates' scores into a full-vocabulary row first, which no set does (it is
 the same for graphcap's plugin, which runs sglang's own head, and would only add the same cost to every mode).
 
@@ -263,10 +263,3 @@ def fused_ops(sglang_post_norm: bool = True) -> FusedOps:
     `sglang_post_norm`, sglang's post-MLP kernel where sglang imports (else three kernels there)."""
     return FusedOps(importlib.import_module(FUSED_MODULE), _sglang_post_norm() if sglang_post_norm else None)
 
-
-def ops_named(name: str) -> DraftOps:
-    if name == "torch":
-        return TORCH_OPS
-    if name == "fused":
-        return fused_ops()
-    raise ValueError(f"unknown draft op set {name!r}; expected 'torch' or 'fused'")

@@ -48,6 +48,10 @@ class KVSource:
         new = {b: self._plan(b) for b in batches if b not in self.plans}
         return dataclasses.replace(self, plans={**self.plans, **new}) if new else self
 
+    def per_bucket(self) -> KVSource:
+        """This source without its plan for any batch (itself when it has none)."""
+        return self if self.any_batch is None else dataclasses.replace(self, any_batch=None)
+
     def for_any_batch(self) -> KVSource:
         return self if self.any_batch is not None else dataclasses.replace(self, any_batch=self._plan(None))
 
