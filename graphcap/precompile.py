@@ -58,9 +58,12 @@ def signature(static: Mapping[str, torch.Tensor], pool_dims: Mapping[str, Sequen
 def compile_aot(fresh: DraftFn, example_inputs: Inputs) -> DraftFn:
     """`fresh` (the capture's iteration function) compiled now, for the example inputs whose batch dimension is
     marked unbacked: one artifact for every bucket, saved with no guards."""
-    compiled = torch.compile(fresh, fullgraph=True, dynamic=None,
-                             options={"triton.cudagraphs": False, "guard_filter_fn": _no_guards})
-    return compiled.aot_compile((tuple(example_inputs), {}))
+    # torch 2.11 attaches `.aot_compile` only under this flag (2.13 always does)
+    flag = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
+    with torch._dynamo.config.patch(**flag):
+        compiled = torch.compile(fresh, fullgraph=True, dynamic=None,
+                                 options={"triton.cudagraphs": False, "guard_filter_fn": _no_guards})
+        return compiled.aot_compile((tuple(example_inputs), {}))
 
 
 def file_name(key: str) -> str:
