@@ -4,9 +4,12 @@
   (`.item()`, `nonzero`, a blocking copy), and each warning is counted. Without CUDA there is no device to wait for;
   what would be a sync - the host reading a tensor's value (`aten::_local_scalar_dense`, behind `.item()` and
   `int(t)`) - is counted with torch.profiler instead, which also sees through compiled code.
+- Only torch's per-sync warning counts: the first switch to debug mode in a process also warns that the mode "does
+  not yet detect all synchronizing operations", once, and counted by substring that notice read as one sync of
+  whichever call was counted first.
 - The collector is off while the call runs: a cycle collected mid-call can free CUDA memory of earlier captures (a
-  graph pool, a side stream's blocks), and the allocator synchronises for that - a sync of the collector's timing,
-  not of the call's (graphcap's first counted call after the other modes' captures showed one such).
+  graph pool, a side stream's blocks), and the allocator may synchronise for that - a sync of the collector's
+  timing, not of the call's.
 - Kernels, with CUDA: torch.profiler's device activity (CUPTI), kernels of CUDA-graph replays included; copies and
   memsets are not kernels. Without CUDA: None and the reason.
 """
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 HOST_READ_OP = "aten::_local_scalar_dense"
+SYNC_WARNING = "called a synchronizing CUDA operation"  # c10's warn_or_error_on_sync, once per synchronizing op
 NO_KERNELS_ON_CPU = "kernels are counted from the GPU's activity (torch.profiler, CUDA); a CPU run launches none"
 
 
@@ -51,11 +55,15 @@ def _count_syncs(fn: Callable[[], object], cuda: bool) -> Count:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
-        return Count(sum("synchronizing" in str(w.message) for w in caught), "CUDA sync debug mode")
+        return Count(sum(is_sync_warning(str(w.message)) for w in caught), "CUDA sync debug mode")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     reads = sum(1 for e in prof.events() if e.name == HOST_READ_OP)
     return Count(reads, "host reads of tensor values (.item(); a sync on CUDA), torch.profiler")
+
+
+def is_sync_warning(message: str) -> bool:
+    return SYNC_WARNING in message
 
 
 def count_kernels(fn: Callable[[], object], cuda: bool) -> Count:
