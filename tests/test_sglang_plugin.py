@@ -14,6 +14,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sglang_required import require_sglang_plugin
 
 require_sglang_plugin()
@@ -327,3 +329,24 @@ def test_half_installed_hooks_refuse_to_serve(fresh, monkeypatch):
     assert not called and not hasattr(worker, hooks.RUNTIME_ATTR)
     monkeypatch.setattr(HookRegistry, "_patched", set(plugin.WORKER_HOOKS))
     assert plugin.unpatched_worker_hooks() == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), ties=st.integers(0, 3))
+def test_greedy_token_is_sglangs_softmax_then_fast_topk(seed, rows, ties):
+    """The plugin's greedy pick (max over the logits) against sglang's own (`fast_topk(softmax(logits), 1)`) on bf16
+    logits of a trained head's scale, with exact ties planted at the top (both take the first index)."""
+    import torch
+    from sglang.srt.utils.common import fast_topk
+
+    from graphcap.integrations.sglang_loop import greedy_token
+
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, 4096, generator=g) * 4).to(torch.bfloat16)
+    for r in range(min(ties, rows)):  # a second copy of the row's top logit at a random earlier or later index
+        top = int(logits[r].float().argmax())
+        logits[r, int(torch.randint(0, 4096, (1,), generator=g))] = logits[r, top]
+    probs, want = fast_topk(torch.softmax(logits, dim=-1), 1, dim=-1)
+    tokens, score = greedy_token(logits)
+    assert torch.equal(tokens, want[:, 0])
+    assert score.dtype == torch.float32 and torch.equal(score, logits.float().gather(1, want)[:, 0])

@@ -118,6 +118,16 @@ class GraphcapDraftAttention:
     forward_decode = forward
 
 
+def greedy_token(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """sglang's greedy draft token for topk == 1 and its logit (fp32). sglang takes `max` over `softmax(logits)`;
+    softmax is monotone, so this takes `max` over the logits themselves - one reduction in their own dtype, the first
+    index on a tie, as sglang's - and skips the softmax pass. The two differ only where a smaller logit's bf16
+    probability rounds to the top one's, which needs two top logits under 2 in magnitude (from 2 up, distinct bf16
+    logits are >= 1.6% apart in probability, two bf16 steps of it)."""
+    top = logits.max(dim=-1)
+    return top.indices, top.values.float()
+
+
 class SglangAssistantLoop:
     """fn(slots, accepted, tokens, hidden) -> DraftOutput: advance, then the seed step and steps - 1 more steps of
     sglang's Gemma 4 assistant (greedy: topk == 1), as `FrozenKVMTPDraftWorker.draft_forward` does them.
@@ -193,16 +203,17 @@ class SglangAssistantLoop:
         positions = self.window.seq_lens.index_select(0, slots).to(torch.int64).sub(1).clamp(min=0)
         fb = self.forward_batch(slots.shape[0])
         self.attention.bind(slots)
-        toks, scores, margins = [], [], []
+        toks, scores = [], []
         for _ in range(self.steps):
             fb.spec_info.hidden_states = hidden  # the assistant reads its recurrent input from here
             out = self._forward(tokens, positions, fb)
-            top = out.next_token_logits.float().topk(2, dim=-1)
-            tokens, hidden = top.indices[:, 0], out.hidden_states
+            tokens, score = greedy_token(out.next_token_logits)
+            hidden = out.hidden_states
             toks.append(tokens)
-            scores.append(top.values[:, 0])
-            margins.append(top.values[:, 0] - top.values[:, 1])
-        return DraftOutput(torch.stack(toks, 1), torch.stack(scores, 1), torch.stack(margins, 1), hidden)
+            scores.append(score)
+        score = torch.stack(scores, 1)
+        # no runner-up: sglang's chain needs the token alone, and a top-2 costs a multi-pass top-k over the vocabulary
+        return DraftOutput(torch.stack(toks, 1), score, torch.full_like(score, float("nan")), hidden)
 
     def _new_forward_batch(self, b: int):
         """The ForwardBatch sglang's FrozenKVMTPCudaGraphRunner.capture_one_shape builds. Its tensors are

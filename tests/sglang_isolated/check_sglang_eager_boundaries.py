@@ -101,7 +101,7 @@ class _Attention:
 
 def _loop(model, b):
     """SglangAssistantLoop's ForwardBatch and per-step calls, over the real model (no window buffers)."""
-    from graphcap.integrations.sglang_loop import SglangAssistantLoop
+    from graphcap.integrations.sglang_loop import SglangAssistantLoop, greedy_token
 
     worker = types.SimpleNamespace(draft_model_runner=types.SimpleNamespace(model=model, spec_algorithm=None),
                                    model_config=types.SimpleNamespace(dtype=DTYPE))
@@ -117,9 +117,9 @@ def _loop(model, b):
         for _ in range(STEPS):
             fb.spec_info.hidden_states = hidden
             out = model.forward(tokens, positions, fb)
-            top = out.next_token_logits.float().topk(2, dim=-1)
-            tokens, hidden = top.indices[:, 0], out.hidden_states
-            toks.append(top.values[:, 0])
+            tokens, score = greedy_token(out.next_token_logits)
+            hidden = out.hidden_states
+            toks.append(score)
             toks.append(tokens.float())
         return torch.stack(toks, 1), hidden
 
