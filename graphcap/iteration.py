@@ -17,7 +17,7 @@ Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # slots,
 class DraftOutput(NamedTuple):
     tokens: torch.Tensor  # [B, steps] int64 draft tokens
     scores: torch.Tensor  # [B, steps] fp32 logit of each draft token
-    margins: torch.Tensor  # [B, steps] fp32 its margin over the runner-up
+    margins: torch.Tensor  # [B, steps] fp32 its margin over the runner-up (NaN from a loop without one: sglang's)
     hidden: torch.Tensor  # [B, target hidden] the last step's post-projection (next iteration's draft input)
 
 

@@ -12,7 +12,8 @@
 #   scripts/gpu-check.sh host-affinity  host time per call, 3 runs free / 3 pinned to a core near the GPU
 #   scripts/gpu-check.sh host     host time per call (GPU idle / busy) and a census of the graph's nodes, batch 8
 #   scripts/gpu-check.sh bench    `graphcap bench`: graphcap / compile(-nosync, -plain) / sglang / eager-rebuild
-#                                 over batch 1..64 at context 2048, 3 steps (bench.json in $LOG/bench-small, -large)
+#                                 over batch 1..64 at context 2048, 3 steps (bench.json in $LOG/bench-small, -large;
+#                                 BENCH_PARTS=small or large: one of the two runs, for a call of its own)
 #   scripts/gpu-check.sh capture  one compile for every bucket + the compile cache: cold, warm restart, warm restart
 #                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead);
 #                                 the three starts again with the iteration precompiled
@@ -152,10 +153,13 @@ case $stage in
     # $LOG/bench-small and bench-large; the context sweep at batch 8 is stage bench8). The sglang modules the bench imports (decode
     # attention, index builder, split rule, Gemma 4 post-MLP norm) import no sgl_kernel, so tests/support stays off
     # PYTHONPATH here.
-    # Two runs (each compiles its own buckets), so that a call cut at its time limit keeps the first; 280 s each fits
-    # both in one 600 s call (each took ~150-190 s with four modes).
-    for part in small:1,2,4,8 large:16,32,64; do
-      STEP_LIMIT=${STEP_LIMIT:-280} step bench-${part%%:*} python3 -m graphcap.cli bench --batch ${part##*:} \
+    # Two runs (each compiles its own buckets), so that a call cut at its time limit keeps the first. With six modes
+    # from empty caches they take ~5 + ~4 minutes: more than one 600 s call, so BENCH_PARTS=small and
+    # BENCH_PARTS=large (a call each) split them.
+    for part in ${BENCH_PARTS:-small large}; do
+      case $part in small) part=small:1,2,4,8 ;; large) part=large:16,32,64 ;;
+        *) echo "BENCH_PARTS: small and/or large, got $part" >&2; exit 2 ;; esac
+      STEP_LIMIT=${STEP_LIMIT:-420} step bench-${part%%:*} python3 -m graphcap.cli bench --batch ${part##*:} \
         --context 2048 --steps 3 --modes graphcap,compile,compile-nosync,compile-plain,sglang,eager-rebuild \
         --out "$LOG/bench-${part%%:*}"
     done
