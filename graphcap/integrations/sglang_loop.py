@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphcap.guards import CaptureError
+from graphcap.integrations import sglang_head
 from graphcap.iteration import DraftOutput
 from graphcap.window import WindowBuffers
 
@@ -160,7 +161,9 @@ class SglangAssistantLoop:
         sglang's layers (the capture engine's Inductor backends, or `compile_model`: wrap the model's forward in
         torch.compile, Inductor without CUDA graphs of its own), so Dynamo must break around sglang's residual-stream
         bookkeeping. Only then are sglang's boundary functions patched: under sglang's own fullgraph compile of the
-        target a disabled function would be an error, so a plain `cudagraph` capture leaves them alone."""
+        target a disabled function would be an error, so a plain `cudagraph` capture leaves them alone. The model's
+        centroid head, if it has one, reads its LM-head rows through graphcap's kernel from here on
+        (graphcap.integrations.sglang_head)."""
         sizes = tuple(sizes)
         for b in sizes:
             self._batches[b] = self._new_forward_batch(b)
@@ -169,6 +172,7 @@ class SglangAssistantLoop:
 
             layers = [m for m in self.model.modules() if isinstance(m, RadixAttention)]
             self.attention.plan_for(layers, sizes)
+        sglang_head.install(self.model)  # before any capture records sglang's gather
         if compiled or compile_model:
             _eager_boundaries()
         for m in self.model.modules():  # sglang's fused ops pick their implementation at their first call: pick it

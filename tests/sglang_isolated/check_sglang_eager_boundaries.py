@@ -137,6 +137,7 @@ def test_compiled_assistant_matches_eager(assistant, backend):
     from torch._dynamo.utils import counters
 
     from graphcap.integrations import sglang_loop as rt
+    from graphcap.kernels import twins_on_cpu
 
     torch._dynamo.reset()
     counters.clear()
@@ -149,7 +150,8 @@ def test_compiled_assistant_matches_eager(assistant, backend):
         assert getattr(fn, rt._EAGER_MARK)
         assert not getattr(fn._torchdynamo_orig_callable, rt._EAGER_MARK, False)
     compiled = torch.compile(steps, backend=backend, fullgraph=False, dynamic=False)
-    with loop.context():
+    # the centroid head's kernel as its torch twin: Dynamo cannot trace interpreted Triton on CPU (on CUDA it does)
+    with loop.context(), twins_on_cpu():
         for seed in range(3):
             inp = _inputs(assistant, 3, seed)
             want = steps(*inp)
@@ -183,3 +185,28 @@ def test_graphcap_attention_plans_every_draft_layer_per_bucket(assistant):
         n = 4 if a.sliding_window_size > -1 else 64
         assert attention._plans[a.layer_id, 3] == plan_attention(3, a.tp_k_head_num, a.qk_head_dim, DTYPE,
                                                                  torch.device("cpu"), n)
+
+
+def test_graphcap_centroid_head_is_sglangs_with_the_rows_read_in_place(assistant):
+    """graphcap's centroid masking (its kernel for the gather + product; under TRITON_INTERPRET=1 here, as the suite
+    runs) against sglang's own `_apply_centroid_masking` on the real tiny assistant: the same clusters unmasked, the
+    same mask elsewhere, each candidate's logit within one bf16 step (the fp32 sums run in another order), and
+    `install` routes the instance's method to it."""
+    from sglang.srt.models.gemma4_mtp import Gemma4AssistantForCausalLM
+
+    from graphcap.integrations import sglang_head
+
+    g = torch.Generator().manual_seed(3)
+    h = (torch.randn(5, assistant.lm_head.weight.shape[1], generator=g) * 4).to(DTYPE)
+    want = Gemma4AssistantForCausalLM._apply_centroid_masking(assistant, h)
+    got = sglang_head.centroid_masking(assistant, h)
+    mask = torch.finfo(DTYPE).min / 2
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got == mask, want == mask) and (want != mask).sum() == 5 * assistant.centroid_intermediate_top_k * assistant.vocab_size_per_centroid
+    live = want != mask
+    step = torch.finfo(DTYPE).eps * want[live].float().abs().clamp(min=2.0**-14)  # one bf16 step at each value
+    assert ((got[live].float() - want[live].float()).abs() <= step).all()
+    assert sglang_head.install(assistant) and sglang_head.install(assistant)  # idempotent
+    assert torch.equal(assistant._apply_centroid_masking(h), got)
+    assert type(assistant)._apply_centroid_masking is Gemma4AssistantForCausalLM._apply_centroid_masking
+    assert not sglang_head.install(types.SimpleNamespace(use_ordered_embeddings=False, centroids=None))
