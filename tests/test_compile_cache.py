@@ -252,3 +252,24 @@ def test_precompile_refuses_what_it_cannot_serve(tmp_path):
         # (the eager backend is refused by dynamic_batch's own check first)
         with pytest.raises(ValueError, match="precompile needs dynamic_batch=True|dynamic_batch compiles once"):
             DraftGraphs.for_loop(loop, manifest_path=None, precompile=True, **{"backend": "compile", **kw})
+
+
+def test_compile_aot_works_where_the_aot_flag_is_off(tmp_path, monkeypatch):
+    """torch 2.11 gives torch.compile's function an `.aot_compile` only while dynamo's `enable_aot_compile` is set (off
+    by default there, on in 2.13): compile_aot sets it for its compile and leaves it as it was. The flag off here, as
+    on 2.11 (torch 2.11 itself is not installed on the CPU machines); the compiled function computes what the plain
+    one does."""
+    from graphcap import precompile
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    def fn(a, b, c, d):
+        return a * b + c - d
+
+    inputs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(enable_aot_compile=False):
+        assert not hasattr(torch.compile(fn), "aot_compile")  # what compile_aot is up against
+        compiled = precompile.compile_aot(fn, inputs)
+        assert torch._dynamo.config.enable_aot_compile is False
+        torch.testing.assert_close(compiled(*inputs), fn(*inputs))
