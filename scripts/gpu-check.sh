@@ -18,6 +18,8 @@
 #                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead);
 #                                 the three starts again with the iteration precompiled
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
+#   scripts/gpu-check.sh replay   the replay-equality suite (incl. dynamic_batch and a precompiled iteration) and
+#                                 the bench's GPU tests
 #   scripts/gpu-check.sh bench8   the draft-phase bench at batch 8 over contexts 256..32000
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
@@ -40,7 +42,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 }
 [ "${1:-}" = "--tree-hash" ] && { tree_hash; exit 0; }
 [ $# -eq 0 ] && set -- smoke
-STAGES="perf smoke unit tests kernels capture-warm host-affinity host bench capture capture-all bench8 check splits engine-check engine-speed"
+STAGES="perf smoke unit tests replay kernels capture-warm host-affinity host bench capture capture-all bench8 check splits engine-check engine-speed"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -187,7 +189,12 @@ case $stage in
   capture-all)  # the replay-equality test for the gemma4 spec over every bucket (compile-heavy: ~25 s per bucket);
     # cut at 560 s so that what ran still comes back inside a 600 s per-command limit
     STEP_LIMIT=${STEP_LIMIT:-560} step pytest-capture-all env GRAPHCAP_GPU_ALL_BUCKETS=1 python3 -m pytest -q -rs tests/test_capture_gpu.py \
-      -k "gemma4 and (inductor-cudagraph or reduce-overhead)"
+      -k "gemma4 and (inductor-cudagraph or reduce-overhead) and not dynamic"
+    ;;
+  replay)  # the replay-equality suite alone (every backend, dynamic_batch, a precompiled iteration over larger
+    # pools) and the bench's GPU tests (sync and kernel counters)
+    STEP_LIMIT=${STEP_LIMIT:-560} step pytest-replay python3 -m pytest -q -rs tests/test_capture_gpu.py \
+      tests/test_bench.py -m gpu
     ;;
   bench8)  # the draft-phase bench at batch 8 over contexts (the check stage's last step alone)
     step bench-context python3 -m graphcap.cli bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
