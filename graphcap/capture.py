@@ -42,6 +42,11 @@ __all__ = ["DraftGraphs"]  # CaptureError is graphcap.guards'
 
 log = logging.getLogger("graphcap")
 
+# Integer inputs may be any integer dtype (copied into the static buffers); these pass check_batch's fast path.
+_INTEGER_DTYPES = frozenset(d for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                                        getattr(torch, "uint16", None), getattr(torch, "uint32", None),
+                                        getattr(torch, "uint64", None)) if d is not None)
+
 
 class DraftGraphs:
     """One captured draft iteration per batch bucket, a dispatcher, guards, eager fallback and a manifest."""
@@ -119,6 +124,7 @@ class DraftGraphs:
         self.device = device
         self._static = StaticBuffers(static_tensors, example_inputs, pool_dims)
         self._buckets = [self._new_bucket(b) for b in self._dispatch.sizes]
+        self._index_batches()
         self._compiled: CompiledIteration | None = None
         self._warned: set[str] = set()
         self._notes: list[str] = []  # for the manifest
@@ -252,6 +258,7 @@ class DraftGraphs:
         reads). Until the capture finishes nothing replays (run() raises)."""
         self.captured = False
         self._buckets = [self._new_bucket(b.size) for b in self._buckets]
+        self._index_batches()
         self._compiled = None
         self._notes.clear()
         self.capture()
@@ -338,6 +345,48 @@ class DraftGraphs:
         write, then `replay`): shapes, devices and dtypes against the static inputs, and with `host_slots` (the same
         slots as Python ints) that they match the batch and are distinct and in range. Tensor metadata and host ints
         only, no device sync; a clear error instead of a broadcast error from deep inside copy_."""
+        if not self._batch_fits(slots, accepted, tokens, hidden):
+            self._check_batch_in_full(slots, accepted, tokens, hidden, host_slots, call)
+            return
+        if host_slots is not None:  # the tensors passed: only the host ints are left to check
+            if len(host_slots) != slots.shape[0]:
+                raise CaptureError(f"{call}: {len(host_slots)} host_slots for a batch of {slots.shape[0]} "
+                                   f"(slots {tuple(slots.shape)})")
+            check_slots(host_slots, self.padding_slot, error=CaptureError, call=call, arg="host_slots")
+
+    def _index_batches(self) -> None:
+        """The tables `_batch_fits` reads, from the static inputs (at construction and recapture)."""
+        ref = self._buckets[0].inputs
+        tails = [tuple(r.shape[1:]) for r in ref]
+        # {(b,): the shapes accepted, tokens and hidden must have}, keyed like slots.shape, for every bucketed b
+        self._batch_shapes: dict[tuple[int], tuple[tuple[int, ...], ...]] = {
+            (b,): tuple((b, *tail) for tail in tails[1:]) for b in range(1, self._dispatch.largest + 1)}
+        # the dtypes the full check accepts without a second look: the float input's own, the plain integer types
+        self._batch_dtypes: tuple[frozenset[torch.dtype], ...] = tuple(
+            frozenset((r.dtype,)) if r.is_floating_point() else _INTEGER_DTYPES for r in ref)
+
+    def _batch_fits(self, slots: torch.Tensor, accepted: torch.Tensor | None, tokens: torch.Tensor,
+                    hidden: torch.Tensor) -> bool:
+        """True only where `_check_batch_in_full` would pass the tensors: plain tensors of the shapes of a batch
+        within the buckets, on the graphs' device, of the usual dtypes. False says nothing: anything else (a
+        subclass, another dtype, a batch above the largest bucket, a mistake) goes to the full check."""
+        tensor, dev = torch.Tensor, self.device
+        if type(slots) is not tensor or type(tokens) is not tensor or type(hidden) is not tensor:
+            return False
+        shapes = self._batch_shapes.get(slots.shape)
+        if shapes is None or tokens.shape != shapes[1] or hidden.shape != shapes[2]:
+            return False
+        if slots.device != dev or tokens.device != dev or hidden.device != dev:
+            return False
+        s_ok, a_ok, t_ok, h_ok = self._batch_dtypes
+        if slots.dtype not in s_ok or tokens.dtype not in t_ok or hidden.dtype not in h_ok:
+            return False
+        return accepted is None or (type(accepted) is tensor and accepted.shape == shapes[0]
+                                    and accepted.device == dev and accepted.dtype in a_ok)
+
+    def _check_batch_in_full(self, slots: torch.Tensor, accepted: torch.Tensor | None, tokens: torch.Tensor,
+                             hidden: torch.Tensor, host_slots: Sequence[int] | None, call: str) -> None:
+        """Every check of `check_batch`, in order, each naming what is wrong."""
         ref = self._buckets[0].inputs
         for name, x in (("slots", slots), ("accepted", accepted), ("tokens", tokens), ("hidden", hidden)):
             if x is not None and not isinstance(x, torch.Tensor):
