@@ -25,6 +25,7 @@ class BucketGraph:
     outputs: DraftOutput | None = None  # manual-graph backends: the graph's static outputs
     used_rows: int = 0  # live rows written since the last replay's reset (rows past it are padding)
     views: dict[int, tuple[Inputs, DraftOutput | None]] = field(default_factory=dict)  # first-B-row views, by B
+    tails: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # slots, accepted rows [B:]
 
     @property
     def captured(self) -> bool:
@@ -45,6 +46,15 @@ class BucketGraph:
             v = self.views[b] = (tuple(x[:b] for x in self.inputs), outs)  # type: ignore[assignment]
         return v
 
+    def tail(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of rows [b:] of the static slots and accepted counts, made once per b. A reset to padding writes
+        all of them, not only up to the rows last used: the rest are padding already, and the views depend on b
+        alone."""
+        v = self.tails.get(b)
+        if v is None:
+            v = self.tails[b] = (self.inputs[0][b:], self.inputs[1][b:])
+        return v
+
     def claim(self, b: int) -> Inputs:
         """The first b rows' static inputs, to be written by the caller: they are padding again at the next replay
         of a smaller batch (even if this batch is never replayed)."""
@@ -53,11 +63,9 @@ class BucketGraph:
 
     def write(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Copy a live batch of B rows into the first B static rows (`run`'s path)."""
-        s, a, t, h = self.claim(slots.shape[0])
-        s.copy_(slots)
-        a.copy_(accepted)
-        t.copy_(tokens)
-        h.copy_(hidden)
+        # One Python call for the four copies. The inputs mix integer and float dtypes, so torch takes its per-pair
+        # path: copy_ for each pair in C++, as four copy_ calls would (dtype conversion included).
+        torch._foreach_copy_(self.claim(slots.shape[0]), (slots, accepted, tokens, hidden))
 
     def replay(self, b: int, fn: DraftFn, compiled: CompiledIteration | None, padding_slot: int
                ) -> tuple[DraftOutput, bool]:
@@ -65,10 +73,10 @@ class BucketGraph:
         (a recorded graph's static-output views) or still the whole bucket's. A bucket whose capture failed runs
         `fn` eagerly on the first b rows (counted as a fallback, not a replay)."""
         rec = self.record
-        s, a, t, h = self.inputs
         if self.used_rows > b:  # rows a larger batch used last time become padding again
-            s[b:self.used_rows].fill_(padding_slot)
-            a[b:self.used_rows].zero_()
+            s, a = self.tail(b)
+            s.fill_(padding_slot)
+            a.zero_()
         self.used_rows = b
         if not self.captured:
             rec.fallbacks += 1
@@ -77,9 +85,9 @@ class BucketGraph:
             self.graph.replay()
             out, sliced = self.rows(b)[1], True
         elif compiled is not None:
-            out, sliced = compiled(self.size, s, a, t, h), False
+            out, sliced = compiled(self.size, *self.inputs), False
         else:  # eager backend: same dispatch, no capture
-            out, sliced = fn(s, a, t, h), False
+            out, sliced = fn(*self.inputs), False
         rec.replays += 1
         rec.padded_rows += self.size - b
         return out, sliced  # type: ignore[return-value]

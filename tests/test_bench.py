@@ -390,3 +390,21 @@ def test_sync_count_runs_the_call_with_the_collector_off_and_restores_it(device)
     assert gc.isenabled()
     assert count_syncs(lambda: seen.append(gc.isenabled()) or (x * 2).sum().item(), device == "cuda").value == 1
     assert seen == [False] and gc.isenabled()
+
+
+@cpu_only
+def test_host_overhead_bench_runs_the_graph_path_and_prints_its_table():
+    """bench/host_overhead.py (a script, run as the docs say) measures run() and replay() on the graph path with a
+    launch that does nothing; here only that it runs and reports every call it names (no timing is judged)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(root), os.environ.get("PYTHONPATH")) if x)}
+    r = subprocess.run([sys.executable, str(root / "bench" / "host_overhead.py"), "--batches", "5,8", "--iters", "50"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr
+    for call in ("run(host_slots=...)", "run()", "replay()", "static address guard", "the no-op launch"):
+        assert call in r.stdout

@@ -476,3 +476,146 @@ def test_dynamic_batch_on_a_torch_whose_unbacked_marks_take_no_range(device, tmp
             torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
             assert torch.equal(got.tokens[decided], want.tokens[decided]), b
         assert cache_entries(graphs._compiled.code) == 1
+
+
+class _GraphStandIn:
+    """Stands in for a recorded CUDA graph (none on a CPU): its replay runs the function over the bucket's
+    static inputs into its static outputs - what a replay of the recorded graph computes - so run() and replay()
+    take the manual-graph backends' path (cached views of the static outputs, padding resets)."""
+
+    def __init__(self, fn, inputs, outputs):
+        self.fn, self.inputs, self.outputs = fn, inputs, outputs
+
+    def replay(self):
+        for static, x in zip(self.outputs, self.fn(*self.inputs)):
+            static.copy_(x)
+
+
+def graphs_with_cpu_graphs(loop, buckets):
+    from graphcap.iteration import DraftOutput
+
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=buckets, manifest_path=None, progress=False)
+    graphs.capture()
+    for size in buckets:
+        bucket = graphs.bucket_graph(size)
+        outputs = DraftOutput(*(x.clone() for x in loop(*bucket.inputs)))  # padding rows only: no window moves
+        bucket.graph, bucket.outputs = _GraphStandIn(loop, bucket.inputs, outputs), outputs
+        bucket.views.clear()
+    return graphs
+
+
+def test_graph_path_reuses_its_views_resets_padding_and_equals_the_loop(device):
+    """The graph path's views of the first b rows are made once per b and reused; after a larger batch in the same
+    bucket the rows past b are padding again; run() and the zero-copy replay(), interleaved over batch sizes that
+    go up and down within each bucket, equal the plain loop on a twin state, windows included."""
+    _, wb_ref, loop_ref = build(device)
+    _, wb, loop = build(device)
+    graphs = graphs_with_cpu_graphs(loop, (2, 8))
+    g = torch.Generator().manual_seed(17)
+    seen = {}
+    for i, b in enumerate((7, 3, 8, 1, 5, 2, 7, 3, 6, 5, 1, 2)):
+        batch = random_batch(g, wb, device, b)
+        want = loop_ref(*batch)
+        if i % 2:
+            for view, x in zip(graphs.static_inputs(b), batch):
+                view.copy_(x)
+            out = graphs.replay(b)
+        else:
+            out = graphs.run(*batch, host_slots=batch[0].tolist())
+        bucket = graphs.bucket_graph(b)
+        assert out is seen.setdefault(b, out), b  # one set of views per b
+        assert out.tokens.shape == (b, SPEC.capture.steps) and out.hidden.shape == (b, SPEC.target.hidden)
+        assert out.tokens.data_ptr() == bucket.outputs.tokens.data_ptr()  # views of the static outputs
+        slots, accepted = bucket.inputs[:2]
+        assert bool((slots[b:] == wb.padding_slot).all()) and bool((accepted[b:] == 0).all()), b
+        decided = want.margins > 1e-3
+        assert torch.equal(out.tokens[decided], want.tokens[decided]), b
+        for name in ("scores", "margins", "hidden"):
+            torch.testing.assert_close(getattr(out, name), getattr(want, name), rtol=1e-4, atol=1e-4)
+        assert torch.equal(wb.ring, wb_ref.ring) and torch.equal(wb.seq_lens, wb_ref.seq_lens)
+        assert int(wb.seq_lens[wb.padding_slot]) == 0
+    batch = random_batch(g, wb, device, 3)
+    kept, want = graphs.run(*batch, copy=True), loop_ref(*batch)
+    graphs.run(*random_batch(g, wb, device, 3))  # overwrites the views, not the copy
+    torch.testing.assert_close(kept.scores, want.scores, rtol=1e-4, atol=1e-4)
+    assert kept.tokens.data_ptr() != graphs.bucket_graph(3).outputs.tokens.data_ptr()
+
+
+def _variants(b, slots, accepted, tokens, hidden):
+    """Batches check_batch must judge exactly as its full check does: valid ones in unusual forms and broken ones."""
+    yield "as is", (slots, accepted, tokens, hidden)
+    yield "no accepted", (slots, None, tokens, hidden)
+    for dtype in (torch.int16, torch.uint8, torch.int64, torch.bool, torch.float32, torch.complex64):
+        yield f"accepted {dtype}", (slots, accepted.to(dtype), tokens, hidden)
+    for dtype in (torch.int32, torch.float32):
+        yield f"slots {dtype}", (slots.to(dtype), accepted, tokens, hidden)
+    for dtype in (torch.float64, torch.float16, torch.bfloat16):
+        yield f"hidden {dtype}", (slots, accepted, tokens, hidden.to(dtype))
+    yield "hidden non-contiguous", (slots, accepted, tokens, hidden.t().contiguous().t())
+    yield "hidden a Parameter", (slots, accepted, tokens, torch.nn.Parameter(hidden, requires_grad=False))
+    yield "hidden too narrow", (slots, accepted, tokens, hidden[:, :-1])
+    yield "tokens 2-D", (slots, accepted, tokens[:, None], hidden)
+    yield "accepted short", (slots, accepted[:-1], tokens, hidden)
+    yield "slots 2-D", (slots[:, None], accepted, tokens, hidden)
+    yield "slots 0-D", (slots[0], accepted, tokens, hidden)
+    yield "slots a list", (slots.tolist(), accepted, tokens, hidden)
+    yield "tokens a list", (slots, accepted, tokens.tolist(), hidden)
+    for i, name in enumerate(("slots", "accepted", "tokens", "hidden")):
+        batch = [slots, accepted, tokens, hidden]
+        batch[i] = batch[i].to("meta")  # another device than the graphs', without a second GPU
+        yield f"{name} on meta", tuple(batch)
+
+
+@pytest.mark.parametrize("move", ["set_", "data", "resize_", "offset"])
+def test_a_static_tensor_moved_after_warm_runs_is_refused(device, move):
+    """Every way a static tensor's address can change in place is refused by run() and replay() after calls that
+    made every per-call cache (the guard checks every tensor at every call), and nothing was replayed."""
+    st, wb, loop = build(device)
+    graphs = graphs_with_cpu_graphs(loop, (2, 8))
+    g = torch.Generator().manual_seed(23)
+    for b in (7, 3, 8, 1):
+        graphs.run(*random_batch(g, wb, device, b))
+        graphs.replay(b)
+    name = {"set_": "full.k_pool", "data": "model.embed", "resize_": "sliding.v_pool", "offset": "window.ring"}[move]
+    t = graphs._static.persistent[name]
+    if move == "set_":
+        t.set_(t.clone())
+    elif move == "data":
+        t.data = t.data.clone()
+    elif move == "resize_":
+        t.resize_(2 * t.shape[0], *t.shape[1:])  # beyond its storage: reallocated
+    else:
+        t.set_(t.data[1:])  # the same storage, one row further
+    replays = [r.replays for r in graphs.buckets]
+    for b in (3, 7):
+        with pytest.raises(CaptureError, match=rf"static tensor '{name}' moved since capture"):
+            graphs.run(*random_batch(g, wb, device, b))
+        with pytest.raises(CaptureError, match=rf"static tensor '{name}' moved since capture"):
+            graphs.replay(b)
+    assert [r.replays for r in graphs.buckets] == replays
+
+
+def test_address_guard_asks_a_subclass_that_overrides_data_ptr_its_own():
+    """The guard reads plain tensors' addresses through the unbound method; a subclass with its own data_ptr is
+    asked through it, and a move of either kind is named."""
+    from graphcap.guards import AddressGuard
+
+    asked = []
+
+    class Own(torch.Tensor):
+        def data_ptr(self):
+            asked.append(1)
+            return super().data_ptr()
+
+    plain, own = torch.zeros(4), torch.zeros(4).as_subclass(Own)
+    guard = AddressGuard({"plain": plain, "own": own})
+    before = len(asked)
+    guard.check()
+    assert len(asked) > before
+    own.set_(torch.zeros(4))
+    with pytest.raises(CaptureError, match="static tensor 'own' moved"):
+        guard.check()
+    only_plain = AddressGuard({"plain": plain})
+    plain.set_(torch.zeros(4))
+    with pytest.raises(CaptureError, match="static tensor 'plain' moved"):
+        only_plain.check()
