@@ -55,6 +55,13 @@ def check_cases(vocab: int, seed: int = 0) -> list[dict]:
     return cases
 
 
+def decode_rates(batch: int, new: int, short_s: list[float] | None, long_s: list[float] | None) -> list[float]:
+    """Decode tokens/s per (short, long) pair of runs of the same prompts: the same prefill in both, so the extra
+    time is the extra `new - SHORT_NEW` tokens of every request."""
+    extra = batch * (new - SHORT_NEW)
+    return [extra / max(lo - sh, 1e-9) for sh, lo in zip(short_s or [], long_s or [])]
+
+
 def speed_case(b: int, vocab: int, context: int, new: int, seed: int = 1) -> dict:
     rng = random.Random(seed + b)
     return {"name": f"speed{b}", "batch": b, "requests": [
@@ -111,13 +118,19 @@ def run_child(cfg: dict) -> dict:
                                        rid=[r["rid"] + suffix for r in reqs])
                 return outs, time.perf_counter() - t
 
-            short_s = None
-            if case.get("decode_rate"):  # warm up, then a short run: decode rate = the extra tokens / extra time
+            short_s, long_s = [], []
+            if case.get("decode_rate"):  # warm up, then pairs of a short and a long run of the same prompts: the
+                # decode rate is the extra tokens over the extra time, per pair (the last long run is the case's)
                 generate("-warm", 8)
-                _, short_s = generate("-short", SHORT_NEW)
+                for i in range(case.get("repeats", 1) - 1):
+                    short_s.append(generate(f"-short{i}", SHORT_NEW)[1])
+                    long_s.append(generate(f"-long{i}")[1])
+                short_s.append(generate("-short", SHORT_NEW)[1])
             outs, wall = generate("")
+            if case.get("decode_rate"):
+                long_s.append(wall)
             result["cases"].append({"name": case["name"], "batch": case["batch"], "wall_s": wall,
-                                    "short_s": short_s, "outputs": [
+                                    "short_s": short_s or None, "long_s": long_s or None, "outputs": [
                 {"rid": r["rid"], "tokens": o["output_ids"], "verify_ct": o["meta_info"].get("spec_verify_ct"),
                  "completion": o["meta_info"].get("completion_tokens"),
                  "retractions": o["meta_info"].get("num_retractions")} for r, o in zip(reqs, outs)]})
@@ -244,6 +257,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=None, help="default: the checkpoint's")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--new", type=int, default=160)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="--speed: short/long run pairs per batch for the decode rate (the median is reported)")
     ap.add_argument("--retract-every", type=int, default=0, metavar="N",
                     help="--check: every engine retracts running requests every N forwards (sglang's "
                          "SGLANG_TEST_RETRACT), so requests leave, queue and are prefilled again mid-decode")
@@ -263,6 +278,9 @@ def main(argv=None) -> int:
             ap.error("give --ckpt with --check and/or --speed, or --combine CHECK_JSON SPEED_JSON")
         if not [b for b in a.backends.split(",") if b]:
             ap.error("--backends: give at least one backend")
+        if a.repeats < 1 or a.new <= SHORT_NEW:
+            ap.error(f"--repeats must be >= 1 and --new > {SHORT_NEW} (the short run's tokens), got {a.repeats}, "
+                     f"{a.new}")
         if any(not x.strip().isdigit() or int(x) < 1 for x in a.profile_batches.split(",") if x.strip()):
             ap.error(f"--profile-batches: expected batch sizes >= 1, got {a.profile_batches!r}")
     if a.child:
@@ -316,7 +334,8 @@ def main(argv=None) -> int:
         out["sglang_startup_s"], out["sglang_crashed"] = base.get("startup_s"), bool(base.get("crashed"))
         record["check"] = out
     if a.speed:
-        cases = [dict(speed_case(b, vocab, a.context, a.new), decode_rate=True) for b in SPEED_BATCHES]
+        cases = [dict(speed_case(b, vocab, a.context, a.new), decode_rate=True, repeats=a.repeats)
+                 for b in SPEED_BATCHES]
         rows = {}
         for tag, mode, be in (("nospec", "nospec", None), ("sglang", "sglang", None),
                               (f"graphcap-{backends[0]}", "graphcap", backends[0])):
@@ -324,12 +343,12 @@ def main(argv=None) -> int:
             r = spawn(cfg("speed-" + tag, mode, cases, backend=be, profile_batches=prof), work)
             tr = read_trace(r["config"]["trace_dir"]) if not r.get("crashed") else []
             for c in r.get("cases", []):
-                extra = c["batch"] * (a.new - SHORT_NEW)  # same prompts, same prefill: the difference is decode
                 long_run = {f"s{c['batch']}-r{i}" for i in range(c["batch"])}  # not the warm-up's or short run's
                 ms = [t["gpu_ms"] for t in tr if len(t["rids"]) == c["batch"] and set(t["rids"]) == long_run
                       and not t.get("profiled")]
+                rates = decode_rates(c["batch"], a.new, c["short_s"], c["long_s"])
                 rows.setdefault(c["batch"], {})[tag] = {
-                    "decode_tok_s": extra / max(c["wall_s"] - c["short_s"], 1e-9),
+                    "decode_tok_s": statistics.median(rates) if rates else None, "decode_tok_s_runs": rates,
                     "draft_ms": statistics.median(ms[len(ms) // 4:]) if ms else None, "draft_calls": len(ms),
                     "accept_len": accept_len(c), "profile": read_profile(r["config"]["trace_dir"], c["batch"])}
             rows.setdefault("startup_s", {})[tag] = r.get("startup_s")

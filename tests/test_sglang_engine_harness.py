@@ -136,3 +136,27 @@ def test_profile_tables_are_read_per_batch_and_cut_to_the_top_kernels(tmp_path):
     (tmp_path / "draft-profile-123-b8.json").write_text(json.dumps(table))
     assert E.read_profile(str(tmp_path), 8, top=2) == {**table, "kernels": table["kernels"][:2]}
     assert E.read_profile(str(tmp_path), 64) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 64), pairs=st.lists(st.tuples(st.floats(0.1, 5.0), st.floats(0.01, 5.0)), min_size=1,
+                                                 max_size=4))
+def test_decode_rate_is_per_pair_of_runs_extra_tokens_over_extra_time(batch, pairs):
+    """Each (short, long) pair ran the same prompts: the long run's extra tokens over its extra time, one rate per
+    pair, computed from scratch here."""
+    short = [s for s, _ in pairs]
+    long_ = [s + d for s, d in pairs]
+    rates = E.decode_rates(batch, 160, short, long_)
+    assert len(rates) == len(pairs)
+    for r, (_, d) in zip(rates, pairs):
+        assert abs(r - batch * (160 - E.SHORT_NEW) / d) <= 1e-9 * r
+    assert E.decode_rates(batch, 160, None, None) == []
+
+
+def test_speed_arguments_are_checked_before_anything_starts(capsys):
+    import pytest
+
+    for argv, named in ((["--repeats", "0"], "--repeats"), (["--new", str(E.SHORT_NEW)], "--new")):
+        with pytest.raises(SystemExit) as e:
+            E.main(["--ckpt", "x", "--speed", "--out", "o.json", *argv])
+        assert e.value.code == 2 and named in capsys.readouterr().err
