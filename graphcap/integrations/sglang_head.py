@@ -10,8 +10,8 @@ scatter and the mask value stay sglang's, so the output is the same full-vocabul
 
 Numerics: each candidate's logit is its fp32 dot rounded to the weights' dtype, as the batched product's is; the
 fp32 sums are taken in another order than cuBLAS's, so a logit can land one bf16 step away where its exact value
-sits on a rounding boundary. A greedy pick differs only where two top candidates are that close - as sglang's own
-pick can differ between batch sizes, whose products cuBLAS runs with different kernels.
+sits on a rounding boundary. A greedy pick can differ only where two top candidates are that close (sglang's own
+products may move the same way between batch sizes, where cuBLAS picks other kernels; not measured here).
 """
 from __future__ import annotations
 
