@@ -4,7 +4,7 @@
 #   scripts/gpu-check.sh perf     capture cost (cold and warm Inductor caches, host time per call), per-kernel
 #                                 profile of an iteration, attention GPU tests + default configs vs sglang
 #   scripts/gpu-check.sh smoke    quick (the default stage): CUDA unit tests of window/attention/model + a tiny bench
-#   scripts/gpu-check.sh unit     the kernels' GPU tests (attention, plan, centroid head, fused ops)
+#   scripts/gpu-check.sh unit     the kernels' GPU tests (attention, plan, centroid head, small top-k, fused ops)
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included), attention tuning grid
 #   scripts/gpu-check.sh kernels  bench/window_advance.py, bench/attention_bw.py defaults timed three ways (L2
 #                                 emptied by writing / by reading; in-graph among other work)
@@ -113,9 +113,9 @@ case $stage in
     step smoke-bench python3 -m graphcap.cli bench --spec tiny --batch 1,4 --context 64 --iters 5 --repeats 1 \
       --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-smoke"
     ;;
-  unit)  # the kernels' GPU tests alone (attention, its plan, the centroid head, fused ops): quick
+  unit)  # the kernels' GPU tests alone (attention, its plan, the centroid head, small top-k, fused ops): quick
     step unit-gpu python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_attention_plan.py \
-      tests/test_centroid_head.py tests/test_fused_ops.py
+      tests/test_centroid_head.py tests/test_small_topk.py tests/test_fused_ops.py
     ;;
   tests)  # the whole suite, then the attention grid at the shapes short of 70% of copy bandwidth
     step pytest python3 -m pytest -q -rs tests/

@@ -30,6 +30,12 @@ torch's code - how much slower is not yet measured here), one batched product in
 candidates; sglang also scatters the candidates' scores into a full-vocabulary row first, which no set does (it is
 the same for graphcap's plugin, which runs sglang's own head, and would only add the same cost to every mode).
 
+The head's two top-ks (the top clusters of the centroid scores, the best two candidates) are in the set too: the
+torch set takes graphcap's one-kernel top-k (`graphcap.kernels.small_topk`: the row in registers, k rounds of argmax;
+torch.topk where Triton cannot run or past its sizes), the fused set and `PLAIN_OPS` torch.topk, as sglang and a
+plain loop call it. Both give torch.topk's values; equal values may come in another order (the kernel takes the
+smallest index first), which decides nothing the tests compare: they compare tokens where the margin is clear.
+
 A draft loop picks its set (`DraftLoop(..., ops=...)`, which calls `ops.bind(model)`), so the sglang-style
 baselines and graphcap's own loop run one model with the same weights.
 """
@@ -45,6 +51,7 @@ from torch import nn
 
 from graphcap.kernels import use_triton
 from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torch
+from graphcap.kernels.small_topk import small_topk
 
 EPS = 1e-6
 LAYER_TYPES = ("sliding", "full")
@@ -77,6 +84,11 @@ class DraftOps(Protocol):
         ids [B, k * T]."""
         ...
 
+    def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k largest entries of each row of `x` [B, N] and their indices, largest first (torch.topk's values;
+        the order of equal values is the set's own)."""
+        ...
+
 
 def _norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     xf = x.float()
@@ -94,8 +106,9 @@ def _rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 @dataclass(frozen=True)
 class TorchOps:
-    """Plain torch ops: the reference model's own code (the centroid head: graphcap's kernel, module docstring;
-    `centroid_kernel=False`: the gather and batched product a plain loop would write, `PLAIN_OPS`)."""
+    """Plain torch ops: the reference model's own code (the centroid head's scoring and the head's top-ks: graphcap's
+    kernels, module docstring; `centroid_kernel=False`: the gather, batched product and torch.topk a plain loop
+    would write, `PLAIN_OPS`)."""
 
     name: str = "torch"
     centroid_kernel: bool = True
@@ -132,6 +145,10 @@ class TorchOps:
         logits = centroid_logits(lm_head, x, top, t) if self.centroid_kernel else centroid_logits_torch(lm_head, x,
                                                                                                         top, t)
         return logits, token_of_cluster[top].flatten(1)
+
+    def topk(self, x, k):
+        # graphcap's one-kernel top-k (torch.topk on CPU, past its sizes), or torch.topk
+        return small_topk(x, k) if self.centroid_kernel else torch.topk(x, k, dim=-1)
 
 
 TORCH_OPS = TorchOps()
@@ -256,6 +273,9 @@ class FusedOps:
         sel = lm_head.view(clusters, t, -1)[top].reshape(b, k * t, -1)
         logits = torch.bmm(x.unsqueeze(1), sel.transpose(1, 2)).squeeze(1)
         return logits.float(), token_of_cluster[top].flatten(1)
+
+    def topk(self, x, k):
+        return torch.topk(x, k, dim=-1)  # sglang's head: torch.topk (several kernels each)
 
 
 def fused_ops(sglang_post_norm: bool = True) -> FusedOps:

@@ -160,25 +160,26 @@ class FrozenKVDraft(nn.Module):
         """Greedy token, its logit, and the decision's margin: how far the nearest competing choice is (the
         runner-up token, and for the centroid head also the first cluster left out). Tests compare backends only
         where this margin exceeds the dtype's tolerance. `ops` scores the chosen clusters' tokens (graphcap's kernel
-        in the torch set, sglang's contiguous gather and batched product in the fused set: draft_ops' docstring)."""
+        in the torch set, sglang's contiguous gather and batched product in the fused set: draft_ops' docstring) and
+        takes both top-ks (graphcap's one-kernel top-k in the torch set, torch.topk in the others)."""
         cluster_margin = None
         if self.spec.draft.head == "centroid":
             d = self.spec.draft
-            cs = (x @ self.centroids.t()).float().topk(min(d.centroid_top_k + 1, d.centroids), dim=-1)
-            top = cs.indices[:, : d.centroid_top_k]  # [B, k]
+            cs_values, cs_indices = ops.topk((x @ self.centroids.t()).float(), min(d.centroid_top_k + 1, d.centroids))
+            top = cs_indices[:, : d.centroid_top_k]  # [B, k]
             if d.centroid_top_k < d.centroids:
-                cluster_margin = cs.values[:, d.centroid_top_k - 1] - cs.values[:, d.centroid_top_k]
+                cluster_margin = cs_values[:, d.centroid_top_k - 1] - cs_values[:, d.centroid_top_k]
             logits, cand = ops.centroid_head(self.lm_head, self.token_of_cluster, x, top)
         else:
             cand = None
             logits = (x @ self.lm_head.t()).float()
-        best = logits.topk(2, dim=-1)
-        idx = best.indices[:, 0]
+        best_values, best_indices = ops.topk(logits, 2)
+        idx = best_indices[:, 0]
         token = idx if cand is None else cand.gather(1, idx[:, None])[:, 0]
-        margin = best.values[:, 0] - best.values[:, 1]
+        margin = best_values[:, 0] - best_values[:, 1]
         if cluster_margin is not None:
             margin = torch.minimum(margin, cluster_margin)
-        return token, best.values[:, 0], margin
+        return token, best_values[:, 0], margin
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, ropes: dict[str, tuple],
              sources: dict[str, KVSource], slots: torch.Tensor, lens: torch.Tensor, ops: DraftOps = TORCH_OPS):
