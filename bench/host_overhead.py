@@ -11,7 +11,6 @@ nothing. What a GPU adds on top - the launch of the graph and of the input copie
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import torch
 from tabulate import tabulate
 
 from graphcap.bench.state import make_target_state
+from graphcap.bench.timing import collector_off
 from graphcap.capture import DraftGraphs
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
@@ -57,15 +57,12 @@ def per_call_us(fn: Callable[[int], object], batches: list[int], iters: int) -> 
         fn(batches[i % len(batches)])
     samples = []
     clock = time.perf_counter_ns
-    gc.disable()  # a collection inside one call is not the call's cost
-    try:
+    with collector_off():
         for i in range(iters):
             b = batches[i % len(batches)]
             t0 = clock()
             fn(b)
             samples.append(clock() - t0)
-    finally:
-        gc.enable()
     samples.sort()
     return statistics.median(samples) / 1e3, samples[int(0.9 * (len(samples) - 1))] / 1e3
 
@@ -81,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         batches = [int(x) for x in a.batches.split(",") if x]
     except ValueError:
         p.error(f"--batches: {a.batches!r} is not a comma-separated list of ints")
+    if a.iters < 1 or a.threads < 1:
+        p.error(f"--iters and --threads must be >= 1, got {a.iters}, {a.threads}")
     torch.set_num_threads(a.threads)
     with twins_on_cpu():
         graphs, wb, spec = build(a.spec)

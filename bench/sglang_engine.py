@@ -264,8 +264,8 @@ def main(argv=None) -> int:
                          "SGLANG_TEST_RETRACT), so requests leave, queue and are prefilled again mid-decode")
     ap.add_argument("--profile-batches", default="", metavar="B,B",
                     help="--speed: also record the kernels of 5 warm draft calls at each of these batch sizes (each "
-                         "engine). Those calls sync and fall in the short run: left out of draft_ms, but they bias "
-                         "the decode rate up a little - leave this off for decode rates")
+                         "engine). Those calls sync and fall in the first short run: left out of draft_ms, but they "
+                         "bias the first pair's decode rate up a little - leave this off for decode rates")
     ap.add_argument("--combine", nargs=2, metavar=("CHECK_JSON", "SPEED_JSON"),
                     help="write the issue record (--out) from a --check and a --speed output")
     ap.add_argument("--child")

@@ -199,7 +199,7 @@ class DraftGraphs:
                 top = self._dispatch.largest
                 for t in inputs:
                     mark_batch_unbacked(t, top)
-            if self.dynamic_batch:  # the opt-in symbolic compile only, until the H200 has measured it (docs)
+            if self.dynamic_batch:  # the per-bucket compile specialises on every shape anyway (docs/architecture.md)
                 self._static.mark_pool_dims()
             static = self._static.all_tensors(iter(inputs))
             if self.compile_cache is not None:
@@ -257,7 +257,8 @@ class DraftGraphs:
         self.capture()
 
     def _aot_key(self) -> str:
-        return f"{self._cache_key()}-{precompile_mod.signature(self._static.persistent, self._static.pool_dims, self.fn)}"
+        sig = precompile_mod.signature(self._static.persistent, self._static.pool_dims, self.fn)
+        return f"{self._cache_key()}-{sig}"
 
     def _precompiled(self, static: list[torch.Tensor], batch_range: tuple[int, int]) -> CompiledIteration:
         """The precompiled iteration from the cache directory, else compiled now (saved once every bucket is

@@ -18,10 +18,11 @@
   rebuild and attention.
 - `CompiledBaseline(host_sync=False)` (`compile-nosync`): the same compiled loop without that sync - the most a user
   gets from torch.compile alone if they also take sglang's `.item()` out of the worker.
-- `compile-plain` (a default mode with CUDA only): a hand-written loop under the same compile - plain torch ops for the norms,
-  activation and rotary (Inductor fuses them with their neighbours, where sglang's fused kernels are opaque to it),
-  the centroid head's gather and product, sglang's attention kernels, no sync: the loop that beat graphcap at batch 1
-  in an earlier H200 measurement.
+- `compile-plain` (a default mode with CUDA only): a hand-written loop under the same compile - plain torch ops for
+  the norms, activation and rotary (Inductor fuses them with their neighbours, where sglang's fused kernels are
+  opaque to it), the centroid head's gather and product, torch.topk, sglang's attention kernels, no sync: built to
+  the description of a loop that beat graphcap at batch 1 in an earlier H200 measurement (not reproduced:
+  docs/results.md).
 
 A baseline whose graphs were lost is not a baseline: `graph_problem(runner)` says why a mode's measured calls may not
 be its captured graphs - a DraftGraphs bucket that failed to capture (it runs eagerly), a call past the largest

@@ -15,12 +15,13 @@
 """
 from __future__ import annotations
 
-import gc
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from graphcap.bench.timing import collector_off
 
 HOST_READ_OP = "aten::_local_scalar_dense"
 SYNC_WARNING = "called a synchronizing CUDA operation"  # c10's warn_or_error_on_sync, once per synchronizing op
@@ -34,14 +35,8 @@ class Count:
 
 
 def count_syncs(fn: Callable[[], object], cuda: bool) -> Count:
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         return _count_syncs(fn, cuda)
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _count_syncs(fn: Callable[[], object], cuda: bool) -> Count:

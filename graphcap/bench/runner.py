@@ -8,7 +8,6 @@ locations are already allocated in req_to_token, as after a verify), so windows 
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -26,7 +25,7 @@ from graphcap.bench.roofline import floor_ms, measure_copy_bandwidth
 from graphcap.bench.rows import SPEEDUP_FIELDS, BenchResult, BenchRow
 from graphcap.bench.sglang_ops import check_available
 from graphcap.bench.state import TargetState, make_target_state
-from graphcap.bench.timing import Sample, median_p90, time_call
+from graphcap.bench.timing import Sample, collector_off, median_p90, time_call
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.models.draft_ops import PLAIN_OPS, TORCH_OPS, DraftOps, fused_ops
@@ -189,16 +188,9 @@ def _measure(m: Mode, cfg: BenchConfig, ctx: int, slots: torch.Tensor, inputs: t
     if cuda:
         torch.cuda.synchronize()
     mon = GpuMonitor() if cuda else None
-    gc_was_on = gc.isenabled()
-    gc.collect()
-    gc.disable()  # a collection mid-call can free earlier captures' CUDA memory and sync: timed in no mode
-    try:
-        with mon or contextlib.nullcontext():
-            for i in range(cfg.warmup + 2, cfg.warmup + 2 + cfg.iters):
-                m.samples.append(time_call(it(i), cuda))
-    finally:
-        if gc_was_on:
-            gc.enable()
+    with collector_off(), mon or contextlib.nullcontext():
+        for i in range(cfg.warmup + 2, cfg.warmup + 2 + cfg.iters):
+            m.samples.append(time_call(it(i), cuda))
     if mon is not None:
         m.monitor.append(mon.summary())
 

@@ -3,9 +3,11 @@ around the call where there is a GPU. A kernel: triton's do_bench (L2 emptied be
 many calls. Nothing here sleeps or polls: what is timed is the call."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,21 @@ class Sample:
     wall_ms: float  # call + the sync that ends it (an engine reads the draft every iteration)
     host_ms: float  # until the call returned (on a CPU: the same as wall)
     gpu_ms: float | None  # CUDA events around the call; None without CUDA
+
+
+@contextlib.contextmanager
+def collector_off() -> Iterator[None]:
+    """Python's cycle collector run once, then off for the block (on again after, if it was): a collection inside a
+    timed or counted call is not the call's cost, and one that frees CUDA memory of earlier captures may make the
+    allocator synchronise."""
+    was_on = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def time_call(fn: Callable[[], object], cuda: bool) -> Sample:

@@ -47,14 +47,12 @@ COMPILE_SCOPE_ENV = "GRAPHCAP_SGLANG_COMPILE_SCOPE"  # "iteration" (default) or 
 
 
 def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static_tensors, backend: str,
-                   manifest_dir: str | None, name: str, steps: int, tp_rank: int | None = None,
-                   pool_dims: dict[str, tuple[int, ...]] | None = None) -> DraftGraphs:
+                   manifest_dir: str | None, name: str, steps: int, tp_rank: int | None = None) -> DraftGraphs:
     """Capture `fn` per bucket. Only TP rank 0 writes the manifest (`tp_rank` None: `sglang_tp_rank()`): every rank
     captures the same buckets and replays the same batches, so one file per server, as without TP. Rank 0 also
     writes it where the rank is unknown. Progress goes to the server's log (`graphcap.sglang`), and the counters
     since the last timed flush are written when the scheduler process exits (the plugin registers that here: the
-    library registers no exit hooks). `pool_dims`: the static tensors' dimensions sized by the server's memory
-    settings (DraftGraphs'; symbolic only in a dynamic_batch compile, which the plugin does not ask for)."""
+    library registers no exit hooks)."""
     # Not a capture spec (sglang's model defines the draft): a stand-in with the fields a manifest records.
     spec = SimpleNamespace(name=name, hash=f"w{window.window}-s{steps}", source="sglang", window=window.window,
                            capture=SimpleNamespace(steps=steps))
@@ -69,7 +67,7 @@ def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static
         raise DraftCaptureConfigError(f"${FLUSH_ENV}: expected seconds >= 0, got {raw!r}")
     graphs = DraftGraphs(fn, buckets=list(buckets), padding_slot=window.padding_slot, example_inputs=example_inputs,
                          static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path,
-                         flush_every_s=flush_s, observers=[LoggingProgress(log)], pool_dims=pool_dims)
+                         flush_every_s=flush_s, observers=[LoggingProgress(log)])
     graphs.capture()
     if path:
         atexit.register(_flush_at_exit, weakref.ref(graphs))  # weak: a replaced DraftGraphs is not kept alive
@@ -211,14 +209,9 @@ class GraphcapDraftRuntime:
         static.update({f"draft.{n}": t for n, t in loop.model.named_parameters()})
         static.update({f"draft.{n}": t for n, t in loop.model.named_buffers() if t is not None})
         static["pending_accepts"] = self.tracker.pending
-        # sized by the server's memory settings (--mem-fraction-static, --max-running-requests, --context-length),
-        # not the model: named for DraftGraphs, which compiles them symbolically only with dynamic_batch (not used here)
-        pool_dims = {f"window.{k}": d for k, d in self.window.pool_dims().items()}
-        pool_dims["pending_accepts"] = (0,)
         for logical, phys in sorted(w.kv_context.physical_layer_ids.items()):
             static[f"target.k{phys}"] = self.target_pool.get_key_buffer(phys)
             static[f"target.v{phys}"] = self.target_pool.get_value_buffer(phys)
-            pool_dims[f"target.k{phys}"] = pool_dims[f"target.v{phys}"] = (0,)
         name = "sglang-" + os.path.basename(str(w.server_args.speculative_draft_model_path or "draft").rstrip("/"))
         if scope == "model":
             name += "-model-compiled"
@@ -226,7 +219,7 @@ class GraphcapDraftRuntime:
         with loop.context():
             graphs = capture_graphs(self.window, loop, buckets=buckets, example_inputs=loop.example_inputs,
                                     static_tensors=static, backend=backend, manifest_dir=self.options.manifest_dir,
-                                    name=name, steps=self.steps, tp_rank=sglang_tp_rank(w), pool_dims=pool_dims)
+                                    name=name, steps=self.steps, tp_rank=sglang_tp_rank(w))
         self.attach(graphs)
 
     def _context(self):

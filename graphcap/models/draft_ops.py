@@ -25,10 +25,11 @@ The centroid LM head's scoring is part of the set too. The torch set calls graph
 (`graphcap.kernels.centroid_head`: lm_head rows read in place, fp32 accumulation; its gather twin where Triton cannot
 run), as the loop calls graphcap's attention kernel. The fused set runs sglang's Gemma 4 assistant head
 (`_apply_centroid_masking`) op for op, so the sglang-style baselines keep it: the chosen clusters' rows gathered
-with a contiguous index (torch's vectorised gather; a strided index falls back to its element-wise kernel, by
-torch's code - how much slower is not yet measured here), one batched product in the weights' dtype. Both sets then take the greedy token among the
-candidates; sglang also scatters the candidates' scores into a full-vocabulary row first, which no set does (it is
-the same for graphcap's plugin, which runs sglang's own head, and would only add the same cost to every mode).
+with a contiguous index (torch's vectorised gather; a strided index takes its element-wise kernel: with one the
+sglang mode ran 17-50% above sglang's engine draft from batch 8 up on the H200, with this one 12-15% below), one
+batched product in the weights' dtype. Both sets then take the greedy token among the candidates; sglang also
+scatters the candidates' scores into a full-vocabulary row first, which no set does (graphcap's sglang plugin keeps that scatter: it replaces
+only sglang's gather and product, graphcap.integrations.sglang_head).
 
 The head's two top-ks (the top clusters of the centroid scores, the best two candidates) are in the set too: the
 torch set takes graphcap's one-kernel top-k (`graphcap.kernels.small_topk`: the row in registers, k rounds of argmax;
@@ -107,11 +108,11 @@ def _rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 @dataclass(frozen=True)
 class TorchOps:
     """Plain torch ops: the reference model's own code (the centroid head's scoring and the head's top-ks: graphcap's
-    kernels, module docstring; `centroid_kernel=False`: the gather, batched product and torch.topk a plain loop
+    kernels, module docstring; `graphcap_kernels=False`: the gather, batched product and torch.topk a plain loop
     would write, `PLAIN_OPS`)."""
 
     name: str = "torch"
-    centroid_kernel: bool = True
+    graphcap_kernels: bool = True  # the centroid-head and top-k kernels; False: what a plain loop writes
 
     def bind(self, model: nn.Module) -> TorchOps:
         return self
@@ -142,17 +143,17 @@ class TorchOps:
     def centroid_head(self, lm_head, token_of_cluster, x, top):
         t = token_of_cluster.shape[1]
         # graphcap's kernel (the twin on CPU), or the plain gather + product
-        logits = centroid_logits(lm_head, x, top, t) if self.centroid_kernel else centroid_logits_torch(lm_head, x,
+        logits = centroid_logits(lm_head, x, top, t) if self.graphcap_kernels else centroid_logits_torch(lm_head, x,
                                                                                                         top, t)
         return logits, token_of_cluster[top].flatten(1)
 
     def topk(self, x, k):
         # graphcap's one-kernel top-k (torch.topk on CPU, past its sizes), or torch.topk
-        return small_topk(x, k) if self.centroid_kernel else torch.topk(x, k, dim=-1)
+        return small_topk(x, k) if self.graphcap_kernels else torch.topk(x, k, dim=-1)
 
 
 TORCH_OPS = TorchOps()
-PLAIN_OPS = TorchOps(name="torch-plain", centroid_kernel=False)  # what a hand-written loop runs (bench compile-plain)
+PLAIN_OPS = TorchOps(name="torch-plain", graphcap_kernels=False)  # what a hand-written loop runs (bench compile-plain)
 FUSED_MODULE = "graphcap.kernels.fused_ops"
 SGLANG_POST_NORM = "sglang.kernels.ops.layernorm.gemma4_fused_ops"  # gemma_rmsnorm_residual_scalar
 
