@@ -6,7 +6,7 @@ same loop in a manual CUDA graph without Inductor, plus the host time of one cal
 
     python bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --out DIR
     python bench/capture_cost.py ... --capture-only --backends inductor-cudagraph --out DIR2   # e.g. a warm cache
-    python bench/capture_cost.py ... --capture-only --backends inductor-cudagraph --dynamic-batch --out DIR3
+    python bench/capture_cost.py ... --capture-only --backends inductor-cudagraph --per-bucket --out DIR3
 
 Capture time depends on Inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR): empty them for a cold
 start, keep them for what a server restart sees. The output says which phases of torch.compile the time went to.
@@ -44,17 +44,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="cudagraph,inductor-cudagraph,reduce-overhead")
     p.add_argument("--capture-only", action="store_true", help="time the captures only (no replay timing)")
     p.add_argument("--buckets", default="", help="capture only these buckets (default: the spec's); e.g. 8")
-    p.add_argument("--dynamic-batch", action="store_true",
-                   help="compiled backends: one compile for every bucket (DraftGraphs' dynamic_batch), not one each")
+    per = p.add_mutually_exclusive_group()
+    per.add_argument("--dynamic-batch", action="store_true",
+                     help="compiled backends: one compile for every bucket (DraftGraphs.for_loop's default)")
+    per.add_argument("--per-bucket", action="store_true",
+                     help="compiled backends: one compile per bucket (dynamic_batch=False)")
     p.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                    help="compiled backends: load/save torch's compile artifacts in DIR (DraftGraphs' compile_cache)")
     p.add_argument("--precompile", action="store_true",
-                   help="with --dynamic-batch and --compile-cache: save / load the whole compiled iteration "
+                   help="with --compile-cache (one compile for every bucket): save / load the whole compiled iteration "
                         "(DraftGraphs' precompile: a warm restart traces nothing); inductor-cudagraph only")
     p.add_argument("--census", action="store_true",
                    help="record --batch's iteration once more as a debug graph: its nodes by type (graph.dot kept)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
+    if a.precompile and a.per_bucket:
+        p.error("--precompile saves the one compile for every bucket; it cannot go with --per-bucket")
     backends = [x for x in a.backends.split(",") if x]
     bad = [x for x in backends if x not in GRAPH_BACKENDS]
     if bad or not backends:
@@ -86,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         if backend is None:
             return wb, loop, loop
         path = mf.manifest_path(a.out, spec.name, spec.hash, backend)
-        dyn = a.dynamic_batch and backend != "cudagraph"  # the cudagraph backend compiles nothing
+        per_bucket = {"dynamic_batch": False} if a.per_bucket else {}  # else for_loop's default per backend
         graphs = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=path, progress=True,
-                                      dynamic_batch=dyn, compile_cache=a.compile_cache,
+                                      **per_bucket, compile_cache=a.compile_cache,
                                       precompile=a.precompile and backend == "inductor-cudagraph")
         t0 = time.perf_counter()
         graphs.capture()

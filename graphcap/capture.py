@@ -73,8 +73,8 @@ class DraftGraphs:
         (1..largest bucket) and record every bucket from that one artifact, instead of one compile per bucket. `fn`
         must then derive no Python value from the batch (for_loop calls the loop's `plan_for_any_batch`): one that
         passes such a value where an int is required fails the bucket's capture (the reason names the symbol), one
-        that only branches on it costs extra compiles (warned, and noted in the manifest). Off by default until a
-        GPU run measures it.
+        that only branches on it costs extra compiles (warned, and noted in the manifest). Off by default here, for
+        any function; `for_loop` turns it on for the compiled backends (graphcap's loop is built for it).
 
         `compile_cache=DIR` (compiled backends; opt-in): load torch's compile artifacts for this capture from DIR
         before compiling, and save them there after (graphcap.compile_cache: the key, and the rules that refuse an
@@ -85,7 +85,7 @@ class DraftGraphs:
         batch, so that a restart with other pool sizes hits Inductor's on-disk caches instead of compiling again -
         unless its context bound (`req_to_token`'s columns) changes the full layer's planned split count, a constant
         of the graph
-        (graphcap.static_buffers). `for_loop` takes the loop's `pool_dims()`. The per-bucket compile (the default)
+        (graphcap.static_buffers). `for_loop` takes the loop's `pool_dims()`. The per-bucket compile
         still specialises on them.
 
         `precompile=True` (with `dynamic_batch` and `compile_cache`; backends inductor-cudagraph and compile;
@@ -140,9 +140,17 @@ class DraftGraphs:
     @classmethod
     def for_loop(cls, loop: CapturableLoop, backend: str | None = None, buckets: Sequence[int] | None = None,
                  steps_only: bool = False, **kw) -> DraftGraphs:
-        """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph)."""
+        """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph).
+
+        With a compiled backend the default is one compile for every bucket (`dynamic_batch=True`; the loop plans its
+        attention for any batch): on the H200 it captured buckets 1..64 in 36 s from empty caches against 167.5 s
+        for one compile per bucket, 8.7 s against 20.9 s on a warm restart and 7.2 s against 104 s on a restart with
+        other pool sizes, its replays equal to the same code without graphs (docs/results.md, capture).
+        `dynamic_batch=False` gives the per-bucket compile."""
         spec = loop.spec
         buckets = buckets or spec.capture.buckets
+        backend = backend or spec.capture.backend
+        kw.setdefault("dynamic_batch", backend in COMPILED_BACKENDS)
         if "pool_dims" not in kw and hasattr(loop, "pool_dims"):
             kw["pool_dims"] = loop.pool_dims()
         # what is compiled beyond the spec: the loop's own step count and whether the advance is in it
@@ -150,7 +158,7 @@ class DraftGraphs:
         kw["cache_key"] = ";".join(x for x in (kw.get("cache_key"), what) if x)
         graphs = cls(loop.draft_steps if steps_only else loop, buckets=buckets,
                      padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
-                     static_tensors=loop.static_tensors(), backend=backend or spec.capture.backend, spec=spec, **kw)
+                     static_tensors=loop.static_tensors(), backend=backend, spec=spec, **kw)
         # planned once the arguments are known good: a refused call leaves the loop as it was
         if graphs.dynamic_batch:
             loop.plan_for_any_batch()

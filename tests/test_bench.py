@@ -235,6 +235,7 @@ def test_cpu_run_rows_carry_every_field_and_say_why_a_value_is_missing(tmp_path,
     (["--context", "4096"], "exceeds max_context 128"),
     (["--iters", "200", "--batch", "1"], "leaves no room for a context"),
     (["--graphcap-backend", "fast"], "is not one of"),
+    (["--modes", "graphcap-per-bucket,graphcap", "--graphcap-backend", "eager"], "backend 'eager' compiles nothing"),
     (["--no-such-option"], "unrecognized arguments"),
 ])
 def test_bad_options_exit_2_with_one_line(argv, message, capsys):
@@ -242,6 +243,19 @@ def test_bad_options_exit_2_with_one_line(argv, message, capsys):
     assert main(["bench", "--spec", "tiny", "--iters", "4", "--warmup", "1", *argv]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and len(captured.err.strip().splitlines()) == 1 and captured.out == ""
+
+
+def test_graphcap_per_bucket_is_graphcap_compiled_once_per_bucket_and_only_by_name():
+    """graphcap's default is one compile for every bucket; the per-bucket mode is the same loop and backend with
+    dynamic_batch off, there to price that default in one run - never in the default mode set."""
+    spec = load_spec("tiny")
+    cfg = _config("--spec", "tiny", "--batch", "2,3", "--iters", "1", "--modes", "graphcap-per-bucket,graphcap",
+                  "--graphcap-backend", "compile")
+    st = make_target_state(spec, [5, 9, 20], [30, 30, 30], seed=1)
+    modes = build_modes(cfg, FrozenKVDraft(spec, seed=2), st, spec.capture.steps, [])
+    assert [(m.name, m.runner.backend, m.runner.dynamic_batch) for m in modes] == [
+        ("graphcap-per-bucket", "compile", False), ("graphcap", "compile", True)]
+    assert "graphcap-per-bucket" not in _config("--spec", "tiny", "--iters", "4").modes
 
 
 def test_only_the_buckets_the_measured_batches_use_are_captured():

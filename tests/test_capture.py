@@ -237,14 +237,16 @@ def test_bad_construction(device):
 
 
 def test_compiled_backend_matches_eager_and_never_recompiles(device, tmp_path):
-    """Inductor (no CUDA graphs: the CPU path) over two buckets; a run at each bucket size, then more runs at other
+    """Inductor (no CUDA graphs: the CPU path) over two buckets, one compile per bucket (`dynamic_batch=False`; the
+    default one compile for all is the dynamic_batch test's); a run at each bucket size, then more runs at other
     sizes that map onto the same buckets - no new compilation."""
     if device == "cuda":
         pytest.skip("the GPU file checks the compiled backends with graphs")
     with twins_on_cpu():  # Inductor cannot lower interpreted Triton kernels: the twins are the CPU path
         _, wb_ref, loop_ref = build(device)
         _, wb, loop = build(device)
-        graphs = DraftGraphs.for_loop(loop, backend="compile", buckets=(2, 4), manifest_path=None, progress=False)
+        graphs = DraftGraphs.for_loop(loop, backend="compile", buckets=(2, 4), manifest_path=None, progress=False,
+                                      dynamic_batch=False)
         graphs.capture()
         g = torch.Generator().manual_seed(11)
         for b in (2, 4, 1, 3, 4):
@@ -443,6 +445,19 @@ def test_dynamic_batch_compiles_once_for_every_bucket(device, tmp_path):
             assert mf.read_manifest(tmp_path / f"{name}.json").dynamic_batch is (name == "dynamic")
     with pytest.raises(ValueError, match="dynamic_batch compiles once for every bucket; backend 'eager'"):
         DraftGraphs.for_loop(build(device)[2], backend="eager", manifest_path=None, dynamic_batch=True)
+
+
+def test_for_loop_compiles_once_for_every_bucket_by_default(device):
+    """The loop is built for one symbolic-batch compile, so for_loop asks for it with every compiled backend and
+    never with the ones that compile nothing (where dynamic_batch would be refused); an explicit choice wins."""
+    compiled = ["compile"] + (["inductor-cudagraph", "reduce-overhead"] if device == "cuda" else [])
+    plain = ["eager"] + (["cudagraph"] if device == "cuda" else [])
+    for backend in compiled + plain:
+        graphs = DraftGraphs.for_loop(build(device)[2], backend=backend, buckets=(1, 2), manifest_path=None)
+        assert graphs.dynamic_batch is (backend in compiled), backend
+    graphs = DraftGraphs.for_loop(build(device)[2], backend="compile", buckets=(1, 2), manifest_path=None,
+                                  dynamic_batch=False)
+    assert graphs.dynamic_batch is False
 
 
 def test_dynamic_batch_on_a_torch_whose_unbacked_marks_take_no_range(device, tmp_path, monkeypatch):

@@ -120,7 +120,7 @@ def test_replay_equals_the_same_function_without_graphs(spec_name, buckets, iter
     graphed = _loop(spec, st, model, lens)
     twin = _loop(spec, st, model, lens)  # the same function without CUDA graphs
     eager = _loop(spec, st, model, lens)  # plain eager draft_loop
-    dyn = {"dynamic_batch": True} if dynamic_batch else {}
+    dyn = {"dynamic_batch": dynamic_batch}  # explicit: for_loop's default for compiled backends is True
     gr = DraftGraphs.for_loop(graphed, backend=backend, buckets=buckets, manifest_path=tmp_path / "m.json", **dyn)
     gr.capture()
     tw = None

@@ -33,6 +33,7 @@ class BenchRow:
     x_compile: float | None = None
     x_compile_nosync: float | None = None
     x_compile_plain: float | None = None
+    x_per_bucket: float | None = None  # over graphcap itself compiled once per bucket (graphcap-per-bucket)
     util_pct: float | None = None  # NVML, mean over the measured iterations
     power_w: float | None = None
     sm_mhz: float | None = None
@@ -44,7 +45,7 @@ class BenchRow:
 
 SPEEDUP_FIELDS = {"eager-rebuild": "x_eager_rebuild", "graph-rebuild": "x_graph_rebuild", "sglang": "x_sglang",
                   "compile": "x_compile", "compile-nosync": "x_compile_nosync",
-                  "compile-plain": "x_compile_plain"}
+                  "compile-plain": "x_compile_plain", "graphcap-per-bucket": "x_per_bucket"}
 
 
 @dataclass(frozen=True)

@@ -96,12 +96,14 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                                           host_sync=name == "compile", name=name)
                 if runner.attention is not None:
                     note = "; ".join(x for x in (note, _pdl_note(runner.attention.use_pdl)) if x)
-            else:
+            else:  # graphcap, and graphcap compiled per bucket (options refuse that mode for a backend that
+                # compiles nothing)
                 backend = cfg.graphcap_backend
                 if not cuda:
                     note = f"backend {backend} (CUDA graphs need CUDA)"
+                per_bucket = {"dynamic_batch": False} if name == "graphcap-per-bucket" else {}
                 runner = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=None,
-                                              progress=False)
+                                              progress=False, **per_bucket)
         except ImportError as e:
             _note(notes, f"{name} skipped: {e}")
             continue
