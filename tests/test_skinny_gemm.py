@@ -19,6 +19,9 @@ tests run the Gemma 4 assistant's shapes, every candidate, CUDA graph replay and
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -270,12 +273,117 @@ def test_plan_and_candidates():
     assert sg._splits(100, Config(32, 256, 4, 4, 4)) == (256, 1)
 
 
+# Compiles every candidate for an H100/H200 (sm_90) with Triton's own compiler and ptxas, no GPU needed: catches what
+# the interpreter cannot (layouts, tl.dot shapes, shared memory). Run in a subprocess: under TRITON_INTERPRET=1
+# triton.jit makes interpreted functions, which do not compile.
+SM90_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import graphcap.kernels.skinny_gemm as sg
+
+ARGS = ["x", "w", "y", "M", "N", "K", "k_split", "stride_xm", "stride_wn", "stride_ym", "stride_ys"]
+seen = set()
+for key, cfgs in sg.CANDIDATES.items():
+    gated = "gated" in key
+    for i, cfg in enumerate(cfgs):
+        for m in {"m4": (1, 4), "m16": (16,), "m64": (32, 64)}[key.split("-")[0]]:
+            bm = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
+            for even in (True, False) if i == 0 else (True,):
+                if (cfg, bm, gated, even) in seen:
+                    continue
+                seen.add((cfg, bm, gated, even))
+                sig = {a: "*bf16" if a in "xwy" else "i32" for a in ARGS}
+                consts = dict(BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot,
+                              INTERPRET=False, EVEN_K=even, EVEN_N=even)
+                sig.update({c: "constexpr" for c in consts})
+                attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 5, 6, 7, 8, 9)}
+                k = triton.compile(ASTSource(sg._skinny_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                assert k.metadata.shared <= 227 * 1024, (key, cfg, bm, k.metadata.shared)
+                print(key, cfg.name, bm, even, k.metadata.shared)
+sig = dict(ws="*fp32", out="*bf16", M="i32", N="i32", SPLITS="i32", stride_om="i32", BLOCK="constexpr",
+           INTERPRET="constexpr")
+triton.compile(ASTSource(sg._splitk_sum_kernel, sig, dict(BLOCK=1024, INTERPRET=False)),
+               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print("compiled", len(seen) + 1)
+"""
+
+
+def test_every_candidate_compiles_for_sm90(tmp_path):
+    import os
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[1]), TRITON_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", SM90_COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bench/skinny_gemm.py
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "skinny_gemm.py"
+
+
+def test_bench_refuses_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs the bench itself")
+    r = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "CUDA" in r.stderr, r.stderr
+
+
+@OVERFLOW_OK
+def test_bench_checks_times_and_reports_at_a_tiny_shape(tmp_path, monkeypatch, device):
+    """The bench's own logic (contestants, the check against the cuBLAS expression, the summary and the files) at
+    tiny shapes, a wall clock in place of its CUDA-graph timer (interpreted on CPU: the timings mean nothing)."""
+    import importlib.util
+    import json
+    import time
+
+    from graphcap.bench import environment as bench_env
+
+    spec = importlib.util.spec_from_file_location("skinny_gemm_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def wall_us(fn, ws, rep_ms):
+        t = time.perf_counter()
+        for w in ws:
+            fn(w)
+        return (time.perf_counter() - t) * 1e6 / len(ws)
+
+    monkeypatch.setattr(bench, "graph_us", wall_us)
+    rows = []
+    for name, (m, n, k, gated) in {"lin": (3, 40, 96, False), "gu": (20, 24, 64, True)}.items():
+        x, w = make(m, m, 2 * n if gated else n, k, device=device, scale=k ** -0.5)
+        rows += bench.measure(name, m, [w, w.clone()], x, gated, n, 1.0, 100.0, None, False)
+        names = {r["contestant"] for r in rows if r["shape"] == name}
+        assert names == {"cublas", "plan"} | {c.name for c in sg.candidates(m, n, k, gated)}
+    assert all("failed" not in r and r["err"] < 1e-2 and r["us"] > 0 for r in rows), rows
+    bench.write(tmp_path, bench_env.environment(copy_gbps=100.0), rows, ["a note"])
+    report = json.loads((tmp_path / "skinny_gemm.json").read_text())
+    assert [(s["shape"], s["m"]) for s in report["summary"]] == [("lin", 3), ("gu", 20)]
+    assert all("best" in s and "speedup_plan" in s for s in report["summary"])
+    assert "| lin " in (tmp_path / "skinny_gemm.md").read_text()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: the Gemma 4 assistant's shapes (docstring of graphcap/kernels/skinny_gemm.py)
 
 GEMMA = {"q_proj_sliding": (8192, 1536), "q_proj_full": (16384, 1536), "o_proj_sliding": (1536, 8192),
          "o_proj_full": (1536, 16384), "down": (1536, 6144), "pre_proj": (1536, 10752), "centroids": (2048, 1536)}
 GATE_UP = (6144, 1536)  # I, K
+
+
+@pytest.fixture
+def fp32_cublas(monkeypatch):
+    """cuBLAS (the twin on CUDA) reduces split-K partials in fp32: torch's default lets it use bf16, whose rounding
+    is outside the twin's bound (module docstring)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
 
 
 def gpu_case(seed: int, m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,7 +396,7 @@ def gpu_case(seed: int, m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Ten
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 8, 17, 64])
 @pytest.mark.parametrize("name", list(GEMMA) + ["gate_up"])
-def test_gemma4_shapes_on_gpu(name, m):
+def test_gemma4_shapes_on_gpu(name, m, fp32_cublas):
     n, k = (2 * GATE_UP[0], GATE_UP[1]) if name == "gate_up" else GEMMA[name]
     x, w = gpu_case(m + n + k, m, n, k)
     if name == "gate_up":
@@ -299,7 +407,7 @@ def test_gemma4_shapes_on_gpu(name, m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 12, 40])
-def test_every_candidate_on_gpu(m):
+def test_every_candidate_on_gpu(m, fp32_cublas):
     """Each candidate config of M's class compiles and is correct at one wide, one narrow and the gated shape."""
     for name, gated in (("q_proj_sliding", False), ("o_proj_full", False), ("gate_up", True)):
         n, k = (2 * GATE_UP[0], GATE_UP[1]) if gated else GEMMA[name]
