@@ -28,6 +28,7 @@ tests' reference and the fallback where Triton does not run.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -266,7 +267,7 @@ def _run(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool) -> No
 # the ops: a functional one (returns a new tensor) and an out= one (writes into out) per function
 
 
-def _register(name: str, gated: bool):
+def _register(name: str, gated: bool) -> tuple[Callable[..., torch.Tensor], Callable[..., None]]:
     @torch.library.custom_op(f"graphcap::{name}", mutates_args=())
     def op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         out = x.new_empty(_check(name, x, w, gated))
