@@ -4,8 +4,11 @@
 #   scripts/gpu-check.sh perf     capture cost (cold and warm Inductor caches, host time per call), per-kernel
 #                                 profile of an iteration, attention GPU tests + default configs vs sglang
 #   scripts/gpu-check.sh smoke    quick (the default stage): CUDA unit tests of window/attention/model + a tiny bench
-#   scripts/gpu-check.sh unit     the kernels' GPU tests (attention, plan, centroid head, small top-k, fused ops)
+#   scripts/gpu-check.sh unit     the kernels' GPU tests (attention, plan, centroid head, small top-k, fused ops,
+#                                 skinny GEMM)
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included), attention tuning grid
+#   scripts/gpu-check.sh gemm     bench/skinny_gemm.py: the skinny GEMM's candidates and plan vs cuBLAS and Inductor
+#                                 max-autotune at the draft's matmul shapes, M 1..64 (skinny_gemm.{json,md})
 #   scripts/gpu-check.sh kernels  bench/window_advance.py, bench/attention_bw.py defaults timed three ways (L2
 #                                 emptied by writing / by reading; in-graph among other work)
 #   scripts/gpu-check.sh capture-warm  all buckets from the warm caches an earlier stage left, host time, census
@@ -44,7 +47,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 }
 [ "${1:-}" = "--tree-hash" ] && { tree_hash; exit 0; }
 [ $# -eq 0 ] && set -- smoke
-STAGES="perf smoke unit tests replay kernels capture-warm host-affinity host bench capture capture-all per-bucket bench8 check splits engine-check engine-speed"
+STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all per-bucket bench8 check splits engine-check engine-speed"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -115,9 +118,14 @@ case $stage in
     step smoke-bench python3 -m graphcap.cli bench --spec tiny --batch 1,4 --context 64 --iters 5 --repeats 1 \
       --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-smoke"
     ;;
-  unit)  # the kernels' GPU tests alone (attention, its plan, the centroid head, small top-k, fused ops): quick
+  unit)  # the kernels' GPU tests alone (attention, its plan, the centroid head, small top-k, fused ops, skinny
+    # GEMM): quick
     step unit-gpu python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_attention_plan.py \
-      tests/test_centroid_head.py tests/test_small_topk.py tests/test_fused_ops.py
+      tests/test_centroid_head.py tests/test_small_topk.py tests/test_fused_ops.py tests/test_skinny_gemm.py
+    ;;
+  gemm)  # the skinny GEMM vs cuBLAS and Inductor per shape and M; Inductor's max-autotune compiles go last and stop
+    # at the bench's --budget-s, and the step is cut at 560 s so that what ran comes back inside a 600 s call
+    STEP_LIMIT=${STEP_LIMIT:-560} step skinny-gemm python3 bench/skinny_gemm.py --out "$LOG/skinny-gemm"
     ;;
   tests)  # the whole suite, then the attention grid at the shapes short of 70% of copy bandwidth
     step pytest python3 -m pytest -q -rs tests/

@@ -1,0 +1,217 @@
+"""The draft's matmuls at small batch: graphcap's skinny GEMM (every candidate config and the plan's choice) against
+cuBLAS and Inductor's max-autotune, per Gemma 4 assistant shape and M in 1..64, in GB/s against copy bandwidth.
+
+Contestants per (shape, M), all bf16 with fp32 accumulation:
+- cublas: `x @ w.t()`; for gate_up, `x @ w.t()` then graphcap's gelu_tanh_and_mul kernel (two kernels, or more
+  where cuBLAS splits K) - what the draft runs today.
+- inductor: torch.compile(mode="max-autotune-no-cudagraphs") of the same expression (gate_up: chunk, gelu-tanh, mul).
+- plan: graphcap.kernels.skinny_gemm's registered op (the config `plan` picks); <config>: each candidate of the
+  shape's class through `launch`.
+Each contestant's output is checked against cublas first (max |a - b| / max |b|, printed); one above 2e-2 is
+reported and not timed.
+
+Timing: one CUDA graph holds R calls, each on its own copy of the weights, the copies together >= 256 MB (the
+H200's L2 is 50 MB), so every call reads its weights from HBM with a clean L2, back to back as in the draft's graph
+(the gap between kernels, and split-K's extra kernels, count). Time per call = median replay time (CUDA events) / R.
+GB/s = (weights + x + out bytes) / time, against the device-to-device copy bandwidth measured in the same run
+(graphcap.bench.roofline, bytes read + written).
+
+    python bench/skinny_gemm.py --out DIR [--quick]    # CUDA only; writes skinny_gemm.{json,md} into DIR
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+from graphcap.bench import environment as bench_env
+from graphcap.bench import timing
+from graphcap.bench.options import OneLineParser
+
+# name: (N, K, gated); gated N is I, the output width (w is [2I, K]). post_proj is the draft's other matmul.
+SHAPES = {"q_proj_sliding": (8192, 1536, False), "q_proj_full": (16384, 1536, False),
+          "o_proj_sliding": (1536, 8192, False), "o_proj_full": (1536, 16384, False), "gate_up": (6144, 1536, True),
+          "down": (1536, 6144, False), "pre_proj": (1536, 10752, False), "centroids": (2048, 1536, False),
+          "post_proj": (5376, 1536, False)}
+MS = (1, 2, 4, 8, 16, 32, 64)
+ROTATE_BYTES = 256 << 20  # weight copies per graph: together >> the 50 MB L2
+MAX_ERR = 2e-2
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def graph_us(fn: Callable[[torch.Tensor], torch.Tensor], ws: list[torch.Tensor], rep_ms: float) -> float:
+    """Microseconds per call: one graph of len(ws) calls, one per weight copy (module docstring)."""
+    for w in ws:  # compile / autotune / warm outside the capture
+        fn(w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in ws:
+            fn(w)
+    ms = timing.events_ms(graph.replay, rep_ms)
+    del graph
+    return ms * 1e3 / len(ws)
+
+
+def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool) -> dict[str, Callable]:
+    from graphcap.kernels import skinny_gemm as sg
+    from graphcap.kernels.fused_ops import gelu_tanh_and_mul
+
+    def expr(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not gated:
+            return x @ w.t()
+        g, u = (x @ w.t()).chunk(2, dim=-1)
+        return torch.nn.functional.gelu(g, approximate="tanh") * u
+
+    m, k = x.shape
+    fns: dict[str, Callable] = {
+        "cublas": (lambda w: gelu_tanh_and_mul(x @ w.t())) if gated else (lambda w: x @ w.t()),
+        "plan": (lambda w: sg.skinny_gate_up_gelu(x, w)) if gated else (lambda w: sg.skinny_linear(x, w)),
+    }
+    if inductor:
+        compiled = torch.compile(expr, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=True)
+        fns["inductor"] = lambda w: compiled(x, w)
+    for cfg in sg.candidates(m, n, k, gated):
+        fns[cfg.name] = lambda w, cfg=cfg: sg.launch(x, w, x.new_empty(m, n), cfg, gated)
+    return fns
+
+
+def measure(name: str, m: int, ws: list[torch.Tensor], x: torch.Tensor, gated: bool, n: int, rep_ms: float,
+            copy_gbs: float, which: set[str] | None, inductor: bool) -> list[dict]:
+    from graphcap.kernels import skinny_gemm as sg
+
+    k = x.shape[1]
+    moved = ws[0].numel() * 2 + x.numel() * 2 + m * n * 2  # bytes read (weights, x) + written (out)
+    fns = contestants(x, gated, n, inductor)
+    ref = fns["cublas"](ws[0])
+    rows = []
+    for cname, fn in fns.items():
+        if which is not None and cname not in which:
+            continue
+        row = dict(shape=name, n=n, k=k, m=m, contestant=cname, mbytes=round(moved / 1e6, 2))
+        if cname == "plan":
+            row["config"] = sg.plan(m, n, k, gated).name
+        try:
+            row["err"] = rel_err(fn(ws[0]), ref)
+            if row["err"] > MAX_ERR:
+                row["failed"] = f"error {row['err']:.2e} vs cublas"
+            else:
+                us = graph_us(fn, ws, rep_ms)
+                gbs = moved / (us * 1e-6) / 1e9
+                row.update(us=round(us, 2), gbps=round(gbs, 1), pct_copy=round(100 * gbs / copy_gbs, 1))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile or capture is a result
+            row["failed"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        print(f"  {name} M={m} {cname:>24}: err {row.get('err', float('nan')):.1e}  "
+              f"{row.get('us', '-')} us  {row.get('pct_copy', '-')} % copy  {row.get('failed', '')}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for key in dict.fromkeys((r["shape"], r["m"]) for r in rows):
+        rs = {r["contestant"]: r for r in rows if (r["shape"], r["m"]) == key and "us" in r}
+        ours = {c: r for c, r in rs.items() if c not in ("cublas", "inductor")}
+        base = min((rs[c]["us"] for c in ("cublas", "inductor") if c in rs), default=None)
+        best = min(ours, key=lambda c: ours[c]["us"], default=None)
+        s = dict(shape=key[0], m=key[1], **{f"{c}_us": rs[c]["us"] for c in ("cublas", "inductor", "plan") if c in rs},
+                 **{f"{c}_pct": rs[c]["pct_copy"] for c in ("cublas", "inductor", "plan") if c in rs})
+        if best is not None:
+            s.update(best=best if best != "plan" else rs["plan"]["config"] + " (plan)", best_us=ours[best]["us"],
+                     best_pct=ours[best]["pct_copy"])
+            if base:
+                s["speedup_best"] = round(base / ours[best]["us"], 2)
+                if "plan" in rs:
+                    s["speedup_plan"] = round(base / rs["plan"]["us"], 2)
+        out.append(s)
+    return out
+
+
+def write(out: Path | None, env: dict, rows: list[dict], notes: list[str]) -> None:
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(rows)
+    (out / "skinny_gemm.json").write_text(json.dumps(dict(env=env, summary=summary, rows=rows, notes=notes), indent=1))
+    head = ["shape", "M", "cuBLAS us", "% copy", "Inductor us", "% copy", "plan us", "% copy", "best of ours",
+            "us", "% copy", "best / baseline", "plan / baseline"]
+    keys = ["shape", "m", "cublas_us", "cublas_pct", "inductor_us", "inductor_pct", "plan_us", "plan_pct", "best",
+            "best_us", "best_pct", "speedup_best", "speedup_plan"]
+    body = [[s.get(k, "-") for k in keys] for s in summary]
+    text = [f"# skinny GEMM vs cuBLAS / Inductor ({env['device']}, {env['date']})", "",
+            f"{bench_env.summary_line(env)}; copy bandwidth {env['copy_gbps']} GB/s (read + write). Time per call: "
+            "a CUDA graph of calls over weight copies totalling >= 256 MB (L2 50 MB), median replay / calls. "
+            "'baseline': the faster of cuBLAS and Inductor; speedups > 1 favour ours.", "",
+            tabulate(body, headers=head, tablefmt="github", disable_numparse=True)]
+    fails = [f"- {r['shape']} M={r['m']} {r['contestant']}: {r['failed']}" for r in rows if "failed" in r]
+    text += (["", "Failed:"] + fails if fails else []) + (["", "Notes:"] + [f"- {n}" for n in notes] if notes else [])
+    (out / "skinny_gemm.md").write_text("\n".join(text) + "\n")
+
+
+def main() -> None:
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=None, help="directory for skinny_gemm.{json,md}")
+    ap.add_argument("--quick", action="store_true", help="M in 1, 8, 64 and shorter repeats")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {','.join(SHAPES)}")
+    ap.add_argument("--ms", default=None, help="comma-separated M values (default 1,2,4,8,16,32,64)")
+    ap.add_argument("--rep-ms", type=float, default=None, help="milliseconds of replays per measurement")
+    ap.add_argument("--budget-s", type=float, default=450.0,
+                    help="past this many seconds, Inductor (compiled last, shape by shape) is skipped")
+    ap.add_argument("--no-inductor", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("skinny_gemm: needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
+    shapes = args.shapes.split(",")
+    if bad := [s for s in shapes if s not in SHAPES]:
+        ap.error(f"--shapes: unknown {','.join(bad)}")
+    try:
+        ms = [int(v) for v in args.ms.split(",")] if args.ms else [1, 8, 64] if args.quick else list(MS)
+    except ValueError:
+        ap.error(f"--ms: expected comma-separated integers, got {args.ms!r}")
+    if not all(1 <= m <= 64 for m in ms):
+        ap.error("--ms: values in 1..64")
+    rep_ms = args.rep_ms or (5.0 if args.quick else 20.0)
+    t0 = time.time()
+    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 4096
+    from graphcap.bench.roofline import measure_copy_bandwidth
+
+    env = bench_env.environment(copy_gbps=round(measure_copy_bandwidth(), 1), rep_ms=rep_ms)
+    torch.cuda.empty_cache()
+    print(json.dumps(env, indent=1), flush=True)
+    rows: list[dict] = []
+    notes: list[str] = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for inductor in [False] + ([] if args.no_inductor else [True]):  # ours and cuBLAS everywhere first
+        for name in shapes:
+            n, k, gated = SHAPES[name]
+            if inductor and time.time() - t0 > args.budget_s:
+                notes.append(f"{name}: Inductor skipped (past --budget-s {args.budget_s:.0f} s)")
+                continue
+            w = (torch.randn((2 * n if gated else n), k, generator=gen, device="cuda") / math.sqrt(k)).bfloat16()
+            ws = [w] + [w.clone() for _ in range(math.ceil(ROTATE_BYTES / (w.numel() * 2)) - 1)]
+            for m in ms:
+                x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+                rows += measure(name, m, ws, x, gated, n, rep_ms, env["copy_gbps"],
+                                {"inductor"} if inductor else None, inductor)
+            del w, ws
+            torch.cuda.empty_cache()
+            env["elapsed_s"] = round(time.time() - t0)
+            rows.sort(key=lambda r: (list(SHAPES).index(r["shape"]), r["m"]))
+            write(args.out, env, rows, notes)  # after every shape: a run cut short keeps what it measured
+    print(tabulate([[s.get(k, "-") for k in ("shape", "m", "cublas_us", "inductor_us", "plan_us", "best", "best_us",
+                                              "speedup_best")] for s in summarize(rows)],
+                   headers=["shape", "M", "cuBLAS", "Inductor", "plan", "best", "us", "x"], tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()

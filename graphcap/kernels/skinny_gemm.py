@@ -1,0 +1,314 @@
+"""Skinny GEMM: out = x @ w.T for few rows (M <= 64), and the MLP's gate/up projection with its gelu-tanh * up in
+the same kernel.
+
+At the draft's batch sizes a linear layer is a weight read: w [N, K] bf16 is megabytes, x [M, K] kilobytes, and the
+time is bytes / HBM bandwidth. cuBLAS runs these shapes as split-K kernels at about half of copy bandwidth, plus a
+split-K reduction kernel, plus (gate/up) a separate gelu-mul kernel that reads the [M, 2I] product back. Here:
+
+- One program owns BLOCK_N output columns for all M rows and streams its BLOCK_N weight rows over K in BLOCK_K
+  chunks (fp32 accumulation), so every weight byte is read once, in long K-contiguous runs.
+- The product is computed transposed, acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T ("swap AB"): the weight rows fill the
+  MMA's large side and the batch its small side, padded to BLOCK_M = max(16, next_pow2(M)) (tl.dot's minimum). The
+  padding costs tensor-core work only, which is idle in a bandwidth-bound kernel; padded rows are never loaded.
+  Configs with dot=False use a broadcast multiply + sum on CUDA cores instead (BLOCK_M = next_pow2(M), no padding):
+  offered for M <= 4, where it skips the shared-memory staging of x; whether it wins is the bench's to say.
+- skinny_gate_up_gelu: the program reads gate rows n and up rows n + I of w [2I, K] against the same x tile and
+  stores gelu_tanh(g) * u (fp32, one rounding): no [M, 2I] intermediate, no second kernel, no split-K (I = 6144 is
+  wide enough to fill the GPU).
+- Narrow shapes (N = 1536, K up to 16384: o_proj, down, pre_proj) cannot fill 132 SMs with N-blocks alone, so they
+  split K: program (n, s) writes its fp32 partial to a workspace [S, M, N] and a second kernel sums the S partials in
+  order s = 0..S-1 and rounds once. That is two kernels and S * M * N * 8 bytes of workspace traffic per call, but it
+  is deterministic (no atomics: the same bits on every call, as replay-vs-compiled equality needs).
+
+Launch configs come from a fixed table (CANDIDATES, keyed by shape class) through `plan`, a pure-Python function of
+the static shapes: no autotuning at call time, so a call costs nothing extra on the host and captures in a CUDA graph.
+The ops are opaque `torch.library.custom_op`s (with fake implementations): torch.compile keeps them as calls.
+`skinny_linear_torch` / `skinny_gate_up_gelu_torch` are the plain-torch twins (cuBLAS + an fp32 gelu-mul): the
+tests' reference and the fallback where Triton does not run.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from graphcap.kernels import use_triton
+
+DTYPES = (torch.bfloat16, torch.float16)
+MAX_M = 64  # rows per call: above this a GEMM is no longer a weight read
+NARROW_N = 4096  # below this many output columns a shape splits K (see CANDIDATES)
+
+
+class SkinnyGemmError(ValueError):
+    """A bad argument to a skinny GEMM op (the op and the argument are named in the message)."""
+
+
+class Config(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int  # an upper bound: plan/launch use at most cdiv(K, block_k) splits
+    num_warps: int
+    num_stages: int
+    dot: bool = True  # tl.dot (tensor cores) or broadcast multiply + sum (CUDA cores)
+
+    @property
+    def name(self) -> str:
+        return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}"
+                + ("" if self.dot else "-bcast"))
+
+
+# Candidate configs per shape class "<m>-<n>" (m: M <= 4 / <= 16 / <= 64; n: gated, wide N >= NARROW_N, or narrow),
+# the first of each the default `plan` picks. Sized for an H200 (132 SMs, ~228 KB shared memory per SM): 8-32 KB of
+# weights per pipeline stage, 3-4 stages, and at least ~2 programs per SM. Untuned: bench/skinny_gemm.py times each.
+_SMALL = {
+    "wide": (Config(32, 256, 1, 4, 4), Config(16, 512, 1, 4, 3), Config(64, 128, 1, 4, 4), Config(64, 256, 1, 8, 3)),
+    "gated": (Config(16, 256, 1, 4, 4), Config(32, 256, 1, 4, 3), Config(32, 128, 1, 4, 4), Config(64, 128, 1, 8, 3)),
+    "narrow": (Config(32, 256, 4, 4, 4), Config(16, 256, 4, 4, 4), Config(32, 256, 8, 4, 4), Config(64, 256, 8, 8, 3),
+               Config(16, 256, 1, 4, 4), Config(16, 512, 2, 4, 3)),
+}
+_BCAST = {"wide": Config(16, 128, 1, 4, 2, False), "gated": Config(16, 128, 1, 4, 2, False),
+          "narrow": Config(16, 128, 4, 4, 2, False)}
+CANDIDATES: dict[str, tuple[Config, ...]] = {
+    **{f"m4-{n}": cfgs + (_BCAST[n],) for n, cfgs in _SMALL.items()},
+    **{f"m16-{n}": cfgs for n, cfgs in _SMALL.items()},
+    # up to 64 rows the x tile is as large as the weight tile at BLOCK_N = 64: wider N-blocks read x less often
+    "m64-wide": (Config(64, 128, 1, 4, 4), Config(128, 128, 1, 8, 3), Config(32, 256, 1, 4, 3),
+                 Config(64, 256, 1, 8, 3)),
+    "m64-gated": (Config(64, 128, 1, 4, 3), Config(32, 128, 1, 4, 4), Config(128, 64, 1, 8, 3)),
+    "m64-narrow": (Config(64, 128, 8, 4, 4), Config(64, 128, 4, 4, 4), Config(128, 128, 8, 8, 3),
+                   Config(32, 256, 8, 4, 3), Config(64, 128, 1, 4, 4)),
+}
+
+
+def shape_class(m: int, n: int, gated: bool = False) -> str:
+    rows = "m4" if m <= 4 else "m16" if m <= 16 else "m64"
+    return f"{rows}-{'gated' if gated else 'wide' if n >= NARROW_N else 'narrow'}"
+
+
+def candidates(m: int, n: int, k: int, gated: bool = False) -> tuple[Config, ...]:
+    """The configs a bench times for this shape (n: output columns; for gated, I)."""
+    return CANDIDATES[shape_class(m, n, gated)]
+
+
+def plan(m: int, n: int, k: int, gated: bool = False) -> Config:
+    """The config a call uses: its shape class's first candidate. Pure Python on static shapes."""
+    return candidates(m, n, k, gated)[0]
+
+
+def _splits(k: int, cfg: Config) -> tuple[int, int]:
+    """(K per split, a multiple of block_k; number of splits, none of them empty)."""
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    return k_split, triton.cdiv(k, k_split)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checks (static: shapes, dtypes, devices, strides)
+
+
+def _check(op: str, x: object, w: object, gated: bool, out: object = None) -> tuple[int, int]:
+    """(M, output columns) of a valid call; SkinnyGemmError naming op and argument otherwise."""
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise SkinnyGemmError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 2 or t.dtype not in DTYPES:
+            raise SkinnyGemmError(f"{op}: {name} must be a 2-D bfloat16/float16 tensor, "
+                                  f"got {t.ndim}-D {t.dtype} {tuple(t.shape)}")
+    if x.dtype != w.dtype:
+        raise SkinnyGemmError(f"{op}: x ({x.dtype}) and w ({w.dtype}) dtypes differ")
+    if x.shape[1] != w.shape[1]:
+        raise SkinnyGemmError(f"{op}: x has K = {x.shape[1]} columns, w {tuple(w.shape)} has {w.shape[1]}")
+    if x.shape[0] > MAX_M:
+        raise SkinnyGemmError(f"{op}: x has {x.shape[0]} rows, at most MAX_M = {MAX_M} are supported")
+    if not w.is_contiguous():
+        raise SkinnyGemmError(f"{op}: w must be contiguous, got strides {w.stride()}")
+    if x.numel() and x.stride(1) != 1:
+        raise SkinnyGemmError(f"{op}: x's last dimension must be contiguous (stride 1), got strides {x.stride()}")
+    if gated and w.shape[0] % 2:
+        raise SkinnyGemmError(f"{op}: w must stack gate and up rows ([2I, K]), got an odd {w.shape[0]} rows")
+    if x.device != w.device:
+        raise SkinnyGemmError(f"{op}: x ({x.device}) and w ({w.device}) must be on one device")
+    shape = (x.shape[0], w.shape[0] // 2 if gated else w.shape[0])
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype != x.dtype or tuple(out.shape) != shape \
+                or out.device != x.device or (out.numel() and out.stride(1) != 1):
+            got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out)
+            raise SkinnyGemmError(f"{op}: out must be a {x.dtype} {shape} tensor on {x.device} with contiguous "
+                                  f"rows, got {got}")
+    return shape
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plain-torch twins
+
+
+def skinny_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Twin of skinny_linear: x @ w.T (cuBLAS on CUDA), one rounding to x's dtype."""
+    return torch.nn.functional.linear(x, w)
+
+
+def skinny_gate_up_gelu_torch(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """Twin of skinny_gate_up_gelu: the [M, 2I] product in x's dtype, then gelu_tanh(gate) * up in fp32, rounded
+    once (what cuBLAS + graphcap's gelu_tanh_and_mul compute)."""
+    gate, up = torch.nn.functional.linear(x, w_gate_up).float().chunk(2, dim=-1)
+    return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+# INTERPRET (CPU tensors, which reach a kernel only under TRITON_INTERPRET=1) works around two faults of Triton's
+# CPU interpreter with bf16: tl.dot multiplies the tiles' raw bits (it stores bf16 as uint16), and fp32 -> bf16
+# casts truncate. The workaround is exact: bf16 -> fp32 is exact and fp32 products of bf16 values are too, and the
+# explicit rounding is what a GPU's cast does (to nearest, ties to even).
+
+
+@triton.jit
+def _mac(acc, w, xt, DOT: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc[BN, BM] += w[BN, BK] @ xt[BK, BM] with fp32 accumulation."""
+    if DOT:
+        if INTERPRET:
+            return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(w, xt, acc)
+    return acc + tl.sum(w.to(tl.float32)[:, :, None] * xt.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
+def _round(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> dtype, to nearest even."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # now exact in bf16
+    return v.to(dtype)
+
+
+@triton.jit
+def _skinny_kernel(x, w, y, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+                   DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    # program (n-block, split s): columns [n0, n0 + BLOCK_N) of all M rows over K range [s * k_split, +k_split)
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n, mask_m = offs_n < N, offs_m < M
+    w_ptr = w + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    u_ptr = w + (offs_n + N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # gated: the up rows n + I
+    x_ptr = x + offs_m[None, :] * stride_xm + offs_k[:, None]  # x.T tile [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    k0 = pid_s * k_split
+    for k in range(k0, tl.minimum(k0 + k_split, K), BLOCK_K):
+        mask_k = (k + offs_k) < K
+        xt = tl.load(x_ptr + k, mask=mask_m[None, :] & mask_k[:, None], other=0.0)
+        if EVEN_K and EVEN_N:  # the real shapes: unmasked, fully vectorised weight loads
+            wt = tl.load(w_ptr + k)
+        else:
+            wt = tl.load(w_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc = _mac(acc, wt, xt, DOT, INTERPRET)
+        if GATED:
+            if EVEN_K and EVEN_N:
+                ut = tl.load(u_ptr + k)
+            else:
+                ut = tl.load(u_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            acc_u = _mac(acc_u, ut, xt, DOT, INTERPRET)
+    if GATED:  # gelu_tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))) = g * sigmoid(2c (g + 0.044715 g^3))
+        acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)) * acc_u
+    y_ptr = y + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptr, _round(acc, y.dtype.element_ty, INTERPRET), mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _splitk_sum_kernel(ws, out, M, N, SPLITS, stride_om, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(ws + offs, mask=mask, other=0.0)
+    for s in range(1, SPLITS):  # always split 0, 1, ... in order: the same bits on every call
+        acc += tl.load(ws + s * M * N + offs, mask=mask, other=0.0)
+    tl.store(out + (offs // N) * stride_om + offs % N, _round(acc, out.dtype.element_ty, INTERPRET), mask=mask)
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gated: bool = False) -> torch.Tensor:
+    """Run the kernel with an explicit config into `out` ([M, N] or gated [M, I]); the bench and tests time and check
+    every candidate through this. Inputs are assumed checked (`_check`)."""
+    m, n = out.shape
+    k = x.shape[1]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    if gated and cfg.split_k != 1:
+        raise SkinnyGemmError(f"skinny_gate_up_gelu: config {cfg.name} splits K; the gated kernel does not")
+    k_split, splits = _splits(k, cfg)
+    block_m = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
+    y = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+        x, w, y, m, n, k, k_split, x.stride(0), w.stride(0), y.stride(-2), y.stride(0) if splits > 1 else 0,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot, INTERPRET=not x.is_cuda,
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](y, out, m, n, splits, out.stride(0), BLOCK=1024,
+                                                            INTERPRET=not x.is_cuda, num_warps=4)
+    return out
+
+
+def _run(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool) -> None:
+    if not use_triton(x):
+        out.copy_(skinny_gate_up_gelu_torch(x, w) if gated else skinny_linear_torch(x, w))
+        return
+    launch(x, w, out, plan(out.shape[0], out.shape[1], x.shape[1], gated), gated)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the ops: a functional one (returns a new tensor) and an out= one (writes into out) per function
+
+
+def _register(name: str, gated: bool) -> tuple[Callable[..., torch.Tensor], Callable[..., None]]:
+    @torch.library.custom_op(f"graphcap::{name}", mutates_args=())
+    def op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(_check(name, x, w, gated))
+        _run(out, x, w, gated)
+        return out
+
+    @op.register_fake
+    def _(x, w):
+        return x.new_empty(_check(name, x, w, gated))
+
+    @torch.library.custom_op(f"graphcap::{name}_out", mutates_args=("out",))
+    def op_out(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+        _check(name, x, w, gated, out)
+        _run(out, x, w, gated)
+
+    @op_out.register_fake
+    def _(out, x, w):
+        _check(name, x, w, gated, out)
+
+    return op, op_out
+
+
+_linear_op, _linear_out_op = _register("skinny_linear", gated=False)
+_gate_up_op, _gate_up_out_op = _register("skinny_gate_up_gelu", gated=True)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T for x [M, K] (M <= MAX_M, rows contiguous) and w [N, K] contiguous, bf16/fp16, fp32 accumulation,
+    [M, N] in x's dtype (into `out` if given). The Triton kernel where Triton runs, the twin elsewhere."""
+    _check("skinny_linear", x, w, False, out)  # here too: the op's schema would reject a bad type first, unnamed
+    if out is None:
+        return _linear_op(x, w)
+    _linear_out_op(out, x, w)
+    return out
+
+
+def skinny_gate_up_gelu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gelu_tanh(x @ w_gate_up[:I].T) * (x @ w_gate_up[I:].T) for w_gate_up [2I, K] (gate rows, then up rows):
+    [M, I] in x's dtype (into `out` if given), the activation in fp32 before the one rounding."""
+    _check("skinny_gate_up_gelu", x, w_gate_up, True, out)
+    if out is None:
+        return _gate_up_op(x, w_gate_up)
+    _gate_up_out_op(out, x, w_gate_up)
+    return out
