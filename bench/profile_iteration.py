@@ -25,6 +25,7 @@ from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import median_p90, time_call
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
+from graphcap.models.draft_ops import SKINNY_OPS, TORCH_OPS
 from graphcap.spec import load_spec
 from graphcap.window import WindowBuffers
 
@@ -32,7 +33,9 @@ GROUPS = (  # (group, substrings of the kernel name), first match wins
     ("attention split-KV", ("_split_kernel",)),
     ("attention combine", ("_combine_kernel",)),
     ("window advance", ("window_advance", "_advance")),
-    ("matmul (cuBLAS/CUTLASS)", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk")),
+    ("matmul (cuBLAS/CUTLASS, graphcap's skinny GEMM)", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk",
+                                                          "_skinny")),
+    ("centroid head (graphcap's kernel)", ("_centroid_logits",)),
     ("topk / sort", ("topk", "sort", "radix")),
     ("Inductor fused (norms, rope, gathers, head)", ("triton_",)),
 )
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--skinny-gemm", action="store_true",
+                   help="the projections through graphcap's skinny GEMM (SKINNY_OPS) instead of cuBLAS")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -70,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     def graphs_for(backend: str) -> DraftGraphs:
         wb = WindowBuffers.from_spec(spec, state.req_to_token, state.full_to_swa)
         wb.reset(state.slots.tolist(), [a.context] * b)
-        loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full)
+        loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full,
+                         ops=SKINNY_OPS if a.skinny_gemm else TORCH_OPS)
         gr = DraftGraphs.for_loop(loop, backend=backend, buckets=(b,), manifest_path=None, progress=False)
         gr.capture()
         return gr
@@ -114,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     text = (f"# one draft iteration, kernel by kernel ({env['date']})\n\n"
             f"spec {spec.name} ({spec.hash}), batch {b}, context {a.context}, steps {spec.capture.steps}; "
             f"{summary_line(env)}\n"
-            f"command: `python bench/profile_iteration.py --batch {b} --context {a.context}`\n\n"
+            f"command: `python bench/profile_iteration.py --batch {b} --context {a.context}"
+            f"{' --skinny-gemm' if a.skinny_gemm else ''}`\n\n"
             f"- kernel time per iteration (sum, profiler, compiled iteration without graphs): {total_us:.1f} us\n"
             f"- the same iteration as a CUDA graph replay (inductor-cudagraph, CUDA events, median of {n}): "
             f"{replay_us:.1f} us\n"

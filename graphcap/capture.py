@@ -155,6 +155,8 @@ class DraftGraphs:
             kw["pool_dims"] = loop.pool_dims()
         # what is compiled beyond the spec: the loop's own step count and whether the advance is in it
         what = f"steps={getattr(loop, 'steps', spec.capture.steps)}" + (";steps_only" if steps_only else "")
+        ops = getattr(loop, "ops", None)
+        what += f";ops={ops.name}" if ops is not None else ""  # another op set compiles other code
         kw["cache_key"] = ";".join(x for x in (kw.get("cache_key"), what) if x)
         graphs = cls(loop.draft_steps if steps_only else loop, buckets=buckets,
                      padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
@@ -213,9 +215,8 @@ class DraftGraphs:
             if self.compile_cache is not None:
                 self._cache_state = cc.load(self.compile_cache, self._cache_key())
             batch_range = (1, self._dispatch.largest) if self.dynamic_batch else None
-            if self.precompile:
-                self._compiled = self._precompiled(static, batch_range)
-            else:
+            self._compiled = self._precompiled(static, batch_range) if self.precompile else None
+            if self._compiled is None:
                 compiled = compile_iteration(self.fn, self.backend, static, len(self._buckets), tag=f"{id(self):x}",
                                              dynamic_batch=self.dynamic_batch, batch_range=batch_range)
                 self._compiled = CompiledIteration(*compiled)
@@ -268,15 +269,24 @@ class DraftGraphs:
         sig = precompile_mod.signature(self._static.persistent, self._static.pool_dims, self.fn)
         return f"{self._cache_key()}-{sig}"
 
-    def _precompiled(self, static: list[torch.Tensor], batch_range: tuple[int, int]) -> CompiledIteration:
+    def _precompiled(self, static: list[torch.Tensor], batch_range: tuple[int, int]) -> CompiledIteration | None:
         """The precompiled iteration from the cache directory, else compiled now (saved once every bucket is
-        captured); the manifest's compile_cache says which ("hit": loaded, nothing traced)."""
+        captured); the manifest's compile_cache says which ("hit": loaded, nothing traced). None where torch's AOT
+        compile fails: the capture then compiles as without precompile (warned, noted), saving nothing."""
         fn, state = precompile_mod.load(self.compile_cache, self._aot_key(), {"fn": self.fn})
         self._cache_state = state
         if fn is None:
             mark_static(static)
             fresh, _ = iteration_function(self.fn, f"{id(self):x}", batch_range)
-            fn = self._aot_to_save = precompile_mod.compile_aot(fresh, self._buckets[-1].inputs)
+            try:
+                fn = self._aot_to_save = precompile_mod.compile_aot(fresh, self._buckets[-1].inputs)
+            except Exception as e:  # torch's AOT compile is experimental: its failure costs the warm start only
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                note = (f"precompile: torch's AOT compile failed ({type(e).__name__}: {first}); compiled without "
+                        "it, nothing precompiled saved")
+                self._warn_once("precompile", f"graphcap: {note}")
+                self._notes.append(note)
+                return None
         else:
             self._notes.append("precompiled: the iteration was loaded, not traced")
         return CompiledIteration(fn, None)

@@ -23,8 +23,10 @@
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
 #   scripts/gpu-check.sh replay   the replay-equality suite (incl. dynamic_batch and a precompiled iteration) and
 #                                 the bench's GPU tests
-#   scripts/gpu-check.sh per-bucket  graphcap's one compile for every bucket (the default) against one compile per
-#                                 bucket, in one bench run at batches 1, 8, 64 (what the default costs per iteration)
+#   scripts/gpu-check.sh profile  bench/profile_iteration.py at batch 1 and 8, cuBLAS and skinny-GEMM projections
+#   scripts/gpu-check.sh variants graphcap against its two variants in one bench run at batches 1, 8, 64: one compile
+#                                 per bucket (what the one compile for all costs per iteration) and the projections
+#                                 through the skinny GEMM (what it buys in the iteration)
 #   scripts/gpu-check.sh bench8   the draft-phase bench at batch 8 over contexts 256..32000
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
@@ -47,7 +49,8 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 }
 [ "${1:-}" = "--tree-hash" ] && { tree_hash; exit 0; }
 [ $# -eq 0 ] && set -- smoke
-STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all per-bucket bench8 check splits engine-check engine-speed"
+STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
+STAGES+=" profile bench8 check splits engine-check engine-speed"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -206,9 +209,16 @@ case $stage in
     STEP_LIMIT=${STEP_LIMIT:-560} step pytest-replay python3 -m pytest -q -rs tests/test_capture_gpu.py \
       tests/test_bench.py -m gpu
     ;;
-  per-bucket)  # the default (one compile for every bucket) against one compile per bucket, same run
-    step bench-per-bucket python3 -m graphcap.cli bench --batch 1,8,64 --context 2048 --steps 3 \
-      --modes graphcap-per-bucket,graphcap --out "$LOG/bench-per-bucket"
+  profile)  # graphcap's iteration kernel by kernel at batch 1 and 8, with cuBLAS and with the skinny GEMM
+    for b in 1 8; do
+      step profile-b$b python3 bench/profile_iteration.py --batch $b --context 2048 --out "$LOG/profile-b$b"
+      step profile-skinny-b$b python3 bench/profile_iteration.py --batch $b --context 2048 --skinny-gemm \
+        --out "$LOG/profile-skinny-b$b"
+    done
+    ;;
+  variants)  # graphcap against one compile per bucket and against its skinny-GEMM op set, same run
+    step bench-variants python3 -m graphcap.cli bench --batch 1,8,64 --context 2048 --steps 3 \
+      --modes graphcap-per-bucket,graphcap-skinny-gemm,graphcap --out "$LOG/bench-variants"
     ;;
   bench8)  # the draft-phase bench at batch 8 over contexts (the check stage's last step alone)
     step bench-context python3 -m graphcap.cli bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \

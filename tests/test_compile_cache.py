@@ -241,6 +241,35 @@ def test_precompiled_iteration_loads_without_tracing_over_other_pools(tmp_path, 
         assert traced == 1 and g.manifest().compile_cache.startswith("refused: the file is writable by others")
 
 
+def test_a_failing_aot_compile_costs_the_warm_start_not_the_capture(tmp_path, monkeypatch, caplog):
+    """torch's AOT compile is experimental: where it raises, the capture compiles as without precompile - every
+    bucket captured, runs equal to the eager loop - warns once, notes why in the manifest and saves no .aot file."""
+    from graphcap import precompile
+    from graphcap.capture import DraftGraphs
+    from graphcap.kernels import twins_on_cpu
+    from test_pool_dims import LIVE, SPEC, assert_runs_as_eager, build
+
+    def broken(*a, **k):
+        raise RuntimeError("aot_compile: unsupported\nmore detail")
+
+    monkeypatch.setattr(precompile, "compile_aot", broken)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+    state = dict(grow=0, rows=LIVE, cols=128)
+    st, wb, loop = build(SPEC, **state)
+    with twins_on_cpu(), caplog.at_level("WARNING", logger="graphcap"):
+        g = DraftGraphs.for_loop(loop, backend="compile", buckets=(1, 2), manifest_path=None, dynamic_batch=True,
+                                 compile_cache=tmp_path / "cache", precompile=True)
+        g.capture()
+        assert [r.status for r in g.buckets] == ["captured"] * 2
+        assert_runs_as_eager(g, wb, state, seed=4)
+    note = ("precompile: torch's AOT compile failed (RuntimeError: aot_compile: unsupported); compiled without it, "
+            "nothing precompiled saved")
+    assert note in g.manifest().notes
+    assert [r.getMessage() for r in caplog.records if "AOT compile failed" in r.getMessage()] == [f"graphcap: {note}"]
+    assert not list((tmp_path / "cache").glob(f"*{precompile.SUFFIX}"))
+
+
 def test_precompile_refuses_what_it_cannot_serve(tmp_path):
     from test_pool_dims import LIVE, SPEC, build
 

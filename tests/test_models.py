@@ -11,7 +11,7 @@ import torch
 from graphcap.bench.baselines import RebuildBaseline
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
-from graphcap.models.draft_ops import TORCH_OPS, fused_ops
+from graphcap.models.draft_ops import SKINNY_OPS, TORCH_OPS, fused_ops
 from graphcap.spec import load_spec
 from graphcap.bench.state import make_target_state
 from graphcap.window import WindowBuffers
@@ -240,6 +240,57 @@ def test_fused_op_set_drafts_what_the_torch_ops_draft(device, sglang_post_norm):
                              "gemma_fused_add_rmsnorm": layers, "gelu_tanh_and_mul": layers,
                              "apply_rope_with_cos_sin_cache_inplace": layers}
 
+
+
+def test_skinny_gemm_op_set_runs_every_projection_through_the_kernel_and_drafts_the_same(device, monkeypatch):
+    """SKINNY_OPS (the bench's graphcap-skinny-gemm): every projection of a bf16 model goes through
+    graphcap.kernels.skinny_gemm - per step pre_proj, q / o / down of each layer, the centroid scores and post_proj
+    as skinny_linear, each layer's gate/up with its gelu-mul as skinny_gate_up_gelu - and it drafts as close to the
+    float32 model (same seed) as the bf16 cuBLAS set does: the first step's tokens wherever the float32 margin is
+    clear, and on rows whose every token agrees, a last hidden state within 1.5x the cuBLAS set's bf16 error. A
+    float32 model keeps cuBLAS (the kernel is bf16/fp16 only). (The kernel's own accuracy: test_skinny_gemm.py.)"""
+    import graphcap.models.draft_ops as draft_ops
+
+    calls = {"skinny_linear": 0, "skinny_gate_up_gelu": 0}
+    for name in calls:
+        fn = getattr(draft_ops, name)
+        monkeypatch.setattr(draft_ops, name, lambda *a, _fn=fn, _n=name: (calls.__setitem__(_n, calls[_n] + 1),
+                                                                          _fn(*a))[1])
+    spec = load_spec("tiny")
+    lens0 = [1, 5, 16, 40, 70, 3, 9, 30]
+    st = make_target_state(spec, lens0, [n + 20 for n in lens0], seed=11, device=device)
+    per_step = {"skinny_linear": 3 + 3 * len(spec.draft.layers), "skinny_gate_up_gelu": len(spec.draft.layers)}
+    outs = {}
+    for dtype, ops in ((torch.float32, TORCH_OPS), (torch.float32, SKINNY_OPS), (torch.bfloat16, TORCH_OPS),
+                       (torch.bfloat16, SKINNY_OPS)):
+        calls.update({k: 0 for k in calls})
+        model = FrozenKVDraft(spec, seed=12, device=device, dtype=dtype)
+        wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
+        wb.reset(st.slots.tolist(), lens0)
+        pools = (st.k_swa, st.v_swa, st.k_full, st.v_full)
+        loop = DraftLoop(model, wb, *(t.to(dtype) for t in pools), ops=ops)
+        g = torch.Generator().manual_seed(13)
+        accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=g).to(device)
+        tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=g).to(device)
+        hidden = torch.randn(len(lens0), spec.target.hidden, generator=g).to(device, dtype)
+        outs[dtype, ops.name] = loop(st.slots, accepted, tokens, hidden)
+        skinny = ops is SKINNY_OPS and dtype == torch.bfloat16
+        assert calls == ({k: v * spec.capture.steps for k, v in per_step.items()} if skinny else
+                         {k: 0 for k in calls}), (dtype, ops.name)
+    ref = outs[torch.float32, TORCH_OPS.name]
+    for a, b in zip(outs[torch.float32, SKINNY_OPS.name], ref):
+        assert torch.equal(a, b)  # float32: the same cuBLAS calls
+    decided = ref.margins[:, 0] > 0.05  # bf16 rounds logits of this size by ~0.01
+    assert decided.sum() >= 2
+    err = {}
+    for name in (TORCH_OPS.name, SKINNY_OPS.name):
+        out = outs[torch.bfloat16, name]
+        assert torch.equal(out.tokens[decided, 0], ref.tokens[decided, 0]), name
+        same = (out.tokens == ref.tokens).all(1)
+        assert same.float().mean() >= 0.5, name
+        h, hr = out.hidden[same].float(), ref.hidden[same]
+        err[name] = float(((h - hr).norm(dim=-1) / hr.norm(dim=-1)).max())
+    assert 0 < err[SKINNY_OPS.name] <= 1.5 * err[TORCH_OPS.name], err
 
 
 def test_fused_post_norm_weight_unbound_is_an_error_and_refresh_follows_in_place_updates():

@@ -9,11 +9,13 @@ from pathlib import Path
 
 from graphcap.spec import CaptureSpec, load_spec
 
-# Measured modes, cheapest-to-build baseline first; graphcap last. graphcap-per-bucket is graphcap with one compile
-# per bucket instead of one for all (its default): asked for by name only, to price that default in one run.
-MODES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "compile-nosync", "compile-plain",
-         "graphcap-per-bucket", "graphcap")
-DEFAULT_MODES = tuple(m for m in MODES if m != "graphcap-per-bucket")
+# Measured modes, cheapest-to-build baseline first; graphcap last. Two variants of graphcap are asked for by name
+# only, to price a choice in one run: graphcap-per-bucket (one compile per bucket instead of one for all, the
+# default) and graphcap-skinny-gemm (the projections through graphcap's skinny GEMM instead of cuBLAS).
+VARIANTS = ("graphcap-per-bucket", "graphcap-skinny-gemm")
+MODES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "compile-nosync", "compile-plain", *VARIANTS,
+         "graphcap")
+DEFAULT_MODES = tuple(m for m in MODES if m not in VARIANTS)
 # Without CUDA compile-plain is left out by default: one more Inductor C++ compile (~20 s on 2 cores) for a mode whose
 # point, the fusion Inductor finds on a GPU, a CPU run cannot show.
 CPU_MODES = tuple(m for m in DEFAULT_MODES if m != "compile-plain")
@@ -75,8 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"(default: {','.join(map(str, DEFAULT_CONTEXTS))}, those the spec's max_context leaves room for)")
     p.add_argument("--steps", type=ints, default=None, help="draft steps (default: the spec's)")
     p.add_argument("--modes", default=None,
-                   help=f"comma-separated subset of {','.join(MODES)} (default: all but graphcap-per-bucket with "
-                        "CUDA, also without compile-plain without CUDA)")
+                   help=f"comma-separated subset of {','.join(MODES)} (default: all but {' and '.join(VARIANTS)} "
+                        "with CUDA, also without compile-plain without CUDA)")
     p.add_argument("--iters", type=int, default=None, help=f"measured iterations per run (default 50; {CPU_ITERS} "
                                                            "without CUDA)")
     p.add_argument("--warmup", type=int, default=None, help=f"default 5; {CPU_WARMUP} without CUDA")

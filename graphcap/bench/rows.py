@@ -34,6 +34,7 @@ class BenchRow:
     x_compile_nosync: float | None = None
     x_compile_plain: float | None = None
     x_per_bucket: float | None = None  # over graphcap itself compiled once per bucket (graphcap-per-bucket)
+    x_skinny_gemm: float | None = None  # over graphcap with its skinny GEMM (graphcap-skinny-gemm): < 1, it wins
     util_pct: float | None = None  # NVML, mean over the measured iterations
     power_w: float | None = None
     sm_mhz: float | None = None
@@ -45,7 +46,8 @@ class BenchRow:
 
 SPEEDUP_FIELDS = {"eager-rebuild": "x_eager_rebuild", "graph-rebuild": "x_graph_rebuild", "sglang": "x_sglang",
                   "compile": "x_compile", "compile-nosync": "x_compile_nosync",
-                  "compile-plain": "x_compile_plain", "graphcap-per-bucket": "x_per_bucket"}
+                  "compile-plain": "x_compile_plain", "graphcap-per-bucket": "x_per_bucket",
+                  "graphcap-skinny-gemm": "x_skinny_gemm"}
 
 
 @dataclass(frozen=True)

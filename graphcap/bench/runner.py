@@ -28,7 +28,7 @@ from graphcap.bench.state import TargetState, make_target_state
 from graphcap.bench.timing import Sample, collector_off, median_p90, time_call
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
-from graphcap.models.draft_ops import PLAIN_OPS, TORCH_OPS, DraftOps, fused_ops
+from graphcap.models.draft_ops import PLAIN_OPS, SKINNY_OPS, TORCH_OPS, DraftOps, fused_ops
 from graphcap.window import WindowBuffers
 
 CPU_SHOWS = ("A CPU run checks that every mode runs the same draft, counts host reads of tensor values (syncs on "
@@ -72,7 +72,8 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
     for name in cfg.modes:
         wb = WindowBuffers(state.req_to_token, cfg.spec.window, cfg.spec.capture.max_slots, state.full_to_swa,
                            max_accepted=max(cfg.steps) + 1)
-        loop = DraftLoop(model, wb, *pools, steps=steps)
+        loop = DraftLoop(model, wb, *pools, steps=steps,
+                         ops=SKINNY_OPS if name == "graphcap-skinny-gemm" else TORCH_OPS)
         note = ""
         try:
             if name == "eager-rebuild":
@@ -96,8 +97,8 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                                           host_sync=name == "compile", name=name)
                 if runner.attention is not None:
                     note = "; ".join(x for x in (note, _pdl_note(runner.attention.use_pdl)) if x)
-            else:  # graphcap, and graphcap compiled per bucket (options refuse that mode for a backend that
-                # compiles nothing)
+            else:  # graphcap and its variants: compiled per bucket (options refuse that mode for a backend that
+                # compiles nothing), or with the skinny GEMM (its loop's ops, above)
                 backend = cfg.graphcap_backend
                 if not cuda:
                     note = f"backend {backend} (CUDA graphs need CUDA)"

@@ -37,6 +37,11 @@ torch.topk where Triton cannot run or past its sizes), the fused set and `PLAIN_
 plain loop call it. Both give torch.topk's values; equal values may come in another order (the kernel takes the
 smallest index first), which decides nothing the tests compare: they compare tokens where the margin is clear.
 
+The projections are in the set too (`linear`, and `gate_up_gelu` for the MLP's gate/up with its activation): cuBLAS
+in every set but `SKINNY_OPS`, the torch set with graphcap's skinny GEMM (`graphcap.kernels.skinny_gemm`: each
+weight read once at M <= 64 rows, the gelu-mul in the gate/up kernel), which the bench's `graphcap-skinny-gemm` mode
+measures against graphcap's loop; cuBLAS stays the torch set's default until that measurement shows a win.
+
 A draft loop picks its set (`DraftLoop(..., ops=...)`, which calls `ops.bind(model)`), so the sglang-style
 baselines and graphcap's own loop run one model with the same weights.
 """
@@ -52,6 +57,9 @@ from torch import nn
 
 from graphcap.kernels import use_triton
 from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torch
+from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
+from graphcap.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
+from graphcap.kernels.skinny_gemm import skinny_gate_up_gelu, skinny_linear
 from graphcap.kernels.small_topk import small_topk
 
 EPS = 1e-6
@@ -85,6 +93,10 @@ class DraftOps(Protocol):
         ids [B, k * T]."""
         ...
 
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...  # x @ w.T, w [N, K] as nn.Linear's
+
+    def gate_up_gelu(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor: ...  # gelu_mul(linear(x, w))
+
     def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k largest entries of each row of `x` [B, N] and their indices, largest first (torch.topk's values;
         the order of equal values is the set's own)."""
@@ -113,6 +125,9 @@ class TorchOps:
 
     name: str = "torch"
     graphcap_kernels: bool = True  # the centroid-head and top-k kernels; False: what a plain loop writes
+    # the projections through graphcap's skinny GEMM (graphcap.kernels.skinny_gemm) up to its MAX_M rows, gate/up
+    # with its gelu-mul in the same kernel; off (cuBLAS) until the H200 measures it in the iteration (SKINNY_OPS)
+    skinny_gemm: bool = False
 
     def bind(self, model: nn.Module) -> TorchOps:
         return self
@@ -137,6 +152,17 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.gelu(gate, approximate="tanh") * up
 
+    def _skinny(self, x: torch.Tensor) -> bool:
+        # above MAX_M rows (an eager call past the largest bucket) a GEMM is no longer a weight read, and the kernel
+        # is bf16/fp16 only: cuBLAS there
+        return self.skinny_gemm and x.dtype in SKINNY_DTYPES and x.shape[0] <= SKINNY_MAX_M
+
+    def linear(self, x, w):
+        return skinny_linear(x, w) if self._skinny(x) else x @ w.t()
+
+    def gate_up_gelu(self, x, w_gate_up):
+        return skinny_gate_up_gelu(x, w_gate_up) if self._skinny(x) else self.gelu_mul(x @ w_gate_up.t())
+
     def rope(self, q, rope):
         return _rope(q, *rope)
 
@@ -154,6 +180,7 @@ class TorchOps:
 
 TORCH_OPS = TorchOps()
 PLAIN_OPS = TorchOps(name="torch-plain", graphcap_kernels=False)  # what a hand-written loop runs (bench compile-plain)
+SKINNY_OPS = TorchOps(name="torch-skinny-gemm", skinny_gemm=True)  # graphcap's loop with its skinny GEMM (bench mode)
 FUSED_MODULE = "graphcap.kernels.fused_ops"
 SGLANG_POST_NORM = "sglang.kernels.ops.layernorm.gemma4_fused_ops"  # gemma_rmsnorm_residual_scalar
 
@@ -257,6 +284,12 @@ class FusedOps:
 
     def gelu_mul(self, gate_up):
         return self.mod.gelu_tanh_and_mul(gate_up)
+
+    def linear(self, x, w):
+        return x @ w.t()  # cuBLAS, as sglang's layers
+
+    def gate_up_gelu(self, x, w_gate_up):
+        return self.gelu_mul(x @ w_gate_up.t())
 
     def rope(self, q, rope):
         # sglang's Gemma 4 attention on a KV-shared layer (the draft's, reading the target's KV) rotates q with a

@@ -110,16 +110,16 @@ class DraftLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple, src: KVSource,
                 slots: torch.Tensor, lens: torch.Tensor, ops: DraftOps = TORCH_OPS) -> torch.Tensor:
         b = x.shape[0]
-        q = (ops.norm(x, self.input_norm.weight) @ self.q_proj.t()).view(b, self.heads, self.head_dim)
+        q = ops.linear(ops.norm(x, self.input_norm.weight), self.q_proj).view(b, self.heads, self.head_dim)
         q = ops.rope(ops.norm(q, self.q_norm.weight), rope)
         if src.attend is not None:
             attn = src.attend(q, self.scale)
         else:
             attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale,
                                     plan=src.plan(b))
-        o = ops.norm(attn.reshape(b, -1) @ self.o_proj.t(), self.post_attn_norm.weight)
+        o = ops.norm(ops.linear(attn.reshape(b, -1), self.o_proj), self.post_attn_norm.weight)
         h, x = ops.add_norm(o, x, self.pre_mlp_norm.weight)  # x + o and its norm (sglang: one kernel)
-        d = ops.gelu_mul(h @ self.gate_up.t()) @ self.down.t()
+        d = ops.linear(ops.gate_up_gelu(h, self.gate_up), self.down)
         return ops.norm_add_scale(d, self.post_mlp_norm.weight, x, self.layer_scalar)  # (x + norm(d)) * scalar
 
 
@@ -165,14 +165,15 @@ class FrozenKVDraft(nn.Module):
         cluster_margin = None
         if self.spec.draft.head == "centroid":
             d = self.spec.draft
-            cs_values, cs_indices = ops.topk((x @ self.centroids.t()).float(), min(d.centroid_top_k + 1, d.centroids))
+            scores = ops.linear(x, self.centroids).float()
+            cs_values, cs_indices = ops.topk(scores, min(d.centroid_top_k + 1, d.centroids))
             top = cs_indices[:, : d.centroid_top_k]  # [B, k]
             if d.centroid_top_k < d.centroids:
                 cluster_margin = cs_values[:, d.centroid_top_k - 1] - cs_values[:, d.centroid_top_k]
             logits, cand = ops.centroid_head(self.lm_head, self.token_of_cluster, x, top)
         else:
             cand = None
-            logits = (x @ self.lm_head.t()).float()
+            logits = ops.linear(x, self.lm_head).float()
         best_values, best_indices = ops.topk(logits, 2)
         idx = best_indices[:, 0]
         token = idx if cand is None else cand.gather(1, idx[:, None])[:, 0]
@@ -184,9 +185,9 @@ class FrozenKVDraft(nn.Module):
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, ropes: dict[str, tuple],
              sources: dict[str, KVSource], slots: torch.Tensor, lens: torch.Tensor, ops: DraftOps = TORCH_OPS):
         e = self.embed[tokens] * self.embed_scale
-        x = torch.cat([e, hidden], dim=-1) @ self.pre_proj.t()
+        x = ops.linear(torch.cat([e, hidden], dim=-1), self.pre_proj)
         for layer in self.layers:
             x = layer(x, ropes[layer.layer_type], sources[layer.layer_type], slots, lens, ops)
         x = ops.norm(x, self.final_norm.weight)
         token, score, margin = self.head(x, ops)
-        return token, score, margin, x @ self.post_proj.t()
+        return token, score, margin, ops.linear(x, self.post_proj)
