@@ -28,6 +28,7 @@ from graphcap.bench.state import TargetState, make_target_state
 from graphcap.bench.timing import Sample, collector_off, median_p90, time_call
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
+from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
 from graphcap.models.draft_ops import PLAIN_OPS, SKINNY_OPS, TORCH_OPS, DraftOps, fused_ops
 from graphcap.window import WindowBuffers
 
@@ -102,6 +103,11 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                 backend = cfg.graphcap_backend
                 if not cuda:
                     note = f"backend {backend} (CUDA graphs need CUDA)"
+                if name == "graphcap-skinny-gemm" and cfg.spec.torch_dtype() not in SKINNY_DTYPES:
+                    note = _join(note, f"{cfg.spec.dtype} spec: cuBLAS projections (the skinny GEMM is bf16/fp16 "
+                                       "only), the same loop as graphcap")
+                elif name == "graphcap-skinny-gemm" and not cuda:
+                    note = _join(note, "the skinny GEMM's torch twin (cuBLAS's math) without CUDA")
                 per_bucket = {"dynamic_batch": False} if name == "graphcap-per-bucket" else {}
                 runner = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=None,
                                               progress=False, **per_bucket)
