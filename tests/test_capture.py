@@ -460,6 +460,41 @@ def test_for_loop_compiles_once_for_every_bucket_by_default(device):
     assert graphs.dynamic_batch is False
 
 
+def test_skinny_gemm_op_set_compiles_once_for_every_bucket(device):
+    """SKINNY_OPS under the default one compile for all buckets: its row-count rule (<= MAX_M rows) and the opaque
+    ops' fakes hold for the symbolic batch - one Dynamo entry, every bucket captured - and the replays draft what
+    the same op set drafts eagerly (decided tokens; scores within bf16 rounding)."""
+    if device == "cuda":
+        pytest.skip("CPU check with the compile backend; the GPU runs it in the bench's graphcap-skinny-gemm mode")
+    from graphcap.models.draft_ops import SKINNY_OPS
+
+    n = SPEC.capture.max_slots
+    lens = [5 + 3 * i for i in range(n)]
+    st = make_target_state(SPEC, lens, [x + 60 for x in lens], slots=list(range(n)), seed=1)
+    model = FrozenKVDraft(SPEC, seed=2, dtype=torch.bfloat16)
+    loops = []
+    for _ in range(2):
+        wb = WindowBuffers.from_spec(SPEC, st.req_to_token, st.full_to_swa)
+        wb.reset(list(range(n)), lens)
+        pools = (t.to(torch.bfloat16) for t in (st.k_swa, st.v_swa, st.k_full, st.v_full))
+        loops.append(DraftLoop(model, wb, *pools, ops=SKINNY_OPS))
+    with twins_on_cpu():
+        graphs = DraftGraphs.for_loop(loops[0], backend="compile", buckets=(1, 2, 4), manifest_path=None)
+        graphs.capture()
+        assert [r.status for r in graphs.buckets] == ["captured"] * 3 and graphs._compiled.entries == 1
+        g = torch.Generator().manual_seed(5)
+        for b in (3, 1, 4):
+            slots = torch.randperm(n, generator=g)[:b]
+            accepted = torch.randint(1, SPEC.capture.steps + 2, (b,), generator=g)
+            tokens = torch.randint(0, SPEC.draft.vocab, (b,), generator=g)
+            hidden = torch.randn(b, SPEC.target.hidden, generator=g).to(torch.bfloat16)
+            got, want = graphs.run(slots, accepted, tokens, hidden, copy=True), loops[1](slots, accepted, tokens,
+                                                                                          hidden)
+            decided = want.margins[:, 0] > 0.05
+            assert torch.equal(got.tokens[decided, 0], want.tokens[decided, 0]), b
+            torch.testing.assert_close(got.scores[:, 0], want.scores[:, 0], rtol=2e-2, atol=2e-2)
+
+
 def test_dynamic_batch_on_a_torch_whose_unbacked_marks_take_no_range(device, tmp_path, monkeypatch):
     """torch 2.11's mark_unbacked has no min/max (the H200's torch): the batch's range [1, largest bucket] is then
     stated inside the compiled function. Simulated here by hiding the range parameters: still one compile for every
