@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--skinny-gemm", action="store_true",
                    help="the projections through graphcap's skinny GEMM (SKINNY_OPS) instead of cuBLAS")
+    p.add_argument("--per-bucket", action="store_true",
+                   help="compile for this batch alone (dynamic_batch=False) instead of the one compile for all buckets")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         wb.reset(state.slots.tolist(), [a.context] * b)
         loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full,
                          ops=SKINNY_OPS if a.skinny_gemm else TORCH_OPS)
-        gr = DraftGraphs.for_loop(loop, backend=backend, buckets=(b,), manifest_path=None, progress=False)
+        gr = DraftGraphs.for_loop(loop, backend=backend, buckets=(b,), manifest_path=None, progress=False,
+                                      dynamic_batch=not a.per_bucket)
         gr.capture()
         return gr
 
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             f"spec {spec.name} ({spec.hash}), batch {b}, context {a.context}, steps {spec.capture.steps}; "
             f"{summary_line(env)}\n"
             f"command: `python bench/profile_iteration.py --batch {b} --context {a.context}"
-            f"{' --skinny-gemm' if a.skinny_gemm else ''}`\n\n"
+            f"{' --skinny-gemm' if a.skinny_gemm else ''}{' --per-bucket' if a.per_bucket else ''}`\n\n"
             f"- kernel time per iteration (sum, profiler, compiled iteration without graphs): {total_us:.1f} us\n"
             f"- the same iteration as a CUDA graph replay (inductor-cudagraph, CUDA events, median of {n}): "
             f"{replay_us:.1f} us\n"

@@ -88,10 +88,31 @@ def test_plan_equals_what_the_per_call_path_computed(device, dtype):
                                         cfg.combine_warps)
         assert plan.programs == programs
         assert plan.wave == min(plan.num_splits, wave_splits(b, hkv, programs))
-        # one plan for every batch: the grid of batch 1 (the old grid_batch = 1), the wave left to the kernel
+        # one plan for every batch: batch 1's split count as the bound, the wave left to the kernel, and the grid of
+        # each batch its own plan's
         anyb = plan_attention(None, hkv, d, dtype, dev, n)
         assert anyb.num_splits == plan_attention(1, hkv, d, dtype, dev, n).num_splits and anyb.wave == 0
-        assert anyb.launch_args()[1:-1] == plan_attention(1, hkv, d, dtype, dev, n).launch_args()[1:-1]
+        assert anyb.launch_args()[1:-2] == plan_attention(1, hkv, d, dtype, dev, n).launch_args()[1:-2]
+        assert anyb.grid_splits(b, hkv) == plan.num_splits, (b, hkv, d, n)
+        assert plan.grid_splits(b, hkv) == plan.num_splits and anyb.min_splits == plan.min_splits
+
+
+def test_grid_splits_of_a_symbolic_batch_is_the_rule_at_every_batch():
+    """Under one compile for every bucket the batch is a SymInt: the grid's split count is then an expression of
+    it (no guard), and that expression gives each batch exactly what a plan made for that batch gives."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    batch = env.create_unbacked_symint()
+    cpu = torch.device("cpu")
+    for hkv, d, n, dtype in itertools.product((1, 4, 16), (256, 512), (16, 1024, 4096, 262144),
+                                              (torch.bfloat16, torch.float32)):
+        anyb = plan_attention(None, hkv, d, dtype, cpu, n)
+        expr = anyb.grid_splits(batch, hkv).node.expr
+        for b in range(1, 300):
+            want = plan_attention(b, hkv, d, dtype, cpu, n).num_splits
+            assert int(expr.xreplace({batch.node.expr: b})) == want, (b, hkv, d, n, dtype)
+    assert not env.guards  # arithmetic only: nothing specialised the batch
 
 
 def test_plan_overrides_and_checks():
@@ -108,6 +129,10 @@ def test_plan_overrides_and_checks():
         AttentionPlan(1, 0, 1, 1, 16, 0, 1, 8, 1)
     with pytest.raises(AttentionError, match="wave"):
         AttentionPlan(1, 16, 1, 1, 16, 0, 1, 8, -1)
+    with pytest.raises(AttentionError, match="min_splits"):
+        AttentionPlan(2, 16, 1, 1, 16, 64, 1, 8, 0, 3)
+    fixed = plan_attention(None, 2, 16, torch.float32, cpu, 100, num_splits=3)  # an explicit count: every batch's
+    assert [fixed.grid_splits(b, 2) for b in (1, 7, 64)] == [3, 3, 3]
     with pytest.raises(AttentionError, match="num_splits or a plan"):
         attn.decode_attention(*[None] * 8)
     with pytest.raises(AttentionError, match="num_splits 3 != the plan's 2"):

@@ -262,7 +262,8 @@ def _launch(
     """The kernels as `plan` says; nothing here plans. A plan for any batch (`wave` 0), or a symbolic batch (one
     compile for every bucket), has the split kernel derive the wave (`wave_splits`) from its grid's batch instead of
     taking it from the host, where a symbolic batch would make it a symbolic, guarded Python value. The same number
-    either way."""
+    either way. The grid's split count of a plan for any batch is `grid_splits`, an expression of the batch that
+    Inductor's wrapper evaluates at each launch: every bucket gets the grid its own plan would give."""
     b, h, d = q.shape
     hkv = k_pool.shape[1]
     group = h // hkv
@@ -273,8 +274,8 @@ def _launch(
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    num_splits = plan.num_splits
-    single = num_splits == 1
+    single = plan.num_splits == 1  # static: a grid that adapts to the batch keeps the split + combine kernels
+    num_splits = plan.grid_splits(b, hkv)
     if plan.max_chunk > 0:  # adapt per row (module docstring); else every row uses num_splits
         wave_in_kernel = plan.wave == 0 or not isinstance(b, int)
         wave = plan.programs if wave_in_kernel else plan.wave
@@ -302,7 +303,7 @@ def _launch(
     if not single:
         wrap_triton(_combine_kernel)[(b, h)](
             part, lse, out, num_splits, out.stride(0), out.stride(1),
-            H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(plan.num_splits),
             num_warps=plan.combine_warps, num_stages=1,
         )
     return out
@@ -359,14 +360,14 @@ def decode_attention(
     return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, *args)
 
 
-_UNPLANNED = (0,) * 8  # the op's plan arguments after num_splits when the call brought no plan
+_UNPLANNED = (0,) * 9  # the op's plan arguments after num_splits when the call brought no plan
 
 
 @triton_op("graphcap::decode_attention", mutates_args=())
 def _decode_attention_op(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, block_n: int, num_warps: int,
-    num_stages: int, min_chunk: int, max_chunk: int, combine_warps: int, programs: int, wave: int,
+    num_stages: int, min_chunk: int, max_chunk: int, combine_warps: int, programs: int, wave: int, min_splits: int,
 ) -> torch.Tensor:
     """The registered op behind `decode_attention` (traceable by torch.compile, capturable in a CUDA graph). The
     plan's numbers arrive as ints (an op takes only tensors and scalars); block_n 0 means the call brought none and
@@ -379,5 +380,5 @@ def _decode_attention_op(
         plan = plan_for_inputs(q, k_pool, table, window, num_splits)
     else:
         plan = AttentionPlan(num_splits, block_n, num_warps, num_stages, min_chunk, max_chunk, combine_warps,
-                             programs, wave)
+                             programs, wave, min_splits)
     return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, plan)

@@ -147,27 +147,44 @@ class AttentionPlan:
     # splits per row that fill `programs` at the planned batch (`wave_splits`); 0: planned for any batch, the split
     # kernel derives it from its grid's batch (a symbolic batch has no host value to derive it from)
     wave: int
+    # the fewest splits any batch is given (`choose_num_splits` at a batch that fills the GPU alone); with it a plan
+    # for any batch sizes the grid per batch (`grid_splits`). 0: the grid is always num_splits
+    min_splits: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_splits", "block_n", "num_warps", "num_stages", "min_chunk", "combine_warps", "programs"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise AttentionError(f"AttentionPlan: {name} must be an int >= 1, got {v!r}")
-        for name in ("max_chunk", "wave"):
+        for name in ("max_chunk", "wave", "min_splits"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise AttentionError(f"AttentionPlan: {name} must be an int >= 0, got {v!r}")
+        if self.min_splits > self.num_splits:
+            raise AttentionError(f"AttentionPlan: min_splits ({self.min_splits}) exceeds num_splits ({self.num_splits})")
 
     def launch_args(self) -> tuple[int, ...]:
         """The op's int arguments from `num_splits` on, in its order."""
         return (self.num_splits, self.block_n, self.num_warps, self.num_stages, self.min_chunk, self.max_chunk,
-                self.combine_warps, self.programs, self.wave)
+                self.combine_warps, self.programs, self.wave, self.min_splits)
+
+    def grid_splits(self, batch, kv_heads: int):
+        """The split dimension of the grid for `batch` rows (an int, or a SymInt under one compile for every
+        bucket): `choose_num_splits`'s count for that batch where this plan is for any batch and adapts, so the one
+        compile launches each bucket's own grid (not batch 1's, whose surplus programs would only exit); else
+        num_splits. Arithmetic only (sym_min / sym_max), no branch on the batch: nothing for Dynamo to guard."""
+        if self.wave != 0 or self.max_chunk <= 0 or self.min_splits <= 0:
+            return self.num_splits
+        # wave_splits(batch) is max(1, programs // (batch x kv_heads)) (its 10% rule only ever gives that value)
+        fill = torch.sym_max(1, self.programs // (batch * kv_heads))
+        return torch.sym_min(self.num_splits, torch.sym_max(self.min_splits, fill))
 
 
 def plan_attention(batch: int | None, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
                    max_len: int, *, num_splits: int | None = None, config: KernelConfig | None = None) -> AttentionPlan:
-    """The plan of a decode-attention call over `batch` rows (None: any batch - the grid is sized for batch 1, the
-    most any batch needs, and the wave is left to the kernel) of `kv_heads` KV heads of `head_dim`, rows at most
+    """The plan of a decode-attention call over `batch` rows (None: any batch - num_splits is batch 1's, the most any
+    batch needs, the grid's split count is then derived from the batch (`AttentionPlan.grid_splits`) and the wave
+    left to the kernel) of `kv_heads` KV heads of `head_dim`, rows at most
     `max_len` keys long (W for sliding layers, the context bound for full layers). The one place the split count,
     launch configuration and wave are decided: call it per bucket, outside anything traced.
 
@@ -182,6 +199,11 @@ def plan_attention(batch: int | None, kv_heads: int, head_dim: int, dtype: torch
         split_cfg = plan_config(head_dim, dtype, device)
         num_splits = choose_num_splits(batch or 1, kv_heads, max_len, programs, split_cfg.max_chunk,
                                        split_cfg.min_chunk)
+        # a batch of `programs` rows fills the GPU alone: the rule's count where the batch asks for no more
+        min_splits = choose_num_splits(max(1, programs), kv_heads, max_len, programs, split_cfg.max_chunk,
+                                       split_cfg.min_chunk)
+    else:  # an explicit count is every batch's
+        min_splits = num_splits
     if config.max_chunk <= 0:
         wave = num_splits  # no adaptation: every row uses the whole grid
     elif batch is None:
@@ -190,7 +212,8 @@ def plan_attention(batch: int | None, kv_heads: int, head_dim: int, dtype: torch
         wave = min(num_splits, wave_splits(max(1, batch), kv_heads, programs))
     return AttentionPlan(num_splits=int(num_splits), block_n=config.block_n, num_warps=config.num_warps,
                          num_stages=config.num_stages, min_chunk=config.min_chunk, max_chunk=config.max_chunk,
-                         combine_warps=config.combine_warps, programs=int(programs), wave=int(wave))
+                         combine_warps=config.combine_warps, programs=int(programs), wave=int(wave),
+                         min_splits=int(min(min_splits, num_splits)))
 
 
 def splits_for(q: torch.Tensor, k_pool: torch.Tensor, max_len: int) -> int:

@@ -98,6 +98,17 @@ def plan(m: int, n: int, k: int, gated: bool = False) -> Config:
     return candidates(m, n, k, gated)[0]
 
 
+SMEM_LIMIT = 232448  # shared memory one block may opt into on an H100/H200 (227 KiB)
+
+
+def pipeline_smem(cfg: Config, m: int, gated: bool, elem_bytes: int = 2) -> int:
+    """Shared memory the dot kernel's software pipeline takes: num_stages copies of the x tile and the weight tile
+    (two of them, gate and up, when gated). Triton's own count for these kernels on the H200; over SMEM_LIMIT a
+    launch fails with OutOfResources."""
+    block_m = max(16, triton.next_power_of_2(m))
+    return cfg.num_stages * cfg.block_k * (block_m + (2 if gated else 1) * cfg.block_n) * elem_bytes
+
+
 def _splits(k: int, cfg: Config) -> tuple[int, int]:
     """(K per split, a multiple of block_k; number of splits, none of them empty)."""
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k

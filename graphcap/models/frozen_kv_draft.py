@@ -35,8 +35,8 @@ class KVSource:
     max_len: int  # the longest row this source can hold (the split grid is sized for it)
     attend: Callable[[torch.Tensor, float], torch.Tensor] | None = None  # another attention (the sglang baseline)
     plans: Mapping[int, AttentionPlan] = field(default_factory=dict, compare=False)  # per batch (bucket)
-    # One plan for every batch (one compile for every bucket: nothing may be derived from a symbolic batch): the grid
-    # for batch 1, the most any batch needs; each row uses only its share, decided in-kernel.
+    # One plan for every batch (one compile for every bucket: no host value may be derived from a symbolic batch): the
+    # grid's split count an expression of the batch (`AttentionPlan.grid_splits`), each row's share decided in-kernel.
     any_batch: AttentionPlan | None = field(default=None, compare=False)
 
     def _plan(self, batch: int | None) -> AttentionPlan:
