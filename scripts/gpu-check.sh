@@ -24,6 +24,8 @@
 #   scripts/gpu-check.sh replay   the replay-equality suite (incl. dynamic_batch and a precompiled iteration) and
 #                                 the bench's GPU tests
 #   scripts/gpu-check.sh profile  bench/profile_iteration.py at batch 1 and 8, cuBLAS and skinny-GEMM projections
+#   scripts/gpu-check.sh dynamic  the one compile for every bucket: replay-equality tests, attention/plan GPU tests,
+#                                 the skinny GEMM's candidates
 #   scripts/gpu-check.sh variants graphcap against its two variants in one bench run at batches 1, 8, 64: one compile
 #                                 per bucket (what the one compile for all costs per iteration) and the projections
 #                                 through the skinny GEMM (what it buys in the iteration)
@@ -50,7 +52,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 [ "${1:-}" = "--tree-hash" ] && { tree_hash; exit 0; }
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
-STAGES+=" profile bench8 check splits engine-check engine-speed"
+STAGES+=" profile bench8 check splits engine-check engine-speed dynamic"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -208,6 +210,13 @@ case $stage in
     # pools) and the bench's GPU tests (sync and kernel counters)
     STEP_LIMIT=${STEP_LIMIT:-560} step pytest-replay python3 -m pytest -q -rs tests/test_capture_gpu.py \
       tests/test_bench.py -m gpu
+    ;;
+  dynamic)  # the one compile for every bucket: its replay-equality tests (tiny and gemma4 specs), the attention
+    # kernels' and plans' GPU tests (each bucket's grid from one plan for any batch), the skinny GEMM's candidates
+    STEP_LIMIT=${STEP_LIMIT:-300} step pytest-dynamic python3 -m pytest -q -rs -m gpu tests/test_capture_gpu.py \
+      -k dynamic
+    step pytest-dynamic-kernels python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_attention_plan.py \
+      tests/test_skinny_gemm.py
     ;;
   profile)  # graphcap's iteration kernel by kernel at batch 1 and 8, with cuBLAS and with the skinny GEMM
     for b in 1 8; do
