@@ -30,6 +30,7 @@ from graphcap import precompile as precompile_mod
 from graphcap.backends import ALL_BACKENDS, COMPILED_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS
 from graphcap.bucket_graph import BucketGraph
 from graphcap.dispatch import BucketDispatcher
+from graphcap.fusion_hints import unbacked_fusion_hints
 from graphcap.guards import CaptureError
 from graphcap.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
 from graphcap.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
@@ -194,6 +195,13 @@ class DraftGraphs:
 
     def capture(self) -> None:
         """Warm up and record every bucket, largest first (so smaller ones reuse its pool memory)."""
+        # opt-in (GRAPHCAP_UNBACKED_FUSION_HINTS=1): Inductor's fusion scores for the unbacked batch (fusion_hints)
+        with unbacked_fusion_hints(self._dispatch.largest if self.dynamic_batch else None) as hinted:
+            if hinted and "unbacked fusion hints" not in self._notes:
+                self._notes.append("unbacked fusion hints")
+            self._capture()
+
+    def _capture(self) -> None:
         t_all = time.perf_counter()
         self._aot_to_save = None  # nothing left over from a capture that raised
         self._static.arm()

@@ -26,6 +26,8 @@
 #   scripts/gpu-check.sh profile  bench/profile_iteration.py at batch 1 and 8, cuBLAS and skinny-GEMM projections
 #   scripts/gpu-check.sh dynamic  the one compile for every bucket: replay-equality tests, attention/plan GPU tests,
 #                                 the skinny GEMM's candidates
+#   scripts/gpu-check.sh fusion-hints  GRAPHCAP_UNBACKED_FUSION_HINTS=1: the one compile's replay tests, bench
+#                                 against the per-bucket compile at batches 1, 8, 64, profile at batch 8
 #   scripts/gpu-check.sh variants graphcap against its two variants in one bench run at batches 1, 8, 64: one compile
 #                                 per bucket (what the one compile for all costs per iteration) and the projections
 #                                 through the skinny GEMM (what it buys in the iteration)
@@ -52,7 +54,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 [ "${1:-}" = "--tree-hash" ] && { tree_hash; exit 0; }
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
-STAGES+=" profile bench8 check splits engine-check engine-speed dynamic"
+STAGES+=" profile bench8 check splits engine-check engine-speed dynamic fusion-hints"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -217,6 +219,17 @@ case $stage in
       -k dynamic
     step pytest-dynamic-kernels python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_attention_plan.py \
       tests/test_skinny_gemm.py
+    ;;
+  fusion-hints)  # the opt-in fusion scores for the unbacked batch (graphcap/fusion_hints.py): the one compile's
+    # replay tests with them, the per-bucket compile against the one compile with them, a kernel profile at batch 8
+    export GRAPHCAP_UNBACKED_FUSION_HINTS=1
+    STEP_LIMIT=${STEP_LIMIT:-300} step pytest-fusion-hints python3 -m pytest -q -rs -m gpu tests/test_capture_gpu.py \
+      -k "inductor-cudagraph-dynamic"
+    step bench-fusion-hints python3 -m graphcap.cli bench --batch 1,8,64 --context 2048 --steps 3 \
+      --modes graphcap-per-bucket,graphcap --out "$LOG/bench-fusion-hints"
+    step profile-fusion-hints-b8 python3 bench/profile_iteration.py --batch 8 --context 2048 \
+      --out "$LOG/profile-fusion-hints-b8"
+    unset GRAPHCAP_UNBACKED_FUSION_HINTS
     ;;
   profile)  # graphcap's iteration kernel by kernel at batch 1 and 8, with cuBLAS and with the skinny GEMM
     for b in 1 8; do
