@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full,
                          ops=SKINNY_OPS if a.skinny_gemm else TORCH_OPS)
         gr = DraftGraphs.for_loop(loop, backend=backend, buckets=(b,), manifest_path=None, progress=False,
-                                      dynamic_batch=not a.per_bucket)
+                                  dynamic_batch=not a.per_bucket)
         gr.capture()
         return gr
 

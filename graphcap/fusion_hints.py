@@ -2,8 +2,8 @@
 
 One compile for every bucket marks the batch unbacked. Inductor scores a fusion by the bytes two nodes share, and
 it sizes a dependency whose size has an unbacked symbol at 0 bytes unless the symbol carries a hint it honours
-(`mark_unbacked(..., hint_override=)`: torch 2.13 honours it, torch 2.11 does not). A zero score vetoes the fusion
-outright, so on torch 2.11 every RMSNorm's scale-and-cast stays a kernel apart from its reduction: 156 Inductor
+(`mark_unbacked(..., hint_override=)`: torch 2.13 honours it; on the H200's torch 2.11 the fusions stayed vetoed
+with it passed). A zero score vetoes the fusion outright, so on torch 2.11 every RMSNorm's scale-and-cast stays a kernel apart from its reduction: 156 Inductor
 kernels per iteration against 83 with a static or backed batch on the H200 (docs/results.md). Fusion scores are a
 heuristic - Inductor's legality checks decide what may fuse - so sizing those dependencies at the largest bucket
 changes which legal fusions are taken, never what is computed.
