@@ -30,18 +30,17 @@ from graphcap import precompile as precompile_mod
 from graphcap.backends import ALL_BACKENDS, COMPILED_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS
 from graphcap.bucket_graph import BucketGraph
 from graphcap.dispatch import BucketDispatcher
-from graphcap.fusion_hints import unbacked_fusion_hints
-from graphcap.guards import CaptureError
+from graphcap.guards import CaptureError, check_batch_inputs
 from graphcap.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
 from graphcap.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
 from graphcap.recording import (CompiledIteration, compile_iteration, iteration_function, mark_batch_unbacked,
-                                mark_static)
+                                mark_static, pdl_available)
 from graphcap.static_buffers import PoolDims, StaticBuffers
-from graphcap.window import check_slots
 
 __all__ = ["DraftGraphs"]  # CaptureError is graphcap.guards'
 
 log = logging.getLogger("graphcap")
+PDL_NOTE = "Inductor's kernels launch with programmatic dependent launch"  # the manifest's note (pdl)
 
 
 class DraftGraphs:
@@ -66,6 +65,7 @@ class DraftGraphs:
         cache_key: str | None = None,
         pool_dims: PoolDims | None = None,
         precompile: bool = False,
+        pdl: bool | None = None,
     ) -> None:
         """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
         file). `progress=True` adds a `StderrProgress`. `observers`: more (graphcap.observers); `add_observer` too.
@@ -91,7 +91,11 @@ class DraftGraphs:
 
         `precompile=True` (with `dynamic_batch` and `compile_cache`; backends inductor-cudagraph and compile;
         experimental): save the compiled iteration whole in the cache directory, Dynamo's output included, and at the
-        next capture load it instead of tracing (graphcap.precompile: what replaces Dynamo's guards)."""
+        next capture load it instead of tracing (graphcap.precompile: what replaces Dynamo's guards).
+
+        `pdl` (compiled backends): Inductor's kernels launch with programmatic dependent launch
+        (graphcap.recording.inductor_options). None: where it is available - a CUDA GPU of compute capability >= 9
+        and a torch with Inductor's switch; True where it is not is an error."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         self._dispatch = BucketDispatcher(buckets)
@@ -106,10 +110,15 @@ class DraftGraphs:
             raise ValueError(f"DraftGraphs: precompile needs dynamic_batch=True, a compile_cache directory and a "
                              f"backend of {', '.join(precompile_mod.BACKENDS)} (got dynamic_batch={dynamic_batch}, "
                              f"compile_cache={compile_cache!r}, backend {backend!r})")
+        if pdl and not (backend in COMPILED_BACKENDS and pdl_available(device)):
+            raise ValueError(f"DraftGraphs: pdl=True needs a compiled backend ({', '.join(COMPILED_BACKENDS)}) on a "
+                             f"CUDA GPU of compute capability >= 9 with a torch that has Inductor's triton.enable_pdl "
+                             f"(got backend {backend!r} on {device})")
         if precompile and getattr(fn, "graph_breaks", False):
             raise ValueError("DraftGraphs: precompile needs a function Dynamo traces whole (fn.graph_breaks is set)")
         self.dynamic_batch = dynamic_batch
         self.precompile = precompile
+        self.pdl = backend in COMPILED_BACKENDS and (pdl_available(device) if pdl is None else pdl)
         self.compile_cache = compile_cache if backend in COMPILED_BACKENDS else None
         if self.compile_cache is not None and spec is None and not cache_key:
             raise ValueError("DraftGraphs: compile_cache without a spec needs a cache_key (what is compiled)")
@@ -195,14 +204,9 @@ class DraftGraphs:
 
     def capture(self) -> None:
         """Warm up and record every bucket, largest first (so smaller ones reuse its pool memory)."""
-        # opt-in (GRAPHCAP_UNBACKED_FUSION_HINTS=1): Inductor's fusion scores for the unbacked batch (fusion_hints)
-        with unbacked_fusion_hints(self._dispatch.largest if self.dynamic_batch else None) as hinted:
-            if hinted and "unbacked fusion hints" not in self._notes:
-                self._notes.append("unbacked fusion hints")
-            self._capture()
-
-    def _capture(self) -> None:
         t_all = time.perf_counter()
+        if self.pdl and PDL_NOTE not in self._notes:
+            self._notes.append(PDL_NOTE)
         self._aot_to_save = None  # nothing left over from a capture that raised
         self._static.arm()
         if self.backend in COMPILED_BACKENDS:
@@ -226,7 +230,8 @@ class DraftGraphs:
             self._compiled = self._precompiled(static, batch_range) if self.precompile else None
             if self._compiled is None:
                 compiled = compile_iteration(self.fn, self.backend, static, len(self._buckets), tag=f"{id(self):x}",
-                                             dynamic_batch=self.dynamic_batch, batch_range=batch_range)
+                                             dynamic_batch=self.dynamic_batch, batch_range=batch_range,
+                                             pdl=self.pdl)
                 self._compiled = CompiledIteration(*compiled)
         pool = torch.cuda.graph_pool_handle() if self.backend in MANUAL_GRAPH_BACKENDS else None
         order = list(reversed(self._buckets))
@@ -279,30 +284,25 @@ class DraftGraphs:
 
     def _precompiled(self, static: list[torch.Tensor], batch_range: tuple[int, int]) -> CompiledIteration | None:
         """The precompiled iteration from the cache directory, else compiled now (saved once every bucket is
-        captured); the manifest's compile_cache says which ("hit": loaded, nothing traced). None where torch's AOT
-        compile fails: the capture then compiles as without precompile (warned, noted), saving nothing."""
-        fn, state = precompile_mod.load(self.compile_cache, self._aot_key(), {"fn": self.fn})
-        self._cache_state = state
-        if fn is None:
+        captured); None where torch's AOT compile fails: the capture then compiles as without precompile (warned,
+        noted), saving nothing (graphcap.precompile.load_or_compile)."""
+        def fresh() -> DraftFn:
             mark_static(static)
-            fresh, _ = iteration_function(self.fn, f"{id(self):x}", batch_range)
-            try:
-                fn = self._aot_to_save = precompile_mod.compile_aot(fresh, self._buckets[-1].inputs)
-            except Exception as e:  # torch's AOT compile is experimental: its failure costs the warm start only
-                first = (str(e).strip().splitlines() or [""])[0][:200]
-                note = (f"precompile: torch's AOT compile failed ({type(e).__name__}: {first}); compiled without "
-                        "it, nothing precompiled saved")
-                self._warn_once("precompile", f"graphcap: {note}")
-                self._notes.append(note)
-                return None
-        else:
-            self._notes.append("precompiled: the iteration was loaded, not traced")
-        return CompiledIteration(fn, None)
+            return iteration_function(self.fn, f"{id(self):x}", batch_range)[0]
+
+        got = precompile_mod.load_or_compile(self.compile_cache, self._aot_key(), {"fn": self.fn}, fresh,
+                                             self._buckets[-1].inputs, pdl=self.pdl)
+        self._cache_state, self._aot_to_save = got.state, got.to_save
+        self._notes += [got.note] if got.note else []
+        if got.fn is None:
+            self._warn_once("precompile", f"graphcap: {got.note}")
+            return None
+        return CompiledIteration(got.fn, None)
 
     def _cache_key(self) -> str:
         return cc.cache_key(spec_hash=self.spec.hash if self.spec is not None else None,
                              key=self._cache_key_text, backend=self.backend, buckets=self._dispatch.sizes,
-                             dynamic_batch=self.dynamic_batch, device=self.device)
+                             dynamic_batch=self.dynamic_batch, device=self.device, pdl=self.pdl)
 
     def _new_bucket(self, size: int) -> BucketGraph:
         return BucketGraph(size, self._static.new_inputs(size), mf.BucketRecord(size))
@@ -365,32 +365,8 @@ class DraftGraphs:
         write, then `replay`): shapes, devices and dtypes against the static inputs, and with `host_slots` (the same
         slots as Python ints) that they match the batch and are distinct and in range. Tensor metadata and host ints
         only, no device sync; a clear error instead of a broadcast error from deep inside copy_."""
-        ref = self._buckets[0].inputs
-        for name, x in (("slots", slots), ("accepted", accepted), ("tokens", tokens), ("hidden", hidden)):
-            if x is not None and not isinstance(x, torch.Tensor):
-                raise CaptureError(f"{call}: {name} must be a torch.Tensor, got {type(x).__name__}")
-        b = slots.shape[0] if slots.ndim == 1 else -1
-        if b < 1:
-            raise CaptureError(f"{call}: slots must be a non-empty 1-D tensor, got shape {tuple(slots.shape)}")
-        if host_slots is not None and len(host_slots) != b:
-            raise CaptureError(f"{call}: {len(host_slots)} host_slots for a batch of {b} (slots {tuple(slots.shape)})")
-        given = [("slots", slots, ref[0]), ("accepted", accepted, ref[1]), ("tokens", tokens, ref[2]),
-                 ("hidden", hidden, ref[3])]
-        given = [g for g in given if g[1] is not None]
-        for name, x, r in given[1:]:
-            if tuple(x.shape) != (b, *r.shape[1:]):
-                raise CaptureError(f"{call}: {name} has shape {tuple(x.shape)}, expected {(b, *r.shape[1:])}")
-        for name, x, r in given:
-            if x.device != self.device:
-                raise CaptureError(f"{call}: {name} is on {x.device}, the captured graphs on {self.device}")
-            # integer inputs may be any integer dtype (copied into the static buffers); hidden must match exactly
-            ok = x.dtype == r.dtype if r.is_floating_point() else not (x.is_floating_point() or x.is_complex()
-                                                                       or x.dtype == torch.bool)
-            if not ok:
-                want = r.dtype if r.is_floating_point() else "an integer dtype"
-                raise CaptureError(f"{call}: {name} has dtype {x.dtype}, expected {want}")
-        if host_slots is not None:
-            check_slots(host_slots, self.padding_slot, error=CaptureError, call=call, arg="host_slots")
+        check_batch_inputs(self._buckets[0].inputs, self.device, self.padding_slot, slots, tokens, hidden,
+                           accepted=accepted, host_slots=host_slots, call=call)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

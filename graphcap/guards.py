@@ -6,14 +6,18 @@
   captured one;
 - cudagraph skips: Inductor's reduce-overhead quietly falls back to no graph on some inputs; at capture we make it
   raise instead, and count its skip counter;
-- error descriptions: the root cause behind Dynamo's and Inductor's wrapper exceptions, for the manifest.
+- error descriptions: the root cause behind Dynamo's and Inductor's wrapper exceptions, for the manifest;
+- a batch's inputs against the static inputs they are copied into (`check_batch_inputs`).
 """
 from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Sequence
 
 import torch
+
+from graphcap.window import check_slots
 
 
 class CaptureError(RuntimeError):
@@ -86,3 +90,37 @@ def cudagraph_or_error(enabled: bool):
         yield
     finally:
         cfg.cudagraph_or_error = old
+
+
+def check_batch_inputs(ref_inputs: Sequence[torch.Tensor], device: torch.device, padding_slot: int,
+                       slots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, *,
+                       accepted: torch.Tensor | None = None, host_slots: Sequence[int] | None = None,
+                       call: str = "run") -> None:
+    """`DraftGraphs.check_batch`: a batch's (slots, accepted, tokens, hidden) against a bucket's static inputs
+    `ref_inputs` - shapes past the batch dimension, `device`, dtypes - and with `host_slots` that they match the batch
+    and are distinct and below `padding_slot`. Tensor metadata and host ints only, no device sync."""
+    for name, x in (("slots", slots), ("accepted", accepted), ("tokens", tokens), ("hidden", hidden)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise CaptureError(f"{call}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    b = slots.shape[0] if slots.ndim == 1 else -1
+    if b < 1:
+        raise CaptureError(f"{call}: slots must be a non-empty 1-D tensor, got shape {tuple(slots.shape)}")
+    if host_slots is not None and len(host_slots) != b:
+        raise CaptureError(f"{call}: {len(host_slots)} host_slots for a batch of {b} (slots {tuple(slots.shape)})")
+    given = [("slots", slots, ref_inputs[0]), ("accepted", accepted, ref_inputs[1]),
+             ("tokens", tokens, ref_inputs[2]), ("hidden", hidden, ref_inputs[3])]
+    given = [g for g in given if g[1] is not None]
+    for name, x, r in given[1:]:
+        if tuple(x.shape) != (b, *r.shape[1:]):
+            raise CaptureError(f"{call}: {name} has shape {tuple(x.shape)}, expected {(b, *r.shape[1:])}")
+    for name, x, r in given:
+        if x.device != device:
+            raise CaptureError(f"{call}: {name} is on {x.device}, the captured graphs on {device}")
+        # integer inputs may be any integer dtype (copied into the static buffers); hidden must match exactly
+        ok = x.dtype == r.dtype if r.is_floating_point() else not (x.is_floating_point() or x.is_complex()
+                                                                   or x.dtype == torch.bool)
+        if not ok:
+            want = r.dtype if r.is_floating_point() else "an integer dtype"
+            raise CaptureError(f"{call}: {name} has dtype {x.dtype}, expected {want}")
+    if host_slots is not None:
+        check_slots(host_slots, padding_slot, error=CaptureError, call=call, arg="host_slots")

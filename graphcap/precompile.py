@@ -19,22 +19,23 @@ warning and a normal compile. The function compiled is the capture's own (`recor
 model object it closes over travels as external data (it is the live object of the loading process, not a copy).
 
 Experimental in torch (2.11 and 2.13 both have the API; 2.11 only under Dynamo's `enable_aot_compile`). On the H200
-it saved and loaded (docs/results.md, capture section); its replays are compared with the same code without graphs
-by tests/test_capture_gpu.py, which has not yet run on a GPU. CPU: equal to the eager loop
-(tests/test_compile_cache.py).
+it saved and loaded (docs/results.md, capture section), and its replays over larger pools equal the same code without
+graphs (tests/test_capture_gpu.py). CPU: equal to the eager loop (tests/test_compile_cache.py).
 """
 from __future__ import annotations
 
 import hashlib
 import io
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from graphcap import compile_cache as cc
 from graphcap.iteration import DraftFn, Inputs
+from graphcap.recording import inductor_options
 
 BACKENDS = ("inductor-cudagraph", "compile")  # Inductor without CUDA graphs of its own: graphcap records them
 SUFFIX = ".aot"
@@ -58,14 +59,16 @@ def signature(static: Mapping[str, torch.Tensor], pool_dims: Mapping[str, Sequen
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def compile_aot(fresh: DraftFn, example_inputs: Inputs) -> DraftFn:
+def compile_aot(fresh: DraftFn, example_inputs: Inputs, pdl: bool = False) -> DraftFn:
     """`fresh` (the capture's iteration function) compiled now, for the example inputs whose batch dimension is
-    marked unbacked: one artifact for every bucket, saved with no guards."""
+    marked unbacked: one artifact for every bucket, saved with no guards. `pdl`: Inductor's kernels launch with
+    programmatic dependent launch (graphcap.recording.inductor_options)."""
     # torch 2.11 attaches `.aot_compile` only under this flag (2.13 always does)
     flag = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
+    _, options = inductor_options("inductor-cudagraph", pdl)
     with torch._dynamo.config.patch(**flag):
         compiled = torch.compile(fresh, fullgraph=True, dynamic=None,
-                                 options={"triton.cudagraphs": False, "guard_filter_fn": _no_guards})
+                                 options={**options, "guard_filter_fn": _no_guards})
         return compiled.aot_compile((tuple(example_inputs), {}))
 
 
@@ -89,3 +92,31 @@ def load(directory: str | os.PathLike, key: str, external: Mapping[str, object])
     (None, ...) where there is none or it is refused or does not load."""
     return cc.read_trusted(directory, file_name(key), "precompiled iteration", lambda data:
                            torch.compiler.load_compiled_function(io.BytesIO(data), external_data=dict(external)))
+
+
+@dataclass(frozen=True)
+class Obtained:
+    """What `load_or_compile` got: the iteration (None: torch's AOT compile failed), the manifest's compile_cache
+    value, what to `save` once every bucket is captured (compiled now; None when loaded) and the manifest's note ("" for none)."""
+
+    fn: DraftFn | None
+    state: str
+    to_save: DraftFn | None
+    note: str
+
+
+def load_or_compile(directory: str | os.PathLike, key: str, external: Mapping[str, object],
+                    fresh: Callable[[], DraftFn], example_inputs: Inputs, pdl: bool = False) -> Obtained:
+    """The precompiled iteration of `key` from `directory` ("hit": nothing traced), else `fresh()` (the capture's
+    iteration function, its static tensors marked) compiled now. A failing AOT compile is no error: torch's AOT
+    compile is experimental, and its failure costs the warm start only (the caller compiles as without precompile)."""
+    fn, state = load(directory, key, external)
+    if fn is not None:
+        return Obtained(fn, state, None, "precompiled: the iteration was loaded, not traced")
+    try:
+        fn = compile_aot(fresh(), example_inputs, pdl=pdl)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return Obtained(None, state, None, f"precompile: torch's AOT compile failed ({type(e).__name__}: {first}); "
+                                           "compiled without it, nothing precompiled saved")
+    return Obtained(fn, state, fn, "")

@@ -16,7 +16,8 @@
 #   scripts/gpu-check.sh host     host time per call (GPU idle / busy) and a census of the graph's nodes, batch 8
 #   scripts/gpu-check.sh bench    `graphcap bench`: graphcap / compile(-nosync, -plain) / sglang / eager-rebuild
 #                                 over batch 1..64 at context 2048, 3 steps (bench.json in $LOG/bench-small, -large;
-#                                 BENCH_PARTS=small or large: one of the two runs, for a call of its own)
+#                                 BENCH_PARTS=small or large: one of the two runs, for a call of its own;
+#                                 BENCH_MODES: another mode list)
 #   scripts/gpu-check.sh capture  one compile for every bucket + the compile cache: cold, warm restart, warm restart
 #                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead);
 #                                 the three starts again with the iteration precompiled
@@ -26,11 +27,11 @@
 #   scripts/gpu-check.sh profile  bench/profile_iteration.py at batch 1 and 8, cuBLAS and skinny-GEMM projections
 #   scripts/gpu-check.sh dynamic  the one compile for every bucket: replay-equality tests, attention/plan GPU tests,
 #                                 the skinny GEMM's candidates
-#   scripts/gpu-check.sh fusion-hints  GRAPHCAP_UNBACKED_FUSION_HINTS=1: the one compile's replay tests, bench
-#                                 against the per-bucket compile at batches 1, 8, 64, profile at batch 8
-#   scripts/gpu-check.sh variants graphcap against its two variants in one bench run at batches 1, 8, 64: one compile
-#                                 per bucket (what the one compile for all costs per iteration) and the projections
-#                                 through the skinny GEMM (what it buys in the iteration)
+#   scripts/gpu-check.sh variants graphcap against two of its variants and the best compiled baseline in one bench run
+#                                 at batches 1, 8, 64: one compile per bucket (what the one compile for all costs per
+#                                 iteration), Inductor's kernels without PDL (what PDL buys), compile-plain
+#   scripts/gpu-check.sh replay-dynamic  the replay-equality tests of the one compile for every bucket and of the
+#                                 precompiled iteration (the default capture as it runs on this GPU, PDL included)
 #   scripts/gpu-check.sh bench8   the draft-phase bench at batch 8 over contexts 256..32000
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
@@ -54,7 +55,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 [ "${1:-}" = "--tree-hash" ] && { tree_hash; exit 0; }
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
-STAGES+=" profile bench8 check splits engine-check engine-speed dynamic fusion-hints"
+STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -179,7 +180,7 @@ case $stage in
       case $part in small) part=small:1,2,4,8 ;; large) part=large:16,32,64 ;;
         *) echo "BENCH_PARTS: small and/or large, got $part" >&2; exit 2 ;; esac
       STEP_LIMIT=${STEP_LIMIT:-420} step bench-${part%%:*} python3 -m graphcap.cli bench --batch ${part##*:} \
-        --context 2048 --steps 3 --modes graphcap,compile,compile-nosync,compile-plain,sglang,eager-rebuild \
+        --context 2048 --steps 3 --modes ${BENCH_MODES:-graphcap,compile,compile-nosync,compile-plain,sglang,eager-rebuild} \
         --out "$LOG/bench-${part%%:*}"
     done
     ;;
@@ -220,17 +221,6 @@ case $stage in
     step pytest-dynamic-kernels python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_attention_plan.py \
       tests/test_skinny_gemm.py
     ;;
-  fusion-hints)  # the opt-in fusion scores for the unbacked batch (graphcap/fusion_hints.py): the one compile's
-    # replay tests with them, the per-bucket compile against the one compile with them, a kernel profile at batch 8
-    export GRAPHCAP_UNBACKED_FUSION_HINTS=1
-    STEP_LIMIT=${STEP_LIMIT:-300} step pytest-fusion-hints python3 -m pytest -q -rs -m gpu tests/test_capture_gpu.py \
-      -k "inductor-cudagraph-dynamic"
-    step bench-fusion-hints python3 -m graphcap.cli bench --batch 1,8,64 --context 2048 --steps 3 \
-      --modes graphcap-per-bucket,graphcap --out "$LOG/bench-fusion-hints"
-    step profile-fusion-hints-b8 python3 bench/profile_iteration.py --batch 8 --context 2048 \
-      --out "$LOG/profile-fusion-hints-b8"
-    unset GRAPHCAP_UNBACKED_FUSION_HINTS
-    ;;
   profile)  # graphcap's iteration kernel by kernel at batch 1 and 8, with cuBLAS and with the skinny GEMM
     for b in 1 8; do
       step profile-b$b python3 bench/profile_iteration.py --batch $b --context 2048 --out "$LOG/profile-b$b"
@@ -238,9 +228,13 @@ case $stage in
         --out "$LOG/profile-skinny-b$b"
     done
     ;;
-  variants)  # graphcap against one compile per bucket and against its skinny-GEMM op set, same run
+  variants)  # graphcap against one compile per bucket, against itself without PDL, and compile-plain, same run
     step bench-variants python3 -m graphcap.cli bench --batch 1,8,64 --context 2048 --steps 3 \
-      --modes graphcap-per-bucket,graphcap-skinny-gemm,graphcap --out "$LOG/bench-variants"
+      --modes graphcap-per-bucket,graphcap-no-pdl,compile-plain,graphcap --out "$LOG/bench-variants"
+    ;;
+  replay-dynamic)  # the default capture's replay tests alone: one compile for every bucket, the precompiled iteration
+    STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-dynamic python3 -m pytest -q -rs -m gpu \
+      tests/test_capture_gpu.py -k "dynamic or precompiled"
     ;;
   bench8)  # the draft-phase bench at batch 8 over contexts (the check stage's last step alone)
     step bench-context python3 -m graphcap.cli bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
