@@ -34,13 +34,12 @@ from graphcap.guards import CaptureError, check_batch_inputs
 from graphcap.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
 from graphcap.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
 from graphcap.recording import (CompiledIteration, compile_iteration, iteration_function, mark_batch_unbacked,
-                                mark_static, pdl_available)
+                                mark_static)
 from graphcap.static_buffers import PoolDims, StaticBuffers
 
 __all__ = ["DraftGraphs"]  # CaptureError is graphcap.guards'
 
 log = logging.getLogger("graphcap")
-PDL_NOTE = "Inductor's kernels launch with programmatic dependent launch"  # the manifest's note (pdl)
 
 
 class DraftGraphs:
@@ -65,7 +64,6 @@ class DraftGraphs:
         cache_key: str | None = None,
         pool_dims: PoolDims | None = None,
         precompile: bool = False,
-        pdl: bool | None = None,
     ) -> None:
         """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
         file). `progress=True` adds a `StderrProgress`. `observers`: more (graphcap.observers); `add_observer` too.
@@ -91,11 +89,7 @@ class DraftGraphs:
 
         `precompile=True` (with `dynamic_batch` and `compile_cache`; backends inductor-cudagraph and compile;
         experimental): save the compiled iteration whole in the cache directory, Dynamo's output included, and at the
-        next capture load it instead of tracing (graphcap.precompile: what replaces Dynamo's guards).
-
-        `pdl` (compiled backends): Inductor's kernels launch with programmatic dependent launch
-        (graphcap.recording.inductor_options). None: where it is available - a CUDA GPU of compute capability >= 9
-        and a torch with Inductor's switch; True where it is not is an error."""
+        next capture load it instead of tracing (graphcap.precompile: what replaces Dynamo's guards)."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         self._dispatch = BucketDispatcher(buckets)
@@ -110,15 +104,10 @@ class DraftGraphs:
             raise ValueError(f"DraftGraphs: precompile needs dynamic_batch=True, a compile_cache directory and a "
                              f"backend of {', '.join(precompile_mod.BACKENDS)} (got dynamic_batch={dynamic_batch}, "
                              f"compile_cache={compile_cache!r}, backend {backend!r})")
-        if pdl and not (backend in COMPILED_BACKENDS and pdl_available(device)):
-            raise ValueError(f"DraftGraphs: pdl=True needs a compiled backend ({', '.join(COMPILED_BACKENDS)}) on a "
-                             f"CUDA GPU of compute capability >= 9 with a torch that has Inductor's triton.enable_pdl "
-                             f"(got backend {backend!r} on {device})")
         if precompile and getattr(fn, "graph_breaks", False):
             raise ValueError("DraftGraphs: precompile needs a function Dynamo traces whole (fn.graph_breaks is set)")
         self.dynamic_batch = dynamic_batch
         self.precompile = precompile
-        self.pdl = backend in COMPILED_BACKENDS and (pdl_available(device) if pdl is None else pdl)
         self.compile_cache = compile_cache if backend in COMPILED_BACKENDS else None
         if self.compile_cache is not None and spec is None and not cache_key:
             raise ValueError("DraftGraphs: compile_cache without a spec needs a cache_key (what is compiled)")
@@ -153,10 +142,11 @@ class DraftGraphs:
         """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph).
 
         With a compiled backend the default is one compile for every bucket (`dynamic_batch=True`; the loop plans its
-        attention for any batch): on the H200 it captured buckets 1..64 in 36 s from empty caches against 167.5 s
-        for one compile per bucket, 8.7 s against 20.9 s on a warm restart and 7.2 s against 104 s on a restart with
+        attention for any batch): on the H200 it captured buckets 1..64 in 36-49 s from empty caches against 167.5 s
+        for one compile per bucket, 9 s against 20.9 s on a warm restart and 7-10.5 s against 104 s on a restart with
         other pool sizes, its replays equal to the same code without graphs (docs/results.md, capture).
-        `dynamic_batch=False` gives the per-bucket compile."""
+        `dynamic_batch=False` gives the per-bucket compile, whose iteration is faster (the one compile runs at
+        0.85-0.96x its speed)."""
         spec = loop.spec
         buckets = buckets or spec.capture.buckets
         backend = backend or spec.capture.backend
@@ -205,8 +195,6 @@ class DraftGraphs:
     def capture(self) -> None:
         """Warm up and record every bucket, largest first (so smaller ones reuse its pool memory)."""
         t_all = time.perf_counter()
-        if self.pdl and PDL_NOTE not in self._notes:
-            self._notes.append(PDL_NOTE)
         self._aot_to_save = None  # nothing left over from a capture that raised
         self._static.arm()
         if self.backend in COMPILED_BACKENDS:
@@ -230,8 +218,7 @@ class DraftGraphs:
             self._compiled = self._precompiled(static, batch_range) if self.precompile else None
             if self._compiled is None:
                 compiled = compile_iteration(self.fn, self.backend, static, len(self._buckets), tag=f"{id(self):x}",
-                                             dynamic_batch=self.dynamic_batch, batch_range=batch_range,
-                                             pdl=self.pdl)
+                                             dynamic_batch=self.dynamic_batch, batch_range=batch_range)
                 self._compiled = CompiledIteration(*compiled)
         pool = torch.cuda.graph_pool_handle() if self.backend in MANUAL_GRAPH_BACKENDS else None
         order = list(reversed(self._buckets))
@@ -291,7 +278,7 @@ class DraftGraphs:
             return iteration_function(self.fn, f"{id(self):x}", batch_range)[0]
 
         got = precompile_mod.load_or_compile(self.compile_cache, self._aot_key(), {"fn": self.fn}, fresh,
-                                             self._buckets[-1].inputs, pdl=self.pdl)
+                                             self._buckets[-1].inputs)
         self._cache_state, self._aot_to_save = got.state, got.to_save
         self._notes += [got.note] if got.note else []
         if got.fn is None:
@@ -302,7 +289,7 @@ class DraftGraphs:
     def _cache_key(self) -> str:
         return cc.cache_key(spec_hash=self.spec.hash if self.spec is not None else None,
                              key=self._cache_key_text, backend=self.backend, buckets=self._dispatch.sizes,
-                             dynamic_batch=self.dynamic_batch, device=self.device, pdl=self.pdl)
+                             dynamic_batch=self.dynamic_batch, device=self.device)
 
     def _new_bucket(self, size: int) -> BucketGraph:
         return BucketGraph(size, self._static.new_inputs(size), mf.BucketRecord(size))

@@ -54,7 +54,7 @@ def _device_id(device) -> str:
 
 
 def cache_key(*, spec_hash: str | None = None, key: str | None = None, backend: str, buckets: Sequence[int],
-              dynamic_batch: bool = False, device=None, pdl: bool = False) -> str:
+              dynamic_batch: bool = False, device=None) -> str:
     """The hex digest naming a cache file. `spec_hash`, else `key` (a caller's description of what is compiled,
     e.g. a model path and config), must be given."""
     import torch
@@ -65,7 +65,7 @@ def cache_key(*, spec_hash: str | None = None, key: str | None = None, backend: 
         raise ValueError("compile cache: a spec (its hash) or a cache_key string is needed for the key")
     parts = {
         "spec_hash": spec_hash or "", "key": key or "", "backend": backend, "buckets": sorted(int(b) for b in buckets),
-        "dynamic_batch": bool(dynamic_batch), "inductor_pdl": bool(pdl),
+        "dynamic_batch": bool(dynamic_batch),
         "graphcap": [graphcap.__version__, _version("graphcap")],  # the module's, and the installed dist's
         "torch": str(torch.__version__), "triton": _version("triton"),
         "device": _device_id(device),

@@ -35,7 +35,6 @@ import torch
 
 from graphcap import compile_cache as cc
 from graphcap.iteration import DraftFn, Inputs
-from graphcap.recording import inductor_options
 
 BACKENDS = ("inductor-cudagraph", "compile")  # Inductor without CUDA graphs of its own: graphcap records them
 SUFFIX = ".aot"
@@ -59,16 +58,14 @@ def signature(static: Mapping[str, torch.Tensor], pool_dims: Mapping[str, Sequen
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def compile_aot(fresh: DraftFn, example_inputs: Inputs, pdl: bool = False) -> DraftFn:
+def compile_aot(fresh: DraftFn, example_inputs: Inputs) -> DraftFn:
     """`fresh` (the capture's iteration function) compiled now, for the example inputs whose batch dimension is
-    marked unbacked: one artifact for every bucket, saved with no guards. `pdl`: Inductor's kernels launch with
-    programmatic dependent launch (graphcap.recording.inductor_options)."""
+    marked unbacked: one artifact for every bucket, saved with no guards."""
     # torch 2.11 attaches `.aot_compile` only under this flag (2.13 always does)
     flag = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
-    _, options = inductor_options("inductor-cudagraph", pdl)
     with torch._dynamo.config.patch(**flag):
         compiled = torch.compile(fresh, fullgraph=True, dynamic=None,
-                                 options={**options, "guard_filter_fn": _no_guards})
+                                 options={"triton.cudagraphs": False, "guard_filter_fn": _no_guards})
         return compiled.aot_compile((tuple(example_inputs), {}))
 
 
@@ -97,7 +94,8 @@ def load(directory: str | os.PathLike, key: str, external: Mapping[str, object])
 @dataclass(frozen=True)
 class Obtained:
     """What `load_or_compile` got: the iteration (None: torch's AOT compile failed), the manifest's compile_cache
-    value, what to `save` once every bucket is captured (compiled now; None when loaded) and the manifest's note ("" for none)."""
+    value, what to `save` once every bucket is captured (compiled now; None when loaded) and the manifest's note
+    ("" for none)."""
 
     fn: DraftFn | None
     state: str
@@ -106,7 +104,7 @@ class Obtained:
 
 
 def load_or_compile(directory: str | os.PathLike, key: str, external: Mapping[str, object],
-                    fresh: Callable[[], DraftFn], example_inputs: Inputs, pdl: bool = False) -> Obtained:
+                    fresh: Callable[[], DraftFn], example_inputs: Inputs) -> Obtained:
     """The precompiled iteration of `key` from `directory` ("hit": nothing traced), else `fresh()` (the capture's
     iteration function, its static tensors marked) compiled now. A failing AOT compile is no error: torch's AOT
     compile is experimental, and its failure costs the warm start only (the caller compiles as without precompile)."""
@@ -114,7 +112,7 @@ def load_or_compile(directory: str | os.PathLike, key: str, external: Mapping[st
     if fn is not None:
         return Obtained(fn, state, None, "precompiled: the iteration was loaded, not traced")
     try:
-        fn = compile_aot(fresh(), example_inputs, pdl=pdl)
+        fn = compile_aot(fresh(), example_inputs)
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         return Obtained(None, state, None, f"precompile: torch's AOT compile failed ({type(e).__name__}: {first}); "

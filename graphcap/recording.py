@@ -55,34 +55,9 @@ def iteration_function(fn: DraftFn, tag: str, batch_range: tuple[int, int] | Non
     return types.FunctionType(code, draft_iteration.__globals__, code.co_name, None, draft_iteration.__closure__), code
 
 
-def pdl_available(device: torch.device | str) -> bool:
-    """Whether Inductor can launch its kernels with programmatic dependent launch here: this torch has the switch
-    (`triton.enable_pdl`) and `device` is a CUDA GPU of compute capability >= 9 (Hopper and later)."""
-    import torch._inductor.config as inductor_config
-
-    device = torch.device(device)
-    if device.type != "cuda" or not hasattr(inductor_config.triton, "enable_pdl"):
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def inductor_options(backend: str, pdl: bool = False) -> tuple[str | None, dict | None]:
-    """torch.compile's (mode, options) for a compiled backend. `pdl`: Inductor's kernels launch with programmatic
-    dependent launch (each one's launch and prologue overlap the previous kernel's tail; a kernel waits in-kernel,
-    `gdc_wait`, before it reads what the previous one wrote) - a launch attribute the CUDA graph keeps as a
-    programmatic edge. reduce-overhead with it is the same options its mode names (`triton.cudagraphs`), since
-    torch.compile takes a mode or options, not both."""
-    if backend == "reduce-overhead" and not pdl:
-        return "reduce-overhead", None
-    options = {"triton.cudagraphs": backend == "reduce-overhead"}  # inductor-cudagraph records its own graphs
-    if pdl:
-        options["triton.enable_pdl"] = True
-    return None, options
-
-
 def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor], buckets: int,
                       tag: str, dynamic_batch: bool = False,
-                      batch_range: tuple[int, int] | None = None, pdl: bool = False) -> tuple[DraftFn, types.CodeType]:
+                      batch_range: tuple[int, int] | None = None) -> tuple[DraftFn, types.CodeType]:
     """`fn` under torch.compile for `backend` (one of graphcap.backends' COMPILED_BACKENDS), and the code object Dynamo caches it under
     (`draft_iteration_<tag>`), whose entries count the recompiles. Every tensor of `static` (the persistent tensors
     and each bucket's static inputs) is marked with `mark_static_address`, so no replay copies it.
@@ -94,8 +69,7 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
 
     `dynamic_batch`: compiled with dynamic=None instead of False, so that inputs whose batch dimension the caller
     marked dynamic (`mark_batch_unbacked`) give one graph for every bucket instead of one per bucket; `batch_range`
-    (lo, hi) bounds that batch inside the function, for torch versions whose marks take no range. `pdl`: see
-    `inductor_options`."""
+    (lo, hi) bounds that batch inside the function, for torch versions whose marks take no range."""
     mark_static(static)
     fresh, code = iteration_function(fn, tag, batch_range)
     breaks = bool(getattr(fn, "graph_breaks", False))
@@ -106,7 +80,8 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                                4 * limit)
         torch._dynamo.config.fail_on_recompile_limit_hit = True
-    mode, options = inductor_options(backend, pdl)
+    mode = "reduce-overhead" if backend == "reduce-overhead" else None
+    options = None if mode else {"triton.cudagraphs": False}  # inductor-cudagraph records its own graphs
     dynamic = None if dynamic_batch else False
     return torch.compile(fresh, mode=mode, options=options, fullgraph=not breaks, dynamic=dynamic), code
 

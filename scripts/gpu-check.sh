@@ -27,11 +27,11 @@
 #   scripts/gpu-check.sh profile  bench/profile_iteration.py at batch 1 and 8, cuBLAS and skinny-GEMM projections
 #   scripts/gpu-check.sh dynamic  the one compile for every bucket: replay-equality tests, attention/plan GPU tests,
 #                                 the skinny GEMM's candidates
-#   scripts/gpu-check.sh variants graphcap against two of its variants and the best compiled baseline in one bench run
-#                                 at batches 1, 8, 64: one compile per bucket (what the one compile for all costs per
-#                                 iteration), Inductor's kernels without PDL (what PDL buys), compile-plain
+#   scripts/gpu-check.sh variants graphcap against one compile per bucket (what the one compile for all costs per
+#                                 iteration) and the best compiled baseline, compile-plain, in one bench run at
+#                                 batches 1, 8, 64
 #   scripts/gpu-check.sh replay-dynamic  the replay-equality tests of the one compile for every bucket and of the
-#                                 precompiled iteration (the default capture as it runs on this GPU, PDL included)
+#                                 precompiled iteration (the default capture)
 #   scripts/gpu-check.sh bench8   the draft-phase bench at batch 8 over contexts 256..32000
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
@@ -228,9 +228,9 @@ case $stage in
         --out "$LOG/profile-skinny-b$b"
     done
     ;;
-  variants)  # graphcap against one compile per bucket, against itself without PDL, and compile-plain, same run
+  variants)  # graphcap against one compile per bucket and compile-plain, same run
     step bench-variants python3 -m graphcap.cli bench --batch 1,8,64 --context 2048 --steps 3 \
-      --modes graphcap-per-bucket,graphcap-no-pdl,compile-plain,graphcap --out "$LOG/bench-variants"
+      --modes graphcap-per-bucket,compile-plain,graphcap --out "$LOG/bench-variants"
     ;;
   replay-dynamic)  # the default capture's replay tests alone: one compile for every bucket, the precompiled iteration
     STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-dynamic python3 -m pytest -q -rs -m gpu \

@@ -236,7 +236,6 @@ def test_cpu_run_rows_carry_every_field_and_say_why_a_value_is_missing(tmp_path,
     (["--iters", "200", "--batch", "1"], "leaves no room for a context"),
     (["--graphcap-backend", "fast"], "is not one of"),
     (["--modes", "graphcap-per-bucket,graphcap", "--graphcap-backend", "eager"], "backend 'eager' compiles nothing"),
-    (["--modes", "graphcap-no-pdl,graphcap", "--graphcap-backend", "eager"], "backend 'eager' compiles nothing"),
     (["--no-such-option"], "unrecognized arguments"),
 ])
 def test_bad_options_exit_2_with_one_line(argv, message, capsys):
@@ -248,24 +247,18 @@ def test_bad_options_exit_2_with_one_line(argv, message, capsys):
 
 def test_graphcap_variants_change_one_thing_each_and_run_only_by_name():
     """graphcap's default is one compile for every bucket with cuBLAS projections; graphcap-per-bucket is the same
-    loop and backend with dynamic_batch off, graphcap-skinny-gemm the same with the skinny GEMM's op set,
-    graphcap-no-pdl the same with Inductor's PDL off - there to price a choice in one run, never in the default mode
-    set. Their compiles do not share a cache key (graphcap-no-pdl's does with graphcap's where there is no PDL to turn
-    off: a CPU, which its note says)."""
+    loop and backend with dynamic_batch off, graphcap-skinny-gemm the same with the skinny GEMM's op set - there to
+    price a choice in one run, never in the default mode set. Their compiles do not share a cache key."""
     spec = load_spec("tiny")
     cfg = _config("--spec", "tiny", "--batch", "2,3", "--iters", "1", "--modes",
-                  "graphcap-per-bucket,graphcap-skinny-gemm,graphcap-no-pdl,graphcap", "--graphcap-backend",
-                  "compile")
+                  "graphcap-per-bucket,graphcap-skinny-gemm,graphcap", "--graphcap-backend", "compile")
     st = make_target_state(spec, [5, 9, 20], [30, 30, 30], seed=1)
     modes = build_modes(cfg, FrozenKVDraft(spec, seed=2), st, spec.capture.steps, [])
-    assert [(m.name, m.runner.backend, m.runner.dynamic_batch, m.runner.pdl, m.runner.fn.ops.name)
-            for m in modes] == [
-        ("graphcap-per-bucket", "compile", False, False, "torch"),
-        ("graphcap-skinny-gemm", "compile", True, False, "torch-skinny-gemm"),
-        ("graphcap-no-pdl", "compile", True, False, "torch"),
-        ("graphcap", "compile", True, False, "torch")]  # no PDL without CUDA
+    assert [(m.name, m.runner.backend, m.runner.dynamic_batch, m.runner.fn.ops.name) for m in modes] == [
+        ("graphcap-per-bucket", "compile", False, "torch"),
+        ("graphcap-skinny-gemm", "compile", True, "torch-skinny-gemm"),
+        ("graphcap", "compile", True, "torch")]
     assert len({m.runner._cache_key() for m in modes}) == 3
-    assert "no PDL here either" in modes[2].note
     assert not set(options.VARIANTS) & set(_config("--spec", "tiny", "--iters", "4").modes)
 
 

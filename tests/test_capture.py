@@ -11,7 +11,6 @@ from graphcap.guards import CaptureError
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.observers import CaptureObserver, LoggingProgress
-from graphcap.recording import inductor_options, pdl_available
 from graphcap.spec import load_spec
 from graphcap.bench.state import make_target_state
 from graphcap.window import WindowBuffers
@@ -235,31 +234,6 @@ def test_bad_construction(device):
         for backend in ("cudagraph", "inductor-cudagraph", "reduce-overhead"):
             with pytest.raises(ValueError, match=f"backend '{backend}' records CUDA graphs"):
                 DraftGraphs.for_loop(loop, backend=backend, manifest_path=None)
-    if not pdl_available(device):  # asked for where it cannot run: named, not silently off
-        with pytest.raises(ValueError, match=r"pdl=True needs .* compute capability >= 9"):
-            DraftGraphs.for_loop(loop, backend="compile", manifest_path=None, pdl=True)
-    with pytest.raises(ValueError, match="pdl=True needs a compiled backend"):
-        DraftGraphs.for_loop(loop, backend="eager", manifest_path=None, pdl=True)
-
-
-def test_pdl_is_on_where_it_can_run_and_is_an_inductor_option():
-    """pdl=None resolves to whether Inductor can launch with programmatic dependent launch on the device (a CPU:
-    never); the options are reduce-overhead's own mode where PDL is off, and name both switches where it is on
-    (torch.compile takes a mode or options, not both), which Inductor's config must know."""
-    import torch._inductor.config as inductor_config
-
-    assert not pdl_available("cpu")
-    assert inductor_options("reduce-overhead") == ("reduce-overhead", None)
-    assert inductor_options("reduce-overhead", pdl=True) == (None, {"triton.cudagraphs": True,
-                                                                    "triton.enable_pdl": True})
-    for backend in ("inductor-cudagraph", "compile"):
-        assert inductor_options(backend) == (None, {"triton.cudagraphs": False})
-        assert inductor_options(backend, pdl=True) == (None, {"triton.cudagraphs": False, "triton.enable_pdl": True})
-    if hasattr(inductor_config.triton, "enable_pdl"):  # torch 2.13 has it; on an older torch pdl_available is False
-        assert inductor_config.triton.enable_pdl in (False, True)
-    _, _, loop = build("cpu")
-    g = DraftGraphs.for_loop(loop, backend="compile", manifest_path=None)
-    assert g.pdl is False and "programmatic dependent launch" not in " ".join(g.manifest().notes)
 
 
 def test_compiled_backend_matches_eager_and_never_recompiles(device, tmp_path):

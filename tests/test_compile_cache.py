@@ -22,7 +22,7 @@ def test_key_is_stable_and_covers_what_must_miss(monkeypatch):
     k = cc.cache_key(**BASE)
     assert k == cc.cache_key(**BASE) and len(k) == 64 and int(k, 16) >= 0
     changed = [dict(BASE, spec_hash="0000000000000000"), dict(BASE, backend="inductor-cudagraph"),
-               dict(BASE, buckets=(1, 2, 8)), dict(BASE, dynamic_batch=True), dict(BASE, pdl=True),
+               dict(BASE, buckets=(1, 2, 8)), dict(BASE, dynamic_batch=True),
                dict(BASE, spec_hash=None, key="/models/x {'layers': 1}")]
     keys = {cc.cache_key(**kw) for kw in changed}
     assert k not in keys and len(keys) == len(changed)

@@ -42,7 +42,7 @@ from graphcap.iteration import DraftOutput
 from graphcap.kernels.window_update import window_reset
 from graphcap.models.draft_loop import DraftLoop
 from graphcap.models.draft_ops import DraftOps
-from graphcap.recording import compile_iteration, pdl_available
+from graphcap.recording import compile_iteration
 
 
 class RebuildBaseline:
@@ -122,12 +122,9 @@ class CompiledBaseline:
         static = dict(self.loop.static_tensors())
         if self.attention:
             static.update(self.attention.static_tensors())
-        # the code object Dynamo caches the compiled iteration under: its entries count the recompiles. Inductor's
-        # programmatic dependent launch where graphcap's own capture turns it on: a switch any torch.compile user has
-        # (TORCHINDUCTOR_ENABLE_PDL=1), so graphcap's margin over this baseline does not include it
-        self.pdl = pdl_available(w.device)
+        # the code object Dynamo caches the compiled iteration under: its entries count the recompiles
         self._fn, self._code = compile_iteration(self._iteration, "reduce-overhead", static.values(),
-                                                 len(self.batches), f"compile_mode_{id(self):x}", pdl=self.pdl)
+                                                 len(self.batches), f"compile_mode_{id(self):x}")
         self.cuda = w.device.type == "cuda"
         self._entries: int | None = None  # Dynamo cache entries after capture
         self.capture_problem = ""

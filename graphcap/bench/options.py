@@ -11,9 +11,8 @@ from graphcap.spec import CaptureSpec, load_spec
 
 # Measured modes, cheapest-to-build baseline first; graphcap last. Two variants of graphcap are asked for by name
 # only, to price a choice in one run: graphcap-per-bucket (one compile per bucket instead of one for all, the
-# default), graphcap-skinny-gemm (the projections through graphcap's skinny GEMM instead of cuBLAS) and
-# graphcap-no-pdl (Inductor's kernels without programmatic dependent launch, where graphcap turns it on).
-VARIANTS = ("graphcap-per-bucket", "graphcap-skinny-gemm", "graphcap-no-pdl")
+# default) and graphcap-skinny-gemm (the projections through graphcap's skinny GEMM instead of cuBLAS).
+VARIANTS = ("graphcap-per-bucket", "graphcap-skinny-gemm")
 MODES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "compile-nosync", "compile-plain", *VARIANTS,
          "graphcap")
 DEFAULT_MODES = tuple(m for m in MODES if m not in VARIANTS)
@@ -124,11 +123,10 @@ def config_from_args(a: argparse.Namespace, cuda: bool, command: str = "graphcap
     if not cuda and backend in GRAPH_BACKENDS:
         raise OptionError(f"--graphcap-backend: {backend!r} records CUDA graphs and this machine has no CUDA; "
                           "use compile or eager")
-    for mode, what in (("graphcap-per-bucket", "one compile per bucket against graphcap's one for all"),
-                       ("graphcap-no-pdl", "Inductor's kernels without programmatic dependent launch")):
-        if mode in modes and backend not in COMPILED_BACKENDS:
-            raise OptionError(f"--modes {mode}: {what}; backend {backend!r} compiles nothing (--graphcap-backend: "
-                              f"one of {', '.join(COMPILED_BACKENDS)})")
+    if "graphcap-per-bucket" in modes and backend not in COMPILED_BACKENDS:
+        raise OptionError(f"--modes graphcap-per-bucket: one compile per bucket against graphcap's one for all; "
+                          f"backend {backend!r} compiles nothing (--graphcap-backend: one of "
+                          f"{', '.join(COMPILED_BACKENDS)})")
     steps = a.steps or (spec.capture.steps,)
     growth = growth_tokens(warmup, iters, steps)
     room = spec.capture.max_context - growth

@@ -30,7 +30,6 @@ from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
 from graphcap.models.draft_ops import PLAIN_OPS, SKINNY_OPS, TORCH_OPS, DraftOps, fused_ops
-from graphcap.recording import pdl_available
 from graphcap.window import WindowBuffers
 
 CPU_SHOWS = ("A CPU run checks that every mode runs the same draft, counts host reads of tensor values (syncs on "
@@ -99,8 +98,6 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                                           host_sync=name == "compile", name=name)
                 if runner.attention is not None:
                     note = "; ".join(x for x in (note, _pdl_note(runner.attention.use_pdl)) if x)
-                if runner.pdl:
-                    note = _join(note, "Inductor's kernels with PDL, as graphcap's")
             else:  # graphcap and its variants: compiled per bucket (options refuse that mode for a backend that
                 # compiles nothing), or with the skinny GEMM (its loop's ops, above)
                 backend = cfg.graphcap_backend
@@ -111,13 +108,9 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                                        "only), the same loop as graphcap")
                 elif name == "graphcap-skinny-gemm" and not cuda:
                     note = _join(note, "the skinny GEMM's torch twin (cuBLAS's math) without CUDA")
-                variant = {"graphcap-per-bucket": {"dynamic_batch": False},
-                           "graphcap-no-pdl": {"pdl": False}}.get(name, {})
+                per_bucket = {"dynamic_batch": False} if name == "graphcap-per-bucket" else {}
                 runner = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=None,
-                                              progress=False, **variant)
-                if name == "graphcap-no-pdl" and not pdl_available(state.req_to_token.device):
-                    note = _join(note, "no PDL here either (it needs compute capability >= 9): the same loop as "
-                                       "graphcap")
+                                              progress=False, **per_bucket)
         except ImportError as e:
             _note(notes, f"{name} skipped: {e}")
             continue
