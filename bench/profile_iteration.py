@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the projections through graphcap's skinny GEMM (SKINNY_OPS) instead of cuBLAS")
     p.add_argument("--per-bucket", action="store_true",
                    help="compile for this batch alone (dynamic_batch=False) instead of the one compile for all buckets")
+    p.add_argument("--layer-regions", action="store_true",
+                   help="each draft layer a nested compile region (DraftLoop(layer_regions=True))")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         wb = WindowBuffers.from_spec(spec, state.req_to_token, state.full_to_swa)
         wb.reset(state.slots.tolist(), [a.context] * b)
         loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full,
-                         ops=SKINNY_OPS if a.skinny_gemm else TORCH_OPS)
+                         ops=SKINNY_OPS if a.skinny_gemm else TORCH_OPS, layer_regions=a.layer_regions)
         gr = DraftGraphs.for_loop(loop, backend=backend, buckets=(b,), manifest_path=None, progress=False,
                                   dynamic_batch=not a.per_bucket)
         gr.capture()

@@ -157,6 +157,7 @@ class DraftGraphs:
         what = f"steps={getattr(loop, 'steps', spec.capture.steps)}" + (";steps_only" if steps_only else "")
         ops = getattr(loop, "ops", None)
         what += f";ops={ops.name}" if ops is not None else ""  # another op set compiles other code
+        what += ";layer_regions" if getattr(loop, "layer_regions", False) else ""  # so do layer regions
         kw["cache_key"] = ";".join(x for x in (kw.get("cache_key"), what) if x)
         graphs = cls(loop.draft_steps if steps_only else loop, buckets=buckets,
                      padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,

@@ -32,6 +32,9 @@
 #                                 batches 1, 8, 64
 #   scripts/gpu-check.sh replay-dynamic  the replay-equality tests of the one compile for every bucket and of the
 #                                 precompiled iteration (the default capture)
+#   scripts/gpu-check.sh regions  each draft layer a nested compile region (DraftLoop(layer_regions=True)) against
+#                                 the inlined layers, same machine: capture cold / warm / other pools / precompiled,
+#                                 host time per call
 #   scripts/gpu-check.sh bench8   the draft-phase bench at batch 8 over contexts 256..32000
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
@@ -55,7 +58,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 [ "${1:-}" = "--tree-hash" ] && { tree_hash; exit 0; }
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
-STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic"
+STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic regions"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -230,7 +233,27 @@ case $stage in
     ;;
   variants)  # graphcap against one compile per bucket and compile-plain, same run
     step bench-variants python3 -m graphcap.cli bench --batch 1,8,64 --context 2048 --steps 3 \
-      --modes graphcap-per-bucket,compile-plain,graphcap --out "$LOG/bench-variants"
+      --modes ${BENCH_MODES:-graphcap-per-bucket,compile-plain,graphcap} --out "$LOG/bench-variants"
+    ;;
+  regions)  # each draft layer a nested compile region against the inlined layers, same machine: start-up (cold,
+    # warm restart, warm restart with other pool sizes; then precompiled cold and warm: own caches), host time and
+    # batch-8 GPU time per call (the replay tests with regions are replay-dynamic's)
+    fresh=$WORK/regions-$(date +%s)
+    for variant in inlined regions; do
+      flag=; [ $variant = regions ] && flag=--layer-regions
+      v=$fresh/$variant
+      mkdir -p "$v/cc" "$v/pre-cc"; chmod 700 "$fresh" "$v" "$v/cc" "$v/pre-cc"
+      for run in cold:2048: warm:2048: warm-other-pools:4096: pre-cold:2048:pre pre-warm:2048:pre; do
+        IFS=: read -r what ctx pre <<< "$run"
+        step capture-$variant-$what env TORCHINDUCTOR_CACHE_DIR=$v/${pre}inductor TRITON_CACHE_DIR=$v/${pre}triton \
+          python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context $ctx --capture-only \
+          --dynamic-batch ${pre:+--precompile} $flag --backends inductor-cudagraph --compile-cache "$v/${pre:+pre-}cc" \
+          --out "$LOG/capture-$variant-$what"
+      done
+      step capture-host-$variant env TORCHINDUCTOR_CACHE_DIR=$v/inductor TRITON_CACHE_DIR=$v/triton \
+        python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --dynamic-batch $flag \
+        --backends inductor-cudagraph --compile-cache "$v/cc" --out "$LOG/capture-host-$variant"
+    done
     ;;
   replay-dynamic)  # the default capture's replay tests alone: one compile for every bucket, the precompiled iteration
     STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-dynamic python3 -m pytest -q -rs -m gpu \

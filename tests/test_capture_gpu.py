@@ -55,11 +55,11 @@ def _world(spec, n_slots, base_ctx, iters=64, spare_tokens=0, spare_rows=0):
     return st, model, lens
 
 
-def _loop(spec, st, model, lens):
+def _loop(spec, st, model, lens, layer_regions=False):
     wb = WindowBuffers(st.req_to_token, spec.window, st.req_to_token.shape[0], st.full_to_swa,
                        max_accepted=spec.capture.steps + 1)
     wb.reset(list(range(len(lens))), lens)
-    return DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full)
+    return DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, layer_regions=layer_regions)
 
 
 def _run_without_sync(gr, b, inputs, zero_copy):
@@ -104,21 +104,24 @@ def _against_eager(out, base, spec, it):
 
 
 @pytest.mark.parametrize("spec_name, buckets, iters", CASES)
-@pytest.mark.parametrize("backend, twin_backend, dynamic_batch", [
-    ("reduce-overhead", "compile", False), ("inductor-cudagraph", "compile", False), ("cudagraph", None, False),
-    ("reduce-overhead", "compile", True), ("inductor-cudagraph", "compile", True)],
-    ids=["reduce-overhead", "inductor-cudagraph", "cudagraph", "reduce-overhead-dynamic", "inductor-cudagraph-dynamic"])
+@pytest.mark.parametrize("backend, twin_backend, dynamic_batch, layer_regions", [
+    ("reduce-overhead", "compile", False, False), ("inductor-cudagraph", "compile", False, False),
+    ("cudagraph", None, False, False), ("reduce-overhead", "compile", True, False),
+    ("inductor-cudagraph", "compile", True, False), ("inductor-cudagraph", "compile", True, True)],
+    ids=["reduce-overhead", "inductor-cudagraph", "cudagraph", "reduce-overhead-dynamic", "inductor-cudagraph-dynamic",
+         "inductor-cudagraph-dynamic-regions"])
 def test_replay_equals_the_same_function_without_graphs(spec_name, buckets, iters, backend, twin_backend,
-                                                        dynamic_batch, tmp_path):
+                                                        dynamic_batch, layer_regions, tmp_path):
     """dynamic_batch: the iteration compiled once with a symbolic batch (and pool sizes), the twin compiled the same
-    way: one Dynamo cache entry each for every bucket, still one after the replays."""
+    way: one Dynamo cache entry each for every bucket, still one after the replays. layer_regions: each draft layer a
+    nested compile region, in the graphed loop and its twin (eager ignores it)."""
     spec = load_spec(spec_name)
     buckets = buckets or spec.capture.buckets
     n_slots = min(spec.capture.max_slots, buckets[-1] + 8)
     base_ctx = min(3000, spec.capture.max_context - iters * (spec.capture.steps + 1))
     st, model, lens = _world(spec, n_slots, base_ctx, iters)
-    graphed = _loop(spec, st, model, lens)
-    twin = _loop(spec, st, model, lens)  # the same function without CUDA graphs
+    graphed = _loop(spec, st, model, lens, layer_regions)
+    twin = _loop(spec, st, model, lens, layer_regions)  # the same function without CUDA graphs
     eager = _loop(spec, st, model, lens)  # plain eager draft_loop
     dyn = {"dynamic_batch": dynamic_batch}  # explicit: for_loop's default for compiled backends is True
     gr = DraftGraphs.for_loop(graphed, backend=backend, buckets=buckets, manifest_path=tmp_path / "m.json", **dyn)
@@ -169,13 +172,14 @@ def test_replay_equals_the_same_function_without_graphs(spec_name, buckets, iter
     assert [cache_entries(c.code) for c in compiled] == [c.entries for c in compiled], "recompiled after capture"
 
 
-def test_precompiled_iteration_replays_as_compiled_over_larger_pools(tmp_path):
+@pytest.mark.parametrize("layer_regions", [False, True], ids=["inlined", "regions"])
+def test_precompiled_iteration_replays_as_compiled_over_larger_pools(layer_regions, tmp_path):
     """precompile=True (inductor-cudagraph, dynamic_batch, the tiny spec): a first capture compiles the iteration and
     saves it (0600 in a 0700 compile cache); a second, after torch._dynamo.reset(), over larger pools (more free KV
     locations and request rows: another --mem-fraction-static) loads it - nothing traced - and records every bucket.
     Both: every bucket's replay (full and padded batches) equals the saved function loaded over a twin state and run
     without graphs, exactly, and plain eager within the tolerance rule; the same windows; no sync, no cudagraph skip,
-    nothing traced while replaying."""
+    nothing traced while replaying. With and without layer regions (DraftLoop(layer_regions=True))."""
     from torch._dynamo.utils import counters
 
     spec = load_spec("tiny")
@@ -190,7 +194,7 @@ def test_precompiled_iteration_replays_as_compiled_over_larger_pools(tmp_path):
         torch._dynamo.reset()
         frames = counters["stats"]["unique_graphs"]
         st, model, lens = _world(spec, n_slots, base_ctx, iters, spare_tokens, spare_rows)
-        graphed, twin, eager = (_loop(spec, st, model, lens) for _ in range(3))
+        graphed, twin, eager = (_loop(spec, st, model, lens, layer_regions) for _ in range(3))
         gr = DraftGraphs.for_loop(graphed, backend="inductor-cudagraph", buckets=buckets, manifest_path=None,
                                   dynamic_batch=True, compile_cache=cache, precompile=True)
         gr.capture()

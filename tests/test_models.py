@@ -167,6 +167,42 @@ def test_padding_rows_change_nothing(device):
     assert int(wb_b.seq_lens[wb_b.padding_slot]) == 0
 
 
+def test_layer_regions_trace_one_body_per_layer_shape_and_draft_the_same(device):
+    """DraftLoop(layer_regions=True): under Dynamo every draft layer of every step is one invoke_subgraph call, with
+    one traced body per layer shape (the sliding layers share one, the full layer has its own), and the traced
+    function, run eagerly, drafts bit for bit what the loop without regions drafts on a twin state (tokens, scores,
+    margins, hidden, windows). Dynamo only (a backend that records the graph and runs it eagerly): Inductor's code
+    for the regions is tests/test_capture_gpu.py's."""
+    spec = load_spec("tiny")
+    lens = [9, 33, 2, 40]
+    (st_a, wb_a, plain), (st_b, wb_b, _) = build(spec, lens, device, seed=4), build(spec, lens, device, seed=4)
+    regions = DraftLoop(plain.model, wb_b, st_b.k_swa, st_b.v_swa, st_b.k_full, st_b.v_full, layer_regions=True)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    traced = torch.compile(regions, backend=record, fullgraph=True)
+    g = torch.Generator().manual_seed(6)
+    for _ in range(2):  # the second call reuses the trace: the windows moved, nothing else did
+        accepted = torch.randint(1, spec.capture.steps + 2, (4,), generator=g).to(device)
+        tokens = torch.randint(0, spec.draft.vocab, (4,), generator=g).to(device)
+        hidden = torch.randn(4, spec.target.hidden, generator=g).to(device)
+        want = plain(st_a.slots, accepted, tokens, hidden)
+        got = traced(st_b.slots, accepted, tokens, hidden)
+        for x, y, field in zip(got, want, want._fields):
+            assert torch.equal(x, y), field
+        assert torch.equal(wb_a.ring, wb_b.ring) and torch.equal(wb_a.seq_lens, wb_b.seq_lens)
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+    assert len(calls) == spec.capture.steps * len(spec.draft.layers)
+    bodies = {n.args[0].target for n in calls}  # get_attr of the traced subgraph each call runs
+    assert len(bodies) == len(set(spec.draft.layers)) == 2
+    torch._dynamo.reset()
+
+
 class _Calls:
     """graphcap.kernels.fused_ops, counting the calls of each function."""
 

@@ -74,7 +74,8 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
         wb = WindowBuffers(state.req_to_token, cfg.spec.window, cfg.spec.capture.max_slots, state.full_to_swa,
                            max_accepted=max(cfg.steps) + 1)
         loop = DraftLoop(model, wb, *pools, steps=steps,
-                         ops=SKINNY_OPS if name == "graphcap-skinny-gemm" else TORCH_OPS)
+                         ops=SKINNY_OPS if name == "graphcap-skinny-gemm" else TORCH_OPS,
+                         layer_regions=name == "graphcap-layer-regions")
         note = ""
         try:
             if name == "eager-rebuild":

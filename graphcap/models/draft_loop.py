@@ -26,7 +26,10 @@ class DraftLoop(nn.Module):
 
     def __init__(self, model: FrozenKVDraft, window: WindowBuffers, k_swa: torch.Tensor, v_swa: torch.Tensor,
                  k_full: torch.Tensor, v_full: torch.Tensor, steps: int | None = None,
-                 sources: dict[str, KVSource] | None = None, ops: DraftOps = TORCH_OPS) -> None:
+                 sources: dict[str, KVSource] | None = None, ops: DraftOps = TORCH_OPS,
+                 layer_regions: bool = False) -> None:
+        """`layer_regions`: under torch.compile, each draft layer is a nested compile region (one compiled body per
+        layer shape, called for every layer of every step: `FrozenKVDraft.step`), which cuts the compile's size."""
         super().__init__()
         spec = model.spec
         if window.window != spec.window:
@@ -37,6 +40,7 @@ class DraftLoop(nn.Module):
                 raise ValueError(f"DraftLoop: {name} must be [pool, {shape.kv_heads}, {shape.head_dim}] for spec "
                                  f"{spec.name}, got {tuple(pool.shape)}")
         self.model, self.window = model, window
+        self.layer_regions = layer_regions
         self.steps = steps or spec.capture.steps
         # the layers' small ops: plain torch (the reference) or one fused kernel each (sglang's), bound to this model
         self.ops = ops.bind(model)
@@ -89,7 +93,8 @@ class DraftLoop(nn.Module):
         ropes = {lt: self.ops.rope_inputs(m, lt, pos) for lt in ("sliding", "full")}
         toks, scores, margins = [], [], []
         for _ in range(self.steps):
-            tokens, score, margin, hidden = m.step(tokens, hidden, ropes, self.sources, slots, lens, self.ops)
+            tokens, score, margin, hidden = m.step(tokens, hidden, ropes, self.sources, slots, lens, self.ops,
+                                                    layer_regions=self.layer_regions)
             toks.append(tokens)
             scores.append(score)
             margins.append(margin)
@@ -110,7 +115,7 @@ class DraftLoop(nn.Module):
         the attention plans."""
         plans = {lt: (src.any_batch, sorted(src.plans.items())) for lt, src in self.sources.items()
                  if src.attend is None}
-        return f"steps={self.steps};plans={plans}"
+        return f"steps={self.steps};layer_regions={self.layer_regions};plans={plans}"
 
     def pool_dims(self) -> dict[str, tuple[int, ...]]:
         """The dimensions of `static_tensors` sized by the engine's memory settings (the pools' token capacity, the
