@@ -31,7 +31,7 @@
 #                                 iteration) and the best compiled baseline, compile-plain, in one bench run at
 #                                 batches 1, 8, 64
 #   scripts/gpu-check.sh replay-dynamic  the replay-equality tests of the one compile for every bucket and of the
-#                                 precompiled iteration (the default capture)
+#                                 precompiled iteration (the default capture; REPLAY_K: another -k)
 #   scripts/gpu-check.sh regions  each draft layer a nested compile region (DraftLoop(layer_regions=True)) against
 #                                 the inlined layers, same machine: capture cold / warm / other pools / precompiled,
 #                                 host time per call
@@ -257,7 +257,7 @@ case $stage in
     ;;
   replay-dynamic)  # the default capture's replay tests alone: one compile for every bucket, the precompiled iteration
     STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-dynamic python3 -m pytest -q -rs -m gpu \
-      tests/test_capture_gpu.py -k "dynamic or precompiled"
+      tests/test_capture_gpu.py -k "${REPLAY_K:-dynamic or precompiled}"
     ;;
   bench8)  # the draft-phase bench at batch 8 over contexts (the check stage's last step alone)
     step bench-context python3 -m graphcap.cli bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
