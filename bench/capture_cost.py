@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precompile", action="store_true",
                    help="with --compile-cache (one compile for every bucket): save / load the whole compiled iteration "
                         "(DraftGraphs' precompile: a warm restart traces nothing); inductor-cudagraph only")
-    p.add_argument("--layer-regions", action="store_true",
-                   help="each draft layer a nested compile region (DraftLoop(layer_regions=True))")
+    p.add_argument("--inlined-layers", action="store_true",
+                   help="every draft layer inlined into one graph (DraftLoop(layer_regions=False)) instead of a nested "
+                        "compile region per layer")
     p.add_argument("--census", action="store_true",
                    help="record --batch's iteration once more as a debug graph: its nodes by type (graph.dot kept)")
     p.add_argument("--out", type=Path, required=True)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     def make(backend: str | None):
         wb = WindowBuffers.from_spec(spec, state.req_to_token, state.full_to_swa)
         loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full,
-                         layer_regions=a.layer_regions)
+                         layer_regions=not a.inlined_layers)
         if backend is None:
             return wb, loop, loop
         path = mf.manifest_path(a.out, spec.name, spec.hash, backend)

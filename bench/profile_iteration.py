@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the projections through graphcap's skinny GEMM (SKINNY_OPS) instead of cuBLAS")
     p.add_argument("--per-bucket", action="store_true",
                    help="compile for this batch alone (dynamic_batch=False) instead of the one compile for all buckets")
-    p.add_argument("--layer-regions", action="store_true",
-                   help="each draft layer a nested compile region (DraftLoop(layer_regions=True))")
+    p.add_argument("--inlined-layers", action="store_true",
+                   help="every draft layer inlined into one graph (DraftLoop(layer_regions=False)) instead of a nested "
+                        "compile region per layer")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         wb = WindowBuffers.from_spec(spec, state.req_to_token, state.full_to_swa)
         wb.reset(state.slots.tolist(), [a.context] * b)
         loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full,
-                         ops=SKINNY_OPS if a.skinny_gemm else TORCH_OPS, layer_regions=a.layer_regions)
+                         ops=SKINNY_OPS if a.skinny_gemm else TORCH_OPS, layer_regions=not a.inlined_layers)
         gr = DraftGraphs.for_loop(loop, backend=backend, buckets=(b,), manifest_path=None, progress=False,
                                   dynamic_batch=not a.per_bucket)
         gr.capture()

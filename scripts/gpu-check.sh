@@ -32,9 +32,9 @@
 #                                 batches 1, 8, 64
 #   scripts/gpu-check.sh replay-dynamic  the replay-equality tests of the one compile for every bucket and of the
 #                                 precompiled iteration (the default capture; REPLAY_K: another -k)
-#   scripts/gpu-check.sh regions  each draft layer a nested compile region (DraftLoop(layer_regions=True)) against
-#                                 the inlined layers, same machine: capture cold / warm / other pools / precompiled,
-#                                 host time per call
+#   scripts/gpu-check.sh regions  each draft layer a nested compile region (the default) against the layers
+#                                 inlined (DraftLoop(layer_regions=False)), same machine: capture cold / warm /
+#                                 other pools / precompiled, host time per call
 #   scripts/gpu-check.sh bench8   the draft-phase bench at batch 8 over contexts 256..32000
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
@@ -240,7 +240,7 @@ case $stage in
     # batch-8 GPU time per call (the replay tests with regions are replay-dynamic's)
     fresh=$WORK/regions-$(date +%s)
     for variant in inlined regions; do
-      flag=; [ $variant = regions ] && flag=--layer-regions
+      flag=; [ $variant = inlined ] && flag=--inlined-layers
       v=$fresh/$variant
       mkdir -p "$v/cc" "$v/pre-cc"; chmod 700 "$fresh" "$v" "$v/cc" "$v/pre-cc"
       for run in cold:2048: warm:2048: warm-other-pools:4096: pre-cold:2048:pre pre-warm:2048:pre; do

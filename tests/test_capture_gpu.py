@@ -55,7 +55,7 @@ def _world(spec, n_slots, base_ctx, iters=64, spare_tokens=0, spare_rows=0):
     return st, model, lens
 
 
-def _loop(spec, st, model, lens, layer_regions=False):
+def _loop(spec, st, model, lens, layer_regions=True):
     wb = WindowBuffers(st.req_to_token, spec.window, st.req_to_token.shape[0], st.full_to_swa,
                        max_accepted=spec.capture.steps + 1)
     wb.reset(list(range(len(lens))), lens)
@@ -105,16 +105,16 @@ def _against_eager(out, base, spec, it):
 
 @pytest.mark.parametrize("spec_name, buckets, iters", CASES)
 @pytest.mark.parametrize("backend, twin_backend, dynamic_batch, layer_regions", [
-    ("reduce-overhead", "compile", False, False), ("inductor-cudagraph", "compile", False, False),
-    ("cudagraph", None, False, False), ("reduce-overhead", "compile", True, False),
-    ("inductor-cudagraph", "compile", True, False), ("inductor-cudagraph", "compile", True, True)],
+    ("reduce-overhead", "compile", False, True), ("inductor-cudagraph", "compile", False, True),
+    ("cudagraph", None, False, True), ("reduce-overhead", "compile", True, True),
+    ("inductor-cudagraph", "compile", True, True), ("inductor-cudagraph", "compile", True, False)],
     ids=["reduce-overhead", "inductor-cudagraph", "cudagraph", "reduce-overhead-dynamic", "inductor-cudagraph-dynamic",
-         "inductor-cudagraph-dynamic-regions"])
+         "inductor-cudagraph-dynamic-inlined"])
 def test_replay_equals_the_same_function_without_graphs(spec_name, buckets, iters, backend, twin_backend,
                                                         dynamic_batch, layer_regions, tmp_path):
     """dynamic_batch: the iteration compiled once with a symbolic batch (and pool sizes), the twin compiled the same
-    way: one Dynamo cache entry each for every bucket, still one after the replays. layer_regions: each draft layer a
-    nested compile region, in the graphed loop and its twin (eager ignores it)."""
+    way: one Dynamo cache entry each for every bucket, still one after the replays. layer_regions (the default; off
+    for "-inlined"): each draft layer a nested compile region, in the graphed loop and its twin (eager ignores it)."""
     spec = load_spec(spec_name)
     buckets = buckets or spec.capture.buckets
     n_slots = min(spec.capture.max_slots, buckets[-1] + 8)

@@ -117,7 +117,10 @@ class CompiledBaseline:
         self.attention = SglangAttention(w, pools, m.spec.draft.heads, max(batches), opaque=True, cores=cores) \
             if sglang_kernels else None
         sources = self.attention.sources() if self.attention else None
-        self.loop = DraftLoop(m, w, *pools["sliding"], *pools["full"], steps=loop.steps, sources=sources, ops=ops)
+        # layers inlined, as a user's torch.compile of the loop has them (graphcap's layer regions are a compile-time
+        # choice: its iteration with them ran 0.99-1.00x as long as without on the H200)
+        self.loop = DraftLoop(m, w, *pools["sliding"], *pools["full"], steps=loop.steps, sources=sources, ops=ops,
+                              layer_regions=False)
         self.loop.plan_for_batches(self.batches)  # graphcap's attention (no sglang kernels): planned before the trace
         static = dict(self.loop.static_tensors())
         if self.attention:

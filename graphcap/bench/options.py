@@ -12,8 +12,9 @@ from graphcap.spec import CaptureSpec, load_spec
 # Measured modes, cheapest-to-build baseline first; graphcap last. Three variants of graphcap are asked for by name
 # only, to price a choice in one run: graphcap-per-bucket (one compile per bucket instead of one for all, the
 # default), graphcap-skinny-gemm (the projections through graphcap's skinny GEMM instead of cuBLAS) and
-# graphcap-layer-regions (each draft layer a nested compile region: DraftLoop(layer_regions=True)).
-VARIANTS = ("graphcap-per-bucket", "graphcap-skinny-gemm", "graphcap-layer-regions")
+# graphcap-inlined-layers (every draft layer inlined into one graph instead of a nested compile region per layer:
+# DraftLoop(layer_regions=False)).
+VARIANTS = ("graphcap-per-bucket", "graphcap-skinny-gemm", "graphcap-inlined-layers")
 MODES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "compile-nosync", "compile-plain", *VARIANTS,
          "graphcap")
 DEFAULT_MODES = tuple(m for m in MODES if m not in VARIANTS)

@@ -75,7 +75,7 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                            max_accepted=max(cfg.steps) + 1)
         loop = DraftLoop(model, wb, *pools, steps=steps,
                          ops=SKINNY_OPS if name == "graphcap-skinny-gemm" else TORCH_OPS,
-                         layer_regions=name == "graphcap-layer-regions")
+                         layer_regions=name != "graphcap-inlined-layers")
         note = ""
         try:
             if name == "eager-rebuild":
