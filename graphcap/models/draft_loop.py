@@ -30,8 +30,8 @@ class DraftLoop(nn.Module):
                  layer_regions: bool = True) -> None:
         """`layer_regions`: under torch.compile, each draft layer is a nested compile region (one compiled body per
         layer shape, called for every layer of every step: `FrozenKVDraft.step`). On the H200 it cut the cold
-        capture of buckets 1..64 from 35.8 to 25.9 s and the graph's host launch from 26 to 12 us, the iteration
-        0.99x as long (docs/results.md, capture); False inlines every layer into one graph."""
+        capture of buckets 1..64 from 35.8 to 25.9 s, the iteration 0.99-1.00x as long (docs/results.md, capture);
+        False inlines every layer into one graph."""
         super().__init__()
         spec = model.spec
         if window.window != spec.window:
