@@ -142,9 +142,10 @@ class DraftGraphs:
         """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph).
 
         With a compiled backend the default is one compile for every bucket (`dynamic_batch=True`; the loop plans its
-        attention for any batch): on the H200 it captured buckets 1..64 in 36-49 s from empty caches against 167.5 s
-        for one compile per bucket, 9 s against 20.9 s on a warm restart and 7-10.5 s against 104 s on a restart with
-        other pool sizes, its replays equal to the same code without graphs (docs/results.md, capture).
+        attention for any batch): on the H200, with the draft layers inlined, it captured buckets 1..64 in 36-49 s
+        from empty caches against 167.5 s for one compile per bucket, 5.7-9.1 s against 20.9 s on a warm restart and
+        5.6-10.5 s against 104 s on a restart with other pool sizes (25.9 / 5.6-5.9 / 9.8 s with layer regions, the
+        draft loop's default), its replays equal to the same code without graphs (docs/results.md, capture).
         `dynamic_batch=False` gives the per-bucket compile, whose iteration is faster (the one compile runs at
         0.85-0.96x its speed)."""
         spec = loop.spec
