@@ -146,8 +146,8 @@ class DraftGraphs:
         from empty caches against 167.5 s for one compile per bucket, 5.7-9.1 s against 20.9 s on a warm restart and
         5.6-10.5 s against 104 s on a restart with other pool sizes (25.9 / 5.6-5.9 / 9.8 s with layer regions, the
         draft loop's default), its replays equal to the same code without graphs (docs/results.md, capture).
-        `dynamic_batch=False` gives the per-bucket compile, whose iteration is faster (the one compile runs at
-        0.85-0.96x its speed)."""
+        `dynamic_batch=False` gives the per-bucket compile, whose iteration is faster (the one compile ran at
+        0.85-0.96x its speed, layers inlined)."""
         spec = loop.spec
         buckets = buckets or spec.capture.buckets
         backend = backend or spec.capture.backend

@@ -20,7 +20,7 @@
 #                                 BENCH_MODES: another mode list)
 #   scripts/gpu-check.sh capture  one compile for every bucket + the compile cache: cold, warm restart, warm restart
 #                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead);
-#                                 the three starts again with the iteration precompiled
+#                                 the three starts again with the iteration precompiled (capture_starts)
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
 #   scripts/gpu-check.sh replay   the replay-equality suite (incl. dynamic_batch and a precompiled iteration) and
 #                                 the bench's GPU tests
@@ -33,8 +33,8 @@
 #   scripts/gpu-check.sh replay-dynamic  the replay-equality tests of the one compile for every bucket and of the
 #                                 precompiled iteration (the default capture; REPLAY_K: another -k)
 #   scripts/gpu-check.sh regions  each draft layer a nested compile region (the default) against the layers
-#                                 inlined (DraftLoop(layer_regions=False)), same machine: capture cold / warm /
-#                                 other pools / precompiled, host time per call
+#                                 inlined (DraftLoop(layer_regions=False)), same machine: the capture stage's
+#                                 starts and host time for each
 #   scripts/gpu-check.sh bench8   the draft-phase bench at batch 8 over contexts 256..32000
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
@@ -103,6 +103,24 @@ step() {  # step NAME CMD...: run, keep the log, report the exit code and time (
   local rc=$?
   echo "   rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG/commands.txt"
   tail -n 25 "$LOG/$name.log"
+}
+
+capture_starts() {  # capture_starts NAME DIR HOST_BACKENDS [FLAG...]: the start-up of one compile for every bucket
+  # with the compile cache, in fresh caches under DIR: empty caches, a warm restart, a warm restart with other KV pool
+  # sizes (another context); host time per call at batch 8 over HOST_BACKENDS; the same three starts with the
+  # iteration precompiled (own caches). FLAGs go to every capture_cost.py run; logs capture[-NAME]-<start>.
+  local name=${1:+-$1} dir=$2 host=$3; shift 3
+  mkdir -p "$dir/cc" "$dir/pre-cc"; chmod 700 "$dir" "$dir/cc" "$dir/pre-cc"
+  local run what ctx pre
+  for run in cold:2048: warm:2048: warm-other-pools:4096: host:2048: pre-cold:2048:pre pre-warm:2048:pre \
+             pre-warm-other-pools:4096:pre; do
+    IFS=: read -r what ctx pre <<< "$run"
+    local only=(--capture-only --backends inductor-cudagraph)
+    [ "$what" = host ] && only=(--backends "$host")
+    step capture$name-$what env TORCHINDUCTOR_CACHE_DIR=$dir/${pre}inductor TRITON_CACHE_DIR=$dir/${pre}triton \
+      python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context "$ctx" --dynamic-batch \
+      "${only[@]}" ${pre:+--precompile} "$@" --compile-cache "$dir/${pre:+pre-}cc" --out "$LOG/capture$name-$what"
+  done
 }
 
 run_stage() {
@@ -187,25 +205,8 @@ case $stage in
         --out "$LOG/bench-${part%%:*}"
     done
     ;;
-  capture)  # start-up cost of one compile for every bucket (dynamic batch) with the compile cache: empty caches,
-    # a warm restart, a warm restart with other KV pool sizes (another context), then host time per call at batch 8
-    fresh=$WORK/capture-$(date +%s)
-    cc=$fresh/compile-cache; mkdir -p "$cc" "$fresh/pre-cache"; chmod 700 "$fresh" "$cc" "$fresh/pre-cache"
-    for run in cold:2048 warm:2048 warm-other-pools:4096; do
-      step capture-${run%%:*} env TORCHINDUCTOR_CACHE_DIR=$fresh/inductor TRITON_CACHE_DIR=$fresh/triton \
-        python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context ${run##*:} --capture-only \
-        --dynamic-batch --backends inductor-cudagraph --compile-cache "$cc" --out "$LOG/capture-${run%%:*}"
-    done
-    step capture-host env TORCHINDUCTOR_CACHE_DIR=$fresh/inductor TRITON_CACHE_DIR=$fresh/triton \
-      python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --dynamic-batch \
-      --backends inductor-cudagraph,reduce-overhead --compile-cache "$cc" --out "$LOG/capture-host"
-    # the same three starts with the whole iteration precompiled (a warm restart traces nothing)
-    for run in pre-cold:2048 pre-warm:2048 pre-warm-other-pools:4096; do
-      step capture-${run%%:*} env TORCHINDUCTOR_CACHE_DIR=$fresh/pre-inductor TRITON_CACHE_DIR=$fresh/pre-triton \
-        python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context ${run##*:} --capture-only \
-        --dynamic-batch --precompile --backends inductor-cudagraph --compile-cache "$fresh/pre-cache" \
-        --out "$LOG/capture-${run%%:*}"
-    done
+  capture)  # start-up cost of one compile for every bucket (dynamic batch) with the compile cache (capture_starts)
+    capture_starts "" "$WORK/capture-$(date +%s)" inductor-cudagraph,reduce-overhead
     ;;
   capture-all)  # the replay-equality test for the gemma4 spec over every bucket (compile-heavy: ~25 s per bucket);
     # cut at 560 s so that what ran still comes back inside a 600 s per-command limit
@@ -235,25 +236,11 @@ case $stage in
     step bench-variants python3 -m graphcap.cli bench --batch 1,8,64 --context 2048 --steps 3 \
       --modes ${BENCH_MODES:-graphcap-per-bucket,compile-plain,graphcap} --out "$LOG/bench-variants"
     ;;
-  regions)  # each draft layer a nested compile region against the inlined layers, same machine: start-up (cold,
-    # warm restart, warm restart with other pool sizes; then precompiled cold and warm: own caches), host time and
-    # batch-8 GPU time per call (the replay tests with regions are replay-dynamic's)
+  regions)  # each draft layer a nested compile region against the inlined layers, same machine (capture_starts
+    # for each; the replay tests with regions are replay-dynamic's)
     fresh=$WORK/regions-$(date +%s)
-    for variant in inlined regions; do
-      flag=; [ $variant = inlined ] && flag=--inlined-layers
-      v=$fresh/$variant
-      mkdir -p "$v/cc" "$v/pre-cc"; chmod 700 "$fresh" "$v" "$v/cc" "$v/pre-cc"
-      for run in cold:2048: warm:2048: warm-other-pools:4096: pre-cold:2048:pre pre-warm:2048:pre; do
-        IFS=: read -r what ctx pre <<< "$run"
-        step capture-$variant-$what env TORCHINDUCTOR_CACHE_DIR=$v/${pre}inductor TRITON_CACHE_DIR=$v/${pre}triton \
-          python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context $ctx --capture-only \
-          --dynamic-batch ${pre:+--precompile} $flag --backends inductor-cudagraph --compile-cache "$v/${pre:+pre-}cc" \
-          --out "$LOG/capture-$variant-$what"
-      done
-      step capture-host-$variant env TORCHINDUCTOR_CACHE_DIR=$v/inductor TRITON_CACHE_DIR=$v/triton \
-        python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --dynamic-batch $flag \
-        --backends inductor-cudagraph --compile-cache "$v/cc" --out "$LOG/capture-host-$variant"
-    done
+    capture_starts inlined "$fresh/inlined" inductor-cudagraph --inlined-layers
+    capture_starts regions "$fresh/regions" inductor-cudagraph
     ;;
   replay-dynamic)  # the default capture's replay tests alone: one compile for every bucket, the precompiled iteration
     STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-dynamic python3 -m pytest -q -rs -m gpu \

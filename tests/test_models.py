@@ -367,3 +367,5 @@ def test_bad_state_and_loop_arguments_are_named():
     st, wb, loop = build(spec, [5, 9], "cpu")
     with pytest.raises(ValueError, match=r"k_full must be \[pool, 1, 32\]"):
         DraftLoop(loop.model, wb, st.k_swa, st.v_swa, st.k_swa, st.v_full)
+    with pytest.raises(ValueError, match=r"layer_regions must be True or False, got 'no'"):
+        DraftLoop(loop.model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, layer_regions="no")

@@ -41,6 +41,8 @@ class DraftLoop(nn.Module):
             if pool.ndim != 3 or tuple(pool.shape[1:]) != (shape.kv_heads, shape.head_dim):
                 raise ValueError(f"DraftLoop: {name} must be [pool, {shape.kv_heads}, {shape.head_dim}] for spec "
                                  f"{spec.name}, got {tuple(pool.shape)}")
+        if not isinstance(layer_regions, bool):  # a truthy string would silently pick a compile
+            raise ValueError(f"DraftLoop: layer_regions must be True or False, got {layer_regions!r}")
         self.model, self.window = model, window
         self.layer_regions = layer_regions
         self.steps = steps or spec.capture.steps

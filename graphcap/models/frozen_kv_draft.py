@@ -196,8 +196,9 @@ class FrozenKVDraft(nn.Module):
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, ropes: dict[str, tuple],
              sources: dict[str, KVSource], slots: torch.Tensor, lens: torch.Tensor, ops: DraftOps = TORCH_OPS,
-             layer_regions: bool = False):
-        """One draft step; `layer_regions`: each layer called as a nested compile region (`_call_layer_region`)."""
+             layer_regions: bool = True):
+        """One draft step; `layer_regions` (DraftLoop's default): each layer called as a nested compile region
+        (`_call_layer_region`)."""
         e = self.embed[tokens] * self.embed_scale
         x = ops.linear(torch.cat([e, hidden], dim=-1), self.pre_proj)
         call = _call_layer_region if layer_regions else _call_layer
