@@ -1,8 +1,9 @@
 """What capture costs and buys (CUDA): capture time and graph memory per bucket for each backend, and at one
 (batch, context, steps) point the replay time of the whole draft iteration against the eager loop and against the
 same loop in a manual CUDA graph without Inductor, plus the host time of one call: `run()` (copies the batch in),
-`replay()` (zero-copy: the batch already in the static inputs) and, for the manual-graph backends, the bare
-`CUDAGraph.replay()` underneath.
+`replay()` (zero-copy: the batch already in the static inputs), run()'s own parts (`check_batch()`, the input copy)
+and, for the manual-graph backends, the bare `CUDAGraph.replay()` underneath. `--profile-capture` says where a
+capture's host time went (cProfile).
 
     python bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --out DIR
     python bench/capture_cost.py ... --capture-only --backends inductor-cudagraph --out DIR2   # e.g. a warm cache
@@ -13,8 +14,11 @@ start, keep them for what a server restart sees. The output says which phases of
 """
 from __future__ import annotations
 
+import cProfile
 import dataclasses
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inlined-layers", action="store_true",
                    help="every draft layer inlined into one graph (DraftLoop(layer_regions=False)) instead of a nested "
                         "compile region per layer")
+    p.add_argument("--profile-capture", action="store_true",
+                   help="run each capture under cProfile: where its host time went (capture-profile-<backend>.txt)")
     p.add_argument("--census", action="store_true",
                    help="record --batch's iteration once more as a debug graph: its nodes by type (graph.dot kept)")
     p.add_argument("--out", type=Path, required=True)
@@ -99,9 +105,16 @@ def main(argv: list[str] | None = None) -> int:
         graphs = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=path, progress=True,
                                       **per_bucket, compile_cache=a.compile_cache,
                                       precompile=a.precompile and backend == "inductor-cudagraph")
+        prof = cProfile.Profile() if a.profile_capture else None
         t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         graphs.capture()
-        return wb, graphs, time.perf_counter() - t0
+        secs = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+            write_profile(prof, a.out / f"capture-profile-{backend}.txt", secs)
+        return wb, graphs, secs
 
     results, capture, phases, census = {}, {}, {}, {}
     runners = {} if a.capture_only else {"eager": make(None)[:2]}
@@ -120,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         if name != "eager":
             calls["replay()"] = lambda *x, r=r: r.replay(b)  # inputs already in place: what is left per call
             bucket = r.bucket_graph(b)
+            # run()'s own parts before the replay: its input checks and its input copy
+            calls["check_batch()"] = lambda s, acc, tok, hid, r=r: r.check_batch(s, tok, hid, accepted=acc,
+                                                                               host_slots=host_slots)
+            calls["input copy (write)"] = bucket.write
+            calls["input copy, pair by pair"] = lambda *x, bk=bucket: torch._foreach_copy_(bk.claim(b), x)
             if bucket.graph is not None:
                 calls["CUDAGraph.replay()"] = lambda *x, g=bucket.graph: g.replay()
                 calls["CUDAGraph.replay(), GPU busy"] = calls["CUDAGraph.replay()"]
@@ -174,6 +192,16 @@ def main(argv: list[str] | None = None) -> int:
          "capture_buckets": {k: [dataclasses.asdict(r) for r in v[1]] for k, v in capture.items()},
          "compile_phases_s": phases, "census": census, "env": env}, indent=1))
     return 0
+
+
+def write_profile(prof: cProfile.Profile, path: Path, secs: float) -> None:
+    """The capture's cProfile, most cumulative time first and most own time first."""
+    buf = io.StringIO()
+    buf.write(f"capture {secs:.2f} s under cProfile (its overhead included)\n")
+    stats = pstats.Stats(prof, stream=buf).strip_dirs()
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(30)
+    path.write_text(buf.getvalue())
 
 
 def graph_census(fn, inputs, dot_path: Path) -> dict:

@@ -26,6 +26,7 @@ class BucketGraph:
     used_rows: int = 0  # live rows written since the last replay's reset (rows past it are padding)
     views: dict[int, tuple[Inputs, DraftOutput | None]] = field(default_factory=dict)  # first-B-row views, by B
     tails: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # slots, accepted rows [B:]
+    bytes: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # first-B-row input views as uint8, by B
 
     @property
     def captured(self) -> bool:
@@ -61,11 +62,25 @@ class BucketGraph:
         self.used_rows = max(self.used_rows, b)
         return self.rows(b)[0]
 
+    def byte_rows(self, b: int) -> list[torch.Tensor]:
+        """The first b rows' static inputs viewed as bytes (made once per b), for `write`'s one-dtype copy."""
+        v = self.bytes.get(b)
+        if v is None:
+            v = self.bytes[b] = [x.view(torch.uint8) for x in self.rows(b)[0]]
+        return v
+
     def write(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """Copy a live batch of B rows into the first B static rows (`run`'s path)."""
-        # One Python call for the four copies. The inputs mix integer and float dtypes, so torch takes its per-pair
-        # path: copy_ for each pair in C++, as four copy_ calls would (dtype conversion included).
-        torch._foreach_copy_(self.claim(slots.shape[0]), (slots, accepted, tokens, hidden))
+        b = slots.shape[0]
+        src = (slots, accepted, tokens, hidden)
+        dst = self.claim(b)
+        if self.inputs[0].is_cuda and all(s.dtype == d.dtype and s.is_contiguous() for s, d in zip(src, dst)):
+            # Same dtypes, both dense: the same bytes. As byte views the four pairs share one dtype, which is what
+            # puts torch._foreach_copy_ on its multi-tensor path: one kernel launch instead of four copies. (CUDA
+            # only: on a CPU the views would cost more than they save.)
+            torch._foreach_copy_(self.byte_rows(b), [s.view(torch.uint8) for s in src])
+        else:  # e.g. int32 slots into the int64 static slots: torch converts pair by pair
+            torch._foreach_copy_(dst, src)
 
     def replay(self, b: int, fn: DraftFn, compiled: CompiledIteration | None, padding_slot: int
                ) -> tuple[DraftOutput, bool]:

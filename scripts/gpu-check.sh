@@ -20,7 +20,8 @@
 #                                 BENCH_MODES: another mode list)
 #   scripts/gpu-check.sh capture  one compile for every bucket + the compile cache: cold, warm restart, warm restart
 #                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead);
-#                                 the three starts again with the iteration precompiled (capture_starts)
+#                                 the three starts again with the iteration precompiled; both warm restarts under
+#                                 cProfile (capture_starts)
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
 #   scripts/gpu-check.sh replay   the replay-equality suite (incl. dynamic_batch and a precompiled iteration) and
 #                                 the bench's GPU tests
@@ -108,18 +109,20 @@ step() {  # step NAME CMD...: run, keep the log, report the exit code and time (
 capture_starts() {  # capture_starts NAME DIR HOST_BACKENDS [FLAG...]: the start-up of one compile for every bucket
   # with the compile cache, in fresh caches under DIR: empty caches, a warm restart, a warm restart with other KV pool
   # sizes (another context); host time per call at batch 8 over HOST_BACKENDS; the same three starts with the
-  # iteration precompiled (own caches). FLAGs go to every capture_cost.py run; logs capture[-NAME]-<start>.
+  # iteration precompiled (own caches); last, both warm restarts again under cProfile (where their host time goes;
+  # its overhead makes them no timing). FLAGs go to every capture_cost.py run; logs capture[-NAME]-<start>.
   local name=${1:+-$1} dir=$2 host=$3; shift 3
   mkdir -p "$dir/cc" "$dir/pre-cc"; chmod 700 "$dir" "$dir/cc" "$dir/pre-cc"
-  local run what ctx pre
-  for run in cold:2048: warm:2048: warm-other-pools:4096: host:2048: pre-cold:2048:pre pre-warm:2048:pre \
-             pre-warm-other-pools:4096:pre; do
-    IFS=: read -r what ctx pre <<< "$run"
+  local run what ctx pre prof
+  for run in cold:2048:: warm:2048:: warm-other-pools:4096:: host:2048:: pre-cold:2048:pre: pre-warm:2048:pre: \
+             pre-warm-other-pools:4096:pre: warm-profiled:2048::prof pre-warm-profiled:2048:pre:prof; do
+    IFS=: read -r what ctx pre prof <<< "$run"
     local only=(--capture-only --backends inductor-cudagraph)
     [ "$what" = host ] && only=(--backends "$host")
     step capture$name-$what env TORCHINDUCTOR_CACHE_DIR=$dir/${pre}inductor TRITON_CACHE_DIR=$dir/${pre}triton \
       python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context "$ctx" --dynamic-batch \
-      "${only[@]}" ${pre:+--precompile} "$@" --compile-cache "$dir/${pre:+pre-}cc" --out "$LOG/capture$name-$what"
+      "${only[@]}" ${pre:+--precompile} ${prof:+--profile-capture} "$@" --compile-cache "$dir/${pre:+pre-}cc" \
+      --out "$LOG/capture$name-$what"
   done
 }
 
@@ -239,8 +242,8 @@ case $stage in
   regions)  # each draft layer a nested compile region against the inlined layers, same machine (capture_starts
     # for each; the replay tests with regions are replay-dynamic's)
     fresh=$WORK/regions-$(date +%s)
+    capture_starts regions "$fresh/regions" inductor-cudagraph  # the default first: a call cut short keeps it
     capture_starts inlined "$fresh/inlined" inductor-cudagraph --inlined-layers
-    capture_starts regions "$fresh/regions" inductor-cudagraph
     ;;
   replay-dynamic)  # the default capture's replay tests alone: one compile for every bucket, the precompiled iteration
     STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-dynamic python3 -m pytest -q -rs -m gpu \

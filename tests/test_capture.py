@@ -207,6 +207,32 @@ def test_zero_copy_replay_equals_run(device):
                 call(bad)
 
 
+def test_run_writes_any_integer_dtype_and_layout_exactly(device):
+    """run()'s input copy (BucketGraph.write): the static dtypes as they are (its one-dtype byte copy), other integer
+    dtypes and non-contiguous sources (its per-pair copy), random batch sizes within one bucket: the first B static
+    rows equal the batch's values, the rows past them keep what they held."""
+    _, wb, loop = build(device)
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(8,), manifest_path=None, progress=False)
+    graphs.capture()
+    bucket = graphs.bucket_graph(8)
+    g = torch.Generator().manual_seed(5)
+    for trial in range(24):
+        b = int(torch.randint(1, 9, (), generator=g))
+        batch = random_batch(g, wb, device, b)
+        batch[3] = batch[3].to(bucket.inputs[3].dtype)
+        for i in range(3):  # slots, accepted, tokens: int32 or int64, either way
+            batch[i] = batch[i].to((torch.int32, torch.int64)[int(torch.randint(2, (), generator=g))])
+        if trial % 3 == 1:  # strided sources: every other element of a twice-as-long tensor
+            batch = [torch.stack([x, x], dim=0).transpose(0, 1).reshape(2 * b, *x.shape[1:])[::2] for x in batch]
+        if trial % 3 == 2:
+            batch[3] = batch[3].t().contiguous().t()  # column-major hidden
+        before = [x.clone() for x in bucket.inputs]
+        bucket.write(*batch)
+        for name, x, static, old in zip(("slots", "accepted", "tokens", "hidden"), batch, bucket.inputs, before):
+            assert torch.equal(static[:b], x.to(static.dtype)), f"trial {trial}, batch {b}: {name}"
+            assert torch.equal(static[b:], old[b:]), f"trial {trial}, batch {b}: {name} rows past the batch"
+
+
 def test_moved_static_tensor_is_caught_and_recapture_recovers(device):
     st, wb, loop = build(device)
     graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)

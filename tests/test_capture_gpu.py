@@ -269,3 +269,31 @@ def test_cudagraph_replay_equals_eager_at_padded_buckets():
             assert torch.equal(x, y), f"batch {b}: {name} differs from eager at the bucket's shape"
         assert torch.equal(a.window.ring, b_.window.ring) and torch.equal(a.window.seq_lens, b_.window.seq_lens)
     assert sum(r.padded_rows for r in gr.buckets) > 0
+
+
+def test_run_copies_a_batch_of_the_static_dtypes_in_one_launch():
+    """run()'s input copy (BucketGraph.write): a batch in the static inputs' dtypes, contiguous, is one device launch
+    (the byte-view multi-tensor copy), and its rows arrive exactly; int32 slots take the per-pair copies."""
+    spec = load_spec("tiny")
+    st, model, lens = _world(spec, 16, 64)
+    gr = DraftGraphs.for_loop(_loop(spec, st, model, lens), backend="eager", buckets=(8,), manifest_path=None)
+    gr.capture()
+    bucket = gr.bucket_graph(8)
+    g = torch.Generator().manual_seed(3)
+    batch = [torch.randperm(16, generator=g)[:6], torch.randint(1, 4, (6,), generator=g, dtype=torch.int32),
+             torch.randint(0, spec.draft.vocab, (6,), generator=g), torch.randn(6, spec.target.hidden, generator=g)]
+    batch = [x.to("cuda", s.dtype) for x, s in zip(batch, bucket.inputs)]
+
+    def launches(inputs) -> int:
+        bucket.write(*inputs)  # warm
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            bucket.write(*inputs)
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    assert launches(batch) == 1
+    for x, s in zip(batch, bucket.inputs):
+        assert torch.equal(s[:6], x)
+    assert launches([batch[0].int(), *batch[1:]]) > 1  # a conversion kernel plus copies
+    assert torch.equal(bucket.inputs[0][:6], batch[0])
