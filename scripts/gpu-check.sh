@@ -21,7 +21,7 @@
 #   scripts/gpu-check.sh capture  one compile for every bucket + the compile cache: cold, warm restart, warm restart
 #                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead);
 #                                 the three starts again with the iteration precompiled; both warm restarts under
-#                                 cProfile (capture_starts)
+#                                 cProfile (capture_starts; CAPTURE_RUNS="cold warm ...": only those starts)
 #   scripts/gpu-check.sh capture-all  gemma4 replay tests over every bucket (Inductor backends)
 #   scripts/gpu-check.sh replay   the replay-equality suite (incl. dynamic_batch and a precompiled iteration) and
 #                                 the bench's GPU tests
@@ -35,7 +35,7 @@
 #                                 precompiled iteration (the default capture; REPLAY_K: another -k)
 #   scripts/gpu-check.sh regions  each draft layer a nested compile region (the default) against the layers
 #                                 inlined (DraftLoop(layer_regions=False)), same machine: the capture stage's
-#                                 starts and host time for each
+#                                 starts and host time for each (REGIONS_VARIANTS=regions: the default alone)
 #   scripts/gpu-check.sh bench8   the draft-phase bench at batch 8 over contexts 256..32000
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
@@ -66,7 +66,8 @@ done
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}            # what comes back: one tarball per call (re-packed after each stage) and the command log
 WORK=${GPU_WORK:-/tmp/graphcap-gpu}
-LOG=$WORK/logs
+# GPU_LOG=$OUT/logs writes the logs where they come back even from a call killed at the device's limit (no pack)
+LOG=${GPU_LOG:-$WORK/logs}
 mkdir -p "$LOG" "$OUT"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/sglang ]; then
@@ -117,6 +118,7 @@ capture_starts() {  # capture_starts NAME DIR HOST_BACKENDS [FLAG...]: the start
   for run in cold:2048:: warm:2048:: warm-other-pools:4096:: host:2048:: pre-cold:2048:pre: pre-warm:2048:pre: \
              pre-warm-other-pools:4096:pre: warm-profiled:2048::prof pre-warm-profiled:2048:pre:prof; do
     IFS=: read -r what ctx pre prof <<< "$run"
+    case " ${CAPTURE_RUNS:-$what} " in *" $what "*) ;; *) continue ;; esac  # CAPTURE_RUNS: only these starts
     local only=(--capture-only --backends inductor-cudagraph)
     [ "$what" = host ] && only=(--backends "$host")
     step capture$name-$what env TORCHINDUCTOR_CACHE_DIR=$dir/${pre}inductor TRITON_CACHE_DIR=$dir/${pre}triton \
@@ -242,8 +244,11 @@ case $stage in
   regions)  # each draft layer a nested compile region against the inlined layers, same machine (capture_starts
     # for each; the replay tests with regions are replay-dynamic's)
     fresh=$WORK/regions-$(date +%s)
-    capture_starts regions "$fresh/regions" inductor-cudagraph  # the default first: a call cut short keeps it
-    capture_starts inlined "$fresh/inlined" inductor-cudagraph --inlined-layers
+    for v in ${REGIONS_VARIANTS:-regions inlined}; do  # the default first: a call cut short keeps it
+      case $v in regions) capture_starts regions "$fresh/regions" inductor-cudagraph ;;
+        inlined) capture_starts inlined "$fresh/inlined" inductor-cudagraph --inlined-layers ;;
+        *) echo "REGIONS_VARIANTS: regions and/or inlined, got $v" >&2; exit 2 ;; esac
+    done
     ;;
   replay-dynamic)  # the default capture's replay tests alone: one compile for every bucket, the precompiled iteration
     STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-dynamic python3 -m pytest -q -rs -m gpu \
@@ -294,8 +299,9 @@ esac
 }
 
 name=$(IFS=-; echo "$*")
-pack() {  # on every exit, a cut call (the device's time limit) included: what ran so far comes back
-  tar czf "$OUT/gpu-$name.tar.gz" -C "$WORK" logs
+pack() {  # on every exit that runs traps (not a kill at the device's time limit: GPU_LOG is for that)
+  [ -n "${GPU_LOG:-}" ] && return  # the logs are under $OUT already
+  tar czf "$OUT/gpu-$name.tar.gz" -C "$(dirname "$LOG")" "$(basename "$LOG")"
   cp "$LOG/commands.txt" "$OUT/commands-$name.txt" 2>/dev/null
 }
 trap pack EXIT
