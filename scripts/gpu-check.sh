@@ -64,10 +64,9 @@ for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out/gpu}            # what comes back: one tarball per call (re-packed after each stage) and the command log
+OUT=${OUT:-out/gpu}            # what comes back: one tarball per call (re-packed after each step) and the command log
 WORK=${GPU_WORK:-/tmp/graphcap-gpu}
-# GPU_LOG=$OUT/logs writes the logs where they come back even from a call killed at the device's limit (no pack)
-LOG=${GPU_LOG:-$WORK/logs}
+LOG=$WORK/logs
 mkdir -p "$LOG" "$OUT"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/sglang ]; then
@@ -105,6 +104,7 @@ step() {  # step NAME CMD...: run, keep the log, report the exit code and time (
   local rc=$?
   echo "   rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG/commands.txt"
   tail -n 25 "$LOG/$name.log"
+  pack
 }
 
 capture_starts() {  # capture_starts NAME DIR HOST_BACKENDS [FLAG...]: the start-up of one compile for every bucket
@@ -299,9 +299,9 @@ esac
 }
 
 name=$(IFS=-; echo "$*")
-pack() {  # on every exit that runs traps (not a kill at the device's time limit: GPU_LOG is for that)
-  [ -n "${GPU_LOG:-}" ] && return  # the logs are under $OUT already
-  tar czf "$OUT/gpu-$name.tar.gz" -C "$(dirname "$LOG")" "$(basename "$LOG")"
+pack() {  # after every step and on exit: a call killed at the device's time limit runs no trap, and loose files
+  # past a count do not come back, so what ran so far is always in the one tarball
+  tar czf "$OUT/gpu-$name.tar.gz" -C "$WORK" logs
   cp "$LOG/commands.txt" "$OUT/commands-$name.txt" 2>/dev/null
 }
 trap pack EXIT

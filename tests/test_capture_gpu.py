@@ -275,7 +275,7 @@ def test_run_copies_a_batch_of_the_static_dtypes_in_one_launch():
     """run()'s input copy (BucketGraph.write): a batch in the static inputs' dtypes, contiguous, is one device launch
     (the byte-view multi-tensor copy), and its rows arrive exactly; int32 slots take the per-pair copies."""
     spec = load_spec("tiny")
-    st, model, lens = _world(spec, 16, 64)
+    st, model, lens = _world(spec, 16, 32, iters=4)
     gr = DraftGraphs.for_loop(_loop(spec, st, model, lens), backend="eager", buckets=(8,), manifest_path=None)
     gr.capture()
     bucket = gr.bucket_graph(8)
