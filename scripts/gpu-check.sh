@@ -69,6 +69,10 @@ WORK=${GPU_WORK:-/tmp/graphcap-gpu}
 LOG=$WORK/logs
 mkdir -p "$LOG" "$OUT"
 export PYTHONUNBUFFERED=1
+# Bytecode for every module in one writable place: the device's torch has no usable .pyc (each process compiled
+# ~550-950 of torch's sources, 2.4-3.0 s of every capture start), where a pip-installed torch has them
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$WORK/pycache}
+unset PYTHONDONTWRITEBYTECODE
 if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/sglang ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
@@ -298,11 +302,11 @@ case $stage in
 esac
 }
 
-name=$(IFS=-; echo "$*")
+call_name=$(IFS=-; echo "$*")  # not `name`: step's local of that name would shadow it inside pack
 pack() {  # after every step and on exit: a call killed at the device's time limit runs no trap, and loose files
   # past a count do not come back, so what ran so far is always in the one tarball
-  tar czf "$OUT/gpu-$name.tar.gz" -C "$WORK" logs
-  cp "$LOG/commands.txt" "$OUT/commands-$name.txt" 2>/dev/null
+  tar czf "$OUT/gpu-$call_name.tar.gz" -C "$WORK" logs
+  cp "$LOG/commands.txt" "$OUT/commands-$call_name.txt" 2>/dev/null
 }
 trap pack EXIT
 trap 'exit 143' TERM INT
