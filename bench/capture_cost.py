@@ -55,9 +55,13 @@ def main(argv: list[str] | None = None) -> int:
                      help="compiled backends: one compile per bucket (dynamic_batch=False)")
     p.add_argument("--compile-cache", type=Path, default=None, metavar="DIR",
                    help="compiled backends: load/save torch's compile artifacts in DIR (DraftGraphs' compile_cache)")
-    p.add_argument("--precompile", action="store_true",
-                   help="with --compile-cache (one compile for every bucket): save / load the whole compiled iteration "
-                        "(DraftGraphs' precompile: a warm restart traces nothing); inductor-cudagraph only")
+    pre = p.add_mutually_exclusive_group()
+    pre.add_argument("--precompile", action="store_true",
+                     help="with --compile-cache (one compile for every bucket): save / load the whole compiled "
+                          "iteration (DraftGraphs' precompile: a warm restart traces nothing); inductor-cudagraph "
+                          "only. Without this flag or --no-precompile: for_loop's default (on with a compile cache)")
+    pre.add_argument("--no-precompile", action="store_true",
+                     help="with --compile-cache: torch's compile artifacts only (a warm restart traces the iteration)")
     p.add_argument("--inlined-layers", action="store_true",
                    help="every draft layer inlined into one graph (DraftLoop(layer_regions=False)) instead of a nested "
                         "compile region per layer")
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         per_bucket = {"dynamic_batch": False} if a.per_bucket else {}  # else for_loop's default per backend
         graphs = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=path, progress=True,
                                       **per_bucket, compile_cache=a.compile_cache,
-                                      precompile=a.precompile and backend == "inductor-cudagraph")
+                                      **precompile_choice(a, backend))
         prof = cProfile.Profile() if a.profile_capture else None
         t0 = time.perf_counter()
         if prof is not None:
@@ -192,6 +196,14 @@ def main(argv: list[str] | None = None) -> int:
          "capture_buckets": {k: [dataclasses.asdict(r) for r in v[1]] for k, v in capture.items()},
          "compile_phases_s": phases, "census": census, "env": env}, indent=1))
     return 0
+
+
+def precompile_choice(a, backend: str) -> dict:
+    """DraftGraphs.for_loop's precompile argument from the flags: forced on (inductor-cudagraph only) or off, else
+    left to for_loop's default."""
+    if a.precompile:
+        return {"precompile": backend == "inductor-cudagraph"}
+    return {"precompile": False} if a.no_precompile else {}
 
 
 def write_profile(prof: cProfile.Profile, path: Path, secs: float) -> None:

@@ -88,8 +88,9 @@ class DraftGraphs:
         still specialises on them.
 
         `precompile=True` (with `dynamic_batch` and `compile_cache`; backends inductor-cudagraph and compile;
-        experimental): save the compiled iteration whole in the cache directory, Dynamo's output included, and at the
-        next capture load it instead of tracing (graphcap.precompile: what replaces Dynamo's guards)."""
+        experimental in torch; `for_loop`'s default with a compile cache): save the compiled iteration whole in the
+        cache directory, Dynamo's output included, and at the next capture load it instead of tracing
+        (graphcap.precompile: what replaces Dynamo's guards)."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         self._dispatch = BucketDispatcher(buckets)
@@ -142,16 +143,25 @@ class DraftGraphs:
         """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph).
 
         With a compiled backend the default is one compile for every bucket (`dynamic_batch=True`; the loop plans its
-        attention for any batch): on the H200, with the draft layers inlined, it captured buckets 1..64 in 36-49 s
-        from empty caches against 167.5 s for one compile per bucket, 5.7-9.1 s against 20.9 s on a warm restart and
-        5.6-10.5 s against 104 s on a restart with other pool sizes (25.9 / 5.6-5.9 / 9.8 s with layer regions, the
-        draft loop's default), its replays equal to the same code without graphs (docs/results.md, capture).
+        attention for any batch): on the H200, with layer regions (the draft loop's default), it captured buckets
+        1..64 in 22.8-25.9 s from empty caches against 167.5 s for one compile per bucket (layers inlined), 5.0-6.4 s
+        against 20.9 s on a warm restart and 5.2-9.8 s against 104 s on a restart with other pool sizes, its replays
+        equal to the same code without graphs (docs/results.md, capture).
         `dynamic_batch=False` gives the per-bucket compile, whose iteration is faster (the one compile ran at
-        0.85-0.96x its speed, layers inlined)."""
+        0.85-0.96x its speed, layers inlined).
+
+        With a `compile_cache` the default is also `precompile=True` wherever it applies (one compile for every
+        bucket, backend inductor-cudagraph or compile): a warm restart then loads the iteration instead of tracing it
+        (H200, buckets 1..64: 2.5 s against 5.0 s; docs/results.md). Only here, not in `DraftGraphs` itself: the
+        precompiled iteration's key stands in for Dynamo's guards, and only for graphcap's own loop does graphcap
+        know what the key must hold (graphcap.precompile)."""
         spec = loop.spec
         buckets = buckets or spec.capture.buckets
         backend = backend or spec.capture.backend
         kw.setdefault("dynamic_batch", backend in COMPILED_BACKENDS)
+        fn = loop.draft_steps if steps_only else loop
+        kw.setdefault("precompile", kw["dynamic_batch"] and kw.get("compile_cache") is not None
+                      and backend in precompile_mod.BACKENDS and not getattr(fn, "graph_breaks", False))
         if "pool_dims" not in kw and hasattr(loop, "pool_dims"):
             kw["pool_dims"] = loop.pool_dims()
         # what is compiled beyond the spec: the loop's own step count and whether the advance is in it
@@ -160,7 +170,7 @@ class DraftGraphs:
         what += f";ops={ops.name}" if ops is not None else ""  # another op set compiles other code
         what += ";layer_regions" if getattr(loop, "layer_regions", False) else ""  # so do layer regions
         kw["cache_key"] = ";".join(x for x in (kw.get("cache_key"), what) if x)
-        graphs = cls(loop.draft_steps if steps_only else loop, buckets=buckets,
+        graphs = cls(fn, buckets=buckets,
                      padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
                      static_tensors=loop.static_tensors(), backend=backend, spec=spec, **kw)
         # planned once the arguments are known good: a refused call leaves the loop as it was

@@ -1,11 +1,12 @@
-"""Opt-in precompiled iteration (`DraftGraphs(precompile=True)`): the one dynamic-batch compile saved whole, Dynamo's
-output included, with torch's AOT compile (`torch.compile(...).aot_compile`, `load_compiled_function`), so that a
-restart loads it and records its graphs without tracing anything.
+"""The precompiled iteration (`precompile`: `DraftGraphs.for_loop`'s default with a compile cache, opt-in for
+`DraftGraphs` itself): the one dynamic-batch compile saved whole, Dynamo's output included, with torch's AOT compile
+(`torch.compile(...).aot_compile`, `load_compiled_function`), so that a restart loads it and records its graphs
+without tracing anything.
 
-Why: a warm restart from Inductor's caches still re-runs Dynamo over the whole iteration (2.2 s of 6.6 s on the
-H200 for buckets 1..64). A precompiled iteration skips that; it needs `dynamic_batch` (one artifact for every bucket,
-the pool sizes symbolic, so other memory settings load it too - unless they change the context bound enough to
-change the full layer's split count, which is in the key).
+Why: a warm restart from Inductor's caches still re-runs Dynamo over the whole iteration (2.4 s of 5.0 s on the
+H200 for buckets 1..64; precompiled, the restart took 2.5 s). A precompiled iteration skips that; it needs
+`dynamic_batch` (one artifact for every bucket, the pool sizes symbolic, so other memory settings load it too -
+unless they change the context bound enough to change the full layer's split count, which is in the key).
 
 What replaces Dynamo's guards: the artifact is saved with none (torch would check them against objects of the
 process that compiled it). graphcap's key stands in for them: the compile cache's key (spec hash or caller's key,

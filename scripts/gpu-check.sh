@@ -125,9 +125,10 @@ capture_starts() {  # capture_starts NAME DIR HOST_BACKENDS [FLAG...]: the start
     case " ${CAPTURE_RUNS:-$what} " in *" $what "*) ;; *) continue ;; esac  # CAPTURE_RUNS: only these starts
     local only=(--capture-only --backends inductor-cudagraph)
     [ "$what" = host ] && only=(--backends "$host")
+    local precomp=--no-precompile; [ -n "$pre" ] && precomp=--precompile
     step capture$name-$what env TORCHINDUCTOR_CACHE_DIR=$dir/${pre}inductor TRITON_CACHE_DIR=$dir/${pre}triton \
       python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context "$ctx" --dynamic-batch \
-      "${only[@]}" ${pre:+--precompile} ${prof:+--profile-capture} "$@" --compile-cache "$dir/${pre:+pre-}cc" \
+      "${only[@]}" "$precomp" ${prof:+--profile-capture} "$@" --compile-cache "$dir/${pre:+pre-}cc" \
       --out "$LOG/capture$name-$what"
   done
 }

@@ -132,7 +132,7 @@ def test_capture_saves_and_a_fresh_process_state_loads(tmp_path, monkeypatch, cp
     torch._dynamo.reset()
     _, wb1, loop1 = build("cpu")
     g1 = DraftGraphs.for_loop(loop1, backend="compile", buckets=(4,), manifest_path=tmp_path / "m1.json",
-                              compile_cache=cache)
+                              compile_cache=cache, precompile=False)  # torch's artifacts alone
     g1.capture()
     files = list(cache.iterdir())
     assert [p.name for p in files] == [f"{g1._cache_key()}.bin"]
@@ -147,7 +147,7 @@ def test_capture_saves_and_a_fresh_process_state_loads(tmp_path, monkeypatch, cp
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: (loaded.append(data), real_load(data))[1])
     _, wb2, loop2 = build("cpu")
     g2 = DraftGraphs.for_loop(loop2, backend="compile", buckets=(4,), manifest_path=tmp_path / "m2.json",
-                              compile_cache=cache)
+                              compile_cache=cache, precompile=False)
     g2.capture()
     assert loaded == [files[0].read_bytes()]
     assert g2.manifest().compile_cache == "hit" and mf.read_manifest(tmp_path / "m2.json").compile_cache == "hit"
@@ -222,7 +222,8 @@ def test_precompiled_iteration_loads_without_tracing_over_other_pools(tmp_path, 
         st, wb, loop = build(SPEC, **state)
         frames = counters["stats"]["unique_graphs"]
         g = DraftGraphs.for_loop(loop, backend="compile", buckets=(1, 2), manifest_path=None, dynamic_batch=True,
-                                 compile_cache=cache, precompile=True)
+                                 compile_cache=cache)  # precompile: for_loop's default with a compile cache
+        assert g.precompile
         g.capture()
         assert [r.status for r in g.buckets] == ["captured"] * 2
         return g, wb, loop, counters["stats"]["unique_graphs"] - frames
@@ -268,6 +269,28 @@ def test_a_failing_aot_compile_costs_the_warm_start_not_the_capture(tmp_path, mo
     assert note in g.manifest().notes
     assert [r.getMessage() for r in caplog.records if "AOT compile failed" in r.getMessage()] == [f"graphcap: {note}"]
     assert not list((tmp_path / "cache").glob(f"*{precompile.SUFFIX}"))
+
+
+def test_for_loop_precompiles_by_default_only_where_it_applies(tmp_path):
+    """for_loop's precompile default: on with a compile cache, one compile for every bucket and a backend it serves;
+    off without a cache, per bucket, with another backend, or when asked; DraftGraphs itself never assumes it."""
+    from test_pool_dims import LIVE, SPEC, build
+
+    from graphcap.capture import DraftGraphs
+
+    loop = build(SPEC, grow=0, rows=LIVE, cols=128)[2]
+    cases = [(dict(compile_cache=tmp_path), True), (dict(), False),
+             (dict(compile_cache=tmp_path, dynamic_batch=False), False),
+             (dict(compile_cache=tmp_path, backend="eager"), False),
+             (dict(compile_cache=tmp_path, precompile=False), False),
+             (dict(compile_cache=tmp_path, steps_only=True), True)]
+    for kw, want in cases:
+        g = DraftGraphs.for_loop(loop, manifest_path=None, **{"backend": "compile", **kw})
+        assert g.precompile is want, kw
+    g = DraftGraphs(loop, buckets=(1, 2), padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
+                    static_tensors=loop.static_tensors(), backend="compile", spec=SPEC, manifest_path=None,
+                    dynamic_batch=True, compile_cache=tmp_path)
+    assert g.precompile is False
 
 
 def test_precompile_refuses_what_it_cannot_serve(tmp_path):
