@@ -26,7 +26,7 @@ class BucketGraph:
     used_rows: int = 0  # live rows written since the last replay's reset (rows past it are padding)
     views: dict[int, tuple[Inputs, DraftOutput | None]] = field(default_factory=dict)  # first-B-row views, by B
     tails: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # slots, accepted rows [B:]
-    bytes: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # first-B-row input views as uint8, by B
+    byte_views: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # first-B-row inputs as uint8, by B
 
     @property
     def captured(self) -> bool:
@@ -64,9 +64,9 @@ class BucketGraph:
 
     def byte_rows(self, b: int) -> list[torch.Tensor]:
         """The first b rows' static inputs viewed as bytes (made once per b), for `write`'s one-dtype copy."""
-        v = self.bytes.get(b)
+        v = self.byte_views.get(b)
         if v is None:
-            v = self.bytes[b] = [x.view(torch.uint8) for x in self.rows(b)[0]]
+            v = self.byte_views[b] = [x.view(torch.uint8) for x in self.rows(b)[0]]
         return v
 
     def write(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> None:

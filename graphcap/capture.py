@@ -101,6 +101,8 @@ class DraftGraphs:
         if dynamic_batch and backend not in COMPILED_BACKENDS:
             raise ValueError(f"DraftGraphs: dynamic_batch compiles once for every bucket; backend {backend!r} "
                              f"compiles nothing (compiled backends: {', '.join(COMPILED_BACKENDS)})")
+        if not isinstance(precompile, bool):  # a truthy string would silently load code saved without guards
+            raise ValueError(f"DraftGraphs: precompile must be True or False, got {precompile!r}")
         if precompile and not (dynamic_batch and compile_cache is not None and backend in precompile_mod.BACKENDS):
             raise ValueError(f"DraftGraphs: precompile needs dynamic_batch=True, a compile_cache directory and a "
                              f"backend of {', '.join(precompile_mod.BACKENDS)} (got dynamic_batch={dynamic_batch}, "
@@ -151,17 +153,19 @@ class DraftGraphs:
         0.85-0.96x its speed, layers inlined).
 
         With a `compile_cache` the default is also `precompile=True` wherever it applies (one compile for every
-        bucket, backend inductor-cudagraph or compile): a warm restart then loads the iteration instead of tracing it
-        (H200, buckets 1..64: 2.5 s against 5.0 s; docs/results.md). Only here, not in `DraftGraphs` itself: the
-        precompiled iteration's key stands in for Dynamo's guards, and only for graphcap's own loop does graphcap
-        know what the key must hold (graphcap.precompile)."""
+        bucket, backend inductor-cudagraph or compile, a loop with a `precompile_signature()` as DraftLoop has): a
+        warm restart then loads the iteration instead of tracing it (H200, buckets 1..64: 2.5 s against 5.0 s;
+        docs/results.md). Only here, not in `DraftGraphs` itself: the precompiled iteration's key stands in for
+        Dynamo's guards, and only a loop's signature says what that key must hold (graphcap.precompile)."""
         spec = loop.spec
         buckets = buckets or spec.capture.buckets
         backend = backend or spec.capture.backend
         kw.setdefault("dynamic_batch", backend in COMPILED_BACKENDS)
         fn = loop.draft_steps if steps_only else loop
+        # by default only for a loop that names what its compiled code depends on (the key that replaces the guards)
         kw.setdefault("precompile", kw["dynamic_batch"] and kw.get("compile_cache") is not None
-                      and backend in precompile_mod.BACKENDS and not getattr(fn, "graph_breaks", False))
+                      and backend in precompile_mod.BACKENDS and not getattr(fn, "graph_breaks", False)
+                      and callable(getattr(loop, "precompile_signature", None)))
         if "pool_dims" not in kw and hasattr(loop, "pool_dims"):
             kw["pool_dims"] = loop.pool_dims()
         # what is compiled beyond the spec: the loop's own step count and whether the advance is in it

@@ -208,9 +208,10 @@ def test_zero_copy_replay_equals_run(device):
 
 
 def test_run_writes_any_integer_dtype_and_layout_exactly(device):
-    """run()'s input copy (BucketGraph.write): the static dtypes as they are (its one-dtype byte copy), other integer
-    dtypes and non-contiguous sources (its per-pair copy), random batch sizes within one bucket: the first B static
-    rows equal the batch's values, the rows past them keep what they held."""
+    """run()'s input copy (BucketGraph.write): the static dtypes as they are (on CUDA its one-launch byte copy; on a
+    CPU the per-pair copy), other integer dtypes and non-contiguous sources (the per-pair copy everywhere), random
+    batch sizes within one bucket: the first B static rows equal the batch's values, the rows past them keep what
+    they held."""
     _, wb, loop = build(device)
     graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(8,), manifest_path=None, progress=False)
     graphs.capture()

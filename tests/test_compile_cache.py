@@ -272,8 +272,9 @@ def test_a_failing_aot_compile_costs_the_warm_start_not_the_capture(tmp_path, mo
 
 
 def test_for_loop_precompiles_by_default_only_where_it_applies(tmp_path):
-    """for_loop's precompile default: on with a compile cache, one compile for every bucket and a backend it serves;
-    off without a cache, per bucket, with another backend, or when asked; DraftGraphs itself never assumes it."""
+    """for_loop's precompile default: on with a compile cache, one compile for every bucket, a backend it serves and a
+    loop with a precompile signature; off without any of them or when asked; DraftGraphs itself never assumes it; a
+    precompile that is not a bool is refused by name."""
     from test_pool_dims import LIVE, SPEC, build
 
     from graphcap.capture import DraftGraphs
@@ -287,6 +288,12 @@ def test_for_loop_precompiles_by_default_only_where_it_applies(tmp_path):
     for kw, want in cases:
         g = DraftGraphs.for_loop(loop, manifest_path=None, **{"backend": "compile", **kw})
         assert g.precompile is want, kw
+    loop.precompile_signature = None  # a loop that does not say what its compile depends on: no default
+    g = DraftGraphs.for_loop(loop, manifest_path=None, backend="compile", compile_cache=tmp_path)
+    assert g.precompile is False
+    del loop.precompile_signature
+    with pytest.raises(ValueError, match="precompile must be True or False, got 'yes'"):
+        DraftGraphs.for_loop(loop, manifest_path=None, backend="compile", compile_cache=tmp_path, precompile="yes")
     g = DraftGraphs(loop, buckets=(1, 2), padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
                     static_tensors=loop.static_tensors(), backend="compile", spec=SPEC, manifest_path=None,
                     dynamic_batch=True, compile_cache=tmp_path)
