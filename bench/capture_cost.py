@@ -35,6 +35,7 @@ from graphcap.bench.timing import time_call
 from graphcap.backends import GRAPH_BACKENDS
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
+from graphcap.models.draft_ops import DEFAULT_OPS, TORCH_OPS
 from graphcap.spec import load_spec
 from graphcap.window import WindowBuffers
 
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inlined-layers", action="store_true",
                    help="every draft layer inlined into one graph (DraftLoop(layer_regions=False)) instead of a nested "
                         "compile region per layer")
+    p.add_argument("--torch-ops", action="store_true",
+                   help="the layer's norms, rotary and gelu-mul as torch ops Inductor fuses (TORCH_OPS) instead of "
+                        "graphcap's kernels (the default set)")
     p.add_argument("--profile-capture", action="store_true",
                    help="run each capture under cProfile: where its host time went (capture-profile-<backend>.txt)")
     p.add_argument("--census", action="store_true",
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     def make(backend: str | None):
         wb = WindowBuffers.from_spec(spec, state.req_to_token, state.full_to_swa)
         loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full,
-                         layer_regions=not a.inlined_layers)
+                         layer_regions=not a.inlined_layers, ops=TORCH_OPS if a.torch_ops else DEFAULT_OPS)
         if backend is None:
             return wb, loop, loop
         path = mf.manifest_path(a.out, spec.name, spec.hash, backend)

@@ -25,7 +25,7 @@ from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import median_p90, time_call
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
-from graphcap.models.draft_ops import SKINNY_OPS, TORCH_OPS
+from graphcap.models.draft_ops import DEFAULT_OPS, SKINNY_OPS, TORCH_OPS
 from graphcap.spec import load_spec
 from graphcap.window import WindowBuffers
 
@@ -37,6 +37,7 @@ GROUPS = (  # (group, substrings of the kernel name), first match wins
                                                           "_skinny")),
     ("centroid head (graphcap's kernel)", ("_centroid_logits",)),
     ("topk / sort", ("topk", "sort", "radix")),
+    ("layer small ops (graphcap's kernels)", ("_norm_rope", "_norm_add", "_rmsnorm", "_act_mul")),
     ("Inductor fused (norms, rope, gathers, head)", ("triton_",)),
 )
 
@@ -57,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--skinny-gemm", action="store_true",
                    help="the projections through graphcap's skinny GEMM (SKINNY_OPS) instead of cuBLAS")
+    p.add_argument("--torch-ops", action="store_true",
+                   help="the layer's norms, rotary and gelu-mul as torch ops Inductor fuses (TORCH_OPS) instead of "
+                        "graphcap's kernels (the default set)")
     p.add_argument("--per-bucket", action="store_true",
                    help="compile for this batch alone (dynamic_batch=False) instead of the one compile for all buckets")
     p.add_argument("--inlined-layers", action="store_true",
@@ -67,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("profile_iteration: needs CUDA", file=sys.stderr)
         return 2
+    if a.skinny_gemm and a.torch_ops:
+        p.error("--skinny-gemm runs graphcap's default set with the skinny GEMM; it cannot go with --torch-ops")
+    ops = SKINNY_OPS if a.skinny_gemm else TORCH_OPS if a.torch_ops else DEFAULT_OPS
     spec = load_spec(a.spec)
     b, n = a.batch, a.iters
     growth = 2 * (n + 10) * (spec.capture.steps + 1)
@@ -81,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         wb = WindowBuffers.from_spec(spec, state.req_to_token, state.full_to_swa)
         wb.reset(state.slots.tolist(), [a.context] * b)
         loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full,
-                         ops=SKINNY_OPS if a.skinny_gemm else TORCH_OPS, layer_regions=not a.inlined_layers)
+                         ops=ops, layer_regions=not a.inlined_layers)
         gr = DraftGraphs.for_loop(loop, backend=backend, buckets=(b,), manifest_path=None, progress=False,
                                   dynamic_batch=not a.per_bucket)
         gr.capture()
@@ -127,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             f"spec {spec.name} ({spec.hash}), batch {b}, context {a.context}, steps {spec.capture.steps}; "
             f"{summary_line(env)}\n"
             f"command: `python bench/profile_iteration.py --batch {b} --context {a.context}"
-            f"{' --skinny-gemm' if a.skinny_gemm else ''}{' --per-bucket' if a.per_bucket else ''}`\n\n"
+            f"{' --skinny-gemm' if a.skinny_gemm else ''}{' --torch-ops' if a.torch_ops else ''}"
+            f"{' --per-bucket' if a.per_bucket else ''}{' --inlined-layers' if a.inlined_layers else ''}`\n\n"
             f"- kernel time per iteration (sum, profiler, compiled iteration without graphs): {total_us:.1f} us\n"
             f"- the same iteration as a CUDA graph replay (inductor-cudagraph, CUDA events, median of {n}): "
             f"{replay_us:.1f} us\n"

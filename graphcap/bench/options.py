@@ -9,12 +9,13 @@ from pathlib import Path
 
 from graphcap.spec import CaptureSpec, load_spec
 
-# Measured modes, cheapest-to-build baseline first; graphcap last. Three variants of graphcap are asked for by name
+# Measured modes, cheapest-to-build baseline first; graphcap last. Four variants of graphcap are asked for by name
 # only, to price a choice in one run: graphcap-per-bucket (one compile per bucket instead of one for all, the
-# default), graphcap-skinny-gemm (the projections through graphcap's skinny GEMM instead of cuBLAS) and
+# default), graphcap-skinny-gemm (the projections through graphcap's skinny GEMM instead of cuBLAS),
 # graphcap-inlined-layers (every draft layer inlined into one graph instead of a nested compile region per layer:
-# DraftLoop(layer_regions=False)).
-VARIANTS = ("graphcap-per-bucket", "graphcap-skinny-gemm", "graphcap-inlined-layers")
+# DraftLoop(layer_regions=False)) and graphcap-torch-ops (the layer's norms, rotary and gelu-mul as plain torch ops
+# Inductor fuses, instead of graphcap's kernels: TORCH_OPS for LAYER_KERNEL_OPS).
+VARIANTS = ("graphcap-per-bucket", "graphcap-skinny-gemm", "graphcap-inlined-layers", "graphcap-torch-ops")
 MODES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "compile-nosync", "compile-plain", *VARIANTS,
          "graphcap")
 DEFAULT_MODES = tuple(m for m in MODES if m not in VARIANTS)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from graphcap.iteration import DraftOutput  # the engine's type (re-exported here for older imports)
-from graphcap.models.draft_ops import TORCH_OPS, DraftOps
+from graphcap.models.draft_ops import DEFAULT_OPS, DraftOps
 from graphcap.models.frozen_kv_draft import FrozenKVDraft, KVSource
 from graphcap.window import WindowBuffers
 
@@ -26,7 +26,7 @@ class DraftLoop(nn.Module):
 
     def __init__(self, model: FrozenKVDraft, window: WindowBuffers, k_swa: torch.Tensor, v_swa: torch.Tensor,
                  k_full: torch.Tensor, v_full: torch.Tensor, steps: int | None = None,
-                 sources: dict[str, KVSource] | None = None, ops: DraftOps = TORCH_OPS,
+                 sources: dict[str, KVSource] | None = None, ops: DraftOps = DEFAULT_OPS,
                  layer_regions: bool = True) -> None:
         """`layer_regions`: under torch.compile, each draft layer is a nested compile region (one compiled body per
         layer shape, called for every layer of every step: `FrozenKVDraft.step`). On the H200 it cut the cold

@@ -1,7 +1,10 @@
-"""The draft layers' small ops, as two interchangeable sets over the same weights and math.
+"""The draft layers' small ops, as interchangeable sets over the same weights and math.
 
 - `TORCH_OPS`: plain torch ops (the reference; Inductor fuses them when the loop is compiled, eagerly a Gemma
   RMSNorm is ~9 kernels).
+- `LAYER_KERNEL_OPS` (`DEFAULT_OPS`: graphcap's loop): the torch set with each of the layer's norm chains one
+  graphcap kernel (graphcap.kernels.layer_fusions) and the gelu-mul one kernel - five small-op kernels per layer
+  whatever Inductor fuses, the same math rounded where the reference rounds (`LayerKernelOps`).
 - `fused_ops()`: one kernel per op, as sglang 0.5.23's Gemma 4 layers launch them on CUDA
   (docs/sglang-standin.md): each norm one kernel, the residual add + norm one kernel, gelu-tanh-and-mul one kernel,
   rotary one kernel (plus the zero dummy key sglang allocates for KV-shared layers), post-MLP norm + residual +
@@ -38,9 +41,9 @@ plain loop call it. Both give torch.topk's values; equal values may come in anot
 smallest index first), which decides nothing the tests compare: they compare tokens where the margin is clear.
 
 The projections are in the set too (`linear`, and `gate_up_gelu` for the MLP's gate/up with its activation): cuBLAS
-in every set but `SKINNY_OPS`, the torch set with graphcap's skinny GEMM (`graphcap.kernels.skinny_gemm`: each
+in every set but `SKINNY_OPS`, graphcap's default set with graphcap's skinny GEMM (`graphcap.kernels.skinny_gemm`: each
 weight read once at M <= 64 rows, the gelu-mul in the gate/up kernel), which the bench's `graphcap-skinny-gemm` mode
-measures against graphcap's loop; cuBLAS stays the torch set's default until that measurement shows a win.
+measures against graphcap's loop; cuBLAS stays the default until that measurement shows a win.
 
 A draft loop picks its set (`DraftLoop(..., ops=...)`, which calls `ops.bind(model)`), so the sglang-style
 baselines and graphcap's own loop run one model with the same weights.
@@ -55,8 +58,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from graphcap.kernels import use_triton
+from graphcap.kernels import layer_fusions, use_triton
 from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torch
+from graphcap.kernels.fused_ops import gelu_tanh_and_mul, gemma_rmsnorm
 from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
 from graphcap.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 from graphcap.kernels.skinny_gemm import skinny_gate_up_gelu, skinny_linear
@@ -102,6 +106,38 @@ class DraftOps(Protocol):
         the order of equal values is the set's own)."""
         ...
 
+    # The layer's chains of norms (`ChainedOps` composes them from the ops above; LAYER_KERNEL_OPS runs each as one
+    # kernel, graphcap.kernels.layer_fusions).
+    def norm_rope(self, q: torch.Tensor, weight: torch.Tensor, rope: tuple) -> torch.Tensor:
+        """rope(norm(q, weight)): the query heads' norm and rotary."""
+        ...
+
+    def norm_add_norm(self, x: torch.Tensor, residual: torch.Tensor, w_x: torch.Tensor,
+                      w_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(s, w_sum), s) with s = residual + norm(x, w_x): post-attention norm, residual add, pre-MLP norm."""
+        ...
+
+    def norm_add_scale_norm(self, x: torch.Tensor, w_x: torch.Tensor, residual: torch.Tensor, scalar: torch.Tensor,
+                            w_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o, norm(o, w_out)) with o = norm_add_scale(x, w_x, residual, scalar): the layer's output and the next
+        layer's input norm (or the final norm)."""
+        ...
+
+
+class ChainedOps:
+    """The layer's norm chains as calls of the set's single ops, in the reference's order: what the torch set (which
+    Inductor fuses) and sglang's set (one kernel per op, as sglang launches them) run."""
+
+    def norm_rope(self, q, weight, rope):
+        return self.rope(self.norm(q, weight), rope)
+
+    def norm_add_norm(self, x, residual, w_x, w_sum):
+        return self.add_norm(self.norm(x, w_x), residual, w_sum)
+
+    def norm_add_scale_norm(self, x, w_x, residual, scalar, w_out):
+        out = self.norm_add_scale(x, w_x, residual, scalar)
+        return out, self.norm(out, w_out)
+
 
 def _norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     xf = x.float()
@@ -118,7 +154,7 @@ def _rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 @dataclass(frozen=True)
-class TorchOps:
+class TorchOps(ChainedOps):
     """Plain torch ops: the reference model's own code (the centroid head's scoring and the head's top-ks: graphcap's
     kernels, module docstring; `graphcap_kernels=False`: the gather, batched product and torch.topk a plain loop
     would write, `PLAIN_OPS`)."""
@@ -180,7 +216,40 @@ class TorchOps:
 
 TORCH_OPS = TorchOps()
 PLAIN_OPS = TorchOps(name="torch-plain", graphcap_kernels=False)  # what a hand-written loop runs (bench compile-plain)
-SKINNY_OPS = TorchOps(name="torch-skinny-gemm", skinny_gemm=True)  # graphcap's loop with its skinny GEMM (bench mode)
+
+
+@dataclass(frozen=True)
+class LayerKernelOps(TorchOps):
+    """The torch set with the layer's small ops as graphcap's kernels: each norm chain one kernel
+    (graphcap.kernels.layer_fusions: q norm + rotary; post-attention norm + residual + pre-MLP norm; post-MLP norm +
+    residual + scalar + the next layer's input norm), the first input norm and the gelu-mul one kernel each
+    (graphcap.kernels.fused_ops). Five kernels of small ops per layer whatever Inductor fuses: under one compile for
+    every bucket (an unbacked batch) Inductor splits each norm into a reduction and a pointwise kernel
+    (docs/results.md). The same math as the torch set, rounded where it rounds (layer_fusions' docstring)."""
+
+    name: str = "torch-layer-kernels"
+
+    def norm(self, x, weight):
+        shape = x.shape
+        return gemma_rmsnorm(x.reshape(-1, shape[-1]), weight, EPS).view(shape)
+
+    def gelu_mul(self, gate_up):
+        return gelu_tanh_and_mul(gate_up)
+
+    def norm_rope(self, q, weight, rope):
+        return layer_fusions.norm_rope(q, weight, *rope, EPS)
+
+    def norm_add_norm(self, x, residual, w_x, w_sum):
+        return layer_fusions.norm_add_norm(x, residual, w_x, w_sum, EPS)
+
+    def norm_add_scale_norm(self, x, w_x, residual, scalar, w_out):
+        return layer_fusions.norm_add_scale_norm(x, w_x, residual, scalar, w_out, EPS)
+
+
+LAYER_KERNEL_OPS = LayerKernelOps()
+DEFAULT_OPS = LAYER_KERNEL_OPS  # graphcap's loop (DraftLoop's default)
+# graphcap's loop with its skinny GEMM (bench mode graphcap-skinny-gemm)
+SKINNY_OPS = LayerKernelOps(name="torch-layer-kernels-skinny-gemm", skinny_gemm=True)
 FUSED_MODULE = "graphcap.kernels.fused_ops"
 SGLANG_POST_NORM = "sglang.kernels.ops.layernorm.gemma4_fused_ops"  # gemma_rmsnorm_residual_scalar
 
@@ -213,7 +282,7 @@ def _sglang_post_norm() -> Callable | None:
 
 
 @dataclass(frozen=True, eq=False)
-class FusedOps:
+class FusedOps(ChainedOps):
     """One kernel per op (sglang's launches). `mod` is graphcap.kernels.fused_ops; its functions take sgl_kernel's
     arguments (2-D inputs, in-place add-norm and rotary) - this class is the one place that adapts the draft's
     shapes. `post_norm` is sglang's norm + residual + scalar kernel (None: three kernels). `bind(model)` makes the

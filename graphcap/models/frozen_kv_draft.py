@@ -107,25 +107,31 @@ class DraftLayer(nn.Module):
         self.post_mlp_norm = RMSNorm(hd, dtype, device)
         self.register_buffer("layer_scalar", torch.ones((), dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor, rope: tuple, src: KVSource,
-                slots: torch.Tensor, lens: torch.Tensor, ops: DraftOps = TORCH_OPS) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, h: torch.Tensor, w_next: torch.Tensor, rope: tuple, src: KVSource,
+                slots: torch.Tensor, lens: torch.Tensor,
+                ops: DraftOps = TORCH_OPS) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` the residual stream entering the layer, `h` its input norm (norm(x, input_norm.weight)). Returns the
+        stream leaving it and that stream's norm with `w_next` - the next layer's input norm weight, or the final
+        norm's after the last layer - so an op set can end a layer and start the next in one kernel."""
         b = x.shape[0]
-        q = ops.linear(ops.norm(x, self.input_norm.weight), self.q_proj).view(b, self.heads, self.head_dim)
-        q = ops.rope(ops.norm(q, self.q_norm.weight), rope)
+        q = ops.norm_rope(ops.linear(h, self.q_proj).view(b, self.heads, self.head_dim), self.q_norm.weight, rope)
         if src.attend is not None:
             attn = src.attend(q, self.scale)
         else:
             attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale,
                                     plan=src.plan(b))
-        o = ops.norm(ops.linear(attn.reshape(b, -1), self.o_proj), self.post_attn_norm.weight)
-        h, x = ops.add_norm(o, x, self.pre_mlp_norm.weight)  # x + o and its norm (sglang: one kernel)
+        # x + norm(o) and its norm (sglang: a norm kernel, then its residual add + norm kernel)
+        h, x = ops.norm_add_norm(ops.linear(attn.reshape(b, -1), self.o_proj), x, self.post_attn_norm.weight,
+                                 self.pre_mlp_norm.weight)
         d = ops.linear(ops.gate_up_gelu(h, self.gate_up), self.down)
-        return ops.norm_add_scale(d, self.post_mlp_norm.weight, x, self.layer_scalar)  # (x + norm(d)) * scalar
+        # (x + norm(d)) * scalar, and its norm for what comes next
+        return ops.norm_add_scale_norm(d, self.post_mlp_norm.weight, x, self.layer_scalar, w_next)
 
 
-def _call_layer(layer: DraftLayer, x: torch.Tensor, rope: tuple, src: KVSource, slots: torch.Tensor,
-                lens: torch.Tensor, ops: DraftOps) -> torch.Tensor:
-    return layer(x, rope, src, slots, lens, ops)
+def _call_layer(layer: DraftLayer, x: torch.Tensor, h: torch.Tensor, w_next: torch.Tensor, rope: tuple,
+                src: KVSource, slots: torch.Tensor, lens: torch.Tensor,
+                ops: DraftOps) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer(x, h, w_next, rope, src, slots, lens, ops)
 
 
 # The same call as a nested compile region: under torch.compile, Dynamo/Inductor compile one body per layer shape
@@ -201,9 +207,11 @@ class FrozenKVDraft(nn.Module):
         (`_call_layer_region`)."""
         e = self.embed[tokens] * self.embed_scale
         x = ops.linear(torch.cat([e, hidden], dim=-1), self.pre_proj)
+        h = ops.norm(x, self.layers[0].input_norm.weight)
         call = _call_layer_region if layer_regions else _call_layer
-        for layer in self.layers:
-            x = call(layer, x, ropes[layer.layer_type], sources[layer.layer_type], slots, lens, ops)
-        x = ops.norm(x, self.final_norm.weight)
-        token, score, margin = self.head(x, ops)
-        return token, score, margin, ops.linear(x, self.post_proj)
+        # each layer hands on its output's norm with the next one's input norm weight; the last, with the final norm's
+        nexts = [layer.input_norm.weight for layer in self.layers[1:]] + [self.final_norm.weight]
+        for layer, w_next in zip(self.layers, nexts):
+            x, h = call(layer, x, h, w_next, ropes[layer.layer_type], sources[layer.layer_type], slots, lens, ops)
+        token, score, margin = self.head(h, ops)
+        return token, score, margin, ops.linear(h, self.post_proj)

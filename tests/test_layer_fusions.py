@@ -1,0 +1,291 @@
+"""graphcap.kernels.layer_fusions (the draft layer's norm chains, one kernel each) against their torch twins and against
+float64 math written here; the op set built on them (LAYER_KERNEL_OPS) against the torch set on the same model.
+
+Tolerances: fp32 2e-5 relative. bf16: the kernels round after each link of a chain as the reference does, and on CPU
+Triton's interpreter truncates fp32 -> bf16 where torch rounds to nearest, so a link may differ by one ulp and the
+next one carries it: 2**-6 of the tensor's largest magnitude. Inputs are random and never zero.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import graphcap.models.draft_ops as draft_ops
+from graphcap.bench.state import make_target_state
+from graphcap.kernels import layer_fusions as L
+from graphcap.kernels import twins_on_cpu
+from graphcap.kernels.fused_ops import FusedOpError
+from graphcap.models import DraftLoop, FrozenKVDraft
+from graphcap.models.draft_ops import LAYER_KERNEL_OPS, TORCH_OPS
+from graphcap.spec import load_spec
+from graphcap.window import WindowBuffers
+
+DTYPES = [torch.float32, torch.bfloat16]
+SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def nonzero(shape, g: torch.Generator, dtype: torch.dtype, device: str, lo: float = 0.1) -> torch.Tensor:
+    mag = lo + (2.0 - lo) * torch.rand(shape, generator=g, dtype=torch.float64)
+    sign = torch.randint(0, 2, shape, generator=g).double() * 2 - 1
+    return (mag * sign).to(dtype).to(device)
+
+
+def angles(rows: int, half: int, g: torch.Generator, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.rand(rows, half, generator=g, dtype=torch.float64) * 6.28
+    return a.cos().float().to(device), a.sin().float().to(device)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    got, want = got.double().cpu(), want.double().cpu()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+    else:
+        atol = 2**-6 * float(want.abs().max())
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def norm64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * (1.0 + w.double())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# each op: kernel vs twin vs float64
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(**SETTINGS)
+@given(b=st.integers(1, 4), heads=st.integers(1, 4), half=st.integers(1, 24), pad=st.integers(0, 2),
+       w32=st.booleans(), eps=st.sampled_from([1e-6, 0.1]), seed=st.integers(0, 2**16))
+def test_norm_rope_matches_twin_and_float64(device, dtype, b, heads, half, pad, w32, eps, seed):
+    g = torch.Generator().manual_seed(seed)
+    d = 2 * half
+    q = nonzero((b, heads + pad, d), g, dtype, device)[:, :heads]  # a head stride past the rows' own
+    w = nonzero((d,), g, torch.float32 if w32 else dtype, device)
+    cos, sin = angles(b, half, g, device)
+    q0 = q.clone()
+    got = L.norm_rope(q, w, cos, sin, eps)
+    assert torch.equal(q, q0), "q must not change"
+    n = norm64(q0, w, eps)
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    want = torch.cat([n[..., :half] * c - n[..., half:] * s, n[..., half:] * c + n[..., :half] * s], -1)
+    twin = L.norm_rope_torch(q0, w, cos, sin, eps)
+    assert got.shape == q0.shape and got.dtype == dtype
+    assert_close(got, twin, dtype, "norm_rope vs twin")
+    assert_close(twin, want, dtype, "twin vs float64")
+    assert_close(got, want, dtype, "norm_rope vs float64")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(**SETTINGS)
+@given(rows=st.integers(1, 5), n=st.integers(1, 96), pad=st.integers(0, 3), w32=st.booleans(),
+       eps=st.sampled_from([1e-6, 0.1]), seed=st.integers(0, 2**16))
+def test_norm_add_norm_matches_twin_and_float64(device, dtype, rows, n, pad, w32, eps, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = nonzero((rows, n + pad), g, dtype, device)[:, :n]  # a row stride != n
+    r = nonzero((rows, n), g, dtype, device)
+    wx, ws = (nonzero((n,), g, torch.float32 if w32 else dtype, device) for _ in range(2))
+    x0, r0 = x.clone(), r.clone()
+    normed, total = L.norm_add_norm(x, r, wx, ws, eps)
+    assert torch.equal(x, x0) and torch.equal(r, r0), "inputs must not change"
+    s64 = r0.double() + norm64(x0, wx, eps)
+    t_normed, t_total = L.norm_add_norm_torch(x0, r0, wx, ws, eps)
+    assert_close(total, t_total, dtype, "sum vs twin")
+    assert_close(normed, t_normed, dtype, "norm of the sum vs twin")
+    assert_close(t_total, s64, dtype, "twin's sum vs float64")
+    assert_close(t_normed, norm64(s64, ws, eps), dtype, "twin's norm vs float64")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(**SETTINGS)
+@given(rows=st.integers(1, 5), n=st.integers(1, 96), w32=st.booleans(), eps=st.sampled_from([1e-6, 0.1]),
+       seed=st.integers(0, 2**16))
+def test_norm_add_scale_norm_matches_twin_and_float64(device, dtype, rows, n, w32, eps, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, r = nonzero((rows, n), g, dtype, device), nonzero((rows, n), g, dtype, device)
+    wx, wo = (nonzero((n,), g, torch.float32 if w32 else dtype, device) for _ in range(2))
+    scalar = (0.25 + torch.rand((), generator=g)).to(dtype).to(device)
+    out, normed = L.norm_add_scale_norm(x, wx, r, scalar, wo, eps)
+    o64 = (r.double() + norm64(x, wx, eps)) * scalar.double()
+    t_out, t_normed = L.norm_add_scale_norm_torch(x, wx, r, scalar, wo, eps)
+    assert_close(out, t_out, dtype, "output vs twin")
+    assert_close(normed, t_normed, dtype, "its norm vs twin")
+    assert_close(t_out, o64, dtype, "twin's output vs float64")
+    assert_close(t_normed, norm64(o64, wo, eps), dtype, "twin's norm vs float64")
+
+
+def _bf16(t: torch.Tensor, truncate: bool) -> torch.Tensor:
+    """fp32 -> bf16 (as fp32) rounded to nearest (CUDA, torch) or truncated (Triton's CPU interpreter)."""
+    f = t.float()
+    return (f.view(torch.int32) & -65536).view(torch.float32) if truncate else f.to(torch.bfloat16).float()
+
+
+def test_bf16_rounds_after_each_link_as_the_reference_does(device):
+    """The reference rounds the post-norm before adding it and the sum before scaling. Emulated in fp32 with the
+    kernel's rounding mode, that chain gives the kernel's output (all but the odd element where the fp32 sums' order
+    moves a rounding), while the chain rounded only at its end - what a kernel that skipped the inner roundings
+    would give - differs on many elements: the case tells the two apart."""
+    truncate = device == "cpu"
+    g = torch.Generator().manual_seed(3)
+    n = 512
+    x = nonzero((4, n), g, torch.bfloat16, device)
+    r = (16 + torch.randint(0, 64, (4, n), generator=g).double() / 7).to(torch.bfloat16).to(device)
+    w = nonzero((n,), g, torch.float32, device)
+    scalar = torch.tensor(1.0 / 3, dtype=torch.bfloat16, device=device)
+    out, _ = L.norm_add_scale_norm(x, w, r, scalar, w)
+    xf = x.float().cpu()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float().cpu())
+    rf, sf = r.float().cpu(), scalar.float().cpu()
+    linked = _bf16(_bf16(rf + _bf16(normed, truncate), truncate) * sf, truncate)
+    at_end = _bf16((rf + normed) * sf, truncate)
+    got = out.float().cpu()
+    assert (got == linked).float().mean() > 0.99
+    assert (got != at_end).float().mean() > 0.05
+
+
+def test_cpu_without_interpreter_runs_the_twin(monkeypatch):
+    """Which path ran: every launch goes through wrap_triton, made to raise here; under the interpreter the call
+    reaches it (the control), without it the twin runs."""
+    def no_kernel(*a, **k):
+        raise AssertionError("a Triton kernel was launched")
+
+    monkeypatch.setattr(L, "wrap_triton", no_kernel)
+    g = torch.Generator().manual_seed(0)
+    x, w = nonzero((3, 40), g, torch.float32, "cpu"), nonzero((40,), g, torch.float32, "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(AssertionError, match="Triton kernel was launched"):
+        L.norm_add_norm(x, x, w, w)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    normed, total = L.norm_add_norm(x, x, w, w)
+    assert_close(total, x.double() + norm64(x, w, 1e-6), torch.float32, "twin")
+
+
+def test_torch_compile_traces_the_ops_whole_cpu():
+    """Under Dynamo (fullgraph: no break) the three ops trace as ops with fake tensors and give the eager result."""
+    def chain(x, r, w, s, q, cos, sin):
+        h, t = L.norm_add_norm(x, r, w, w)
+        o, h2 = L.norm_add_scale_norm(h, w, t, s, w)
+        return o, h2, L.norm_rope(q, w[:16], cos, sin)
+
+    g = torch.Generator().manual_seed(1)
+    x, r = nonzero((4, 32), g, torch.float32, "cpu"), nonzero((4, 32), g, torch.float32, "cpu")
+    w, s = nonzero((32,), g, torch.float32, "cpu"), torch.tensor(0.7)
+    q = nonzero((4, 2, 16), g, torch.float32, "cpu")
+    cos, sin = angles(4, 8, g, "cpu")
+    with twins_on_cpu():
+        want = chain(x, r, w, s, q, cos, sin)
+        torch._dynamo.reset()
+        got = torch.compile(chain, backend="aot_eager", fullgraph=True)(x, r, w, s, q, cos, sin)
+        torch._dynamo.reset()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gemma4_widths_under_inductor_cuda():
+    """The draft's widths (hidden 1536; 32 query heads of 256 and of 512) in one block per row, compiled by Inductor
+    (the kernels as user kernels in its code) and eagerly, against the twins."""
+    g = torch.Generator().manual_seed(5)
+    dt = torch.bfloat16
+    x, r = nonzero((8, 1536), g, dt, "cuda"), nonzero((8, 1536), g, dt, "cuda")
+    w1, w2 = nonzero((1536,), g, dt, "cuda"), nonzero((1536,), g, dt, "cuda")
+    s = torch.tensor(0.6, dtype=dt, device="cuda")
+
+    def chain(x, r, q, wq, cos, sin):
+        h, t = L.norm_add_norm(x, r, w1, w2)
+        return (h, t, *L.norm_add_scale_norm(h, w1, t, s, w2), L.norm_rope(q, wq, cos, sin))
+
+    for d in (256, 512):
+        q, wq = nonzero((8, 32, d), g, dt, "cuda"), nonzero((d,), g, dt, "cuda")
+        cos, sin = angles(8, d // 2, g, "cuda")
+        want = (*L.norm_add_norm_torch(x, r, w1, w2, 1e-6),)
+        want = (*want, *L.norm_add_scale_norm_torch(want[0], w1, want[1], s, w2, 1e-6),
+                L.norm_rope_torch(q, wq, cos, sin, 1e-6))
+        torch._dynamo.reset()
+        for got in (chain(x, r, q, wq, cos, sin), torch.compile(chain, fullgraph=True)(x, r, q, wq, cos, sin)):
+            for a, b in zip(got, want):
+                assert_close(a, b, dt, f"head dim {d}")
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the op set on the draft model
+
+
+def test_layer_kernel_op_set_drafts_what_the_torch_ops_draft(device, monkeypatch):
+    """LAYER_KERNEL_OPS on the reference's model (float32 tiny spec, random norm weights and layer scalars, so every
+    (1 + w), residual and scalar is checked; on a CPU the kernels run in Triton's interpreter): the same scores and
+    hidden states as the torch set to fp32 rounding and the same tokens wherever the margin is clear, over
+    iterations that slide the windows - and each of the layer's small ops is one kernel call: per layer one
+    norm_rope, one norm_add_norm, one gelu-mul, one norm_add_scale_norm (which also norms the next layer's input, or
+    the final norm), plus one input norm per step."""
+    calls: dict[str, int] = {}
+
+    def counted(mod, name):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, **k: (calls.__setitem__(name, calls.get(name, 0) + 1), fn(*a, **k))[1])
+
+    for name in ("norm_rope", "norm_add_norm", "norm_add_scale_norm"):
+        counted(L, name)
+    for name in ("gemma_rmsnorm", "gelu_tanh_and_mul"):
+        counted(draft_ops, name)
+    spec = load_spec("tiny")
+    assert spec.torch_dtype() == torch.float32
+    lens0 = [1, 5, 16, 40, 70, 3]
+    st = make_target_state(spec, lens0, [n + 20 for n in lens0], seed=6, device=device)
+    model = FrozenKVDraft(spec, seed=7, device=device)
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        for layer in model.layers:
+            layer.layer_scalar.fill_(0.5 + torch.rand((), generator=g).item())
+    outs = {}
+    for ops in (TORCH_OPS, LAYER_KERNEL_OPS):
+        wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
+        wb.reset(st.slots.tolist(), lens0)
+        loop = DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, ops=ops)
+        g = torch.Generator().manual_seed(9)
+        outs[ops.name] = []
+        for _ in range(2):
+            accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=g).to(device)
+            tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=g).to(device)
+            hidden = torch.randn(len(lens0), spec.target.hidden, generator=g).to(device)
+            outs[ops.name].append(loop(st.slots, accepted, tokens, hidden))
+    for a, b in zip(outs[LAYER_KERNEL_OPS.name], outs[TORCH_OPS.name]):
+        torch.testing.assert_close(a.scores, b.scores, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=2e-5, atol=2e-5)
+        decided = b.margins > 1e-3
+        assert decided.float().mean() > 0.8
+        assert torch.equal(a.tokens[decided], b.tokens[decided])
+    steps = 2 * spec.capture.steps
+    layers = steps * len(spec.draft.layers)
+    assert calls == {"norm_rope": layers, "norm_add_norm": layers, "norm_add_scale_norm": layers,
+                     "gelu_tanh_and_mul": layers, "gemma_rmsnorm": steps}
+
+
+x2, w8 = torch.ones(2, 8), torch.ones(8)
+BAD = [
+    (lambda: L.norm_add_norm(x2, torch.ones(3, 8), w8, w8), "norm_add_norm: residual must match x"),
+    (lambda: L.norm_add_norm(x2, x2, torch.ones(7), w8), "norm_add_norm: w_x has 7 entries"),
+    (lambda: L.norm_add_norm(x2, x2, w8, w8, eps=-1.0), "norm_add_norm: eps"),
+    (lambda: L.norm_add_norm(torch.ones(8, 2).t(), x2, w8, w8), "norm_add_norm: x's last dimension"),
+    (lambda: L.norm_add_scale_norm(x2, w8, x2, torch.ones(2), w8), "norm_add_scale_norm: scalar must be"),
+    (lambda: L.norm_add_scale_norm(x2, w8, x2.int(), torch.ones(()), w8), "norm_add_scale_norm: residual must be"),
+    (lambda: L.norm_add_scale_norm(x2, w8, x2, torch.ones(()), torch.ones(9)), "norm_add_scale_norm: w_out has 9"),
+    (lambda: L.norm_rope(torch.ones(2, 3, 7), torch.ones(7), torch.ones(2, 3), torch.ones(2, 3)),
+     "norm_rope: q's head dim 7 must be even"),
+    (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(2, 3), torch.ones(2, 4)), "norm_rope: cos must be"),
+    (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(2, 4).double(), torch.ones(2, 4)),
+     "norm_rope: cos must be a 2-D float32"),
+    (lambda: L.norm_rope(torch.ones(2, 8), w8, torch.ones(2, 4), torch.ones(2, 4)), "norm_rope: q must be a 3-D"),
+]
+
+
+@pytest.mark.parametrize("call,message", BAD, ids=[m[:40] for _, m in BAD])
+def test_bad_input_names_op_and_argument(call, message):
+    with pytest.raises(FusedOpError, match="^" + message.replace("(", r"\(")):
+        call()
