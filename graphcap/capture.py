@@ -30,7 +30,7 @@ from graphcap import precompile as precompile_mod
 from graphcap.backends import ALL_BACKENDS, COMPILED_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS
 from graphcap.bucket_graph import BucketGraph
 from graphcap.dispatch import BucketDispatcher
-from graphcap.guards import CaptureError, check_batch_inputs
+from graphcap.guards import BatchCheck, CaptureError
 from graphcap.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
 from graphcap.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
 from graphcap.recording import (CompiledIteration, compile_iteration, iteration_function, mark_batch_unbacked,
@@ -121,6 +121,7 @@ class DraftGraphs:
         self.device = device
         self._static = StaticBuffers(static_tensors, example_inputs, pool_dims)
         self._buckets = [self._new_bucket(b) for b in self._dispatch.sizes]
+        self._check_batch = BatchCheck(self._buckets[0].inputs, device, padding_slot)
         self._compiled: CompiledIteration | None = None
         self._warned: set[str] = set()
         self._notes: list[str] = []  # for the manifest
@@ -368,8 +369,7 @@ class DraftGraphs:
         write, then `replay`): shapes, devices and dtypes against the static inputs, and with `host_slots` (the same
         slots as Python ints) that they match the batch and are distinct and in range. Tensor metadata and host ints
         only, no device sync; a clear error instead of a broadcast error from deep inside copy_."""
-        check_batch_inputs(self._buckets[0].inputs, self.device, self.padding_slot, slots, tokens, hidden,
-                           accepted=accepted, host_slots=host_slots, call=call)
+        self._check_batch(slots, tokens, hidden, accepted=accepted, host_slots=host_slots, call=call)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

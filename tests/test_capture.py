@@ -643,10 +643,72 @@ def _variants(b, slots, accepted, tokens, hidden):
         yield f"{name} on meta", tuple(batch)
 
 
+def test_check_batch_remembers_only_what_the_full_check_passed(device):
+    """DraftGraphs.check_batch (a BatchCheck) remembers the tensor metadata of batches its full check passed: over
+    valid batches in unusual forms and broken ones, in random orders and again once every valid kind is remembered,
+    with and without host_slots (good, short, duplicated, out of range), it raises exactly when the full check
+    (guards.check_batch_inputs) raises, with the same message - and a remembered kind skips the full check."""
+    import random
+
+    import graphcap.guards as guards
+
+    st, wb, loop = build(device)
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(2, 8), manifest_path=None, progress=False)
+    ref = graphs._buckets[0].inputs
+    g = torch.Generator().manual_seed(31)
+    rng = random.Random(5)
+    cases = []
+    for b in (1, 3, 8, 9):
+        slots, accepted, tokens, hidden = random_batch(g, wb, device, b)
+        good = slots.tolist()
+        hosts = [None, good, good[:-1] or [0, 1], [good[0]] * b, [wb.padding_slot] + good[1:]]
+        cases += [(f"{name}, host_slots {h}", batch, h) for name, batch in _variants(b, slots, accepted, tokens, hidden)
+                  for h in hosts]
+
+    def verdict(fn, batch, h):
+        s, a, t, x = batch
+        try:
+            fn(s, t, x, accepted=a, host_slots=h, call="run")
+        except CaptureError as e:
+            return str(e)
+        return None
+
+    full = {i: verdict(lambda *a, **k: guards.check_batch_inputs(ref, graphs.device, graphs.padding_slot, *a, **k),
+                       batch, h) for i, (_, batch, h) in enumerate(cases)}
+    assert sum(v is None for v in full.values()) > 20 and sum(v is not None for v in full.values()) > 100
+    for _ in range(2):  # the second round with every valid kind remembered
+        order = list(range(len(cases)))
+        rng.shuffle(order)
+        for i in order:
+            name, batch, h = cases[i]
+            assert verdict(graphs.check_batch, batch, h) == full[i], name
+    checked = []
+    real = guards.check_batch_inputs
+    guards.check_batch_inputs = lambda *a, **k: (checked.append(1), real(*a, **k))[1]
+    try:
+        name, batch, h = next(c for i, c in enumerate(cases) if full[i] is None and c[2] is not None)
+        assert verdict(graphs.check_batch, batch, h) is None and not checked, name
+    finally:
+        guards.check_batch_inputs = real
+
+
+def _ptrs_equal_twin(tensors, data_ptrs, indices):
+    """torch._C._tensors_data_ptrs_at_indices_equal as torch's CUDA builds define it (a CPU build has none)."""
+    return all(tensors[i].data_ptr() == data_ptrs[i] for i in indices)
+
+
+@pytest.mark.parametrize("check", ["native", "python"])
 @pytest.mark.parametrize("move", ["set_", "data", "resize_", "offset"])
-def test_a_static_tensor_moved_after_warm_runs_is_refused(device, move):
+def test_a_static_tensor_moved_after_warm_runs_is_refused(device, move, check, monkeypatch):
     """Every way a static tensor's address can change in place is refused by run() and replay() after calls that
-    made every per-call cache (the guard checks every tensor at every call), and nothing was replayed."""
+    made every per-call cache (the guard checks every tensor at every call), and nothing was replayed - through
+    torch's C++ check where torch has it (its twin here where it does not) and through the Python loop."""
+    import graphcap.guards as guards
+
+    native = guards._ptrs_equal or _ptrs_equal_twin
+    calls = []
+    monkeypatch.setattr(guards, "_ptrs_equal", (lambda *a: (calls.append(1), native(*a))[1]) if check == "native"
+                        else None)
     st, wb, loop = build(device)
     graphs = graphs_with_cpu_graphs(loop, (2, 8))
     g = torch.Generator().manual_seed(23)
@@ -670,6 +732,7 @@ def test_a_static_tensor_moved_after_warm_runs_is_refused(device, move):
         with pytest.raises(CaptureError, match=rf"static tensor '{name}' moved since capture"):
             graphs.replay(b)
     assert [r.replays for r in graphs.buckets] == replays
+    assert (len(calls) > 8) == (check == "native")
 
 
 def test_address_guard_asks_a_subclass_that_overrides_data_ptr_its_own():
