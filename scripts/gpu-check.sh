@@ -36,6 +36,11 @@
 #   scripts/gpu-check.sh regions  each draft layer a nested compile region (the default) against the layers
 #                                 inlined (DraftLoop(layer_regions=False)), same machine: the capture stage's
 #                                 starts and host time for each (REGIONS_VARIANTS=regions: the default alone)
+#   scripts/gpu-check.sh layers   the layer's small ops as graphcap's kernels (the default) against torch ops
+#                                 Inductor fuses: their GPU tests, the bench at batches 1, 8, 64 (graphcap-torch-ops,
+#                                 graphcap-skinny-gemm, compile-nosync, compile-plain, graphcap; BENCH_MODES: others),
+#                                 host time per call, the per-kernel profile at batch 8 both ways, the default
+#                                 capture's replay tests (LAYERS_STEPS: a subset of unit bench host profile replay)
 #   scripts/gpu-check.sh bench8   the draft-phase bench at batch 8 over contexts 256..32000
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
@@ -59,7 +64,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 [ "${1:-}" = "--tree-hash" ] && { tree_hash; exit 0; }
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
-STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic regions"
+STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic regions layers"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -258,6 +263,26 @@ case $stage in
   replay-dynamic)  # the default capture's replay tests alone: one compile for every bucket, the precompiled iteration
     STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-dynamic python3 -m pytest -q -rs -m gpu \
       tests/test_capture_gpu.py -k "${REPLAY_K:-dynamic or precompiled}"
+    ;;
+  layers)  # graphcap's layer kernels (LAYER_KERNEL_OPS, the default) against the torch ops Inductor fuses, in the order
+    # that keeps what matters most if the call is cut
+    for s in ${LAYERS_STEPS:-unit bench host profile replay}; do
+      case $s in
+        unit) step unit-layers python3 -m pytest -q -rs -m gpu tests/test_layer_fusions.py tests/test_fused_ops.py ;;
+        bench) step bench-layers python3 -m graphcap.cli bench --batch 1,8,64 --context 2048 --steps 3 \
+          --modes ${BENCH_MODES:-graphcap-torch-ops,graphcap-skinny-gemm,compile-nosync,compile-plain,graphcap} \
+          --out "$LOG/bench-layers" ;;
+        host) step host-time python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 \
+          --buckets 8 --backends inductor-cudagraph --out "$LOG/host-time" ;;
+        profile)
+          step profile-b8 python3 bench/profile_iteration.py --batch 8 --context 2048 --out "$LOG/profile-b8"
+          step profile-torch-ops-b8 python3 bench/profile_iteration.py --batch 8 --context 2048 --torch-ops \
+            --out "$LOG/profile-torch-ops-b8" ;;
+        replay) STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-dynamic python3 -m pytest -q -rs -m gpu \
+          tests/test_capture_gpu.py -k "${REPLAY_K:-dynamic or precompiled}" ;;
+        *) echo "LAYERS_STEPS: unit bench host profile replay, got $s" >&2; exit 2 ;;
+      esac
+    done
     ;;
   bench8)  # the draft-phase bench at batch 8 over contexts (the check stage's last step alone)
     step bench-context python3 -m graphcap.cli bench --batch 8 --context 256,1024,2048,4096,8192,32000 --steps 3 \
