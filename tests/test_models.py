@@ -290,8 +290,8 @@ def test_skinny_gemm_op_set_runs_every_projection_through_the_kernel_and_drafts_
     calls = {"skinny_linear": 0, "skinny_gate_up_gelu": 0}
     for name in calls:
         fn = getattr(draft_ops, name)
-        monkeypatch.setattr(draft_ops, name, lambda *a, _fn=fn, _n=name: (calls.__setitem__(_n, calls[_n] + 1),
-                                                                          _fn(*a))[1])
+        monkeypatch.setattr(draft_ops, name, lambda *a, _fn=fn, _n=name, **k: (calls.__setitem__(_n, calls[_n] + 1),
+                                                                               _fn(*a, **k))[1])
     spec = load_spec("tiny")
     lens0 = [1, 5, 16, 40, 70, 3, 9, 30]
     st = make_target_state(spec, lens0, [n + 20 for n in lens0], seed=11, device=device)

@@ -237,11 +237,38 @@ def test_fake_implementations_give_shape_and_dtype():
 def test_opcheck():
     """torch.library's own checks of the registrations (schema, fake vs real, dispatch under aot_autograd)."""
     x, w = make(4, 3, 32, 48)
-    for op, args in ((torch.ops.graphcap.skinny_linear.default, (x, w)),
-                     (torch.ops.graphcap.skinny_gate_up_gelu.default, (x, w)),
-                     (torch.ops.graphcap.skinny_linear_out.default, (torch.empty(3, 32, dtype=x.dtype), x, w)),
-                     (torch.ops.graphcap.skinny_gate_up_gelu_out.default, (torch.empty(3, 16, dtype=x.dtype), x, w))):
-        torch.library.opcheck(op, args)
+    for rows in (64, 1):  # the kernel; cuBLAS (3 rows > 1)
+        for op, args in ((torch.ops.graphcap.skinny_linear.default, (x, w, rows)),
+                         (torch.ops.graphcap.skinny_gate_up_gelu.default, (x, w, rows)),
+                         (torch.ops.graphcap.skinny_linear_out.default, (torch.empty(3, 32, dtype=x.dtype), x, w,
+                                                                        rows)),
+                         (torch.ops.graphcap.skinny_gate_up_gelu_out.default, (torch.empty(3, 16, dtype=x.dtype), x,
+                                                                              w, rows))):
+            torch.library.opcheck(op, args)
+
+
+def test_cublas_above_sends_larger_batches_to_cublas(device, monkeypatch):
+    """cublas_above=R: calls of at most R rows launch the kernel, larger ones do not (cuBLAS: the linear bit for bit
+    the twin, gate/up cuBLAS's product then the gelu-mul, within one rounding of the twin); decided per call, so
+    one traced function serves both."""
+    launched = []
+    real = sg.launch
+    monkeypatch.setattr(sg, "launch", lambda *a, **k: (launched.append(a[2].shape[0]), real(*a, **k))[1])
+    for m in (1, 4, 5, 9):
+        x, w = make(m, m, 64, 48, device=device)
+        for fn, twin in ((skinny_linear, sg.skinny_linear_torch), (skinny_gate_up_gelu, sg.skinny_gate_up_gelu_torch)):
+            launched.clear()
+            got = fn(x, w, cublas_above=4)
+            assert launched == ([m] if m <= 4 else []), (fn.__name__, m)
+            want = twin(x, w)
+            if m > 4 and fn is skinny_linear:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3 * want.abs().max())
+    with pytest.raises(SkinnyGemmError, match="skinny_linear: cublas_above must be an int >= 0"):
+        skinny_linear(x, w, cublas_above=-1)
+    with pytest.raises(SkinnyGemmError, match="skinny_gate_up_gelu: cublas_above must be an int"):
+        skinny_gate_up_gelu(x, w, cublas_above=2.5)
 
 
 @OVERFLOW_OK

@@ -23,6 +23,9 @@ split-K reduction kernel, plus (gate/up) a separate gelu-mul kernel that reads t
 Launch configs come from a fixed table (CANDIDATES, keyed by shape class) through `plan`, a pure-Python function of
 the static shapes: no autotuning at call time, so a call costs nothing extra on the host and captures in a CUDA graph.
 The ops are opaque `torch.library.custom_op`s (with fake implementations): torch.compile keeps them as calls.
+`cublas_above=R` sends calls of more than R rows to cuBLAS instead (gate/up: cuBLAS, then graphcap's gelu-mul
+kernel), decided in the op's body at run time, where M is a plain int also under one compile for every batch (the
+draft loop's op set uses the kernel only for the batches it measured faster at: graphcap.models.draft_ops).
 `skinny_linear_torch` / `skinny_gate_up_gelu_torch` are the plain-torch twins (cuBLAS + an fp32 gelu-mul): the
 tests' reference and the fallback where Triton does not run.
 """
@@ -36,6 +39,7 @@ import triton
 import triton.language as tl
 
 from graphcap.kernels import use_triton
+from graphcap.kernels.fused_ops import gelu_tanh_and_mul
 
 DTYPES = (torch.bfloat16, torch.float16)
 MAX_M = 64  # rows per call: above this a GEMM is no longer a weight read
@@ -267,11 +271,16 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
     return out
 
 
-def _run(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool) -> None:
+def _run(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool, cublas_above: int) -> None:
     if not use_triton(x):
         out.copy_(skinny_gate_up_gelu_torch(x, w) if gated else skinny_linear_torch(x, w))
-        return
-    launch(x, w, out, plan(out.shape[0], out.shape[1], x.shape[1], gated), gated)
+    elif out.shape[0] > cublas_above:  # cuBLAS's own kernels, as the twin computes them
+        if gated:
+            gelu_tanh_and_mul(torch.mm(x, w.t()), out=out)
+        else:
+            torch.mm(x, w.t(), out=out)
+    else:
+        launch(x, w, out, plan(out.shape[0], out.shape[1], x.shape[1], gated), gated)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -280,22 +289,22 @@ def _run(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool) -> No
 
 def _register(name: str, gated: bool) -> tuple[Callable[..., torch.Tensor], Callable[..., None]]:
     @torch.library.custom_op(f"graphcap::{name}", mutates_args=())
-    def op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def op(x: torch.Tensor, w: torch.Tensor, cublas_above: int) -> torch.Tensor:
         out = x.new_empty(_check(name, x, w, gated))
-        _run(out, x, w, gated)
+        _run(out, x, w, gated, cublas_above)
         return out
 
     @op.register_fake
-    def _(x, w):
+    def _(x, w, cublas_above):
         return x.new_empty(_check(name, x, w, gated))
 
     @torch.library.custom_op(f"graphcap::{name}_out", mutates_args=("out",))
-    def op_out(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    def op_out(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cublas_above: int) -> None:
         _check(name, x, w, gated, out)
-        _run(out, x, w, gated)
+        _run(out, x, w, gated, cublas_above)
 
     @op_out.register_fake
-    def _(out, x, w):
+    def _(out, x, w, cublas_above):
         _check(name, x, w, gated, out)
 
     return op, op_out
@@ -305,21 +314,34 @@ _linear_op, _linear_out_op = _register("skinny_linear", gated=False)
 _gate_up_op, _gate_up_out_op = _register("skinny_gate_up_gelu", gated=True)
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def _check_rows(op: str, cublas_above: object) -> int:
+    if type(cublas_above) is not int or cublas_above < 0:
+        raise SkinnyGemmError(f"{op}: cublas_above must be an int >= 0 (rows above it go to cuBLAS), "
+                              f"got {cublas_above!r}")
+    return cublas_above
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+                  cublas_above: int = MAX_M) -> torch.Tensor:
     """x @ w.T for x [M, K] (M <= MAX_M, rows contiguous) and w [N, K] contiguous, bf16/fp16, fp32 accumulation,
-    [M, N] in x's dtype (into `out` if given). The Triton kernel where Triton runs, the twin elsewhere."""
+    [M, N] in x's dtype (into `out` if given). The Triton kernel where Triton runs (cuBLAS for M > `cublas_above`),
+    the twin elsewhere."""
     _check("skinny_linear", x, w, False, out)  # here too: the op's schema would reject a bad type first, unnamed
+    rows = _check_rows("skinny_linear", cublas_above)
     if out is None:
-        return _linear_op(x, w)
-    _linear_out_op(out, x, w)
+        return _linear_op(x, w, rows)
+    _linear_out_op(out, x, w, rows)
     return out
 
 
-def skinny_gate_up_gelu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_gate_up_gelu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None, *,
+                        cublas_above: int = MAX_M) -> torch.Tensor:
     """gelu_tanh(x @ w_gate_up[:I].T) * (x @ w_gate_up[I:].T) for w_gate_up [2I, K] (gate rows, then up rows):
-    [M, I] in x's dtype (into `out` if given), the activation in fp32 before the one rounding."""
+    [M, I] in x's dtype (into `out` if given), the activation in fp32 before the one rounding (for M >
+    `cublas_above`: cuBLAS's product, rounded, then graphcap's gelu-mul kernel)."""
     _check("skinny_gate_up_gelu", x, w_gate_up, True, out)
+    rows = _check_rows("skinny_gate_up_gelu", cublas_above)
     if out is None:
-        return _gate_up_op(x, w_gate_up)
-    _gate_up_out_op(out, x, w_gate_up)
+        return _gate_up_op(x, w_gate_up, rows)
+    _gate_up_out_op(out, x, w_gate_up, rows)
     return out

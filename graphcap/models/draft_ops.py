@@ -161,9 +161,10 @@ class TorchOps(ChainedOps):
 
     name: str = "torch"
     graphcap_kernels: bool = True  # the centroid-head and top-k kernels; False: what a plain loop writes
-    # the projections through graphcap's skinny GEMM (graphcap.kernels.skinny_gemm) up to its MAX_M rows, gate/up
-    # with its gelu-mul in the same kernel; off (cuBLAS) until the H200 measures it in the iteration (SKINNY_OPS)
-    skinny_gemm: bool = False
+    # the projections of batches of at most this many rows through graphcap's skinny GEMM
+    # (graphcap.kernels.skinny_gemm; gate/up with its gelu-mul in the same kernel), cuBLAS above - decided per call in
+    # the op, so one compile serves every bucket. 0: cuBLAS always; SKINNY_MAX_M: the kernel at every bucket
+    skinny_rows: int = 0
 
     def bind(self, model: nn.Module) -> TorchOps:
         return self
@@ -191,13 +192,15 @@ class TorchOps(ChainedOps):
     def _skinny(self, x: torch.Tensor) -> bool:
         # above MAX_M rows (an eager call past the largest bucket) a GEMM is no longer a weight read, and the kernel
         # is bf16/fp16 only: cuBLAS there
-        return self.skinny_gemm and x.dtype in SKINNY_DTYPES and x.shape[0] <= SKINNY_MAX_M
+        return self.skinny_rows > 0 and x.dtype in SKINNY_DTYPES and x.shape[0] <= SKINNY_MAX_M
 
     def linear(self, x, w):
-        return skinny_linear(x, w) if self._skinny(x) else x @ w.t()
+        return skinny_linear(x, w, cublas_above=self.skinny_rows) if self._skinny(x) else x @ w.t()
 
     def gate_up_gelu(self, x, w_gate_up):
-        return skinny_gate_up_gelu(x, w_gate_up) if self._skinny(x) else self.gelu_mul(x @ w_gate_up.t())
+        if self._skinny(x):
+            return skinny_gate_up_gelu(x, w_gate_up, cublas_above=self.skinny_rows)
+        return self.gelu_mul(x @ w_gate_up.t())
 
     def rope(self, q, rope):
         return _rope(q, *rope)
@@ -227,7 +230,7 @@ class LayerKernelOps(TorchOps):
     every bucket (an unbacked batch) Inductor splits each norm into a reduction and a pointwise kernel
     (docs/results.md). The same math as the torch set, rounded where it rounds (layer_fusions' docstring)."""
 
-    name: str = "torch-layer-kernels"
+    name: str = "layer-kernels"
 
     def norm(self, x, weight):
         shape = x.shape
@@ -246,10 +249,14 @@ class LayerKernelOps(TorchOps):
         return layer_fusions.norm_add_scale_norm(x, w_x, residual, scalar, w_out, EPS)
 
 
-LAYER_KERNEL_OPS = LayerKernelOps()
-DEFAULT_OPS = LAYER_KERNEL_OPS  # graphcap's loop (DraftLoop's default)
-# graphcap's loop with its skinny GEMM (bench mode graphcap-skinny-gemm)
-SKINNY_OPS = LayerKernelOps(name="torch-layer-kernels-skinny-gemm", skinny_gemm=True)
+# graphcap's loop (DraftLoop's default): the skinny GEMM up to 4 rows, where it measured faster than cuBLAS in the
+# iteration on the H200 (batch 1: 0.93x the time; batch 8: 0.99x, within the runs' spread; batch 64: 1.01x;
+# docs/results.md)
+SKINNY_ROWS = 4
+LAYER_KERNEL_OPS = LayerKernelOps(name="layer-kernels", skinny_rows=SKINNY_ROWS)
+DEFAULT_OPS = LAYER_KERNEL_OPS
+# graphcap's loop with the skinny GEMM at every bucket (bench mode graphcap-skinny-gemm)
+SKINNY_OPS = LayerKernelOps(name="layer-kernels-skinny-gemm", skinny_rows=SKINNY_MAX_M)
 FUSED_MODULE = "graphcap.kernels.fused_ops"
 SGLANG_POST_NORM = "sglang.kernels.ops.layernorm.gemma4_fused_ops"  # gemma_rmsnorm_residual_scalar
 
