@@ -40,7 +40,8 @@
 #                                 Inductor fuses: their GPU tests, the bench at batches 1, 8, 64 (graphcap-torch-ops,
 #                                 graphcap-skinny-gemm, compile-nosync, compile-plain, graphcap; BENCH_MODES: others),
 #                                 host time per call, the per-kernel profile at batch 8 both ways, the default
-#                                 capture's replay tests (LAYERS_STEPS: a subset of unit bench host profile replay)
+#                                 capture's replay tests (LAYERS_STEPS: a subset of unit bench host profile replay;
+#                                 LAYERS_BATCH: the bench's batches)
 #   scripts/gpu-check.sh bench8   the draft-phase bench at batch 8 over contexts 256..32000
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
@@ -269,7 +270,7 @@ case $stage in
     for s in ${LAYERS_STEPS:-unit bench host profile replay}; do
       case $s in
         unit) step unit-layers python3 -m pytest -q -rs -m gpu tests/test_layer_fusions.py tests/test_fused_ops.py ;;
-        bench) step bench-layers python3 -m graphcap.cli bench --batch 1,8,64 --context 2048 --steps 3 \
+        bench) step bench-layers python3 -m graphcap.cli bench --batch ${LAYERS_BATCH:-1,8,64} --context 2048 --steps 3 \
           --modes ${BENCH_MODES:-graphcap-torch-ops,graphcap-skinny-gemm,compile-nosync,compile-plain,graphcap} \
           --out "$LOG/bench-layers" ;;
         host) step host-time python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 \
