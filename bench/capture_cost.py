@@ -1,8 +1,8 @@
 """What capture costs and buys (CUDA): capture time and graph memory per bucket for each backend, and at one
 (batch, context, steps) point the replay time of the whole draft iteration against the eager loop and against the
 same loop in a manual CUDA graph without Inductor, plus the host time of one call: `run()` (copies the batch in),
-`replay()` (zero-copy: the batch already in the static inputs), run()'s own parts (`check_batch()`, the input copy)
-and, for the manual-graph backends, the bare `CUDAGraph.replay()` underneath. `--profile-capture` says where a
+`replay()` (zero-copy: the batch already in the static inputs), run()'s own parts (`check_batch()` - remembered
+and full -, the input copy, the static address guard) and, for the manual-graph backends, the bare `CUDAGraph.replay()` underneath. `--profile-capture` says where a
 capture's host time went (cProfile).
 
     python bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --out DIR
@@ -34,6 +34,7 @@ from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import time_call
 from graphcap.backends import GRAPH_BACKENDS
 from graphcap.capture import DraftGraphs
+from graphcap.guards import check_batch_inputs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.models.draft_ops import DEFAULT_OPS, TORCH_OPS
 from graphcap.spec import load_spec
@@ -144,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             # run()'s own parts before the replay: its input checks and its input copy
             calls["check_batch()"] = lambda s, acc, tok, hid, r=r: r.check_batch(s, tok, hid, accepted=acc,
                                                                                host_slots=host_slots)
+            # what check_batch() does on a kind of batch it has not passed before (the full check, every call)
+            calls["check_batch(), full check"] = lambda s, acc, tok, hid, r=r: check_batch_inputs(
+                bucket.inputs, r.device, r.padding_slot, s, tok, hid, accepted=acc, host_slots=host_slots)
+            calls["static address guard"] = lambda *x, r=r: r._static.check()  # replay()'s and run()'s
             calls["input copy (write)"] = bucket.write
             calls["input copy, pair by pair"] = lambda *x, bk=bucket: torch._foreach_copy_(bk.claim(b), x)
             if bucket.graph is not None:
