@@ -66,7 +66,7 @@ class DraftGraphs:
         precompile: bool = False,
     ) -> None:
         """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
-        file). `progress=True` adds a `StderrProgress`. `observers`: more (graphcap.observers); `add_observer` too.
+        file). `progress=True` adds a `StderrProgress`; `observers` (graphcap.observers) and `add_observer` more.
 
         `dynamic_batch=True` (compiled backends): compile the iteration once with the batch dimension symbolic
         (1..largest bucket) and record every bucket from that one artifact, instead of one compile per bucket. `fn`
@@ -82,10 +82,8 @@ class DraftGraphs:
         `pool_dims` (with `dynamic_batch`): {static tensor name: its dimensions sized by the engine's memory
         settings} (KV pools' token capacity, req_to_token, full_to_swa, slot rows), compiled symbolically like the
         batch, so that a restart with other pool sizes hits Inductor's on-disk caches instead of compiling again -
-        unless its context bound (`req_to_token`'s columns) changes the full layer's planned split count, a constant
-        of the graph
-        (graphcap.static_buffers). `for_loop` takes the loop's `pool_dims()`. The per-bucket compile
-        still specialises on them.
+        unless its context bound changes the full layer's planned split count, a constant of the graph
+        (graphcap.static_buffers). `for_loop` takes the loop's `pool_dims()`. The per-bucket compile specialises.
 
         `precompile=True` (with `dynamic_batch` and `compile_cache`; backends inductor-cudagraph and compile;
         experimental in torch; `for_loop`'s default with a compile cache): save the compiled iteration whole in the
