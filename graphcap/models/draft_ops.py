@@ -40,10 +40,10 @@ torch.topk where Triton cannot run or past its sizes), the fused set and `PLAIN_
 plain loop call it. Both give torch.topk's values; equal values may come in another order (the kernel takes the
 smallest index first), which decides nothing the tests compare: they compare tokens where the margin is clear.
 
-The projections are in the set too (`linear`, and `gate_up_gelu` for the MLP's gate/up with its activation): cuBLAS
-in every set but `SKINNY_OPS`, graphcap's default set with graphcap's skinny GEMM (`graphcap.kernels.skinny_gemm`: each
-weight read once at M <= 64 rows, the gelu-mul in the gate/up kernel), which the bench's `graphcap-skinny-gemm` mode
-measures against graphcap's loop; cuBLAS stays the default until that measurement shows a win.
+The projections are in the set too (`linear`, and `gate_up_gelu` for the MLP's gate/up with its activation): cuBLAS,
+or graphcap's skinny GEMM (`graphcap.kernels.skinny_gemm`: each weight read once, the gelu-mul in the gate/up kernel)
+for batches of at most `skinny_rows` rows - 4 in the default set (`SKINNY_ROWS`, where the H200 measured it faster),
+64 in `SKINNY_OPS` (the bench's `graphcap-skinny-gemm`), 0 (cuBLAS) in the torch and sglang sets.
 
 A draft loop picks its set (`DraftLoop(..., ops=...)`, which calls `ops.bind(model)`), so the sglang-style
 baselines and graphcap's own loop run one model with the same weights.
