@@ -13,14 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphcap.models.draft_ops as draft_ops
-from graphcap.bench.state import make_target_state
 from graphcap.kernels import layer_fusions as L
 from graphcap.kernels import twins_on_cpu
 from graphcap.kernels.fused_ops import FusedOpError
-from graphcap.models import DraftLoop, FrozenKVDraft
+from graphcap.models import DraftLoop
 from graphcap.models.draft_ops import LAYER_KERNEL_OPS, TORCH_OPS
-from graphcap.spec import load_spec
 from graphcap.window import WindowBuffers
+from random_norms import random_norm_draft
 
 DTYPES = [torch.float32, torch.bfloat16]
 SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -231,18 +230,8 @@ def test_layer_kernel_op_set_drafts_what_the_torch_ops_draft(device, monkeypatch
         counted(L, name)
     for name in ("gemma_rmsnorm", "gelu_tanh_and_mul"):
         counted(draft_ops, name)
-    spec = load_spec("tiny")
-    assert spec.torch_dtype() == torch.float32
     lens0 = [1, 5, 16, 40, 70, 3]
-    st = make_target_state(spec, lens0, [n + 20 for n in lens0], seed=6, device=device)
-    model = FrozenKVDraft(spec, seed=7, device=device)
-    g = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-        for layer in model.layers:
-            layer.layer_scalar.fill_(0.5 + torch.rand((), generator=g).item())
+    spec, st, model = random_norm_draft(device, lens0)
     outs = {}
     for ops in (TORCH_OPS, LAYER_KERNEL_OPS):
         wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)

@@ -15,6 +15,7 @@ from graphcap.models.draft_ops import SKINNY_OPS, TORCH_OPS, fused_ops
 from graphcap.spec import load_spec
 from graphcap.bench.state import make_target_state
 from graphcap.window import WindowBuffers
+from random_norms import random_norm_draft
 
 # the model and the loop around the kernels are the point here; the kernels are test_window.py's and
 # test_attention.py's: the torch twins on CPU
@@ -226,18 +227,8 @@ def test_fused_op_set_drafts_what_the_torch_ops_draft(device, sglang_post_norm):
     the scalar are all checked; on a CPU the Triton kernels run in Triton's interpreter."""
     if sglang_post_norm:
         pytest.importorskip("sglang.kernels.ops.layernorm.gemma4_fused_ops")
-    spec = load_spec("tiny")
-    assert spec.torch_dtype() == torch.float32
     lens0 = [1, 5, 16, 40, 70, 3]
-    st = make_target_state(spec, lens0, [n + 20 for n in lens0], seed=6, device=device)
-    model = FrozenKVDraft(spec, seed=7, device=device)
-    g = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-        for layer in model.layers:
-            layer.layer_scalar.fill_(0.5 + torch.rand((), generator=g).item())
+    spec, st, model = random_norm_draft(device, lens0)
     ops = fused_ops(sglang_post_norm=sglang_post_norm)
     assert (ops.post_norm is not None) == sglang_post_norm
     counted = _Calls(ops.mod)
