@@ -2,8 +2,8 @@
 (batch, context, steps) point the replay time of the whole draft iteration against the eager loop and against the
 same loop in a manual CUDA graph without Inductor, plus the host time of one call: `run()` (copies the batch in),
 `replay()` (zero-copy: the batch already in the static inputs), run()'s own parts (`check_batch()` - remembered
-and full -, the input copy, the static address guard) and, for the manual-graph backends, the bare `CUDAGraph.replay()` underneath. `--profile-capture` says where a
-capture's host time went (cProfile).
+and full -, the input copy, the static address guard) and, for the manual-graph backends, the bare
+`CUDAGraph.replay()` underneath. `--profile-capture` says where a capture's host time went (cProfile).
 
     python bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --out DIR
     python bench/capture_cost.py ... --capture-only --backends inductor-cudagraph --out DIR2   # e.g. a warm cache

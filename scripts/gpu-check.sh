@@ -270,7 +270,8 @@ case $stage in
     for s in ${LAYERS_STEPS:-unit bench host profile replay}; do
       case $s in
         unit) step unit-layers python3 -m pytest -q -rs -m gpu tests/test_layer_fusions.py tests/test_fused_ops.py ;;
-        bench) step bench-layers python3 -m graphcap.cli bench --batch ${LAYERS_BATCH:-1,8,64} --context 2048 --steps 3 \
+        bench) step bench-layers python3 -m graphcap.cli bench --batch ${LAYERS_BATCH:-1,8,64} --context 2048 \
+          --steps 3 \
           --modes ${BENCH_MODES:-graphcap-torch-ops,graphcap-skinny-gemm,compile-nosync,compile-plain,graphcap} \
           --out "$LOG/bench-layers" ;;
         host) step host-time python3 bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 \

@@ -224,7 +224,8 @@ def test_layer_kernel_op_set_drafts_what_the_torch_ops_draft(device, monkeypatch
 
     def counted(mod, name):
         fn = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, **k: (calls.__setitem__(name, calls.get(name, 0) + 1), fn(*a, **k))[1])
+        monkeypatch.setattr(mod, name,
+                            lambda *a, **k: (calls.__setitem__(name, calls.get(name, 0) + 1), fn(*a, **k))[1])
 
     for name in ("norm_rope", "norm_add_norm", "norm_add_scale_norm"):
         counted(L, name)

@@ -16,8 +16,8 @@ from graphcap.bench.rows import BenchResult, BenchRow
 
 COLUMNS = ("batch", "ctx", "steps", "mode", "iter/s", "ms/iter", "p90 ms", "GPU ms", "host ms", "syncs/iter",
            "kernels/iter", "x eager-rebuild", "x graph-rebuild", "x sglang", "x compile", "x compile-nosync",
-           "x compile-plain", "x per-bucket", "x skinny-gemm", "x inlined-layers", "x torch-ops", "floor ms", "x floor", "util %",
-           "power W")
+           "x compile-plain", "x per-bucket", "x skinny-gemm", "x inlined-layers", "x torch-ops", "floor ms", "x floor",
+           "util %", "power W")
 
 
 def _fmt(v: object, digits: int = 2) -> object:

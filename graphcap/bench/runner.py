@@ -73,8 +73,8 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
     for name in cfg.modes:
         wb = WindowBuffers(state.req_to_token, cfg.spec.window, cfg.spec.capture.max_slots, state.full_to_swa,
                            max_accepted=max(cfg.steps) + 1)
-        loop = DraftLoop(model, wb, *pools, steps=steps,
-                         ops={"graphcap-skinny-gemm": SKINNY_OPS, "graphcap-torch-ops": TORCH_OPS}.get(name, DEFAULT_OPS),
+        variant_ops = {"graphcap-skinny-gemm": SKINNY_OPS, "graphcap-torch-ops": TORCH_OPS}
+        loop = DraftLoop(model, wb, *pools, steps=steps, ops=variant_ops.get(name, DEFAULT_OPS),
                          layer_regions=name != "graphcap-inlined-layers")
         note = ""
         try:
