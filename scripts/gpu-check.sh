@@ -170,7 +170,8 @@ case $stage in
     ;;
   gemm)  # the skinny GEMM vs cuBLAS and Inductor per shape and M; Inductor's max-autotune compiles go last and stop
     # at the bench's --budget-s, and the step is cut at 560 s so that what ran comes back inside a 600 s call
-    STEP_LIMIT=${STEP_LIMIT:-560} step skinny-gemm python3 bench/skinny_gemm.py --out "$LOG/skinny-gemm"
+    # GEMM_ARGS: other bench/skinny_gemm.py options (e.g. --no-inductor --ms 1,8,16)
+    STEP_LIMIT=${STEP_LIMIT:-560} step skinny-gemm python3 bench/skinny_gemm.py ${GEMM_ARGS:-} --out "$LOG/skinny-gemm"
     ;;
   tests)  # the whole suite, then the attention grid at the shapes short of 70% of copy bandwidth
     step pytest python3 -m pytest -q -rs tests/
@@ -241,11 +242,13 @@ case $stage in
     step pytest-dynamic-kernels python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_attention_plan.py \
       tests/test_skinny_gemm.py
     ;;
-  profile)  # graphcap's iteration kernel by kernel at batch 1 and 8, with cuBLAS and with the skinny GEMM
-    for b in 1 8; do
-      step profile-b$b python3 bench/profile_iteration.py --batch $b --context 2048 --out "$LOG/profile-b$b"
-      step profile-skinny-b$b python3 bench/profile_iteration.py --batch $b --context 2048 --skinny-gemm \
-        --out "$LOG/profile-skinny-b$b"
+  profile)  # graphcap's iteration kernel by kernel at batch 1 and 8, as it ships and with the skinny GEMM at every
+    # batch (PROFILE_RUNS: a subset of b1 skinny-b1 b8 skinny-b8)
+    for run in ${PROFILE_RUNS:-b1 skinny-b1 b8 skinny-b8}; do
+      case $run in b1|b8) flag= ;; skinny-b1|skinny-b8) flag=--skinny-gemm ;;
+        *) echo "PROFILE_RUNS: b1 skinny-b1 b8 skinny-b8, got $run" >&2; exit 2 ;; esac
+      step profile-$run python3 bench/profile_iteration.py --batch ${run##*b} --context 2048 $flag \
+        --out "$LOG/profile-$run"
     done
     ;;
   variants)  # graphcap against one compile per bucket and compile-plain, same run
