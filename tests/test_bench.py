@@ -246,25 +246,28 @@ def test_bad_options_exit_2_with_one_line(argv, message, capsys):
 
 
 def test_graphcap_variants_change_one_thing_each_and_run_only_by_name():
-    """graphcap's default: one compile for every bucket, the skinny GEMM up to 4 rows and cuBLAS above, the layer's
-    small ops as graphcap's kernels, layer regions; graphcap-per-bucket is the same loop and backend with
-    dynamic_batch off, graphcap-skinny-gemm the same with the skinny GEMM at every batch, graphcap-inlined-layers the same with its layers
+    """graphcap's default: one compile for every bucket, the skinny GEMM by shape class (cuBLAS elsewhere), the
+    layer's small ops as graphcap's kernels, layer regions; graphcap-per-bucket is the same loop and backend with
+    dynamic_batch off, graphcap-skinny-gemm the same with the skinny GEMM for every shape at every batch,
+    graphcap-skinny-4rows for every shape up to 4 rows, graphcap-inlined-layers the same with its layers
     inlined (no nested compile regions), graphcap-torch-ops the same with the small ops as torch ops Inductor fuses -
     there to price a choice in one run, never in the default mode set. Their compiles do not share a cache key."""
     spec = load_spec("tiny")
     cfg = _config("--spec", "tiny", "--batch", "2,3", "--iters", "1", "--modes",
-                  "graphcap-per-bucket,graphcap-skinny-gemm,graphcap-inlined-layers,graphcap-torch-ops,graphcap",
+                  "graphcap-per-bucket,graphcap-skinny-gemm,graphcap-skinny-4rows,graphcap-inlined-layers,"
+                  "graphcap-torch-ops,graphcap",
                   "--graphcap-backend", "compile")
     st = make_target_state(spec, [5, 9, 20], [30, 30, 30], seed=1)
     modes = build_modes(cfg, FrozenKVDraft(spec, seed=2), st, spec.capture.steps, [])
     assert [(m.name, m.runner.backend, m.runner.dynamic_batch, m.runner.fn.ops.name, m.runner.fn.layer_regions)
             for m in modes] == [
-        ("graphcap-per-bucket", "compile", False, "layer-kernels", True),
+        ("graphcap-per-bucket", "compile", False, "layer-kernels-gemm-by-shape", True),
         ("graphcap-skinny-gemm", "compile", True, "layer-kernels-skinny-gemm", True),
-        ("graphcap-inlined-layers", "compile", True, "layer-kernels", False),
+        ("graphcap-skinny-4rows", "compile", True, "layer-kernels", True),
+        ("graphcap-inlined-layers", "compile", True, "layer-kernels-gemm-by-shape", False),
         ("graphcap-torch-ops", "compile", True, "torch", True),
-        ("graphcap", "compile", True, "layer-kernels", True)]
-    assert len({m.runner._cache_key() for m in modes}) == 5
+        ("graphcap", "compile", True, "layer-kernels-gemm-by-shape", True)]
+    assert len({m.runner._cache_key() for m in modes}) == 6
     assert not set(options.VARIANTS) & set(_config("--spec", "tiny", "--iters", "4").modes)
 
 

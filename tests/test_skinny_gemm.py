@@ -247,6 +247,38 @@ def test_opcheck():
             torch.library.opcheck(op, args)
 
 
+@settings(**{**SETTINGS, "max_examples": 40})
+@given(m=st.integers(1, MAX_M), n=DIMS, k=DIMS, splits=st.sampled_from([2, 3, 4, 8]), seed=st.integers(0, 2 ** 16))
+def test_fixup_equals_the_two_kernel_split_bit_for_bit(device, m, n, k, splits, seed):
+    """Split K in one kernel (Config.fixup: the last split of each n-block sums the partials) gives the sum kernel's
+    bits - the same partials summed in the same order - and leaves every counter at 0 for the next launch."""
+    x, w = make(seed, m, n, k, device=device)
+    cfg = Config(16, 32, splits, 4, 2)
+    two = run(x, w, cfg, False)
+    one = run(x, w, cfg._replace(fixup=True), False)
+    assert torch.equal(one, two)
+    check_linear(x, w, one)
+    assert not sg.fixup_counters(x.device, 1).any()
+
+
+def test_fixup_falls_back_to_the_sum_kernel_past_its_counters(device, monkeypatch):
+    """More n-blocks than counters: no fixup (the two-kernel split, the same bits)."""
+    x, w = make(3, 2, 80, 96, device=device)
+    cfg = Config(16, 32, 3, 4, 2, fixup=True)
+    want = run(x, w, cfg._replace(fixup=False), False)
+    monkeypatch.setattr(sg, "MAX_FIXUP_BLOCKS", 4)  # 80 columns / 16 = 5 blocks
+    assert sg.fixup_counters(x.device, 5) is None
+    assert torch.equal(run(x, w, cfg, False), want)
+
+
+def test_kernel_rows_by_shape_class():
+    """The op sets' routing: wide shapes up to 16 rows, gate/up at every M, narrow (split-K) shapes never."""
+    assert sg.kernel_rows(8192) == sg.kernel_rows(5376) == sg.KERNEL_ROWS["wide"]
+    assert sg.kernel_rows(6144, gated=True) == sg.KERNEL_ROWS["gated"]
+    assert sg.kernel_rows(1536) == sg.kernel_rows(2048) == sg.KERNEL_ROWS["narrow"]
+    assert all(0 <= r <= MAX_M for r in sg.KERNEL_ROWS.values())
+
+
 def test_cublas_above_sends_larger_batches_to_cublas(device, monkeypatch):
     """cublas_above=R: calls of at most R rows launch the kernel, larger ones do not (cuBLAS: the linear bit for bit
     the twin, gate/up cuBLAS's product then the gelu-mul, within one rounding of the twin); decided per call, so
@@ -323,7 +355,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import graphcap.kernels.skinny_gemm as sg
 
-ARGS = ["x", "w", "y", "M", "N", "K", "k_split", "stride_xm", "stride_wn", "stride_ym", "stride_ys"]
+ARGS = ["x", "w", "y", "out", "counters", "M", "N", "K", "k_split", "stride_xm", "stride_wn", "stride_ym", "stride_ys",
+        "stride_om"]
 seen = set()
 for key, cfgs in sg.CANDIDATES.items():
     gated = "gated" in key
@@ -334,11 +367,13 @@ for key, cfgs in sg.CANDIDATES.items():
                 if (cfg, bm, gated, even) in seen:
                     continue
                 seen.add((cfg, bm, gated, even))
-                sig = {a: "*bf16" if a in "xwy" else "i32" for a in ARGS}
+                fixup = cfg.fixup and cfg.split_k > 1
+                sig = {a: "*bf16" if a in ("x", "w", "out") else "i32" for a in ARGS}
+                sig.update(y="*fp32" if fixup else "*bf16", counters="*i32" if fixup else "*bf16")
                 consts = dict(BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot,
-                              INTERPRET=False, EVEN_K=even, EVEN_N=even)
+                              INTERPRET=False, EVEN_K=even, EVEN_N=even, FIXUP=fixup)
                 sig.update({c: "constexpr" for c in consts})
-                attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 5, 6, 7, 8, 9)}
+                attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)}
                 k = triton.compile(ASTSource(sg._skinny_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                    options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
                 assert k.metadata.shared <= 227 * 1024, (key, cfg, bm, k.metadata.shared)
@@ -477,6 +512,27 @@ def test_cuda_graph_replay_equals_eager_exactly(name, m):
     torch.cuda.synchronize()
     eager = op(x, w)
     assert torch.equal(out, eager) and torch.equal(eager, op(x, w))
+    replays = []
+    for _ in range(5):  # a fixup split K's counters are back at 0 after each replay
+        graph.replay()
+        replays.append(out.clone())
+    assert all(torch.equal(r, eager) for r in replays)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16, 64])
+@pytest.mark.parametrize("name", ["o_proj_sliding", "o_proj_full", "down", "pre_proj"])
+def test_fixup_on_gpu_equals_the_two_kernel_split(name, m, fp32_cublas):
+    """On the GPU (where programs of one launch really race for the counters), every fixup candidate gives the sum
+    kernel's bits over repeated launches, within the float64 bound."""
+    n, k = GEMMA[name]
+    x, w = gpu_case(m, m, n, k)
+    for cfg in {c for cs in CANDIDATES.values() for c in cs if c.fixup}:
+        want = run(x, w, cfg._replace(fixup=False), False)
+        for _ in range(3):
+            assert torch.equal(run(x, w, cfg, False), want), cfg.name
+        check_linear(x, w, want)
+    assert not sg.fixup_counters(x.device, 1).any()
 
 
 @pytest.mark.gpu

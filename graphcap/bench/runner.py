@@ -29,7 +29,8 @@ from graphcap.bench.timing import Sample, collector_off, median_p90, time_call
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
-from graphcap.models.draft_ops import DEFAULT_OPS, PLAIN_OPS, SKINNY_OPS, TORCH_OPS, DraftOps, fused_ops
+from graphcap.models.draft_ops import (DEFAULT_OPS, PLAIN_OPS, SKINNY_4ROWS_OPS, SKINNY_OPS, TORCH_OPS, DraftOps,
+                                      fused_ops)
 from graphcap.window import WindowBuffers
 
 CPU_SHOWS = ("A CPU run checks that every mode runs the same draft, counts host reads of tensor values (syncs on "
@@ -73,7 +74,8 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
     for name in cfg.modes:
         wb = WindowBuffers(state.req_to_token, cfg.spec.window, cfg.spec.capture.max_slots, state.full_to_swa,
                            max_accepted=max(cfg.steps) + 1)
-        variant_ops = {"graphcap-skinny-gemm": SKINNY_OPS, "graphcap-torch-ops": TORCH_OPS}
+        variant_ops = {"graphcap-skinny-gemm": SKINNY_OPS, "graphcap-torch-ops": TORCH_OPS,
+                       "graphcap-skinny-4rows": SKINNY_4ROWS_OPS}
         loop = DraftLoop(model, wb, *pools, steps=steps, ops=variant_ops.get(name, DEFAULT_OPS),
                          layer_regions=name != "graphcap-inlined-layers")
         note = ""

@@ -57,21 +57,25 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     dot: bool = True  # tl.dot (tensor cores) or broadcast multiply + sum (CUDA cores)
+    fixup: bool = False  # split K: the last split of each n-block sums the partials (no second kernel)
 
     @property
     def name(self) -> str:
         return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}"
-                + ("" if self.dot else "-bcast"))
+                + ("" if self.dot else "-bcast") + ("-fixup" if self.fixup else ""))
 
 
 # Candidate configs per shape class "<m>-<n>" (m: M <= 4 / <= 16 / <= 64; n: gated, wide N >= NARROW_N, or narrow),
-# the first of each the default `plan` picks. Sized for an H200 (132 SMs, ~228 KB shared memory per SM): 8-32 KB of
-# weights per pipeline stage, 3-4 stages, and at least ~2 programs per SM. Untuned: bench/skinny_gemm.py times each.
+# the first of each the one `plan` picks. Sized for an H200 (132 SMs, ~228 KB shared memory per SM): 8-32 KB of
+# weights per pipeline stage, 3-4 stages, and at least ~2 programs per SM. Each class's first is the fastest of its
+# candidates at the draft's shapes in bench/skinny_gemm.py's sweep on the H200 (docs/results.md, the skinny GEMM).
+_FIXUP = (Config(32, 256, 4, 4, 4, fixup=True), Config(32, 256, 8, 4, 4, fixup=True),
+          Config(16, 256, 8, 4, 4, fixup=True), Config(64, 128, 8, 4, 4, fixup=True))
 _SMALL = {
-    "wide": (Config(32, 256, 1, 4, 4), Config(16, 512, 1, 4, 3), Config(64, 128, 1, 4, 4), Config(64, 256, 1, 8, 3)),
-    "gated": (Config(16, 256, 1, 4, 4), Config(32, 256, 1, 4, 3), Config(32, 128, 1, 4, 4), Config(64, 128, 1, 8, 3)),
-    "narrow": (Config(32, 256, 4, 4, 4), Config(16, 256, 4, 4, 4), Config(32, 256, 8, 4, 4), Config(64, 256, 8, 8, 3),
-               Config(16, 256, 1, 4, 4), Config(16, 512, 2, 4, 3)),
+    "wide": (Config(64, 128, 1, 4, 4), Config(32, 256, 1, 4, 4), Config(16, 512, 1, 4, 3), Config(64, 256, 1, 8, 3)),
+    "gated": (Config(32, 128, 1, 4, 4), Config(16, 256, 1, 4, 4), Config(32, 256, 1, 4, 3), Config(64, 128, 1, 8, 3)),
+    "narrow": _FIXUP + (Config(32, 256, 4, 4, 4), Config(16, 256, 4, 4, 4), Config(32, 256, 8, 4, 4),
+                        Config(64, 256, 8, 8, 3), Config(16, 256, 1, 4, 4), Config(16, 512, 2, 4, 3)),
 }
 _BCAST = {"wide": Config(16, 128, 1, 4, 2, False), "gated": Config(16, 128, 1, 4, 2, False),
           "narrow": Config(16, 128, 4, 4, 2, False)}
@@ -82,9 +86,20 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
     "m64-wide": (Config(64, 128, 1, 4, 4), Config(128, 128, 1, 8, 3), Config(32, 256, 1, 4, 3),
                  Config(64, 256, 1, 8, 3)),
     "m64-gated": (Config(64, 128, 1, 4, 3), Config(32, 128, 1, 4, 4), Config(128, 64, 1, 8, 3)),
-    "m64-narrow": (Config(64, 128, 8, 4, 4), Config(64, 128, 4, 4, 4), Config(128, 128, 8, 8, 3),
+    "m64-narrow": (Config(64, 128, 8, 4, 4, fixup=True), Config(64, 128, 4, 4, 4, fixup=True),
+                   Config(64, 128, 8, 4, 4), Config(64, 128, 4, 4, 4), Config(128, 128, 8, 8, 3),
                    Config(32, 256, 8, 4, 3), Config(64, 128, 1, 4, 4)),
 }
+
+# Up to how many rows graphcap's op sets send a shape class to the kernel (its plan) rather than cuBLAS: where the
+# plan beat cuBLAS on the H200 at the draft's shapes (bench/skinny_gemm.py; docs/results.md, the skinny GEMM). The
+# gate/up kernel's margin includes the gelu-mul kernel cuBLAS needs after it.
+KERNEL_ROWS = {"wide": 16, "gated": MAX_M, "narrow": 0}
+
+
+def kernel_rows(n: int, gated: bool = False) -> int:
+    """`KERNEL_ROWS` for a weight of `n` output columns (gated: I, half of w's rows)."""
+    return KERNEL_ROWS["gated" if gated else "wide" if n >= NARROW_N else "narrow"]
 
 
 def shape_class(m: int, n: int, gated: bool = False) -> str:
@@ -200,10 +215,13 @@ def _round(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     return v.to(dtype)
 
 
-@triton.jit
-def _skinny_kernel(x, w, y, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys,
+# M is not specialised (Triton compiles a separate binary for an int argument equal to 1): batches 1..16 share one
+# binary per config, which is what a warm start loads (BLOCK_M already is the constexpr that matters).
+@triton.jit(do_not_specialize=["M"])
+def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                   DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+                   DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                   FIXUP: tl.constexpr):
     # program (n-block, split s): columns [n0, n0 + BLOCK_N) of all M rows over K range [s * k_split, +k_split)
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -232,8 +250,26 @@ def _skinny_kernel(x, w, y, M, N, K, k_split, stride_xm, stride_wn, stride_ym, s
             acc_u = _mac(acc_u, ut, xt, DOT, INTERPRET)
     if GATED:  # gelu_tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))) = g * sigmoid(2c (g + 0.044715 g^3))
         acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)) * acc_u
+    mask = mask_n[:, None] & mask_m[None, :]
     y_ptr = y + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y_ptr, _round(acc, y.dtype.element_ty, INTERPRET), mask=mask_n[:, None] & mask_m[None, :])
+    if not FIXUP:  # the output, or (split K) this split's fp32 partial for the sum kernel
+        tl.store(y_ptr, _round(acc, y.dtype.element_ty, INTERPRET), mask=mask)
+    else:
+        # Split K in one kernel: store the partial, count this split in, and the n-block's last split to arrive sums
+        # all partials in order 0..S-1 (the sum kernel's order and bits) and stores the output. The barrier puts the
+        # whole program's stores before the count (the atomic releases them), the acquire puts the reads after it;
+        # the reads bypass L1 (.cg). The last split resets the counter to 0, ready for the next launch or replay.
+        tl.store(y_ptr, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counters + pid_n, 1, sem="acq_rel")
+        if arrived == tl.num_programs(1) - 1:
+            ws_ptr = y + offs_m[None, :] * stride_ym + offs_n[:, None]
+            total = tl.load(ws_ptr, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, tl.num_programs(1)):
+                total += tl.load(ws_ptr + s * stride_ys, mask=mask, other=0.0, cache_modifier=".cg")
+            o_ptr = out + offs_m[None, :] * stride_om + offs_n[:, None]
+            tl.store(o_ptr, _round(total, out.dtype.element_ty, INTERPRET), mask=mask)
+            tl.atomic_xchg(counters + pid_n, 0)
 
 
 @triton.jit
@@ -244,6 +280,27 @@ def _splitk_sum_kernel(ws, out, M, N, SPLITS, stride_om, BLOCK: tl.constexpr, IN
     for s in range(1, SPLITS):  # always split 0, 1, ... in order: the same bits on every call
         acc += tl.load(ws + s * M * N + offs, mask=mask, other=0.0)
     tl.store(out + (offs // N) * stride_om + offs % N, _round(acc, out.dtype.element_ty, INTERPRET), mask=mask)
+
+
+MAX_FIXUP_BLOCKS = 4096  # n-blocks one fixup launch may have (N / block_n): 16 KiB of counters per device
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def fixup_counters(device: torch.device, blocks: int) -> torch.Tensor | None:
+    """The device's split-K arrival counters (int32, zero between launches: each launch's last splits reset theirs),
+    made once, outside any CUDA graph capture. None - the launch then takes the two-kernel split K - where they would
+    have to be made during a capture (the graph would own them) or `blocks` exceeds MAX_FIXUP_BLOCKS.
+
+    One buffer per device, so two fixup launches must not run at the same time on two streams of one device (their
+    counts would mix): graphcap launches its projections from one stream, in order."""
+    if blocks > MAX_FIXUP_BLOCKS:
+        return None
+    c = _counters.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = _counters[device] = torch.zeros(MAX_FIXUP_BLOCKS, dtype=torch.int32, device=device)
+    return c
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gated: bool = False) -> torch.Tensor:
@@ -259,13 +316,17 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
         raise SkinnyGemmError(f"skinny_gate_up_gelu: config {cfg.name} splits K; the gated kernel does not")
     k_split, splits = _splits(k, cfg)
     block_m = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
+    n_blocks = triton.cdiv(n, cfg.block_n)
     y = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    _skinny_kernel[(triton.cdiv(n, cfg.block_n), splits)](
-        x, w, y, m, n, k, k_split, x.stride(0), w.stride(0), y.stride(-2), y.stride(0) if splits > 1 else 0,
+    counters = fixup_counters(x.device, n_blocks) if splits > 1 and cfg.fixup else None
+    _skinny_kernel[(n_blocks, splits)](
+        x, w, y, out, counters if counters is not None else y, m, n, k, k_split, x.stride(0), w.stride(0),
+        y.stride(-2), y.stride(0) if splits > 1 else 0, out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot, INTERPRET=not x.is_cuda,
-        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, FIXUP=counters is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
+    if splits > 1 and counters is None:
         _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](y, out, m, n, splits, out.stride(0), BLOCK=1024,
                                                             INTERPRET=not x.is_cuda, num_warps=4)
     return out

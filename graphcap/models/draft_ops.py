@@ -42,8 +42,9 @@ smallest index first), which decides nothing the tests compare: they compare tok
 
 The projections are in the set too (`linear`, and `gate_up_gelu` for the MLP's gate/up with its activation): cuBLAS,
 or graphcap's skinny GEMM (`graphcap.kernels.skinny_gemm`: each weight read once, the gelu-mul in the gate/up kernel)
-for batches of at most `skinny_rows` rows - 4 in the default set (`SKINNY_ROWS`, where the H200 measured it faster),
-64 in `SKINNY_OPS` (the bench's `graphcap-skinny-gemm`), 0 (cuBLAS) in the torch and sglang sets.
+for batches of at most `skinny_rows` rows, and with `skinny_by_shape` only as far as the weight's shape class
+measured faster than cuBLAS (`skinny_gemm.KERNEL_ROWS`) - the default set; every shape at every batch in `SKINNY_OPS`
+(the bench's `graphcap-skinny-gemm`), 0 rows (cuBLAS) in the torch and sglang sets.
 
 A draft loop picks its set (`DraftLoop(..., ops=...)`, which calls `ops.bind(model)`), so the sglang-style
 baselines and graphcap's own loop run one model with the same weights.
@@ -63,7 +64,7 @@ from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torc
 from graphcap.kernels.fused_ops import gelu_tanh_and_mul, gemma_rmsnorm
 from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
 from graphcap.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
-from graphcap.kernels.skinny_gemm import skinny_gate_up_gelu, skinny_linear
+from graphcap.kernels.skinny_gemm import kernel_rows, skinny_gate_up_gelu, skinny_linear
 from graphcap.kernels.small_topk import small_topk
 
 EPS = 1e-6
@@ -165,6 +166,9 @@ class TorchOps(ChainedOps):
     # (graphcap.kernels.skinny_gemm; gate/up with its gelu-mul in the same kernel), cuBLAS above - decided per call in
     # the op, so one compile serves every bucket. 0: cuBLAS always; SKINNY_MAX_M: the kernel at every bucket
     skinny_rows: int = 0
+    # and at most as many as the kernel measured faster than cuBLAS for the weight's shape class
+    # (skinny_gemm.kernel_rows: 0 sends the shape to cuBLAS at every batch, with no op in the graph)
+    skinny_by_shape: bool = False
 
     def bind(self, model: nn.Module) -> TorchOps:
         return self
@@ -189,17 +193,22 @@ class TorchOps(ChainedOps):
         gate, up = gate_up.chunk(2, dim=-1)
         return nn.functional.gelu(gate, approximate="tanh") * up
 
-    def _skinny(self, x: torch.Tensor) -> bool:
-        # above MAX_M rows (an eager call past the largest bucket) a GEMM is no longer a weight read, and the kernel
-        # is bf16/fp16 only: cuBLAS there
-        return self.skinny_rows > 0 and x.dtype in SKINNY_DTYPES and x.shape[0] <= SKINNY_MAX_M
+    def _kernel_rows(self, x: torch.Tensor, n: int, gated: bool) -> int:
+        """Rows up to which this projection runs graphcap's kernel (cuBLAS above; 0: cuBLAS always, no op). Above
+        MAX_M rows (an eager call past the largest bucket) a GEMM is no longer a weight read, and the kernel is
+        bf16/fp16 only: cuBLAS there."""
+        if self.skinny_rows <= 0 or x.dtype not in SKINNY_DTYPES or x.shape[0] > SKINNY_MAX_M:
+            return 0
+        return min(self.skinny_rows, kernel_rows(n, gated)) if self.skinny_by_shape else self.skinny_rows
 
     def linear(self, x, w):
-        return skinny_linear(x, w, cublas_above=self.skinny_rows) if self._skinny(x) else x @ w.t()
+        rows = self._kernel_rows(x, w.shape[0], False)
+        return skinny_linear(x, w, cublas_above=rows) if rows else x @ w.t()
 
     def gate_up_gelu(self, x, w_gate_up):
-        if self._skinny(x):
-            return skinny_gate_up_gelu(x, w_gate_up, cublas_above=self.skinny_rows)
+        rows = self._kernel_rows(x, w_gate_up.shape[0] // 2, True)
+        if rows:
+            return skinny_gate_up_gelu(x, w_gate_up, cublas_above=rows)
         return self.gelu_mul(x @ w_gate_up.t())
 
     def rope(self, q, rope):
@@ -249,14 +258,15 @@ class LayerKernelOps(TorchOps):
         return layer_fusions.norm_add_scale_norm(x, w_x, residual, scalar, w_out, EPS)
 
 
-# graphcap's loop (DraftLoop's default): the skinny GEMM up to 4 rows, where it measured faster than cuBLAS in the
-# iteration on the H200 (batch 1: 0.93x the time; batch 8: 0.99x, within the runs' spread; batch 64: 1.01x;
-# docs/results.md)
-SKINNY_ROWS = 4
-LAYER_KERNEL_OPS = LayerKernelOps(name="layer-kernels", skinny_rows=SKINNY_ROWS)
+# graphcap's loop (DraftLoop's default): each projection through the skinny GEMM at the batches where its shape
+# class measured faster than cuBLAS on the H200 (skinny_gemm.KERNEL_ROWS: q_proj and post_proj up to 16 rows,
+# gate/up + gelu-mul at every batch, the narrow split-K shapes never; docs/results.md)
+LAYER_KERNEL_OPS = LayerKernelOps(name="layer-kernels-gemm-by-shape", skinny_rows=SKINNY_MAX_M, skinny_by_shape=True)
 DEFAULT_OPS = LAYER_KERNEL_OPS
-# graphcap's loop with the skinny GEMM at every bucket (bench mode graphcap-skinny-gemm)
+# graphcap's loop with the skinny GEMM at every bucket and shape (bench mode graphcap-skinny-gemm)
 SKINNY_OPS = LayerKernelOps(name="layer-kernels-skinny-gemm", skinny_rows=SKINNY_MAX_M)
+# the skinny GEMM for every shape up to 4 rows, cuBLAS above (bench mode graphcap-skinny-4rows)
+SKINNY_4ROWS_OPS = LayerKernelOps(name="layer-kernels", skinny_rows=4)
 FUSED_MODULE = "graphcap.kernels.fused_ops"
 SGLANG_POST_NORM = "sglang.kernels.ops.layernorm.gemma4_fused_ops"  # gemma_rmsnorm_residual_scalar
 
