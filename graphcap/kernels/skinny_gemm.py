@@ -16,16 +16,17 @@ split-K reduction kernel, plus (gate/up) a separate gelu-mul kernel that reads t
   stores gelu_tanh(g) * u (fp32, one rounding): no [M, 2I] intermediate, no second kernel, no split-K (I = 6144 is
   wide enough to fill the GPU).
 - Narrow shapes (N = 1536, K up to 16384: o_proj, down, pre_proj) cannot fill 132 SMs with N-blocks alone, so they
-  split K: program (n, s) writes its fp32 partial to a workspace [S, M, N] and a second kernel sums the S partials in
-  order s = 0..S-1 and rounds once. That is two kernels and S * M * N * 8 bytes of workspace traffic per call, but it
-  is deterministic (no atomics: the same bits on every call, as replay-vs-compiled equality needs).
+  split K: program (n, s) writes its fp32 partial to a workspace [S, M, N], and the S partials are summed in order
+  s = 0..S-1 and rounded once - by a second kernel, or (Config.fixup) in the same kernel by the last split of each
+  n-block to arrive, which an atomic counter per n-block tells (`fixup_counters`). Either way deterministic: the same
+  bits on every call, as replay-vs-compiled equality needs (the atomics only count; they add nothing).
 
 Launch configs come from a fixed table (CANDIDATES, keyed by shape class) through `plan`, a pure-Python function of
 the static shapes: no autotuning at call time, so a call costs nothing extra on the host and captures in a CUDA graph.
 The ops are opaque `torch.library.custom_op`s (with fake implementations): torch.compile keeps them as calls.
 `cublas_above=R` sends calls of more than R rows to cuBLAS instead (gate/up: cuBLAS, then graphcap's gelu-mul
 kernel), decided in the op's body at run time, where M is a plain int also under one compile for every batch (the
-draft loop's op set uses the kernel only for the batches it measured faster at: graphcap.models.draft_ops).
+draft loop's op set uses the kernel only for the shape classes and batches it measured faster at: `KERNEL_ROWS`).
 `skinny_linear_torch` / `skinny_gate_up_gelu_torch` are the plain-torch twins (cuBLAS + an fp32 gelu-mul): the
 tests' reference and the fallback where Triton does not run.
 """
@@ -69,8 +70,8 @@ class Config(NamedTuple):
 # the first of each the one `plan` picks. Sized for an H200 (132 SMs, ~228 KB shared memory per SM): 8-32 KB of
 # weights per pipeline stage, 3-4 stages, and at least ~2 programs per SM. Each class's first is the fastest of its
 # candidates at the draft's shapes in bench/skinny_gemm.py's sweep on the H200 (docs/results.md, the skinny GEMM).
-_FIXUP = (Config(32, 256, 4, 4, 4, fixup=True), Config(32, 256, 8, 4, 4, fixup=True),
-          Config(16, 256, 8, 4, 4, fixup=True), Config(64, 128, 8, 4, 4, fixup=True))
+_FIXUP = (Config(64, 128, 8, 4, 4, fixup=True), Config(32, 256, 4, 4, 4, fixup=True),
+          Config(32, 256, 8, 4, 4, fixup=True), Config(16, 256, 8, 4, 4, fixup=True))
 _SMALL = {
     "wide": (Config(64, 128, 1, 4, 4), Config(32, 256, 1, 4, 4), Config(16, 512, 1, 4, 3), Config(64, 256, 1, 8, 3)),
     "gated": (Config(32, 128, 1, 4, 4), Config(16, 256, 1, 4, 4), Config(32, 256, 1, 4, 3), Config(64, 128, 1, 8, 3)),
@@ -86,14 +87,15 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
     "m64-wide": (Config(64, 128, 1, 4, 4), Config(128, 128, 1, 8, 3), Config(32, 256, 1, 4, 3),
                  Config(64, 256, 1, 8, 3)),
     "m64-gated": (Config(64, 128, 1, 4, 3), Config(32, 128, 1, 4, 4), Config(128, 64, 1, 8, 3)),
-    "m64-narrow": (Config(64, 128, 8, 4, 4, fixup=True), Config(64, 128, 4, 4, 4, fixup=True),
-                   Config(64, 128, 8, 4, 4), Config(64, 128, 4, 4, 4), Config(128, 128, 8, 8, 3),
-                   Config(32, 256, 8, 4, 3), Config(64, 128, 1, 4, 4)),
+    "m64-narrow": (Config(64, 128, 4, 4, 4), Config(64, 128, 8, 4, 4), Config(64, 128, 4, 4, 4, fixup=True),
+                   Config(64, 128, 8, 4, 4, fixup=True), Config(128, 128, 8, 8, 3), Config(32, 256, 8, 4, 3),
+                   Config(64, 128, 1, 4, 4)),
 }
 
 # Up to how many rows graphcap's op sets send a shape class to the kernel (its plan) rather than cuBLAS: where the
-# plan beat cuBLAS on the H200 at the draft's shapes (bench/skinny_gemm.py; docs/results.md, the skinny GEMM). The
-# gate/up kernel's margin includes the gelu-mul kernel cuBLAS needs after it.
+# plan beat cuBLAS on the H200 at the draft's shapes (bench/skinny_gemm.py; docs/results.md, the skinny GEMM): wide
+# 1.02-1.05x up to 16 rows (q_proj; post_proj even), gate/up 1.04-1.11x at every M (its margin includes the gelu-mul
+# kernel cuBLAS needs after it), narrow never (the best split K, in one kernel, 0.94-1.04x: no gain).
 KERNEL_ROWS = {"wide": 16, "gated": MAX_M, "narrow": 0}
 
 
