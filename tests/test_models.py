@@ -320,6 +320,36 @@ def test_skinny_gemm_op_set_runs_every_projection_through_the_kernel_and_drafts_
     assert 0 < err[SKINNY_OPS.name] <= 1.5 * err[TORCH_OPS.name], err
 
 
+def test_default_op_set_routes_each_projection_by_its_shape_class(monkeypatch):
+    """The default set (LAYER_KERNEL_OPS) hands a bf16 projection to the skinny GEMM with cublas_above = its shape
+    class's KERNEL_ROWS (capped by skinny_rows), and a class with 0 rows, a float32 input or more than MAX_M rows
+    straight to cuBLAS (no op at all); the other sets keep their fixed rule. Whatever the route, the result is the
+    projection (the ops' twins here)."""
+    import graphcap.kernels.skinny_gemm as sg
+    import graphcap.models.draft_ops as draft_ops
+    from graphcap.models.draft_ops import LAYER_KERNEL_OPS, SKINNY_4ROWS_OPS
+
+    seen = []
+    for name in ("skinny_linear", "skinny_gate_up_gelu"):
+        fn = getattr(draft_ops, name)
+        monkeypatch.setattr(draft_ops, name, lambda x, w, _fn=fn, _n=name, **k: (seen.append((_n, k["cublas_above"])),
+                                                                                 _fn(x, w, **k))[1])
+    monkeypatch.setattr(sg, "KERNEL_ROWS", {"wide": 8, "gated": 2, "narrow": 0})
+    g = torch.Generator().manual_seed(5)
+    wide, narrow = torch.randn(sg.NARROW_N, 24, generator=g), torch.randn(40, 24, generator=g)
+    gated = torch.randn(2 * 48, 24, generator=g)
+    for rows, dtype in ((3, torch.bfloat16), (3, torch.float32), (sg.MAX_M + 1, torch.bfloat16)):
+        x = torch.randn(rows, 24, generator=g).to(dtype)
+        for ops, want in ((LAYER_KERNEL_OPS, [("skinny_linear", 8), ("skinny_gate_up_gelu", 2)]),
+                          (SKINNY_4ROWS_OPS, [("skinny_linear", 4), ("skinny_linear", 4), ("skinny_gate_up_gelu", 4)]),
+                          (TORCH_OPS, [])):
+            seen.clear()
+            outs = [ops.linear(x, wide.to(dtype)), ops.linear(x, narrow.to(dtype)), ops.gate_up_gelu(x, gated.to(dtype))]
+            assert seen == (want if dtype == torch.bfloat16 and rows <= sg.MAX_M else []), (ops.name, rows, dtype)
+            for got, w in zip(outs[:2], (wide, narrow)):
+                torch.testing.assert_close(got.float(), (x @ w.to(dtype).t()).float(), rtol=2e-2, atol=2e-2)
+
+
 def test_fused_post_norm_weight_unbound_is_an_error_and_refresh_follows_in_place_updates():
     """The (1 + w) tensors sglang's post-MLP kernel reads are made at bind, keyed by the weight: a weight bind never
     saw is an error naming what was bound (never a silent three-kernel fallback); an in-place update of a bound

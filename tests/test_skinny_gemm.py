@@ -272,7 +272,7 @@ def test_fixup_falls_back_to_the_sum_kernel_past_its_counters(device, monkeypatc
 
 
 def test_kernel_rows_by_shape_class():
-    """The op sets' routing: wide shapes up to 16 rows, gate/up at every M, narrow (split-K) shapes never."""
+    """The op sets' routing by shape class: a wide, a gated and a narrow (split-K) class, each with its own rows."""
     assert sg.kernel_rows(8192) == sg.kernel_rows(5376) == sg.KERNEL_ROWS["wide"]
     assert sg.kernel_rows(6144, gated=True) == sg.KERNEL_ROWS["gated"]
     assert sg.kernel_rows(1536) == sg.kernel_rows(2048) == sg.KERNEL_ROWS["narrow"]

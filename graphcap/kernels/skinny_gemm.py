@@ -92,11 +92,13 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
                    Config(64, 128, 1, 4, 4)),
 }
 
-# Up to how many rows graphcap's op sets send a shape class to the kernel (its plan) rather than cuBLAS: where the
-# plan beat cuBLAS on the H200 at the draft's shapes (bench/skinny_gemm.py; docs/results.md, the skinny GEMM): wide
-# 1.02-1.05x up to 16 rows (q_proj; post_proj even), gate/up 1.04-1.11x at every M (its margin includes the gelu-mul
-# kernel cuBLAS needs after it), narrow never (the best split K, in one kernel, 0.94-1.04x: no gain).
-KERNEL_ROWS = {"wide": 16, "gated": MAX_M, "narrow": 0}
+# Up to how many rows graphcap's op sets send a shape class to the kernel (its plan) rather than cuBLAS: where it made
+# the draft iteration faster on the H200 (graphcap bench, docs/results.md, the skinny GEMM). Alone (bench/skinny_gemm.py)
+# the kernel beat cuBLAS by 2-5% on the wide shapes up to 16 rows and 4-11% on gate/up (whose margin includes the
+# gelu-mul kernel cuBLAS needs after it), and tied on the narrow split-K shapes; in the iteration the narrow shapes'
+# one-kernel split K won up to 4 rows (cuBLAS adds split-K reduction kernels: 180 kernels against 153), the wide and
+# gated shapes won at 8 rows and lost at 16.
+KERNEL_ROWS = {"wide": 8, "gated": 8, "narrow": 4}
 
 
 def kernel_rows(n: int, gated: bool = False) -> int:
