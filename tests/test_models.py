@@ -344,7 +344,8 @@ def test_default_op_set_routes_each_projection_by_its_shape_class(monkeypatch):
                           (SKINNY_4ROWS_OPS, [("skinny_linear", 4), ("skinny_linear", 4), ("skinny_gate_up_gelu", 4)]),
                           (TORCH_OPS, [])):
             seen.clear()
-            outs = [ops.linear(x, wide.to(dtype)), ops.linear(x, narrow.to(dtype)), ops.gate_up_gelu(x, gated.to(dtype))]
+            outs = [ops.linear(x, wide.to(dtype)), ops.linear(x, narrow.to(dtype)),
+                    ops.gate_up_gelu(x, gated.to(dtype))]
             assert seen == (want if dtype == torch.bfloat16 and rows <= sg.MAX_M else []), (ops.name, rows, dtype)
             for got, w in zip(outs[:2], (wide, narrow)):
                 torch.testing.assert_close(got.float(), (x @ w.to(dtype).t()).float(), rtol=2e-2, atol=2e-2)

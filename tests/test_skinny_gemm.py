@@ -253,6 +253,7 @@ def test_fixup_equals_the_two_kernel_split_bit_for_bit(device, m, n, k, splits, 
     """Split K in one kernel (Config.fixup: the last split of each n-block sums the partials) gives the sum kernel's
     bits - the same partials summed in the same order - and leaves every counter at 0 for the next launch."""
     x, w = make(seed, m, n, k, device=device)
+    sg.prepare_fixup(x.device)
     cfg = Config(16, 32, splits, 4, 2)
     two = run(x, w, cfg, False)
     one = run(x, w, cfg._replace(fixup=True), False)
@@ -261,14 +262,24 @@ def test_fixup_equals_the_two_kernel_split_bit_for_bit(device, m, n, k, splits, 
     assert not sg.fixup_counters(x.device, 1).any()
 
 
-def test_fixup_falls_back_to_the_sum_kernel_past_its_counters(device, monkeypatch):
-    """More n-blocks than counters: no fixup (the two-kernel split, the same bits)."""
+def test_fixup_only_with_prepared_counters_else_the_sum_kernel(device, monkeypatch):
+    """A fixup config runs in one kernel only with counters `prepare_fixup` made beforehand and enough of them;
+    otherwise the two-kernel split (the same bits), and a call never makes counters itself (inside a CUDA graph
+    capture or torch.compile's graph warm-up they would come from the graph's memory pool)."""
     x, w = make(3, 2, 80, 96, device=device)
     cfg = Config(16, 32, 3, 4, 2, fixup=True)
     want = run(x, w, cfg._replace(fixup=False), False)
+    sums = []
+    real_sum = sg._splitk_sum_kernel
+    monkeypatch.setattr(sg, "_splitk_sum_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: (sums.append(grid), real_sum[grid])[1]})())
+    monkeypatch.setattr(sg, "_counters", {})
+    assert torch.equal(run(x, w, cfg, False), want) and len(sums) == 1 and sg._counters == {}  # not prepared
+    sg.prepare_fixup(x.device)
+    assert torch.equal(run(x, w, cfg, False), want) and len(sums) == 1  # one kernel
     monkeypatch.setattr(sg, "MAX_FIXUP_BLOCKS", 4)  # 80 columns / 16 = 5 blocks
     assert sg.fixup_counters(x.device, 5) is None
-    assert torch.equal(run(x, w, cfg, False), want)
+    assert torch.equal(run(x, w, cfg, False), want) and len(sums) == 2
 
 
 def test_kernel_rows_by_shape_class():
@@ -502,6 +513,7 @@ def test_cuda_graph_replay_equals_eager_exactly(name, m):
     n, k = (2 * GATE_UP[0], GATE_UP[1]) if gated else GEMMA[name]
     x, w = gpu_case(m, m, n, k)
     op = skinny_gate_up_gelu if gated else skinny_linear
+    sg.prepare_fixup(x.device)  # a narrow plan splits K in one kernel
     op(x, w)  # compile the kernels outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -527,6 +539,7 @@ def test_fixup_on_gpu_equals_the_two_kernel_split(name, m, fp32_cublas):
     kernel's bits over repeated launches, within the float64 bound."""
     n, k = GEMMA[name]
     x, w = gpu_case(m, m, n, k)
+    sg.prepare_fixup(x.device)
     for cfg in {c for cs in CANDIDATES.values() for c in cs if c.fixup}:
         want = run(x, w, cfg._replace(fixup=False), False)
         for _ in range(3):
@@ -542,11 +555,13 @@ def test_torch_compile_reduce_overhead_on_gpu():
 
     _, w_qkv = gpu_case(1, 1, 1536, 8192)
     _, w_gu = gpu_case(2, 1, 2 * 6144, 1536)
-    for w in (w_qkv, w_gu):
+    _, w_down = gpu_case(4, 1, 1536, 6144)  # narrow: its plan splits K in one kernel, counters made first
+    sg.prepare_fixup("cuda")
+    for w in (w_qkv, w_gu, w_down):
         torch._dynamo.mark_static_address(w)
 
     def f(x):
-        return skinny_gate_up_gelu(skinny_linear(x, w_qkv), w_gu)
+        return skinny_linear(skinny_gate_up_gelu(skinny_linear(x, w_qkv), w_gu), w_down)
 
     counters.clear()
     compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True, dynamic=False)

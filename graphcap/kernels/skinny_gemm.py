@@ -18,7 +18,7 @@ split-K reduction kernel, plus (gate/up) a separate gelu-mul kernel that reads t
 - Narrow shapes (N = 1536, K up to 16384: o_proj, down, pre_proj) cannot fill 132 SMs with N-blocks alone, so they
   split K: program (n, s) writes its fp32 partial to a workspace [S, M, N], and the S partials are summed in order
   s = 0..S-1 and rounded once - by a second kernel, or (Config.fixup) in the same kernel by the last split of each
-  n-block to arrive, which an atomic counter per n-block tells (`fixup_counters`). Either way deterministic: the same
+  n-block to arrive, which an atomic counter per n-block tells (`prepare_fixup`). Either way deterministic: the same
   bits on every call, as replay-vs-compiled equality needs (the atomics only count; they add nothing).
 
 Launch configs come from a fixed table (CANDIDATES, keyed by shape class) through `plan`, a pure-Python function of
@@ -93,11 +93,11 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
 }
 
 # Up to how many rows graphcap's op sets send a shape class to the kernel (its plan) rather than cuBLAS: where it made
-# the draft iteration faster on the H200 (graphcap bench, docs/results.md, the skinny GEMM). Alone (bench/skinny_gemm.py)
-# the kernel beat cuBLAS by 2-5% on the wide shapes up to 16 rows and 4-11% on gate/up (whose margin includes the
-# gelu-mul kernel cuBLAS needs after it), and tied on the narrow split-K shapes; in the iteration the narrow shapes'
-# one-kernel split K won up to 4 rows (cuBLAS adds split-K reduction kernels: 180 kernels against 153), the wide and
-# gated shapes won at 8 rows and lost at 16.
+# the draft iteration faster on the H200 (graphcap bench; docs/results.md, the skinny GEMM). Alone
+# (bench/skinny_gemm.py) the kernel beat cuBLAS by 2-5% on the wide shapes up to 16 rows and by 4-11% on gate/up
+# (whose margin includes the gelu-mul kernel cuBLAS needs after it), and tied on the narrow split-K shapes. In the
+# iteration the narrow shapes' one-kernel split K won up to 4 rows (cuBLAS adds split-K reduction kernels: 180
+# kernels against 153), and the wide and gated shapes won at 8 rows and lost at 16.
 KERNEL_ROWS = {"wide": 8, "gated": 8, "narrow": 4}
 
 
@@ -290,21 +290,26 @@ MAX_FIXUP_BLOCKS = 4096  # n-blocks one fixup launch may have (N / block_n): 16 
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-def fixup_counters(device: torch.device, blocks: int) -> torch.Tensor | None:
-    """The device's split-K arrival counters (int32, zero between launches: each launch's last splits reset theirs),
-    made once, outside any CUDA graph capture. None - the launch then takes the two-kernel split K - where they would
-    have to be made during a capture (the graph would own them) or `blocks` exceeds MAX_FIXUP_BLOCKS.
-
-    One buffer per device, so two fixup launches must not run at the same time on two streams of one device (their
-    counts would mix): graphcap launches its projections from one stream, in order."""
-    if blocks > MAX_FIXUP_BLOCKS:
-        return None
+def prepare_fixup(device: torch.device | str) -> torch.Tensor:
+    """Make `device`'s split-K arrival counters (int32, zero between launches: each launch's last splits reset
+    theirs), once; returns them. Call it before compiling or capturing anything that launches a fixup config
+    (graphcap's op sets do, at bind): never lazily inside a call, where a CUDA graph capture, or torch.compile's
+    CUDA-graph warm-up, would take them from the graph's private memory pool - memory the graph machinery hands out
+    again, clobbering the counts. One buffer per device, so two fixup launches must not run at the same time on two
+    streams of one device (their counts would mix): graphcap launches its projections from one stream, in order."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     c = _counters.get(device)
     if c is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
         c = _counters[device] = torch.zeros(MAX_FIXUP_BLOCKS, dtype=torch.int32, device=device)
     return c
+
+
+def fixup_counters(device: torch.device, blocks: int) -> torch.Tensor | None:
+    """The counters `prepare_fixup` made for `device`; None - the launch then takes the two-kernel split K, the same
+    bits - where none were made or `blocks` exceeds MAX_FIXUP_BLOCKS."""
+    return _counters.get(device) if blocks <= MAX_FIXUP_BLOCKS else None
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gated: bool = False) -> torch.Tensor:

@@ -64,7 +64,7 @@ from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torc
 from graphcap.kernels.fused_ops import gelu_tanh_and_mul, gemma_rmsnorm
 from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
 from graphcap.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
-from graphcap.kernels.skinny_gemm import kernel_rows, skinny_gate_up_gelu, skinny_linear
+from graphcap.kernels.skinny_gemm import kernel_rows, prepare_fixup, skinny_gate_up_gelu, skinny_linear
 from graphcap.kernels.small_topk import small_topk
 
 EPS = 1e-6
@@ -171,6 +171,10 @@ class TorchOps(ChainedOps):
     skinny_by_shape: bool = False
 
     def bind(self, model: nn.Module) -> TorchOps:
+        if self.skinny_rows > 0:  # the one-kernel split K's counters, made before anything compiles or captures
+            for p in model.parameters():
+                prepare_fixup(p.device)
+                break
         return self
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
