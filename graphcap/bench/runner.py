@@ -106,10 +106,11 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                 backend = cfg.graphcap_backend
                 if not cuda:
                     note = f"backend {backend} (CUDA graphs need CUDA)"
-                if name == "graphcap-skinny-gemm" and cfg.spec.torch_dtype() not in SKINNY_DTYPES:
+                skinny = name in ("graphcap-skinny-gemm", "graphcap-skinny-4rows")
+                if skinny and cfg.spec.torch_dtype() not in SKINNY_DTYPES:
                     note = _join(note, f"{cfg.spec.dtype} spec: cuBLAS projections (the skinny GEMM is bf16/fp16 "
                                        "only), the same loop as graphcap")
-                elif name == "graphcap-skinny-gemm" and not cuda:
+                elif skinny and not cuda:
                     note = _join(note, "the skinny GEMM's torch twin (cuBLAS's math) without CUDA")
                 per_bucket = {"dynamic_batch": False} if name == "graphcap-per-bucket" else {}
                 runner = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=None,

@@ -171,10 +171,9 @@ class TorchOps(ChainedOps):
     skinny_by_shape: bool = False
 
     def bind(self, model: nn.Module) -> TorchOps:
-        if self.skinny_rows > 0:  # the one-kernel split K's counters, made before anything compiles or captures
-            for p in model.parameters():
-                prepare_fixup(p.device)
-                break
+        p = next(model.parameters(), None)
+        if self.skinny_rows > 0 and p is not None:  # the one-kernel split K's counters, before any compile or capture
+            prepare_fixup(p.device)
         return self
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
