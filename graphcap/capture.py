@@ -144,18 +144,15 @@ class DraftGraphs:
         """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph).
 
         With a compiled backend the default is one compile for every bucket (`dynamic_batch=True`; the loop plans its
-        attention for any batch): on the H200, with layer regions (the draft loop's default), it captured buckets
-        1..64 in 22.8-25.9 s from empty caches against 167.5 s for one compile per bucket (layers inlined), 5.0-6.4 s
-        against 20.9 s on a warm restart and 5.2-9.8 s against 104 s on a restart with other pool sizes, its replays
-        equal to the same code without graphs (docs/results.md, capture).
-        `dynamic_batch=False` gives the per-bucket compile, whose iteration is faster (the one compile ran at
-        0.85-0.96x its speed, layers inlined).
+        attention for any batch): on the H200 it captures buckets 1..64 in seconds where one compile per bucket took
+        minutes, also on a restart with other pool sizes (docs/results.md, capture). `dynamic_batch=False` gives the
+        per-bucket compile, whose iteration was faster (the one compile ran at 0.85-0.96x its speed, layers inlined).
 
         With a `compile_cache` the default is also `precompile=True` wherever it applies (one compile for every
         bucket, backend inductor-cudagraph or compile, a loop with a `precompile_signature()` as DraftLoop has): a
-        warm restart then loads the iteration instead of tracing it (H200, buckets 1..64: 2.5 s against 5.0 s;
-        docs/results.md). Only here, not in `DraftGraphs` itself: the precompiled iteration's key stands in for
-        Dynamo's guards, and only a loop's signature says what that key must hold (graphcap.precompile)."""
+        warm restart then loads the iteration instead of tracing it. Only here, not in `DraftGraphs` itself: the
+        precompiled iteration's key stands in for Dynamo's guards, and only a loop's signature says what that key must
+        hold (graphcap.precompile)."""
         spec = loop.spec
         buckets = buckets or spec.capture.buckets
         backend = backend or spec.capture.backend
