@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         wb.reset(state.slots.tolist(), [a.context] * b)
         loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full,
                          ops=ops, layer_regions=not a.inlined_layers)
-        gr = DraftGraphs.for_loop(loop, backend=backend, buckets=(b,), manifest_path=None, progress=False,
-                                  dynamic_batch=not a.per_bucket)
+        # the one compile sized for the spec's largest bucket, as a server capturing all of them compiles it
+        sizing = {"dynamic_batch": False} if a.per_bucket else {"compile_max_batch": max(spec.capture.buckets[-1], b)}
+        gr = DraftGraphs.for_loop(loop, backend=backend, buckets=(b,), manifest_path=None, progress=False, **sizing)
         gr.capture()
         return gr
 

@@ -64,6 +64,7 @@ class DraftGraphs:
         cache_key: str | None = None,
         pool_dims: PoolDims | None = None,
         precompile: bool = False,
+        compile_max_batch: int | None = None,
     ) -> None:
         """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
         file). `progress=True` adds a `StderrProgress`; `observers` (graphcap.observers) and `add_observer` more.
@@ -88,7 +89,11 @@ class DraftGraphs:
         `precompile=True` (with `dynamic_batch` and `compile_cache`; backends inductor-cudagraph and compile;
         experimental in torch; `for_loop`'s default with a compile cache): save the compiled iteration whole in the
         cache directory, Dynamo's output included, and at the next capture load it instead of tracing
-        (graphcap.precompile: what replaces Dynamo's guards)."""
+        (graphcap.precompile: what replaces Dynamo's guards).
+
+        `compile_max_batch` (with `dynamic_batch`): the largest batch the one compile is sized for - its batch range
+        and Inductor's size hints, which choose its kernels - instead of the largest bucket. A bench that captures
+        only some of a server's buckets passes the server's largest, so that it measures the code the server runs."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         self._dispatch = BucketDispatcher(buckets)
@@ -107,6 +112,13 @@ class DraftGraphs:
                              f"compile_cache={compile_cache!r}, backend {backend!r})")
         if precompile and getattr(fn, "graph_breaks", False):
             raise ValueError("DraftGraphs: precompile needs a function Dynamo traces whole (fn.graph_breaks is set)")
+        largest = self._dispatch.largest
+        if compile_max_batch is not None and not (dynamic_batch and type(compile_max_batch) is int
+                                                  and compile_max_batch >= largest):
+            raise ValueError(f"DraftGraphs: compile_max_batch sizes the one compile for every bucket: an int >= the "
+                             f"largest bucket {largest} with dynamic_batch=True (got {compile_max_batch!r}, "
+                             f"dynamic_batch={dynamic_batch})")
+        self._compile_max = compile_max_batch or largest
         self.dynamic_batch = dynamic_batch
         self.precompile = precompile
         self.compile_cache = compile_cache if backend in COMPILED_BACKENDS else None
@@ -217,16 +229,15 @@ class DraftGraphs:
                 # error under mark_dynamic's range) and each input would get its own symbol. (strict=True, which
                 # should refuse a specialisation, made Dynamo specialise at 1 again in torch 2.13: the entry count
                 # after capture is checked instead.) hint_override: Inductor's size hints (autotuning) take the
-                # largest bucket, not its default for unbacked sizes.
-                top = self._dispatch.largest
+                # largest batch (compile_max_batch), not its default for unbacked sizes.
                 for t in inputs:
-                    mark_batch_unbacked(t, top)
+                    mark_batch_unbacked(t, self._compile_max)
             if self.dynamic_batch:  # the per-bucket compile specialises on every shape anyway (docs/architecture.md)
                 self._static.mark_pool_dims()
             static = self._static.all_tensors(iter(inputs))
             if self.compile_cache is not None:
                 self._cache_state = cc.load(self.compile_cache, self._cache_key())
-            batch_range = (1, self._dispatch.largest) if self.dynamic_batch else None
+            batch_range = (1, self._compile_max) if self.dynamic_batch else None
             self._compiled = self._precompiled(static, batch_range) if self.precompile else None
             if self._compiled is None:
                 compiled = compile_iteration(self.fn, self.backend, static, len(self._buckets), tag=f"{id(self):x}",
@@ -299,8 +310,10 @@ class DraftGraphs:
         return CompiledIteration(got.fn, None)
 
     def _cache_key(self) -> str:
+        sized = f";compile_max_batch={self._compile_max}" if self._compile_max != self._dispatch.largest else ""
         return cc.cache_key(spec_hash=self.spec.hash if self.spec is not None else None,
-                             key=self._cache_key_text, backend=self.backend, buckets=self._dispatch.sizes,
+                             key=(self._cache_key_text or "") + sized or None, backend=self.backend,
+                             buckets=self._dispatch.sizes,
                              dynamic_batch=self.dynamic_batch, device=self.device)
 
     def _new_bucket(self, size: int) -> BucketGraph:

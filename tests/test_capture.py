@@ -555,6 +555,41 @@ def test_dynamic_batch_on_a_torch_whose_unbacked_marks_take_no_range(device, tmp
         assert cache_entries(graphs._compiled.code) == 1
 
 
+def test_compile_max_batch_sizes_the_one_compile_beyond_the_captured_buckets(device, monkeypatch):
+    """compile_max_batch (what the benches pass: the spec's largest bucket while capturing only the measured ones):
+    the batch is marked and ranged up to it, not up to the largest captured bucket - the code a server capturing
+    every bucket compiles - and it is part of the compile cache's key; the buckets still capture and draft as the
+    eager loop does. A value below the largest bucket, not an int, or without the one compile is refused, named."""
+    if device == "cuda":
+        pytest.skip("CPU check with the compile backend; the GPU backends need a GPU run")
+    import graphcap.capture as capture_mod
+
+    tops, ranges = [], []
+    real_mark, real_compile = capture_mod.mark_batch_unbacked, capture_mod.compile_iteration
+    monkeypatch.setattr(capture_mod, "mark_batch_unbacked", lambda t, top: (tops.append(top), real_mark(t, top)))
+    monkeypatch.setattr(capture_mod, "compile_iteration",
+                        lambda *a, **kw: (ranges.append(kw["batch_range"]), real_compile(*a, **kw))[1])
+    with twins_on_cpu():
+        eager, dyn = build(device), build(device)
+        graphs = DraftGraphs.for_loop(dyn[2], backend="compile", buckets=(1, 2), manifest_path=None,
+                                      compile_max_batch=7)
+        plain = DraftGraphs.for_loop(build(device)[2], backend="compile", buckets=(1, 2), manifest_path=None)
+        assert graphs._cache_key() != plain._cache_key()
+        graphs.capture()
+        assert set(tops) == {7} and ranges == [(1, 7)] and graphs._compiled.entries == 1
+        g = torch.Generator().manual_seed(9)
+        for b in (2, 1):
+            batch = random_batch(g, eager[1], device, b)
+            want, got = eager[2](*batch), graphs.run(*batch, copy=True)
+            decided = want.margins > 1e-3
+            torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
+            assert torch.equal(got.tokens[decided], want.tokens[decided]), b
+    for bad, kw in ((1, {}), ("8", {}), (8, {"dynamic_batch": False})):
+        with pytest.raises(ValueError, match=rf"compile_max_batch .* largest bucket 2 .*got {bad!r}"):
+            DraftGraphs.for_loop(build(device)[2], backend="compile", buckets=(1, 2), manifest_path=None,
+                                 compile_max_batch=bad, **kw)
+
+
 class _GraphStandIn:
     """Stands in for a recorded CUDA graph (none on a CPU): its replay runs the function over the bucket's
     static inputs into its static outputs - what a replay of the recorded graph computes - so run() and replay()
