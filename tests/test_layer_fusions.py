@@ -7,6 +7,8 @@ next one carries it: 2**-6 of the tensor's largest magnitude. Inputs are random 
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -34,6 +36,18 @@ def nonzero(shape, g: torch.Generator, dtype: torch.dtype, device: str, lo: floa
 def angles(rows: int, half: int, g: torch.Generator, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     a = torch.rand(rows, half, generator=g, dtype=torch.float64) * 6.28
     return a.cos().float().to(device), a.sin().float().to(device)
+
+
+def positions(b: int, table_rows: int, g: torch.Generator, device: str, index_dtype=torch.int64):
+    """Random slots (distinct, in a lens table with spare rows) and lens: lengths 0 (position 0, as padding rows),
+    inside the table, and past its end (the last row), in random order. Returns slots, lens and each row's
+    position as the kernels must find it."""
+    n_slots = b + 3
+    slots = torch.randperm(n_slots, generator=g)[:b]
+    lens = torch.randint(0, table_rows + 4, (n_slots,), generator=g)
+    lens[slots[0]] = 0
+    pos = (lens[slots] - 1).clamp(0, table_rows - 1)
+    return slots.to(index_dtype).to(device), lens.to(torch.int32).to(device), pos
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str,
@@ -70,20 +84,24 @@ def norm64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(**SETTINGS)
 @given(b=st.integers(1, 4), heads=st.integers(1, 4), half=st.integers(1, 24), pad=st.integers(0, 2),
-       w32=st.booleans(), eps=st.sampled_from([1e-6, 0.1]), seed=st.integers(0, 2**16))
-def test_norm_rope_matches_twin_and_float64(device, dtype, b, heads, half, pad, w32, eps, seed):
+       w32=st.booleans(), eps=st.sampled_from([1e-6, 0.1]), table=st.integers(1, 9), int32_slots=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_norm_rope_matches_twin_and_float64(device, dtype, b, heads, half, pad, w32, eps, table, int32_slots, seed):
+    """Each row rotated at the position its slot's length gives, from the tables: against float64 math over the
+    rows' positions computed here (lengths 0 and past the table's end included)."""
     g = torch.Generator().manual_seed(seed)
     d = 2 * half
     q = nonzero((b, heads + pad, d), g, dtype, device)[:, :heads]  # a head stride past the rows' own
     w = nonzero((d,), g, torch.float32 if w32 else dtype, device)
-    cos, sin = angles(b, half, g, device)
+    cos, sin = angles(table, half, g, device)
+    slots, lens, pos = positions(b, table, g, device, torch.int32 if int32_slots else torch.int64)
     q0 = q.clone()
-    got = L.norm_rope(q, w, cos, sin, eps)
+    got = L.norm_rope(q, w, cos, sin, slots, lens, eps)
     assert torch.equal(q, q0), "q must not change"
     n = norm64(q0, w, eps)
-    c, s = cos.double()[:, None], sin.double()[:, None]
+    c, s = cos.double().cpu()[pos][:, None].to(device), sin.double().cpu()[pos][:, None].to(device)
     want = torch.cat([n[..., :half] * c - n[..., half:] * s, n[..., half:] * c + n[..., :half] * s], -1)
-    twin = L.norm_rope_torch(q0, w, cos, sin, eps)
+    twin = L.norm_rope_torch(q0, w, cos, sin, slots, lens, eps)
     assert got.shape == q0.shape and got.dtype == dtype
     assert_close(got, twin, dtype, "norm_rope vs twin")
     assert_close(twin, want, dtype, "twin vs float64")
@@ -180,20 +198,21 @@ def test_cpu_without_interpreter_runs_the_twin(monkeypatch):
 
 def test_torch_compile_traces_the_ops_whole_cpu():
     """Under Dynamo (fullgraph: no break) the three ops trace as ops with fake tensors and give the eager result."""
-    def chain(x, r, w, s, q, cos, sin):
+    def chain(x, r, w, s, q, cos, sin, slots, lens):
         h, t = L.norm_add_norm(x, r, w, w)
         o, h2 = L.norm_add_scale_norm(h, w, t, s, w)
-        return o, h2, L.norm_rope(q, w[:16], cos, sin)
+        return o, h2, L.norm_rope(q, w[:16], cos, sin, slots, lens)
 
     g = torch.Generator().manual_seed(1)
     x, r = nonzero((4, 32), g, torch.float32, "cpu"), nonzero((4, 32), g, torch.float32, "cpu")
     w, s = nonzero((32,), g, torch.float32, "cpu"), torch.tensor(0.7)
     q = nonzero((4, 2, 16), g, torch.float32, "cpu")
-    cos, sin = angles(4, 8, g, "cpu")
+    cos, sin = angles(6, 8, g, "cpu")
+    slots, lens, _ = positions(4, 6, g, "cpu")
     with twins_on_cpu():
-        want = chain(x, r, w, s, q, cos, sin)
+        want = chain(x, r, w, s, q, cos, sin, slots, lens)
         torch._dynamo.reset()
-        got = torch.compile(chain, backend="aot_eager", fullgraph=True)(x, r, w, s, q, cos, sin)
+        got = torch.compile(chain, backend="aot_eager", fullgraph=True)(x, r, w, s, q, cos, sin, slots, lens)
         torch._dynamo.reset()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -209,18 +228,20 @@ def test_gemma4_widths_under_inductor_cuda():
     w1, w2 = nonzero((1536,), g, dt, "cuda"), nonzero((1536,), g, dt, "cuda")
     s = torch.tensor(0.6, dtype=dt, device="cuda")
 
-    def chain(x, r, q, wq, cos, sin):
+    def chain(x, r, q, wq, cos, sin, slots, lens):
         h, t = L.norm_add_norm(x, r, w1, w2)
-        return (h, t, *L.norm_add_scale_norm(h, w1, t, s, w2), L.norm_rope(q, wq, cos, sin))
+        return (h, t, *L.norm_add_scale_norm(h, w1, t, s, w2), L.norm_rope(q, wq, cos, sin, slots, lens))
 
     for d in (256, 512):
         q, wq = nonzero((8, 32, d), g, dt, "cuda"), nonzero((d,), g, dt, "cuda")
-        cos, sin = angles(8, d // 2, g, "cuda")
+        cos, sin = angles(4096, d // 2, g, "cuda")
+        slots, lens, _ = positions(8, 4096, g, "cuda")
         want = (*L.norm_add_norm_torch(x, r, w1, w2, 1e-6),)
         want = (*want, *L.norm_add_scale_norm_torch(want[0], w1, want[1], s, w2, 1e-6),
-                L.norm_rope_torch(q, wq, cos, sin, 1e-6))
+                L.norm_rope_torch(q, wq, cos, sin, slots, lens, 1e-6))
         torch._dynamo.reset()
-        for got in (chain(x, r, q, wq, cos, sin), torch.compile(chain, fullgraph=True)(x, r, q, wq, cos, sin)):
+        args = (x, r, q, wq, cos, sin, slots, lens)
+        for got in (chain(*args), torch.compile(chain, fullgraph=True)(*args)):
             for a, b in zip(got, want):
                 assert_close(a, b, dt, f"head dim {d}")
     torch._dynamo.reset()
@@ -275,6 +296,7 @@ def test_layer_kernel_op_set_drafts_what_the_torch_ops_draft(device, monkeypatch
 
 
 x2, w8 = torch.ones(2, 8), torch.ones(8)
+rows2 = (torch.tensor([0, 1]), torch.tensor([3, 4], dtype=torch.int32))  # slots, lens
 BAD = [
     (lambda: L.norm_add_norm(x2, torch.ones(3, 8), w8, w8), "norm_add_norm: residual must match x"),
     (lambda: L.norm_add_norm(x2, x2, torch.ones(7), w8), "norm_add_norm: w_x has 7 entries"),
@@ -283,16 +305,26 @@ BAD = [
     (lambda: L.norm_add_scale_norm(x2, w8, x2, torch.ones(2), w8), "norm_add_scale_norm: scalar must be"),
     (lambda: L.norm_add_scale_norm(x2, w8, x2.int(), torch.ones(()), w8), "norm_add_scale_norm: residual must be"),
     (lambda: L.norm_add_scale_norm(x2, w8, x2, torch.ones(()), torch.ones(9)), "norm_add_scale_norm: w_out has 9"),
-    (lambda: L.norm_rope(torch.ones(2, 3, 7), torch.ones(7), torch.ones(2, 3), torch.ones(2, 3)),
+    (lambda: L.norm_rope(torch.ones(2, 3, 7), torch.ones(7), torch.ones(2, 3), torch.ones(2, 3), *rows2),
      "norm_rope: q's head dim 7 must be even"),
-    (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(2, 3), torch.ones(2, 4)), "norm_rope: cos must be"),
-    (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(2, 4).double(), torch.ones(2, 4)),
+    (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(5, 3), torch.ones(5, 3), *rows2),
+     "norm_rope: cos must be [positions >= 1, 4]"),
+    (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(5, 4), torch.ones(6, 4), *rows2),
+     "norm_rope: cos (5, 4) and sin (6, 4) must have one shape"),
+    (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(2, 4).double(), torch.ones(2, 4), *rows2),
      "norm_rope: cos must be a 2-D float32"),
-    (lambda: L.norm_rope(torch.ones(2, 8), w8, torch.ones(2, 4), torch.ones(2, 4)), "norm_rope: q must be a 3-D"),
+    (lambda: L.norm_rope(torch.ones(2, 8), w8, torch.ones(2, 4), torch.ones(2, 4), *rows2),
+     "norm_rope: q must be a 3-D"),
+    (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(5, 4), torch.ones(5, 4), rows2[0][:1], rows2[1]),
+     "norm_rope: slots must have one entry per row of q (2)"),
+    (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(5, 4), torch.ones(5, 4), rows2[0].float(), rows2[1]),
+     "norm_rope: slots must be a 1-D int32/int64"),
+    (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(5, 4), torch.ones(5, 4), rows2[0], rows2[1][None]),
+     "norm_rope: lens must be a 1-D int32/int64"),
 ]
 
 
 @pytest.mark.parametrize("call,message", BAD, ids=[m[:40] for _, m in BAD])
 def test_bad_input_names_op_and_argument(call, message):
-    with pytest.raises(FusedOpError, match="^" + message.replace("(", r"\(")):
+    with pytest.raises(FusedOpError, match="^" + re.escape(message)):
         call()

@@ -2,8 +2,12 @@
 
 sglang (and graphcap.kernels.fused_ops, which launches what sglang launches) runs one kernel per norm. In the draft
 layer the norms come in chains, each link reading what the one before wrote, so a chain is one pass over a row:
-- `norm_rope(q, weight, cos, sin)`: every query head's RMSNorm, then its rotary (NeoX halves: a head's element i pairs
-  with i + D/2) - the layer's q_norm and rope;
+- `norm_rope(q, weight, cos, sin, slots, lens)`: every query head's RMSNorm, then its rotary (NeoX halves: a head's
+  element i pairs with i + D/2) at the row's query position, read from the position tables in the kernel - the
+  layer's q_norm and rope. The position is the draft's (its last token's, lens[slots[b]] - 1), found in the kernel
+  too. Gathered outside, once per iteration, the rows' cos/sin still cost kernels in every layer call: the H200
+  profile of the compiled 3-step iteration counted 22 gather kernels (`to_copy_clamp_index_sub`) for its 12 layer
+  calls;
 - `norm_add_norm(x, residual, w_x, w_sum) -> (normed, sum)`: sum = residual + norm(x, w_x), normed = norm(sum, w_sum)
   - the attention output's post-norm, the residual add and the MLP's pre-norm;
 - `norm_add_scale_norm(x, w_x, residual, scalar, w_out) -> (out, normed)`: out = (residual + norm(x, w_x)) * scalar,
@@ -29,7 +33,9 @@ from graphcap.kernels import use_triton
 from graphcap.kernels.fused_ops import DTYPES, FusedOpError, _same_device, _tensor
 
 __all__ = ["norm_rope", "norm_add_norm", "norm_add_scale_norm", "norm_rope_torch", "norm_add_norm_torch",
-           "norm_add_scale_norm_torch"]
+           "norm_add_scale_norm_torch", "query_positions"]
+
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -42,13 +48,21 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * (1.0 + weight.float())).to(x.dtype)
 
 
-def norm_rope_torch(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    eps: float) -> torch.Tensor:
-    """q [B, H, D]; weight [D]; cos, sin [B, D/2] fp32."""
+def query_positions(slots: torch.Tensor, lens: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """Each row's query position, lens[slots[b]] - 1 (int64), at least 0 and, with `rows`, at most rows - 1 (the
+    last row of a position table)."""
+    pos = lens[slots].long() - 1
+    return pos.clamp(0, None if rows is None else rows - 1)
+
+
+def norm_rope_torch(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                    lens: torch.Tensor, eps: float) -> torch.Tensor:
+    """q [B, H, D]; weight [D]; cos, sin [P, D/2] fp32 position tables; slots [B], lens indexed by slot."""
+    pos = query_positions(slots, lens, cos.shape[0])
     n = _norm(q, weight, eps)
     half = q.shape[-1] // 2
     q1, q2 = n[..., :half].float(), n[..., half:].float()
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]
     return torch.cat([q1 * c - q2 * s, q2 * c + q1 * s], dim=-1).to(q.dtype)
 
 
@@ -76,11 +90,13 @@ def _gemma_norm(v, w, cols, mask, n, eps):
 
 
 @triton.jit
-def _norm_rope_kernel(q, w, cos, sin, out, H, half, stride_qb, stride_qh, stride_ob, stride_oh, stride_c, stride_s,
-                      eps, BLOCK: tl.constexpr):
+def _norm_rope_kernel(q, w, cos, sin, slots, lens, out, H, half, rows, stride_qb, stride_qh, stride_ob, stride_oh,
+                      stride_c, stride_s, eps, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
     h = (pid % H).to(tl.int64)
+    slot = tl.load(slots + b).to(tl.int64)
+    p = tl.minimum(tl.maximum(tl.load(lens + slot).to(tl.int64) - 1, 0), rows - 1)  # query_positions
     i = tl.arange(0, BLOCK)
     m = i < half
     base = q + b * stride_qb + h * stride_qh
@@ -90,8 +106,8 @@ def _norm_rope_kernel(q, w, cos, sin, out, H, half, stride_qb, stride_qh, stride
     dt = out.dtype.element_ty
     n1 = (x1 * r * (tl.load(w + i, mask=m, other=0.0).to(tl.float32) + 1.0)).to(dt).to(tl.float32)
     n2 = (x2 * r * (tl.load(w + half + i, mask=m, other=0.0).to(tl.float32) + 1.0)).to(dt).to(tl.float32)
-    c = tl.load(cos + b * stride_c + i, mask=m, other=0.0)
-    s = tl.load(sin + b * stride_s + i, mask=m, other=0.0)
+    c = tl.load(cos + p * stride_c + i, mask=m, other=0.0)
+    s = tl.load(sin + p * stride_s + i, mask=m, other=0.0)
     o = out + b * stride_ob + h * stride_oh
     tl.store(o + i, (n1 * c - n2 * s).to(dt), mask=m)
     tl.store(o + half + i, (n2 * c + n1 * s).to(dt), mask=m)
@@ -133,10 +149,10 @@ def _warps(block: int) -> int:
 
 
 @triton_op("graphcap::norm_rope", mutates_args=())
-def _norm_rope_op(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  eps: float) -> torch.Tensor:
+def _norm_rope_op(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  lens: torch.Tensor, eps: float) -> torch.Tensor:
     if not use_triton(q):
-        return norm_rope_torch(q, weight, cos, sin, eps)
+        return norm_rope_torch(q, weight, cos, sin, slots, lens, eps)
     b, h, d = q.shape
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
     if b == 0:
@@ -144,8 +160,8 @@ def _norm_rope_op(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin:
     half = d // 2
     block = triton.next_power_of_2(half)
     wrap_triton(_norm_rope_kernel)[(b * h,)](
-        q, weight, cos, sin, out, h, half, q.stride(0), q.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-        sin.stride(0), eps, BLOCK=block, num_warps=_warps(block),
+        q, weight, cos, sin, slots, lens, out, h, half, cos.shape[0], q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), cos.stride(0), sin.stride(0), eps, BLOCK=block, num_warps=_warps(block),
     )
     return out
 
@@ -212,10 +228,13 @@ def _check_rows(op: str, named: dict[str, torch.Tensor], weights: dict[str, torc
     _same_device(op, **named, **weights)
 
 
-def norm_rope(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              eps: float = 1e-6) -> torch.Tensor:
-    """Each head of q [B, H, D] RMS-normalised with scale (1 + weight [D]), then rotated: halves (x1, x2) become
-    (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [B, D/2] fp32 (the rows' positions' tables). A new tensor."""
+def norm_rope(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+              lens: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Each head of q [B, H, D] RMS-normalised with scale (1 + weight [D]), then rotated at its row's query position
+    p = lens[slots[b]] - 1 (`query_positions`: at least 0, at most P - 1): halves (x1, x2) become
+    (x1 cos[p] - x2 sin[p], x2 cos[p] + x1 sin[p]) with cos, sin [P, D/2] fp32 position tables. slots [B] and lens
+    integer tensors; every slot must index lens (the draft's slots do: padding rows carry the padding slot). A new
+    tensor."""
     op = "norm_rope"
     _tensor(op, "q", q, DTYPES, 3)
     _tensor(op, "weight", weight, DTYPES, 1)
@@ -223,11 +242,17 @@ def norm_rope(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
         raise FusedOpError(f"{op}: q's head dim {q.shape[-1]} must be even and equal weight's {weight.shape[0]}")
     for name, t in (("cos", cos), ("sin", sin)):
         _tensor(op, name, t, (torch.float32,), 2)
-        if tuple(t.shape) != (q.shape[0], q.shape[-1] // 2):
-            raise FusedOpError(f"{op}: {name} must be [{q.shape[0]}, {q.shape[-1] // 2}] (rows, D/2), "
+        if t.shape[0] < 1 or t.shape[1] != q.shape[-1] // 2:
+            raise FusedOpError(f"{op}: {name} must be [positions >= 1, {q.shape[-1] // 2}] (a table of D/2 columns), "
                                f"got {tuple(t.shape)}")
-    _same_device(op, q=q, weight=weight, cos=cos, sin=sin)
-    return _norm_rope_op(q, weight, cos, sin, _check_eps(op, eps))
+    if cos.shape != sin.shape:
+        raise FusedOpError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape")
+    for name, t, n in (("slots", slots, q.shape[0]), ("lens", lens, None)):
+        _tensor(op, name, t, INDEX_DTYPES, 1)
+        if n is not None and t.shape[0] != n:
+            raise FusedOpError(f"{op}: {name} must have one entry per row of q ({n}), got {tuple(t.shape)}")
+    _same_device(op, q=q, weight=weight, cos=cos, sin=sin, slots=slots, lens=lens)
+    return _norm_rope_op(q, weight, cos, sin, slots, lens, _check_eps(op, eps))
 
 
 def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, w_x: torch.Tensor, w_sum: torch.Tensor,

@@ -93,8 +93,7 @@ class DraftLoop(nn.Module):
         """The steps alone, over the windows as they stand (the rebuild baselines call this after a rebuild)."""
         del accepted  # same signature as forward, so both capture the same way
         m, lens = self.model, self.window.seq_lens
-        pos = (lens[slots].long() - 1).clamp(min=0)
-        ropes = {lt: self.ops.rope_inputs(m, lt, pos) for lt in ("sliding", "full")}
+        ropes = {lt: self.ops.rope_inputs(m, lt, slots, lens) for lt in ("sliding", "full")}
         toks, scores, margins = [], [], []
         for _ in range(self.steps):
             tokens, score, margin, hidden = m.step(tokens, hidden, ropes, self.sources, slots, lens, self.ops,

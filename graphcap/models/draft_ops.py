@@ -62,6 +62,7 @@ from torch import nn
 from graphcap.kernels import layer_fusions, use_triton
 from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torch
 from graphcap.kernels.fused_ops import gelu_tanh_and_mul, gemma_rmsnorm
+from graphcap.kernels.layer_fusions import query_positions
 from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
 from graphcap.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 from graphcap.kernels.skinny_gemm import kernel_rows, prepare_fixup, skinny_gate_up_gelu, skinny_linear
@@ -78,7 +79,10 @@ class DraftOps(Protocol):
 
     def static_tensors(self) -> dict[str, torch.Tensor]: ...
 
-    def rope_inputs(self, model: nn.Module, layer_type: str, pos: torch.Tensor) -> tuple: ...
+    def rope_inputs(self, model: nn.Module, layer_type: str, slots: torch.Tensor, lens: torch.Tensor) -> tuple:
+        """What `rope`/`norm_rope` take for this layer type's rows, whose query positions are lens[slots] - 1
+        (`query_positions`)."""
+        ...
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
@@ -179,7 +183,8 @@ class TorchOps(ChainedOps):
     def static_tensors(self) -> dict[str, torch.Tensor]:
         return {}
 
-    def rope_inputs(self, model, layer_type, pos):
+    def rope_inputs(self, model, layer_type, slots, lens):
+        pos = query_positions(slots, lens)
         return getattr(model, f"rope_cos_{layer_type}")[pos], getattr(model, f"rope_sin_{layer_type}")[pos]
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -250,6 +255,15 @@ class LayerKernelOps(TorchOps):
 
     def gelu_mul(self, gate_up):
         return gelu_tanh_and_mul(gate_up)
+
+    def rope_inputs(self, model, layer_type, slots, lens):
+        # the tables and the rows' slots: the kernel finds each row's position and its cos/sin itself
+        return getattr(model, f"rope_cos_{layer_type}"), getattr(model, f"rope_sin_{layer_type}"), slots, lens
+
+    def rope(self, q, rope):
+        cos, sin, slots, lens = rope
+        pos = query_positions(slots, lens, cos.shape[0])
+        return _rope(q, cos[pos], sin[pos])
 
     def norm_rope(self, q, weight, rope):
         return layer_fusions.norm_rope(q, weight, *rope, EPS)
@@ -345,11 +359,11 @@ class FusedOps(ChainedOps):
     def static_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.tables)
 
-    def rope_inputs(self, model, layer_type, pos):
+    def rope_inputs(self, model, layer_type, slots, lens):
         cache = self.tables.get(f"rope_cache_{layer_type}")
         if cache is None:
             raise RuntimeError("FusedOps: bind(model) first (DraftLoop does)")
-        return pos, cache, self.kv_width[layer_type]
+        return query_positions(slots, lens), cache, self.kv_width[layer_type]
 
     def norm(self, x, weight):
         shape = x.shape
