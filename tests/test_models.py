@@ -271,8 +271,9 @@ def test_fused_op_set_drafts_what_the_torch_ops_draft(device, sglang_post_norm):
 
 def test_skinny_gemm_op_set_runs_every_projection_through_the_kernel_and_drafts_the_same(device, monkeypatch):
     """SKINNY_OPS (the bench's graphcap-skinny-gemm): every projection of a bf16 model goes through
-    graphcap.kernels.skinny_gemm - per step pre_proj, q / o / down of each layer, the centroid scores and post_proj
-    as skinny_linear, each layer's gate/up with its gelu-mul as skinny_gate_up_gelu - and it drafts as close to the
+    graphcap.kernels.skinny_gemm - per step pre_proj, q / o / down of each layer, the centroid scores with post_proj
+    (one call, merge_head_proj) as skinny_linear, each layer's gate/up with its gelu-mul as skinny_gate_up_gelu - and
+    it drafts as close to the
     float32 model (same seed) as the bf16 cuBLAS set does: the first step's tokens wherever the float32 margin is
     clear, and on rows whose every token agrees, a last hidden state within 1.5x the cuBLAS set's bf16 error. A
     float32 model keeps cuBLAS (the kernel is bf16/fp16 only). (The kernel's own accuracy: test_skinny_gemm.py.)"""
@@ -286,7 +287,7 @@ def test_skinny_gemm_op_set_runs_every_projection_through_the_kernel_and_drafts_
     spec = load_spec("tiny")
     lens0 = [1, 5, 16, 40, 70, 3, 9, 30]
     st = make_target_state(spec, lens0, [n + 20 for n in lens0], seed=11, device=device)
-    per_step = {"skinny_linear": 3 + 3 * len(spec.draft.layers), "skinny_gate_up_gelu": len(spec.draft.layers)}
+    per_step = {"skinny_linear": 2 + 3 * len(spec.draft.layers), "skinny_gate_up_gelu": len(spec.draft.layers)}
     outs = {}
     for dtype, ops in ((torch.float32, TORCH_OPS), (torch.float32, SKINNY_OPS), (torch.bfloat16, TORCH_OPS),
                        (torch.bfloat16, SKINNY_OPS)):
@@ -318,6 +319,58 @@ def test_skinny_gemm_op_set_runs_every_projection_through_the_kernel_and_drafts_
         h, hr = out.hidden[same].float(), ref.hidden[same]
         err[name] = float(((h - hr).norm(dim=-1) / hr.norm(dim=-1)).max())
     assert 0 < err[SKINNY_OPS.name] <= 1.5 * err[TORCH_OPS.name], err
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_merged_head_projection_is_post_proj_and_the_centroid_scores(device, monkeypatch, seed):
+    """merge_head_proj (the default set): post_proj and the centroid scores, which read the same final-norm rows, as
+    one projection over the stacked weights. The model's two parameters are views of that one tensor (an in-place
+    update of either is what the merged projection reads), and the loop drafts what the same set without the merge
+    drafts - tokens, scores, margins and hidden states to fp32 rounding - with one projection fewer per step."""
+    import graphcap.models.draft_ops as draft_ops
+    from graphcap.models.draft_ops import DEFAULT_OPS
+
+    spec = load_spec("tiny")
+    lens0 = [1, 5, 16, 40, 70, 3]
+    st = make_target_state(spec, lens0, [n + 20 for n in lens0], seed=seed, device=device)
+    model = FrozenKVDraft(spec, seed=seed + 1, device=device)
+    ht = spec.target.hidden
+    both = model.post_proj_and_centroids
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():  # updated in place through the parameters: the stacked tensor holds the new values
+        model.post_proj.add_(0.1 * torch.randn(model.post_proj.shape, generator=g).to(device))
+        model.centroids.mul_(1 + torch.rand(model.centroids.shape, generator=g).to(device))
+    assert torch.equal(both[:ht], model.post_proj) and torch.equal(both[ht:], model.centroids)
+
+    projections = []
+    linear = draft_ops.TorchOps.linear
+    monkeypatch.setattr(draft_ops.TorchOps, "linear",
+                        lambda self, x, w: (projections.append((w.data_ptr(), tuple(w.shape))), linear(self, x, w))[1])
+    outs = {}
+    assert DEFAULT_OPS.merge_head_proj
+    for ops in (DEFAULT_OPS, dataclasses.replace(DEFAULT_OPS, merge_head_proj=False)):
+        wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
+        wb.reset(st.slots.tolist(), lens0)
+        loop = DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, ops=ops)
+        gi = torch.Generator().manual_seed(seed + 3)
+        accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=gi).to(device)
+        tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=gi).to(device)
+        hidden = torch.randn(len(lens0), ht, generator=gi).to(device)
+        projections.clear()
+        outs[ops.merge_head_proj] = loop(st.slots, accepted, tokens, hidden)
+        head = {both.data_ptr(), model.centroids.data_ptr()}  # post_proj starts where the stacked tensor does
+        heads = [p for p in projections if p[0] in head]
+        per_step = [(both.data_ptr(), tuple(both.shape))] if ops.merge_head_proj else [
+            (model.centroids.data_ptr(), tuple(model.centroids.shape)),
+            (model.post_proj.data_ptr(), tuple(model.post_proj.shape))]
+        assert heads == per_step * spec.capture.steps, ops.merge_head_proj
+    merged, apart = outs[True], outs[False]
+    clear = (apart.margins > 1e-3).all(1)
+    assert clear.sum() >= len(lens0) // 2
+    assert torch.equal(merged.tokens[clear], apart.tokens[clear])
+    for name in ("scores", "hidden"):
+        torch.testing.assert_close(getattr(merged, name)[clear], getattr(apart, name)[clear], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_default_op_set_routes_each_projection_by_its_shape_class(monkeypatch):

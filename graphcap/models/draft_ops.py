@@ -74,6 +74,9 @@ LAYER_TYPES = ("sliding", "full")
 
 class DraftOps(Protocol):
     name: str
+    # post_proj and the centroid scores (which read the same rows) as one GEMM over the stacked weights
+    # (FrozenKVDraft.step): one weight read and one launch per step instead of two
+    merge_head_proj: bool
 
     def bind(self, model: nn.Module) -> DraftOps: ...
 
@@ -173,6 +176,7 @@ class TorchOps(ChainedOps):
     # and at most as many as the kernel measured faster than cuBLAS for the weight's shape class
     # (skinny_gemm.kernel_rows: 0 sends the shape to cuBLAS at every batch, with no op in the graph)
     skinny_by_shape: bool = False
+    merge_head_proj: bool = False  # a plain loop projects twice (the reference's code)
 
     def bind(self, model: nn.Module) -> TorchOps:
         p = next(model.parameters(), None)
@@ -248,6 +252,7 @@ class LayerKernelOps(TorchOps):
     (docs/results.md). The same math as the torch set, rounded where it rounds (layer_fusions' docstring)."""
 
     name: str = "layer-kernels"
+    merge_head_proj: bool = True
 
     def norm(self, x, weight):
         shape = x.shape
@@ -330,6 +335,7 @@ class FusedOps(ChainedOps):
     weights: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
     kv_width: dict[str, int] = field(default_factory=dict)  # layer type -> the dummy key's width
     name: str = "fused"
+    merge_head_proj: bool = False  # sglang's assistant projects twice
 
     def bind(self, model: nn.Module) -> FusedOps:
         tables: dict[str, torch.Tensor] = {}

@@ -168,22 +168,31 @@ class FrozenKVDraft(nn.Module):
             self.centroids = w(d.centroids, hd)
             perm = torch.randperm(d.vocab, generator=gen, device=device)
             self.register_buffer("token_of_cluster", perm.view(d.centroids, d.vocab // d.centroids))
+            # post_proj and the centroids read the same final-norm rows: stacked in one tensor (the two parameters
+            # are views of its rows, so the weights stay one copy), one GEMM can compute both (an op set's
+            # `merge_head_proj`)
+            both = torch.cat([self.post_proj, self.centroids])
+            self.post_proj = nn.Parameter(both[:ht], requires_grad=False)
+            self.centroids = nn.Parameter(both[ht:], requires_grad=False)
+            self.register_buffer("post_proj_and_centroids", both, persistent=False)
         max_pos = spec.capture.max_context
         for lt, theta in (("sliding", 10_000.0), ("full", 1_000_000.0)):
             cos, sin = _rope_tables(max_pos, spec.attention(lt).head_dim, theta, device)
             self.register_buffer(f"rope_cos_{lt}", cos, persistent=False)
             self.register_buffer(f"rope_sin_{lt}", sin, persistent=False)
 
-    def head(self, x: torch.Tensor, ops: DraftOps = TORCH_OPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def head(self, x: torch.Tensor, ops: DraftOps = TORCH_OPS,
+             centroid_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Greedy token, its logit, and the decision's margin: how far the nearest competing choice is (the
         runner-up token, and for the centroid head also the first cluster left out). Tests compare backends only
         where this margin exceeds the dtype's tolerance. `ops` scores the chosen clusters' tokens (graphcap's kernel
         in the torch set, sglang's contiguous gather and batched product in the fused set: draft_ops' docstring) and
-        takes both top-ks (graphcap's one-kernel top-k in the torch set, torch.topk in the others)."""
+        takes both top-ks (graphcap's one-kernel top-k in the torch set, torch.topk in the others).
+        `centroid_scores`: x's centroid scores where the caller has them (`step`: with post_proj, in one GEMM)."""
         cluster_margin = None
         if self.spec.draft.head == "centroid":
             d = self.spec.draft
-            scores = ops.linear(x, self.centroids).float()
+            scores = (ops.linear(x, self.centroids) if centroid_scores is None else centroid_scores).float()
             cs_values, cs_indices = ops.topk(scores, min(d.centroid_top_k + 1, d.centroids))
             top = cs_indices[:, : d.centroid_top_k]  # [B, k]
             if d.centroid_top_k < d.centroids:
@@ -213,5 +222,10 @@ class FrozenKVDraft(nn.Module):
         nexts = [layer.input_norm.weight for layer in self.layers[1:]] + [self.final_norm.weight]
         for layer, w_next in zip(self.layers, nexts):
             x, h = call(layer, x, h, w_next, ropes[layer.layer_type], sources[layer.layer_type], slots, lens, ops)
+        if ops.merge_head_proj and self.spec.draft.head == "centroid":
+            both = ops.linear(h, self.post_proj_and_centroids)  # the same dot products, one weight read
+            ht = self.post_proj.shape[0]
+            token, score, margin = self.head(h, ops, both[:, ht:])
+            return token, score, margin, both[:, :ht]
         token, score, margin = self.head(h, ops)
         return token, score, margin, ops.linear(h, self.post_proj)
