@@ -34,11 +34,12 @@ from graphcap.bench import environment as bench_env
 from graphcap.bench import timing
 from graphcap.bench.options import OneLineParser
 
-# name: (N, K, gated); gated N is I, the output width (w is [2I, K]). post_proj is the draft's other matmul.
+# name: (N, K, gated); gated N is I, the output width (w is [2I, K]). post_proj is the draft's other matmul;
+# head_proj is post_proj and the centroids stacked, as graphcap's loop runs them (one GEMM, merge_head_proj).
 SHAPES = {"q_proj_sliding": (8192, 1536, False), "q_proj_full": (16384, 1536, False),
           "o_proj_sliding": (1536, 8192, False), "o_proj_full": (1536, 16384, False), "gate_up": (6144, 1536, True),
           "down": (1536, 6144, False), "pre_proj": (1536, 10752, False), "centroids": (2048, 1536, False),
-          "post_proj": (5376, 1536, False)}
+          "post_proj": (5376, 1536, False), "head_proj": (5376 + 2048, 1536, False)}
 MS = (1, 2, 4, 8, 16, 32, 64)
 ROTATE_BYTES = 256 << 20  # weight copies per graph: together >> the 50 MB L2
 MAX_ERR = 2e-2

@@ -5,7 +5,7 @@
 #                                 profile of an iteration, attention GPU tests + default configs vs sglang
 #   scripts/gpu-check.sh smoke    quick (the default stage): CUDA unit tests of window/attention/model + a tiny bench
 #   scripts/gpu-check.sh unit     the kernels' GPU tests (attention, plan, centroid head, small top-k, fused ops,
-#                                 skinny GEMM)
+#                                 layer fusions, skinny GEMM; UNIT_TESTS: other test files)
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included), attention tuning grid
 #   scripts/gpu-check.sh gemm     bench/skinny_gemm.py: the skinny GEMM's candidates and plan vs cuBLAS and Inductor
 #                                 max-autotune at the draft's matmul shapes, M 1..64 (skinny_gemm.{json,md})
@@ -163,10 +163,11 @@ case $stage in
     step smoke-bench python3 -m graphcap.cli bench --spec tiny --batch 1,4 --context 64 --iters 5 --repeats 1 \
       --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-smoke"
     ;;
-  unit)  # the kernels' GPU tests alone (attention, its plan, the centroid head, small top-k, fused ops, skinny
-    # GEMM): quick
-    step unit-gpu python3 -m pytest -q -rs -m gpu tests/test_attention.py tests/test_attention_plan.py \
-      tests/test_centroid_head.py tests/test_small_topk.py tests/test_fused_ops.py tests/test_skinny_gemm.py
+  unit)  # the kernels' GPU tests alone (attention, its plan, the centroid head, small top-k, fused ops, layer
+    # fusions, skinny GEMM): quick (UNIT_TESTS: other test files)
+    step unit-gpu python3 -m pytest -q -rs -m gpu ${UNIT_TESTS:-tests/test_attention.py tests/test_attention_plan.py \
+      tests/test_centroid_head.py tests/test_small_topk.py tests/test_fused_ops.py tests/test_layer_fusions.py \
+      tests/test_skinny_gemm.py}
     ;;
   gemm)  # the skinny GEMM vs cuBLAS and Inductor per shape and M; Inductor's max-autotune compiles go last and stop
     # at the bench's --budget-s, and the step is cut at 560 s so that what ran comes back inside a 600 s call
