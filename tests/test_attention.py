@@ -294,6 +294,70 @@ def test_traces_under_torch_compile_on_cpu():
 # errors and the split heuristic
 
 
+def norm_rope64(q, w, cos, sin, slots, lens, eps):
+    """float64 q norm (Gemma: scale 1 + w) and NeoX rotary at each row's query position lens[slot] - 1, clamped to
+    the tables, from scratch."""
+    x = q.double().cpu()
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w.double().cpu())
+    pos = (lens.cpu().long()[slots.cpu().long()] - 1).clamp(0, cos.shape[0] - 1)
+    c, s_ = cos.double().cpu()[pos][:, None], sin.double().cpu()[pos][:, None]
+    half = q.shape[-1] // 2
+    return torch.cat([n[..., :half] * c - n[..., half:] * s_, n[..., half:] * c + n[..., :half] * s_], -1)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "twin"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**20), ratio=st.sampled_from([1, 2, 8]), dim=st.sampled_from([16, 32]),
+       window=st.sampled_from([0, 5, 16]), lens=st.lists(st.integers(0, 45), min_size=1, max_size=4),
+       splits=st.integers(1, 6), table_rows=st.integers(1, 60), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_q_norm_in_the_kernel_matches_float64(impl, device, seed, ratio, dim, window, lens, splits, table_rows,
+                                               dtype):
+    """`q_norm`: the raw projection normed and rotated in the split kernel (positions from the rows' own lengths,
+    some past the tables' end) attends as the float64 reference over the normed, rotated q does - and as the
+    kernel over layer_fusions.norm_rope's q, to the query's rounding."""
+    from graphcap.kernels.attention import QueryNormRope
+    from graphcap.kernels.layer_fusions import norm_rope
+
+    if impl == "twin" and device == "cuda":
+        pytest.skip("the twin is the CPU path")
+    case = make_case(seed, lens=lens, heads=2 * ratio, kv_heads=2, dim=dim, window=window, dtype=dtype,
+                     device=device)
+    q, k, v, t, slots, lens_t, w, sc = case
+    g = torch.Generator().manual_seed(seed + 1)
+    weight = (0.5 * torch.randn(dim, generator=g)).to(dtype).to(device)
+    ang = torch.rand(table_rows, dim // 2, generator=g, dtype=torch.float64) * 6.28
+    cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
+    with impl_ctx(impl, device):
+        out = decode_attention(q, k, v, t, slots, lens_t, w, sc, splits,
+                               q_norm=QueryNormRope(weight, cos, sin, 1e-6))
+        chained = decode_attention(norm_rope(q, weight, cos, sin, slots, lens_t), k, v, t, slots, lens_t, w, sc,
+                                   splits)
+    ref = reference(norm_rope64(q, weight, cos, sin, slots, lens_t, 1e-6), k, v, t, slots, lens_t, w, sc)
+    tol = {torch.float32: TOL[torch.float32], torch.bfloat16: 3e-2}[dtype]
+    assert torch.isfinite(out).all()
+    if ref.norm() > 0:
+        assert rel_err(out, ref) < tol
+        assert rel_err(out, chained.double().cpu()) < tol
+    cols = w if w > 0 else t.shape[1]
+    for i in range(q.shape[0]):
+        if min(int(lens_t[int(slots[i])]), cols) == 0:
+            assert (out[i] == 0).all()
+
+
+def test_q_norm_bad_inputs_name_the_argument():
+    from graphcap.kernels.attention import QueryNormRope
+
+    case = make_case(1, lens=[5], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device="cpu")
+    q, k, v, t, s, n, w, sc = case
+    cos = sin = torch.ones(9, 8)
+    with pytest.raises(AttentionError, match=r"^decode_attention: weight must be a 1-D"):
+        decode_attention(q, k, v, t, s, n, w, sc, 1, q_norm=QueryNormRope(torch.ones(16, dtype=torch.int32), cos, sin))
+    with pytest.raises(AttentionError, match=r"^decode_attention: cos must be \[positions >= 1, 8\]"):
+        decode_attention(q, k, v, t, s, n, w, sc, 1, q_norm=QueryNormRope(torch.ones(16), cos[:, :7], sin[:, :7]))
+    with pytest.raises(AttentionError, match=r"^decode_attention: eps must be"):
+        decode_attention(q, k, v, t, s, n, w, sc, 1, q_norm=QueryNormRope(torch.ones(16), cos, sin, -1.0))
+
+
 def test_bad_inputs_name_the_argument(device):
     case = make_case(1, lens=[5], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device=device)
     q, k, v, t, s, n, w, sc = case
@@ -402,6 +466,39 @@ def test_gemma4_shapes_on_gpu(layer, batch):
         assert (out[-1] == 0).all()
         if 0 in lens:
             assert (out[lens.index(0)] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["sliding", "full"])
+def test_q_norm_at_gemma4_widths_on_gpu(layer):
+    """The query's norm + rotary in the split kernel at the draft's head widths (256 and 512, bf16), under a
+    CUDA graph of Inductor's code: the float64 reference over the normed, rotated q, and the kernel over
+    layer_fusions.norm_rope's q."""
+    from graphcap.kernels.attention import QueryNormRope
+    from graphcap.kernels.layer_fusions import norm_rope
+
+    shp = GEMMA[layer]
+    lens = _gemma_lens(8, 8)
+    cols = shp["window"] if shp["window"] else 6000
+    case = make_case(8, lens=lens, heads=shp["heads"], kv_heads=shp["kv_heads"], dim=shp["dim"],
+                     window=shp["window"], dtype=torch.bfloat16, device="cuda", cols=cols, page=64)
+    q, k, v, t, slots, n, w, sc = case
+    g = torch.Generator().manual_seed(3)
+    weight = (0.5 * torch.randn(shp["dim"], generator=g)).to(torch.bfloat16).cuda()
+    ang = torch.rand(8192, shp["dim"] // 2, generator=g, dtype=torch.float64) * 6.28
+    qn = QueryNormRope(weight, ang.cos().float().cuda(), ang.sin().float().cuda())
+    splits = choose_num_splits(9, shp["kv_heads"], shp["window"] or 6000)
+    fn = torch.compile(lambda q: decode_attention(q, k, v, t, slots, n, w, sc, splits, q_norm=qn),
+                       mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):
+        out = fn(q).clone()
+    chained = decode_attention(norm_rope(q, weight, qn.cos, qn.sin, slots, n), k, v, t, slots, n, w, sc, splits)
+    ref = reference(norm_rope64(q, weight, qn.cos, qn.sin, slots, n, 1e-6), k, v, t, slots, n, w, sc)
+    torch.cuda.synchronize()
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    assert rel_err(out, chained.double().cpu()) < TOL[torch.bfloat16]
+    assert (out[-1] == 0).all()
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu

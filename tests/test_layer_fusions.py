@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import graphcap.models.draft_ops as draft_ops
+import graphcap.models.frozen_kv_draft as frozen_kv_draft
 from graphcap.kernels import layer_fusions as L
 from graphcap.kernels import twins_on_cpu
 from graphcap.kernels.fused_ops import FusedOpError
@@ -256,8 +257,9 @@ def test_layer_kernel_op_set_drafts_what_the_torch_ops_draft(device, monkeypatch
     (1 + w), residual and scalar is checked; on a CPU the kernels run in Triton's interpreter): the same scores and
     hidden states as the torch set to fp32 rounding and the same tokens wherever the margin is clear, over
     iterations that slide the windows - and each of the layer's small ops is one kernel call: per layer one
-    norm_rope, one norm_add_norm, one gelu-mul, one norm_add_scale_norm (which also norms the next layer's input, or
-    the final norm), plus one input norm per step."""
+    norm_add_norm, one gelu-mul, one norm_add_scale_norm (which also norms the next layer's input, or the final
+    norm), the query's norm + rotary inside the attention call (decode_attention's q_norm; no norm_rope), plus one
+    input norm per step."""
     calls: dict[str, int] = {}
 
     def counted(mod, name):
@@ -269,6 +271,10 @@ def test_layer_kernel_op_set_drafts_what_the_torch_ops_draft(device, monkeypatch
         counted(L, name)
     for name in ("gemma_rmsnorm", "gelu_tanh_and_mul"):
         counted(draft_ops, name)
+    attend = frozen_kv_draft.decode_attention
+    monkeypatch.setattr(frozen_kv_draft, "decode_attention", lambda *a, q_norm=None, **k: (
+        calls.__setitem__("attention with q_norm", calls.get("attention with q_norm", 0) + (q_norm is not None)),
+        attend(*a, q_norm=q_norm, **k))[1])
     lens0 = [1, 5, 16, 40, 70, 3]
     spec, st, model = random_norm_draft(device, lens0)
     outs = {}
@@ -291,7 +297,7 @@ def test_layer_kernel_op_set_drafts_what_the_torch_ops_draft(device, monkeypatch
         assert torch.equal(a.tokens[decided], b.tokens[decided])
     steps = 2 * spec.capture.steps
     layers = steps * len(spec.draft.layers)
-    assert calls == {"norm_rope": layers, "norm_add_norm": layers, "norm_add_scale_norm": layers,
+    assert calls == {"attention with q_norm": layers, "norm_add_norm": layers, "norm_add_scale_norm": layers,
                      "gelu_tanh_and_mul": layers, "gemma_rmsnorm": steps}
 
 
@@ -310,7 +316,7 @@ BAD = [
     (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(5, 3), torch.ones(5, 3), *rows2),
      "norm_rope: cos must be [positions >= 1, 4]"),
     (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(5, 4), torch.ones(6, 4), *rows2),
-     "norm_rope: cos (5, 4) and sin (6, 4) must have one shape"),
+     "norm_rope: cos (5, 4) and sin (6, 4) must have one shape and layout"),
     (lambda: L.norm_rope(torch.ones(2, 3, 8), w8, torch.ones(2, 4).double(), torch.ones(2, 4), *rows2),
      "norm_rope: cos must be a 2-D float32"),
     (lambda: L.norm_rope(torch.ones(2, 8), w8, torch.ones(2, 4), torch.ones(2, 4), *rows2),

@@ -42,12 +42,16 @@ for small shapes.
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional  # Optional: the op's schema
+
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
+from graphcap.kernels.fused_ops import FusedOpError
+from graphcap.kernels.layer_fusions import check_norm_rope, norm_rope_torch
 from graphcap.kernels.attention_plan import (  # noqa: F401 - re-exported: the op's public planning helpers
     AttentionError,
     AttentionPlan,
@@ -156,12 +160,12 @@ def decode_attention_torch(
 
 @triton.jit
 def _split_kernel(
-    q, k_pool, v_pool, table, slots, lens, out, part, lse,
-    sm_scale_log2, cols, num_splits, min_chunk, wave, max_chunk,
-    stride_qb, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_t, stride_ob, stride_oh,
+    q, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin,
+    sm_scale_log2, cols, num_splits, min_chunk, wave, max_chunk, rope_rows, eps,
+    stride_qb, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_t, stride_ob, stride_oh, stride_c,
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_TILES: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE: tl.constexpr, F32_DOT: tl.constexpr, WAVE_IN_KERNEL: tl.constexpr = False,
+    SINGLE: tl.constexpr, F32_DOT: tl.constexpr, WAVE_IN_KERNEL: tl.constexpr = False, NORM_ROPE: tl.constexpr = False,
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -185,8 +189,26 @@ def _split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
 
-    qv = tl.load(q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                 mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(k_pool.dtype.element_ty)
+    q_mask = mask_g[:, None] & mask_d[None, :]
+    q_ptr = q + b * stride_qb + heads[:, None] * stride_qh
+    if NORM_ROPE:  # q is the raw projection: layer_fusions.norm_rope's math and roundings, per head of the tile
+        half = D // 2
+        partner = (offs_d + half) % D  # the element each one rotates with
+        x = tl.load(q_ptr + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        xp = tl.load(q_ptr + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        dt = q.dtype.element_ty
+        n = (x * r * (tl.load(q_w + offs_d, mask=mask_d, other=0.0).to(tl.float32) + 1.0)[None, :])
+        n = n.to(dt).to(tl.float32)
+        npart = (xp * r * (tl.load(q_w + partner, mask=mask_d, other=0.0).to(tl.float32) + 1.0)[None, :])
+        npart = npart.to(dt).to(tl.float32)
+        p = tl.minimum(tl.maximum(tl.load(lens + slot).to(tl.int64) - 1, 0), rope_rows - 1)  # query_positions
+        c = tl.load(cos + p * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
+        sn = tl.load(sin + p * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
+        sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
+        qv = (n * c + sign * npart * sn).to(dt).to(k_pool.dtype.element_ty)
+    else:
+        qv = tl.load(q_ptr + offs_d[None, :], mask=q_mask, other=0.0).to(k_pool.dtype.element_ty)
     scale = tl.cast(sm_scale_log2, tl.float32)  # Inductor passes Python floats as fp64 scalars
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -255,9 +277,19 @@ def _combine_kernel(
     tl.store(out + b * stride_ob + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=mask_d)
 
 
+class QueryNormRope(NamedTuple):
+    """The query heads' RMSNorm weight [D] and the rotary position tables cos, sin [P, D/2] fp32 (and eps): with
+    them decode_attention takes q as the raw projection and norms and rotates it in its split kernel
+    (layer_fusions.norm_rope's math, roundings and positions) - one kernel fewer per layer call."""
+    weight: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    eps: float = 1e-6
+
+
 def _launch(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
-    lens: torch.Tensor, window: int, sm_scale: float, plan: AttentionPlan,
+    lens: torch.Tensor, window: int, sm_scale: float, plan: AttentionPlan, q_norm: QueryNormRope | None = None,
 ) -> torch.Tensor:
     """The kernels as `plan` says; nothing here plans. A plan for any batch (`wave` 0), or a symbolic batch (one
     compile for every bucket), has the split kernel derive the wave (`wave_splits`) from its grid's batch instead of
@@ -288,13 +320,14 @@ def _launch(
     else:
         part = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
+    qn = q_norm if q_norm is not None else QueryNormRope(q, q, q, 0.0)  # placeholders, never read
     wrap_triton(_split_kernel)[(b, hkv * head_tiles, num_splits)](
-        q, k_pool, v_pool, table, slots, lens, out, part, lse,
-        float(sm_scale) * LOG2E, cols, num_splits, plan.min_chunk, wave, max_chunk,
+        q, k_pool, v_pool, table, slots, lens, out, part, lse, qn.weight, qn.cos, qn.sin,
+        float(sm_scale) * LOG2E, cols, num_splits, plan.min_chunk, wave, max_chunk, qn.cos.shape[0], float(qn.eps),
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        table.stride(0), out.stride(0), out.stride(1),
+        table.stride(0), out.stride(0), out.stride(1), qn.cos.stride(0),
         H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
-        BLOCK_N=plan.block_n, SINGLE=single, WAVE_IN_KERNEL=wave_in_kernel,
+        BLOCK_N=plan.block_n, SINGLE=single, WAVE_IN_KERNEL=wave_in_kernel, NORM_ROPE=q_norm is not None,
         # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16 tiles
         # returns garbage (seen with triton 3.9), so the tiles are upcast there.
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
@@ -336,7 +369,7 @@ def decode_attention_with_config(
 def decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, num_splits: int | None = None, *,
-    plan: AttentionPlan | None = None,
+    plan: AttentionPlan | None = None, q_norm: QueryNormRope | None = None,
 ) -> torch.Tensor:
     """Decode attention over `table[slots[b], :min(lens[slots[b]], window or table.shape[1])]` per batch row.
 
@@ -346,7 +379,19 @@ def decode_attention(
     `plan`: the call's `AttentionPlan`, made beforehand (per bucket, outside anything traced). Without one the op
     plans inside its body from the inputs with the given `num_splits` (a direct call; under torch.compile Inductor
     traces that body, so a compiled caller should bring a plan).
+
+    `q_norm`: q is the raw query projection, normed and rotated at each row's query position (lens[slots[b]] - 1)
+    in the split kernel before it attends (`QueryNormRope`; the same as attending over
+    layer_fusions.norm_rope(q, ...)).
     """
+    if q_norm is not None:
+        try:
+            eps = check_norm_rope("decode_attention", q, *q_norm[:3], slots, lens, q_norm.eps)
+        except FusedOpError as e:
+            raise AttentionError(str(e)) from None
+        q_args = (q_norm.weight, q_norm.cos, q_norm.sin, eps)
+    else:
+        q_args = (None, None, None, 0.0)
     if plan is None:
         if num_splits is None:
             raise AttentionError("decode_attention: pass num_splits or a plan (attention_plan.plan_attention)")
@@ -357,7 +402,7 @@ def decode_attention(
         args = plan.launch_args()
     # Every argument passed, positionally: nothing relies on how a torch version's custom-op wrapper fills in
     # defaults.
-    return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, *args)
+    return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, *args, *q_args)
 
 
 _UNPLANNED = (0,) * 9  # the op's plan arguments after num_splits when the call brought no plan
@@ -368,17 +413,21 @@ def _decode_attention_op(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, block_n: int, num_warps: int,
     num_stages: int, min_chunk: int, max_chunk: int, combine_warps: int, programs: int, wave: int, min_splits: int,
+    q_weight: Optional[torch.Tensor], cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], eps: float,
 ) -> torch.Tensor:
     """The registered op behind `decode_attention` (traceable by torch.compile, capturable in a CUDA graph). The
     plan's numbers arrive as ints (an op takes only tensors and scalars); block_n 0 means the call brought none and
     it is planned here, from the inputs (Dynamo does not trace an op's body; Inductor's lowering does, on fake
     tensors, which is why a symbolic batch plans for any batch)."""
     _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
+    q_norm = QueryNormRope(q_weight, cos, sin, eps) if q_weight is not None else None
     if not use_triton(q):
+        if q_norm is not None:
+            q = norm_rope_torch(q, q_weight, cos, sin, slots, lens, eps)
         return decode_attention_torch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits)
     if block_n == 0:
         plan = plan_for_inputs(q, k_pool, table, window, num_splits)
     else:
         plan = AttentionPlan(num_splits, block_n, num_warps, num_stages, min_chunk, max_chunk, combine_warps,
                              programs, wave, min_splits)
-    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, plan)
+    return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, plan, q_norm)

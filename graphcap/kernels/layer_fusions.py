@@ -228,14 +228,10 @@ def _check_rows(op: str, named: dict[str, torch.Tensor], weights: dict[str, torc
     _same_device(op, **named, **weights)
 
 
-def norm_rope(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-              lens: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Each head of q [B, H, D] RMS-normalised with scale (1 + weight [D]), then rotated at its row's query position
-    p = lens[slots[b]] - 1 (`query_positions`: at least 0, at most P - 1): halves (x1, x2) become
-    (x1 cos[p] - x2 sin[p], x2 cos[p] + x1 sin[p]) with cos, sin [P, D/2] fp32 position tables. slots [B] and lens
-    integer tensors; every slot must index lens (the draft's slots do: padding rows carry the padding slot). A new
-    tensor."""
-    op = "norm_rope"
+def check_norm_rope(op: str, q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    slots: torch.Tensor, lens: torch.Tensor, eps: float) -> float:
+    """`norm_rope`'s arguments (FusedOpError naming `op` and the argument); returns eps as a float. Also what
+    decode_attention checks when it norms and rotates its query itself."""
     _tensor(op, "q", q, DTYPES, 3)
     _tensor(op, "weight", weight, DTYPES, 1)
     if q.shape[-1] % 2 or weight.shape[0] != q.shape[-1]:
@@ -245,14 +241,25 @@ def norm_rope(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
         if t.shape[0] < 1 or t.shape[1] != q.shape[-1] // 2:
             raise FusedOpError(f"{op}: {name} must be [positions >= 1, {q.shape[-1] // 2}] (a table of D/2 columns), "
                                f"got {tuple(t.shape)}")
-    if cos.shape != sin.shape:
-        raise FusedOpError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape")
+    if cos.shape != sin.shape or cos.stride() != sin.stride():
+        raise FusedOpError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape and layout")
     for name, t, n in (("slots", slots, q.shape[0]), ("lens", lens, None)):
         _tensor(op, name, t, INDEX_DTYPES, 1)
         if n is not None and t.shape[0] != n:
             raise FusedOpError(f"{op}: {name} must have one entry per row of q ({n}), got {tuple(t.shape)}")
     _same_device(op, q=q, weight=weight, cos=cos, sin=sin, slots=slots, lens=lens)
-    return _norm_rope_op(q, weight, cos, sin, slots, lens, _check_eps(op, eps))
+    return _check_eps(op, eps)
+
+
+def norm_rope(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+              lens: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Each head of q [B, H, D] RMS-normalised with scale (1 + weight [D]), then rotated at its row's query position
+    p = lens[slots[b]] - 1 (`query_positions`: at least 0, at most P - 1): halves (x1, x2) become
+    (x1 cos[p] - x2 sin[p], x2 cos[p] + x1 sin[p]) with cos, sin [P, D/2] fp32 position tables. slots [B] and lens
+    integer tensors; every slot must index lens (the draft's slots do: padding rows carry the padding slot). A new
+    tensor."""
+    eps = check_norm_rope("norm_rope", q, weight, cos, sin, slots, lens, eps)
+    return _norm_rope_op(q, weight, cos, sin, slots, lens, eps)
 
 
 def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, w_x: torch.Tensor, w_sum: torch.Tensor,

@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from graphcap.kernels import layer_fusions, use_triton
+from graphcap.kernels.attention import QueryNormRope
 from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torch
 from graphcap.kernels.fused_ops import gelu_tanh_and_mul, gemma_rmsnorm
 from graphcap.kernels.layer_fusions import query_positions
@@ -120,6 +121,11 @@ class DraftOps(Protocol):
         """rope(norm(q, weight)): the query heads' norm and rotary."""
         ...
 
+    def attention_q_norm(self, weight: torch.Tensor, rope: tuple) -> QueryNormRope | None:
+        """The query heads' norm and rotary for graphcap's attention kernel to apply itself (decode_attention's
+        `q_norm`), or None: the layer runs `norm_rope` first."""
+        ...
+
     def norm_add_norm(self, x: torch.Tensor, residual: torch.Tensor, w_x: torch.Tensor,
                       w_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(s, w_sum), s) with s = residual + norm(x, w_x): post-attention norm, residual add, pre-MLP norm."""
@@ -135,6 +141,9 @@ class DraftOps(Protocol):
 class ChainedOps:
     """The layer's norm chains as calls of the set's single ops, in the reference's order: what the torch set (which
     Inductor fuses) and sglang's set (one kernel per op, as sglang launches them) run."""
+
+    def attention_q_norm(self, weight, rope):
+        return None
 
     def norm_rope(self, q, weight, rope):
         return self.rope(self.norm(q, weight), rope)
@@ -245,11 +254,12 @@ PLAIN_OPS = TorchOps(name="torch-plain", graphcap_kernels=False)  # what a hand-
 @dataclass(frozen=True)
 class LayerKernelOps(TorchOps):
     """The torch set with the layer's small ops as graphcap's kernels: each norm chain one kernel
-    (graphcap.kernels.layer_fusions: q norm + rotary; post-attention norm + residual + pre-MLP norm; post-MLP norm +
-    residual + scalar + the next layer's input norm), the first input norm and the gelu-mul one kernel each
-    (graphcap.kernels.fused_ops). Five kernels of small ops per layer whatever Inductor fuses: under one compile for
-    every bucket (an unbacked batch) Inductor splits each norm into a reduction and a pointwise kernel
-    (docs/results.md). The same math as the torch set, rounded where it rounds (layer_fusions' docstring)."""
+    (graphcap.kernels.layer_fusions: post-attention norm + residual + pre-MLP norm; post-MLP norm + residual + scalar
+    + the next layer's input norm), the query's norm + rotary in the attention's split kernel (`attention_q_norm`),
+    the first input norm and the gelu-mul one kernel each (graphcap.kernels.fused_ops). Under one compile for every
+    bucket (an unbacked batch) Inductor splits each norm into a reduction and a pointwise kernel (docs/results.md),
+    so the torch set costs more launches. The same math as the torch set, rounded where it rounds (layer_fusions'
+    docstring). Also post_proj and the centroid scores as one projection (`merge_head_proj`)."""
 
     name: str = "layer-kernels"
     merge_head_proj: bool = True
@@ -272,6 +282,12 @@ class LayerKernelOps(TorchOps):
 
     def norm_rope(self, q, weight, rope):
         return layer_fusions.norm_rope(q, weight, *rope, EPS)
+
+    def attention_q_norm(self, weight, rope):
+        # in the attention's split kernel: the rows' slots and lengths are the attention's own (DraftLoop passes
+        # both the same), and the norm_rope kernel is one launch fewer per layer
+        cos, sin, _, _ = rope
+        return QueryNormRope(weight, cos, sin, EPS)
 
     def norm_add_norm(self, x, residual, w_x, w_sum):
         return layer_fusions.norm_add_norm(x, residual, w_x, w_sum, EPS)

@@ -114,12 +114,15 @@ class DraftLayer(nn.Module):
         stream leaving it and that stream's norm with `w_next` - the next layer's input norm weight, or the final
         norm's after the last layer - so an op set can end a layer and start the next in one kernel."""
         b = x.shape[0]
-        q = ops.norm_rope(ops.linear(h, self.q_proj).view(b, self.heads, self.head_dim), self.q_norm.weight, rope)
+        q = ops.linear(h, self.q_proj).view(b, self.heads, self.head_dim)
+        q_norm = ops.attention_q_norm(self.q_norm.weight, rope) if src.attend is None else None
+        if q_norm is None:  # else graphcap's attention kernel norms and rotates q itself
+            q = ops.norm_rope(q, self.q_norm.weight, rope)
         if src.attend is not None:
             attn = src.attend(q, self.scale)
         else:
             attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale,
-                                    plan=src.plan(b))
+                                    plan=src.plan(b), q_norm=q_norm)
         # x + norm(o) and its norm (sglang: a norm kernel, then its residual add + norm kernel)
         h, x = ops.norm_add_norm(ops.linear(attn.reshape(b, -1), self.o_proj), x, self.post_attn_norm.weight,
                                  self.pre_mlp_norm.weight)
