@@ -202,9 +202,9 @@ def _split_kernel(
         n = n.to(dt).to(tl.float32)
         npart = (xp * r * (tl.load(q_w + partner, mask=mask_d, other=0.0).to(tl.float32) + 1.0)[None, :])
         npart = npart.to(dt).to(tl.float32)
-        p = tl.minimum(tl.maximum(tl.load(lens + slot).to(tl.int64) - 1, 0), rope_rows - 1)  # query_positions
-        c = tl.load(cos + p * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
-        sn = tl.load(sin + p * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
+        pos = tl.minimum(tl.maximum(tl.load(lens + slot).to(tl.int64) - 1, 0), rope_rows - 1)  # query_positions
+        c = tl.load(cos + pos * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
+        sn = tl.load(sin + pos * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
         sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
         qv = (n * c + sign * npart * sn).to(dt).to(k_pool.dtype.element_ty)
     else:
