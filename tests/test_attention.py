@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphcap.kernels import twins_on_cpu
+from sm90 import compile_for_sm90
 from graphcap.kernels.attention import (
     AttentionError,
     choose_num_splits,
@@ -332,7 +333,7 @@ def test_q_norm_in_the_kernel_matches_float64(impl, device, seed, ratio, dim, wi
                                q_norm=QueryNormRope(weight, cos, sin, 1e-6))
         chained = decode_attention(norm_rope(q, weight, cos, sin, slots, lens_t), k, v, t, slots, lens_t, w, sc,
                                    splits)
-    ref = reference(norm_rope64(q, weight, cos, sin, slots, lens_t, 1e-6), k, v, t, slots, lens_t, w, sc)
+    ref = reference(norm_rope64(q, weight, cos, sin, slots, lens_t, 1e-6).to(device), k, v, t, slots, lens_t, w, sc)
     tol = {torch.float32: TOL[torch.float32], torch.bfloat16: 3e-2}[dtype]
     assert torch.isfinite(out).all()
     if ref.norm() > 0:
@@ -356,6 +357,40 @@ def test_q_norm_bad_inputs_name_the_argument():
         decode_attention(q, k, v, t, s, n, w, sc, 1, q_norm=QueryNormRope(torch.ones(16), cos[:, :7], sin[:, :7]))
     with pytest.raises(AttentionError, match=r"^decode_attention: eps must be"):
         decode_attention(q, k, v, t, s, n, w, sc, 1, q_norm=QueryNormRope(torch.ones(16), cos, sin, -1.0))
+
+
+SM90_ATTENTION = """
+import torch
+from graphcap.kernels import attention as A
+from graphcap.kernels.attention_plan import _H200_SMEM, default_config, query_block
+
+TYPES = dict(q="*bf16", k_pool="*bf16", v_pool="*bf16", table="*i32", slots="*i64", lens="*i32", out="*bf16",
+             part="*fp32", lse="*fp32", q_w="*bf16", cos="*fp32", sin="*fp32", sm_scale_log2="fp32", eps="fp32")
+n = 0
+for heads, kv_heads, d in ((32, 16, 256), (32, 4, 512)):  # the Gemma 4 draft's sliding and full layers
+    cfg = default_config(d, torch.bfloat16, True, _H200_SMEM)
+    group = heads // kv_heads
+    block_g = query_block(group, d)
+    for single in (True, False):
+        for norm_rope in (True, False):
+            for wave_in_kernel in (True, False):
+                consts = dict(H=heads, GROUP=group, HEAD_TILES=-(-group // block_g), D=d, BLOCK_D=d, BLOCK_G=block_g,
+                              BLOCK_N=cfg.block_n, SINGLE=single, F32_DOT=False, WAVE_IN_KERNEL=wave_in_kernel,
+                              NORM_ROPE=norm_rope)
+                compile(A._split_kernel, TYPES, consts, cfg.num_warps, cfg.num_stages)
+                n += 1
+    compile(A._combine_kernel, dict(part="*fp32", lse="*fp32", out="*bf16"),
+            dict(H=heads, D=d, BLOCK_D=d, BLOCK_S=16), cfg.combine_warps)
+    n += 1
+print("compiled", n)
+"""
+
+
+def test_kernels_compile_for_sm90(tmp_path):
+    """The split kernel in every variant the op launches (one split or several, the query's norm + rotary in it or
+    not, the wave from the host or the grid) and the combine kernel, at the draft's head widths, compiled for sm_90
+    (tests/sm90.py): what the CPU interpreter does not check."""
+    assert "compiled 18" in compile_for_sm90(SM90_ATTENTION, tmp_path)
 
 
 def test_bad_inputs_name_the_argument(device):
@@ -488,12 +523,13 @@ def test_q_norm_at_gemma4_widths_on_gpu(layer):
     ang = torch.rand(8192, shp["dim"] // 2, generator=g, dtype=torch.float64) * 6.28
     qn = QueryNormRope(weight, ang.cos().float().cuda(), ang.sin().float().cuda())
     splits = choose_num_splits(9, shp["kv_heads"], shp["window"] or 6000)
+    torch._dynamo.reset()  # static ints (window, splits): no automatic dynamic from another parametrisation's compile
     fn = torch.compile(lambda q: decode_attention(q, k, v, t, slots, n, w, sc, splits, q_norm=qn),
-                       mode="reduce-overhead", fullgraph=True)
+                       mode="reduce-overhead", fullgraph=True, dynamic=False)
     for _ in range(3):
         out = fn(q).clone()
     chained = decode_attention(norm_rope(q, weight, qn.cos, qn.sin, slots, n), k, v, t, slots, n, w, sc, splits)
-    ref = reference(norm_rope64(q, weight, qn.cos, qn.sin, slots, n, 1e-6), k, v, t, slots, n, w, sc)
+    ref = reference(norm_rope64(q, weight, qn.cos, qn.sin, slots, n, 1e-6).to(q.device), k, v, t, slots, n, w, sc)
     torch.cuda.synchronize()
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     assert rel_err(out, chained.double().cpu()) < TOL[torch.bfloat16]

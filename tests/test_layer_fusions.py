@@ -23,6 +23,7 @@ from graphcap.models import DraftLoop
 from graphcap.models.draft_ops import LAYER_KERNEL_OPS, TORCH_OPS
 from graphcap.window import WindowBuffers
 from random_norms import random_norm_draft
+from sm90 import compile_for_sm90
 
 DTYPES = [torch.float32, torch.bfloat16]
 SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -299,6 +300,31 @@ def test_layer_kernel_op_set_drafts_what_the_torch_ops_draft(device, monkeypatch
     layers = steps * len(spec.draft.layers)
     assert calls == {"attention with q_norm": layers, "norm_add_norm": layers, "norm_add_scale_norm": layers,
                      "gelu_tanh_and_mul": layers, "gemma_rmsnorm": steps}
+
+
+SM90_LAYER_FUSIONS = """
+from graphcap.kernels import layer_fusions as L
+
+n = 0
+for width, dtype in ((1536, "*bf16"), (1536, "*fp32")):  # the draft's hidden rows
+    types = {name: dtype for name in ("x", "res", "w_x", "w_sum", "w_out", "scalar", "normed", "total", "out")}
+    types["eps"] = "fp32"
+    block = triton.next_power_of_2(width)  # as the ops launch them
+    for fn in (L._norm_add_norm_kernel, L._norm_add_scale_norm_kernel):
+        compile(fn, types, dict(BLOCK=block), L._warps(block))
+        n += 1
+for half in (128, 256):  # query heads of 256 and 512
+    types = dict(q="*bf16", w="*bf16", cos="*fp32", sin="*fp32", slots="*i64", lens="*i32", out="*bf16", eps="fp32")
+    compile(L._norm_rope_kernel, types, dict(BLOCK=half), L._warps(half))
+    n += 1
+print("compiled", n)
+"""
+
+
+def test_kernels_compile_for_sm90(tmp_path):
+    """The three kernels at the draft's widths, compiled for sm_90 (tests/sm90.py): what the CPU interpreter does not
+    check."""
+    assert "compiled 6" in compile_for_sm90(SM90_LAYER_FUSIONS, tmp_path)
 
 
 x2, w8 = torch.ones(2, 8), torch.ones(8)

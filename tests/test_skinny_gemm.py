@@ -34,6 +34,7 @@ from graphcap.kernels.skinny_gemm import (
     CANDIDATES, MAX_M, Config, SkinnyGemmError, skinny_gate_up_gelu, skinny_gate_up_gelu_torch, skinny_linear,
     skinny_linear_torch,
 )
+from sm90 import compile_for_sm90
 
 SETTINGS = dict(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SUM_EPS = 2 * 2.0 ** -24  # per term of the K-term sum (module docstring)
@@ -357,9 +358,8 @@ def test_plan_and_candidates():
     assert sg._splits(100, Config(32, 256, 4, 4, 4)) == (256, 1)
 
 
-# Compiles every candidate for an H100/H200 (sm_90) with Triton's own compiler and ptxas, no GPU needed: catches what
-# the interpreter cannot (layouts, tl.dot shapes, shared memory). Run in a subprocess: under TRITON_INTERPRET=1
-# triton.jit makes interpreted functions, which do not compile.
+# Compiles every candidate for an H100/H200 (sm_90), no GPU needed (tests/sm90.py), with the divisibility hints a
+# launch's aligned pointers and strides give.
 SM90_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -398,16 +398,7 @@ print("compiled", len(seen) + 1)
 
 
 def test_every_candidate_compiles_for_sm90(tmp_path):
-    import os
-
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[1]), TRITON_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", SM90_COMPILE], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+    compile_for_sm90(SM90_COMPILE, tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
