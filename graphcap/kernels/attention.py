@@ -320,12 +320,17 @@ def _launch(
     else:
         part = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
-    qn = q_norm if q_norm is not None else QueryNormRope(q, q, q, 0.0)  # placeholders, never read
+    if q_norm is not None:
+        q_w, cos, sin, eps = q_norm
+        rope_rows, stride_c = cos.shape[0], cos.stride(0)
+    else:  # placeholders, never read (NORM_ROPE is off)
+        q_w = cos = sin = q
+        rope_rows, stride_c, eps = 1, 0, 0.0
     wrap_triton(_split_kernel)[(b, hkv * head_tiles, num_splits)](
-        q, k_pool, v_pool, table, slots, lens, out, part, lse, qn.weight, qn.cos, qn.sin,
-        float(sm_scale) * LOG2E, cols, num_splits, plan.min_chunk, wave, max_chunk, qn.cos.shape[0], float(qn.eps),
+        q, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin,
+        float(sm_scale) * LOG2E, cols, num_splits, plan.min_chunk, wave, max_chunk, rope_rows, float(eps),
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        table.stride(0), out.stride(0), out.stride(1), qn.cos.stride(0),
+        table.stride(0), out.stride(0), out.stride(1), stride_c,
         H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
         BLOCK_N=plan.block_n, SINGLE=single, WAVE_IN_KERNEL=wave_in_kernel, NORM_ROPE=q_norm is not None,
         # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16 tiles
