@@ -22,7 +22,7 @@ from graphcap.capture import DraftGraphs
 from graphcap.cli import build_parser, main
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
-from graphcap.models.draft_ops import fused_ops
+from graphcap.models.fused_op_set import fused_ops
 from graphcap.spec import load_spec
 from graphcap.window import WindowBuffers
 

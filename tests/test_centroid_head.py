@@ -163,7 +163,8 @@ def test_model_head_kernel_matches_twin_head(device):
     """The tiny draft model's head through the kernel (the torch op set; interpreted on CPU) and through the twin
     (the fused op set, sglang's gather): same scores to fp32 rounding, same tokens where the decision is clear."""
     from graphcap.models import FrozenKVDraft
-    from graphcap.models.draft_ops import TORCH_OPS, fused_ops
+    from graphcap.models.draft_ops import TORCH_OPS
+    from graphcap.models.fused_op_set import fused_ops
     from graphcap.spec import load_spec
 
     spec = load_spec("tiny")
@@ -252,7 +253,8 @@ def test_sglang_style_head_gathers_with_a_contiguous_index_and_scores_as_the_tor
     torch set's (graphcap's kernel) and float64: the same candidates, scores within the dtype's rounding, the same
     greedy token where the float64 runner-up is not within it; a strided cluster index (a slice of topk's output)
     gives exactly what a contiguous one does."""
-    from graphcap.models.draft_ops import TORCH_OPS, fused_ops
+    from graphcap.models.draft_ops import TORCH_OPS
+    from graphcap.models.fused_op_set import fused_ops
 
     clusters, tokens, hidden, k = 16, 12, 40, 5
     w, x, top, t = make_case(7, batch=6, clusters=clusters, tokens=tokens, hidden=hidden, k=k, dtype=dtype, device="cpu")

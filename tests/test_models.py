@@ -11,7 +11,8 @@ import torch
 from graphcap.bench.baselines import RebuildBaseline
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
-from graphcap.models.draft_ops import SKINNY_OPS, TORCH_OPS, fused_ops
+from graphcap.models.draft_ops import SKINNY_OPS, TORCH_OPS
+from graphcap.models.fused_op_set import fused_ops
 from graphcap.spec import load_spec
 from graphcap.bench.state import make_target_state
 from graphcap.window import WindowBuffers

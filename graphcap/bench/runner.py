@@ -30,8 +30,8 @@ from graphcap.backends import COMPILED_BACKENDS
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
-from graphcap.models.draft_ops import (DEFAULT_OPS, PLAIN_OPS, SKINNY_4ROWS_OPS, SKINNY_OPS, TORCH_OPS, DraftOps,
-                                      fused_ops)
+from graphcap.models.draft_ops import DEFAULT_OPS, PLAIN_OPS, SKINNY_4ROWS_OPS, SKINNY_OPS, TORCH_OPS, DraftOps
+from graphcap.models.fused_op_set import fused_ops
 from graphcap.window import WindowBuffers
 
 CPU_SHOWS = ("A CPU run checks that every mode runs the same draft, counts host reads of tensor values (syncs on "
