@@ -29,7 +29,8 @@ from graphcap.models.draft_ops import DEFAULT_OPS, SKINNY_OPS, TORCH_OPS
 from graphcap.spec import load_spec
 from graphcap.window import WindowBuffers
 
-GROUPS = (  # (group, substrings of the kernel name), first match wins
+INDUCTOR = "Inductor fused (norms, rope, gathers, head)"
+GROUPS = (  # (group, substrings of the kernel name), first match wins; Inductor's own kernels first (group_of)
     ("attention split-KV", ("_split_kernel",)),
     ("attention combine", ("_combine_kernel",)),
     ("window advance", ("window_advance", "_advance")),
@@ -38,12 +39,16 @@ GROUPS = (  # (group, substrings of the kernel name), first match wins
     ("centroid head (graphcap's kernel)", ("_centroid_logits",)),
     ("topk / sort", ("topk", "sort", "radix")),
     ("layer small ops (graphcap's kernels)", ("_norm_rope", "_norm_add", "_rmsnorm", "_act_mul")),
-    ("Inductor fused (norms, rope, gathers, head)", ("triton_",)),
+    (INDUCTOR, ("triton_",)),
 )
 
 
 def group_of(name: str) -> str:
+    """The kernel's group. Inductor names its kernels triton_<kind>_fused_<the ops in it>: by that prefix, before
+    the substrings, so a fused kernel named after an op it feeds (..._skinny_linear_0) is not counted as a matmul."""
     low = name.lower()
+    if low.startswith(("triton_poi_", "triton_red_", "triton_per_", "triton_tem_")):
+        return INDUCTOR
     for group, keys in GROUPS:
         if any(k in low for k in keys):
             return group

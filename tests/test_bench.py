@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -438,3 +439,25 @@ def test_host_overhead_bench_runs_the_graph_path_and_prints_its_table():
     assert r.returncode == 0, r.stderr
     for call in ("run(host_slots=...)", "run()", "replay()", "static address guard", "the no-op launch"):
         assert call in r.stdout
+
+
+def test_profile_groups_kernels_by_name():
+    """bench/profile_iteration.py's kernel groups: Inductor's fused kernels by their prefix, whatever ops their names
+    list (the embedding gather fused into the pre-projection's input is named ..._skinny_linear_0 and is no matmul)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "profile_iteration.py"
+    spec = importlib.util.spec_from_file_location("profile_iteration", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    matmul = "matmul (cuBLAS/CUTLASS, graphcap's skinny GEMM)"
+    want = {"triton_poi_fused_cat_index_mul_skinny_linear_0": mod.INDUCTOR,
+            "triton_red_fused__to_copy_add_mean_pow_0": mod.INDUCTOR,
+            "_skinny_kernel": matmul, "_splitk_sum_kernel": matmul,
+            "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT": matmul,
+            "void cublasLt::splitKreduce_kernel<32, 16, int, float>": matmul,
+            "_split_kernel": "attention split-KV", "_combine_kernel": "attention combine",
+            "_norm_rope_kernel": "layer small ops (graphcap's kernels)", "_small_topk_kernel": "topk / sort",
+            "_centroid_logits_kernel": "centroid head (graphcap's kernel)", "_window_advance_kernel": "window advance",
+            "void at::native::multi_tensor_apply_kernel<Copy>": "other"}
+    assert {name: mod.group_of(name) for name in want} == want
