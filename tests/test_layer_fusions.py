@@ -327,6 +327,23 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert "compiled 6" in compile_for_sm90(SM90_LAYER_FUSIONS, tmp_path)
 
 
+def test_layer_kernel_set_rotates_as_the_torch_set(device):
+    """LAYER_KERNEL_OPS hands the rotary tables and the rows' slots (its kernels find the positions); its own `rope`
+    and `norm_rope` over those inputs give what the torch set gives over its gathered rows."""
+    spec, st, model = random_norm_draft(device, [1, 5, 16, 40, 0, 3])
+    g = torch.Generator().manual_seed(4)
+    slots = torch.randperm(st.slots.shape[0], generator=g).to(device)
+    lens = torch.randint(0, spec.capture.max_context + 5, (st.slots.shape[0],), generator=g).to(torch.int32).to(device)
+    for lt in ("sliding", "full"):
+        d = spec.attention(lt).head_dim
+        q = nonzero((slots.shape[0], spec.draft.heads, d), g, torch.float32, device)
+        w = model.layers[0 if lt == "sliding" else -1].q_norm.weight
+        ours, ref = LAYER_KERNEL_OPS.rope_inputs(model, lt, slots, lens), TORCH_OPS.rope_inputs(model, lt, slots, lens)
+        torch.testing.assert_close(LAYER_KERNEL_OPS.rope(q, ours), TORCH_OPS.rope(q, ref), rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(LAYER_KERNEL_OPS.norm_rope(q, w, ours), TORCH_OPS.norm_rope(q, w, ref),
+                                   rtol=2e-5, atol=2e-5)
+
+
 x2, w8 = torch.ones(2, 8), torch.ones(8)
 rows2 = (torch.tensor([0, 1]), torch.tensor([3, 4], dtype=torch.int32))  # slots, lens
 BAD = [

@@ -67,8 +67,8 @@ class DraftOps(Protocol):
     def static_tensors(self) -> dict[str, torch.Tensor]: ...
 
     def rope_inputs(self, model: nn.Module, layer_type: str, slots: torch.Tensor, lens: torch.Tensor) -> tuple:
-        """What `rope`/`norm_rope` take for this layer type's rows, whose query positions are lens[slots] - 1
-        (`query_positions`)."""
+        """What `rope`/`norm_rope` take for this layer type's rows, whose query positions are lens[slots] - 1,
+        clamped to the position tables (`query_positions`; every set alike)."""
         ...
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
@@ -180,8 +180,9 @@ class TorchOps(ChainedOps):
         return {}
 
     def rope_inputs(self, model, layer_type, slots, lens):
-        pos = query_positions(slots, lens)
-        return getattr(model, f"rope_cos_{layer_type}")[pos], getattr(model, f"rope_sin_{layer_type}")[pos]
+        cos, sin = getattr(model, f"rope_cos_{layer_type}"), getattr(model, f"rope_sin_{layer_type}")
+        pos = query_positions(slots, lens, cos.shape[0])  # clamped to the tables, as graphcap's kernels clamp
+        return cos[pos], sin[pos]
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return _norm(x, weight)

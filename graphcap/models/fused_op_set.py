@@ -113,7 +113,7 @@ class FusedOps(ChainedOps):
         cache = self.tables.get(f"rope_cache_{layer_type}")
         if cache is None:
             raise RuntimeError("FusedOps: bind(model) first (DraftLoop does)")
-        return query_positions(slots, lens), cache, self.kv_width[layer_type]
+        return query_positions(slots, lens, cache.shape[0]), cache, self.kv_width[layer_type]
 
     def norm(self, x, weight):
         shape = x.shape
