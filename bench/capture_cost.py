@@ -28,11 +28,11 @@ import torch
 from tabulate import tabulate
 
 from graphcap import manifest as mf
-from graphcap.bench.options import OneLineParser
+from graphcap.bench.options import OneLineParser, server_compile
 from graphcap.bench.environment import environment, summary_line
 from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import time_call
-from graphcap.backends import COMPILED_BACKENDS, GRAPH_BACKENDS
+from graphcap.backends import GRAPH_BACKENDS
 from graphcap.capture import DraftGraphs
 from graphcap.guards import check_batch_inputs
 from graphcap.models import DraftLoop, FrozenKVDraft
@@ -116,12 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         if backend is None:
             return wb, loop, loop
         path = mf.manifest_path(a.out, spec.name, spec.hash, backend)
-        # else for_loop's default per backend, a one compile sized for the spec's largest bucket (--buckets 8 times
-        # the host cost of the code a server runs)
-        per_bucket = {"dynamic_batch": False} if a.per_bucket else \
-            {"compile_max_batch": max(spec.capture.buckets[-1], buckets[-1])} if backend in COMPILED_BACKENDS else {}
+        sizing = server_compile(spec, buckets, backend, a.per_bucket)  # --buckets 8 times a server's code
         graphs = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=path, progress=True,
-                                      **per_bucket, compile_cache=a.compile_cache,
+                                      **sizing, compile_cache=a.compile_cache,
                                       **precompile_choice(a, backend))
         prof = cProfile.Profile() if a.profile_capture else None
         t0 = time.perf_counter()

@@ -19,7 +19,7 @@ import torch
 from tabulate import tabulate
 
 from graphcap.bench.environment import environment, summary_line
-from graphcap.bench.options import OneLineParser
+from graphcap.bench.options import OneLineParser, server_compile
 from graphcap.bench.roofline import draft_iteration_bytes, measure_copy_bandwidth
 from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import median_p90, time_call
@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         wb.reset(state.slots.tolist(), [a.context] * b)
         loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full,
                          ops=ops, layer_regions=not a.inlined_layers)
-        # the one compile sized for the spec's largest bucket, as a server capturing all of them compiles it
-        sizing = {"dynamic_batch": False} if a.per_bucket else {"compile_max_batch": max(spec.capture.buckets[-1], b)}
+        sizing = server_compile(spec, (b,), backend, a.per_bucket)
         gr = DraftGraphs.for_loop(loop, backend=backend, buckets=(b,), manifest_path=None, progress=False, **sizing)
         gr.capture()
         return gr

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from graphcap.kernels import twins_on_cpu
 from sm90 import compile_for_sm90
+from test_layer_fusions import norm_rope64
 from graphcap.kernels.attention import (
     AttentionError,
     choose_num_splits,
@@ -295,15 +296,11 @@ def test_traces_under_torch_compile_on_cpu():
 # errors and the split heuristic
 
 
-def norm_rope64(q, w, cos, sin, slots, lens, eps):
-    """float64 q norm (Gemma: scale 1 + w) and NeoX rotary at each row's query position lens[slot] - 1, clamped to
-    the tables, from scratch."""
-    x = q.double().cpu()
-    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w.double().cpu())
+def q_norm_reference(q, w, cos, sin, slots, lens, eps):
+    """q normed and rotated in float64 (test_layer_fusions.norm_rope64) at each row's query position lens[slot] - 1,
+    clamped to the tables, computed here; on q's device."""
     pos = (lens.cpu().long()[slots.cpu().long()] - 1).clamp(0, cos.shape[0] - 1)
-    c, s_ = cos.double().cpu()[pos][:, None], sin.double().cpu()[pos][:, None]
-    half = q.shape[-1] // 2
-    return torch.cat([n[..., :half] * c - n[..., half:] * s_, n[..., half:] * c + n[..., :half] * s_], -1)
+    return norm_rope64(q, w, cos, sin, pos, eps).to(q.device)
 
 
 @pytest.mark.parametrize("impl", ["kernel", "twin"])
@@ -333,7 +330,7 @@ def test_q_norm_in_the_kernel_matches_float64(impl, device, seed, ratio, dim, wi
                                q_norm=QueryNormRope(weight, cos, sin, 1e-6))
         chained = decode_attention(norm_rope(q, weight, cos, sin, slots, lens_t), k, v, t, slots, lens_t, w, sc,
                                    splits)
-    ref = reference(norm_rope64(q, weight, cos, sin, slots, lens_t, 1e-6).to(device), k, v, t, slots, lens_t, w, sc)
+    ref = reference(q_norm_reference(q, weight, cos, sin, slots, lens_t, 1e-6), k, v, t, slots, lens_t, w, sc)
     tol = {torch.float32: TOL[torch.float32], torch.bfloat16: 3e-2}[dtype]
     assert torch.isfinite(out).all()
     if ref.norm() > 0:
@@ -529,7 +526,7 @@ def test_q_norm_at_gemma4_widths_on_gpu(layer):
     for _ in range(3):
         out = fn(q).clone()
     chained = decode_attention(norm_rope(q, weight, qn.cos, qn.sin, slots, n), k, v, t, slots, n, w, sc, splits)
-    ref = reference(norm_rope64(q, weight, qn.cos, qn.sin, slots, n, 1e-6).to(q.device), k, v, t, slots, n, w, sc)
+    ref = reference(q_norm_reference(q, weight, qn.cos, qn.sin, slots, n, 1e-6), k, v, t, slots, n, w, sc)
     torch.cuda.synchronize()
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     assert rel_err(out, chained.double().cpu()) < TOL[torch.bfloat16]

@@ -7,10 +7,10 @@ import csv
 import dataclasses
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load_bench_script
 from test_models import reference_iteration
 
 from graphcap.bench import options
@@ -444,12 +444,7 @@ def test_host_overhead_bench_runs_the_graph_path_and_prints_its_table():
 def test_profile_groups_kernels_by_name():
     """bench/profile_iteration.py's kernel groups: Inductor's fused kernels by their prefix, whatever ops their names
     list (the embedding gather fused into the pre-projection's input is named ..._skinny_linear_0 and is no matmul)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "profile_iteration.py"
-    spec = importlib.util.spec_from_file_location("profile_iteration", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench_script("profile_iteration")
     matmul = "matmul (cuBLAS/CUTLASS, graphcap's skinny GEMM)"
     want = {"triton_poi_fused_cat_index_mul_skinny_linear_0": mod.INDUCTOR,
             "triton_red_fused__to_copy_add_mean_pow_0": mod.INDUCTOR,
@@ -461,3 +456,23 @@ def test_profile_groups_kernels_by_name():
             "_centroid_logits_kernel": "centroid head (graphcap's kernel)", "_window_advance_kernel": "window advance",
             "void at::native::multi_tensor_apply_kernel<Copy>": "other"}
     assert {name: mod.group_of(name) for name in want} == want
+
+
+def test_server_compile_sizes_every_bench_capture_as_a_server_does():
+    """The benches' one rule for sizing their captures (graphcap bench, capture_cost, profile_iteration): a compiled
+    backend's one compile sized for the spec's largest bucket whatever subset they capture (or for a captured bucket
+    above it), one compile per bucket when asked, nothing for a backend that compiles nothing - and for_loop takes
+    each."""
+    spec = options.load_spec("tiny")
+    top = max(spec.capture.buckets)
+    assert options.server_compile(spec, (1,), "inductor-cudagraph") == {"compile_max_batch": top}
+    assert options.server_compile(spec, (2, top + 3), "compile") == {"compile_max_batch": top + 3}
+    assert options.server_compile(spec, (1,), "compile", per_bucket=True) == {"dynamic_batch": False}
+    assert options.server_compile(spec, (1,), "cudagraph") == {} == options.server_compile(spec, (1,), "eager")
+    with twins_on_cpu():
+        st = make_target_state(spec, [5, 9], [30, 30], device="cpu")
+        wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
+        loop = DraftLoop(FrozenKVDraft(spec, seed=1), wb, st.k_swa, st.v_swa, st.k_full, st.v_full)
+        for backend in ("compile", "eager"):
+            DraftGraphs.for_loop(loop, backend=backend, buckets=(1, 2), manifest_path=None,
+                                 **options.server_compile(spec, (1, 2), backend))

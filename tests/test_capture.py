@@ -38,6 +38,18 @@ def random_batch(g, wb, device, b):
     return [x.to(device) for x in (slots, accepted, tokens, hidden)]
 
 
+def assert_drafts_as_eager(graphs, eager, device, batches, seed):
+    """`graphs.run` over random batches of these sizes drafts what the eager twin loop `eager` (built like the
+    captured one, `build`) drafts: hidden states within 1e-4, the same tokens wherever the margin is clear."""
+    g = torch.Generator().manual_seed(seed)
+    for b in batches:
+        batch = random_batch(g, eager[1], device, b)
+        want, got = eager[2](*batch), graphs.run(*batch, copy=True)
+        decided = want.margins > 1e-3
+        torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.tokens[decided], want.tokens[decided]), b
+
+
 def test_dispatch_padding_fallback_and_manifest(tmp_path, device):
     """Random batch sizes (oversize ones included) and slots joining/leaving: every result equals the plain loop on
     a twin state, the windows stay identical, and the manifest counts what happened."""
@@ -545,13 +557,7 @@ def test_dynamic_batch_on_a_torch_whose_unbacked_marks_take_no_range(device, tmp
         graphs.capture()
         assert seen and all("min" not in kw and "max" not in kw for kw in seen)
         assert [r.status for r in graphs.buckets] == ["captured"] * 3
-        g = torch.Generator().manual_seed(5)
-        for b in (5, 1, 3, 2):
-            batch = random_batch(g, eager[1], device, b)
-            want, got = eager[2](*batch), graphs.run(*batch, copy=True)
-            decided = want.margins > 1e-3
-            torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
-            assert torch.equal(got.tokens[decided], want.tokens[decided]), b
+        assert_drafts_as_eager(graphs, eager, device, (5, 1, 3, 2), seed=5)
         assert cache_entries(graphs._compiled.code) == 1
 
 
@@ -577,13 +583,7 @@ def test_compile_max_batch_sizes_the_one_compile_beyond_the_captured_buckets(dev
         assert graphs._cache_key() != plain._cache_key()
         graphs.capture()
         assert set(tops) == {7} and ranges == [(1, 7)] and graphs._compiled.entries == 1
-        g = torch.Generator().manual_seed(9)
-        for b in (2, 1):
-            batch = random_batch(g, eager[1], device, b)
-            want, got = eager[2](*batch), graphs.run(*batch, copy=True)
-            decided = want.margins > 1e-3
-            torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-4, atol=1e-4)
-            assert torch.equal(got.tokens[decided], want.tokens[decided]), b
+        assert_drafts_as_eager(graphs, eager, device, (2, 1), seed=9)
     for bad, kw in ((1, {}), ("8", {}), (8, {"dynamic_batch": False})):
         with pytest.raises(ValueError, match=rf"compile_max_batch .* largest bucket 2 .*got {bad!r}"):
             DraftGraphs.for_loop(build(device)[2], backend="compile", buckets=(1, 2), manifest_path=None,

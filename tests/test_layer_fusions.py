@@ -79,6 +79,16 @@ def norm64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * (1.0 + w.double())
 
 
+def norm_rope64(q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """float64 on the CPU: each head of q [B, H, D] normed (norm64), then its halves rotated at row b's position
+    pos[b] of the tables cos, sin [P, D/2]."""
+    n = norm64(q.cpu(), w.cpu(), eps)
+    c, s = cos.double().cpu()[pos.cpu()][:, None], sin.double().cpu()[pos.cpu()][:, None]
+    half = q.shape[-1] // 2
+    return torch.cat([n[..., :half] * c - n[..., half:] * s, n[..., half:] * c + n[..., :half] * s], -1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # each op: kernel vs twin vs float64
 
@@ -100,9 +110,7 @@ def test_norm_rope_matches_twin_and_float64(device, dtype, b, heads, half, pad, 
     q0 = q.clone()
     got = L.norm_rope(q, w, cos, sin, slots, lens, eps)
     assert torch.equal(q, q0), "q must not change"
-    n = norm64(q0, w, eps)
-    c, s = cos.double().cpu()[pos][:, None].to(device), sin.double().cpu()[pos][:, None].to(device)
-    want = torch.cat([n[..., :half] * c - n[..., half:] * s, n[..., half:] * c + n[..., :half] * s], -1)
+    want = norm_rope64(q0, w, cos, sin, pos, eps)
     twin = L.norm_rope_torch(q0, w, cos, sin, slots, lens, eps)
     assert got.shape == q0.shape and got.dtype == dtype
     assert_close(got, twin, dtype, "norm_rope vs twin")

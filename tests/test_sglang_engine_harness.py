@@ -3,18 +3,15 @@ drafts line up per (request, k-th draft call), a differing draft or output is co
 tokens per verify, the workloads straddle the window, and the record keeps timings only for the batches measured."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-_PATH = Path(__file__).resolve().parents[1] / "bench" / "sglang_engine.py"
-_spec = importlib.util.spec_from_file_location("sglang_engine", _PATH)
-E = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(E)
+from bench_scripts import load_bench_script
+
+E = load_bench_script("sglang_engine")
 
 
 def _trace(calls: list[tuple[list[str], list[list[int]]]]) -> list[dict]:

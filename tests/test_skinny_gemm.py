@@ -34,6 +34,7 @@ from graphcap.kernels.skinny_gemm import (
     CANDIDATES, MAX_M, Config, SkinnyGemmError, skinny_gate_up_gelu, skinny_gate_up_gelu_torch, skinny_linear,
     skinny_linear_torch,
 )
+from bench_scripts import load_bench_script
 from sm90 import compile_for_sm90
 
 SETTINGS = dict(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -418,15 +419,12 @@ def test_bench_refuses_without_cuda():
 def test_bench_checks_times_and_reports_at_a_tiny_shape(tmp_path, monkeypatch, device):
     """The bench's own logic (contestants, the check against the cuBLAS expression, the summary and the files) at
     tiny shapes, a wall clock in place of its CUDA-graph timer (interpreted on CPU: the timings mean nothing)."""
-    import importlib.util
     import json
     import time
 
     from graphcap.bench import environment as bench_env
 
-    spec = importlib.util.spec_from_file_location("skinny_gemm_bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench_script("skinny_gemm")
 
     def wall_us(fn, ws, rep_ms):
         t = time.perf_counter()

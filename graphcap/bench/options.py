@@ -163,3 +163,19 @@ def buckets_for(cfg: BenchConfig) -> tuple[int, ...]:
     bucket gets its own): capturing only these keeps a run's compile time to what it measures."""
     spec_b = cfg.spec.capture.buckets
     return tuple(sorted({next((s for s in spec_b if s >= b), b) for b in cfg.batches}))
+
+
+def server_compile(spec: CaptureSpec, buckets: tuple[int, ...] | list[int], backend: str,
+                   per_bucket: bool = False) -> dict[str, object]:
+    """`DraftGraphs.for_loop`'s sizing arguments for a run that captures only `buckets` of `spec`: the one compile
+    for every bucket sized for the spec's largest bucket (or a captured one above it) - the code a server capturing
+    every bucket runs, since Inductor picks other kernels for a smaller largest bucket. `per_bucket`: one compile per
+    bucket instead; a backend that compiles nothing takes no sizing."""
+    from graphcap.backends import COMPILED_BACKENDS
+
+    if per_bucket:
+        return {"dynamic_batch": False}
+    if backend not in COMPILED_BACKENDS:
+        return {}
+    return {"compile_max_batch": max(*spec.capture.buckets, *buckets)}
+

@@ -20,13 +20,12 @@ from graphcap.bench.baselines import CompiledBaseline, RebuildBaseline, SglangBa
 from graphcap.bench.counting import Count, count_kernels, count_syncs
 from graphcap.bench.environment import environment
 from graphcap.bench.gpu_monitor import GpuMonitor
-from graphcap.bench.options import BenchConfig, buckets_for, growth_tokens
+from graphcap.bench.options import BenchConfig, buckets_for, growth_tokens, server_compile
 from graphcap.bench.roofline import floor_ms, measure_copy_bandwidth
 from graphcap.bench.rows import SPEEDUP_FIELDS, BenchResult, BenchRow
 from graphcap.bench.sglang_ops import check_available
 from graphcap.bench.state import TargetState, make_target_state
 from graphcap.bench.timing import Sample, collector_off, median_p90, time_call
-from graphcap.backends import COMPILED_BACKENDS
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
@@ -113,11 +112,7 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                                        "only), the same loop as graphcap")
                 elif skinny and not cuda:
                     note = _join(note, "the skinny GEMM's torch twin (cuBLAS's math) without CUDA")
-                # the one compile sized for the spec's largest bucket, as a server capturing all of them compiles it
-                # (Inductor picks other kernels for a smaller largest bucket), whichever buckets this run captures
-                sizing = ({"dynamic_batch": False} if name == "graphcap-per-bucket" else
-                          {"compile_max_batch": max(cfg.spec.capture.buckets[-1], buckets[-1])}
-                          if backend in COMPILED_BACKENDS else {})
+                sizing = server_compile(cfg.spec, buckets, backend, per_bucket=name == "graphcap-per-bucket")
                 runner = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=None,
                                               progress=False, **sizing)
         except ImportError as e:

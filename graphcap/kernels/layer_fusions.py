@@ -5,9 +5,8 @@ layer the norms come in chains, each link reading what the one before wrote, so 
 - `norm_rope(q, weight, cos, sin, slots, lens)`: every query head's RMSNorm, then its rotary (NeoX halves: a head's
   element i pairs with i + D/2) at the row's query position, read from the position tables in the kernel - the
   layer's q_norm and rope. The position is the draft's (its last token's, lens[slots[b]] - 1), found in the kernel
-  too. Gathered outside, once per iteration, the rows' cos/sin still cost kernels in every layer call: the H200
-  profile of the compiled 3-step iteration counted 22 gather kernels (`to_copy_clamp_index_sub`) for its 12 layer
-  calls;
+  too, so a compiled loop gathers no cos/sin rows outside it (gathered once per iteration, Inductor still ran such
+  gathers in every layer call: docs/results.md, where the time goes);
 - `norm_add_norm(x, residual, w_x, w_sum) -> (normed, sum)`: sum = residual + norm(x, w_x), normed = norm(sum, w_sum)
   - the attention output's post-norm, the residual add and the MLP's pre-norm;
 - `norm_add_scale_norm(x, w_x, residual, scalar, w_out) -> (out, normed)`: out = (residual + norm(x, w_x)) * scalar,

@@ -98,10 +98,10 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
 
 # Up to how many rows graphcap's op sets send a shape class to the kernel (its plan) rather than cuBLAS: where it made
 # the draft iteration faster on the H200 (graphcap bench; docs/results.md, the skinny GEMM). Alone
-# (bench/skinny_gemm.py) the kernel beat cuBLAS by 2-5% on the wide shapes up to 16 rows and by 4-11% on gate/up
-# (whose margin includes the gelu-mul kernel cuBLAS needs after it), and tied on the narrow split-K shapes. In the
-# iteration the narrow shapes' one-kernel split K won up to 4 rows (cuBLAS adds split-K reduction kernels: 180
-# kernels against 153), and the wide and gated shapes won at 8 rows and lost at 16.
+# (bench/skinny_gemm.py) the kernel beat cuBLAS on the wide and gate/up shapes (gate/up's margin includes the gelu-mul
+# kernel cuBLAS needs after it) and tied on the narrow split-K shapes. In the iteration the narrow shapes' one-kernel
+# split K won up to 4 rows (cuBLAS adds a split-K reduction kernel per call) and was not run at 8; the wide and gated
+# shapes won at 8 rows and lost at 16.
 KERNEL_ROWS = {"wide": 8, "gated": 8, "narrow": 4}
 
 
