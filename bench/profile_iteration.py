@@ -25,7 +25,7 @@ from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import median_p90, time_call
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
-from graphcap.models.draft_ops import DEFAULT_OPS, SKINNY_OPS, TORCH_OPS
+from graphcap.models.draft_ops import DEFAULT_OPS, QNORM_KERNEL_OPS, SKINNY_OPS, TORCH_OPS, TWO_HEAD_PROJ_OPS
 from graphcap.spec import load_spec
 from graphcap.window import WindowBuffers
 
@@ -61,11 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--skinny-gemm", action="store_true",
-                   help="the projections through graphcap's skinny GEMM (SKINNY_OPS) instead of cuBLAS")
-    p.add_argument("--torch-ops", action="store_true",
-                   help="the layer's norms, rotary and gelu-mul as torch ops Inductor fuses (TORCH_OPS) instead of "
-                        "graphcap's kernels (the default set)")
+    sets = p.add_mutually_exclusive_group()  # the op set: graphcap's default, or one variant of it
+    sets.add_argument("--skinny-gemm", action="store_true",
+                      help="the projections through graphcap's skinny GEMM (SKINNY_OPS) instead of cuBLAS")
+    sets.add_argument("--torch-ops", action="store_true",
+                      help="the layer's norms, rotary and gelu-mul as torch ops Inductor fuses (TORCH_OPS) instead of "
+                           "graphcap's kernels (the default set)")
+    sets.add_argument("--qnorm-kernel", action="store_true",
+                      help="the query's norm + rotary as its own kernel before the attention (QNORM_KERNEL_OPS)")
+    sets.add_argument("--two-head-proj", action="store_true",
+                      help="post_proj and the centroid scores as two GEMMs (TWO_HEAD_PROJ_OPS)")
     p.add_argument("--per-bucket", action="store_true",
                    help="compile for this batch alone (dynamic_batch=False) instead of the one compile for all buckets")
     p.add_argument("--inlined-layers", action="store_true",
@@ -76,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("profile_iteration: needs CUDA", file=sys.stderr)
         return 2
-    if a.skinny_gemm and a.torch_ops:
-        p.error("--skinny-gemm runs graphcap's default set with the skinny GEMM; it cannot go with --torch-ops")
-    ops = SKINNY_OPS if a.skinny_gemm else TORCH_OPS if a.torch_ops else DEFAULT_OPS
+    ops = next((o for flag, o in ((a.skinny_gemm, SKINNY_OPS), (a.torch_ops, TORCH_OPS),
+                                  (a.qnorm_kernel, QNORM_KERNEL_OPS), (a.two_head_proj, TWO_HEAD_PROJ_OPS)) if flag),
+               DEFAULT_OPS)
     spec = load_spec(a.spec)
     b, n = a.batch, a.iters
     growth = 2 * (n + 10) * (spec.capture.steps + 1)

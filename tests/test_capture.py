@@ -246,6 +246,41 @@ def test_run_writes_any_integer_dtype_and_layout_exactly(device):
             assert torch.equal(static[b:], old[b:]), f"trial {trial}, batch {b}: {name} rows past the batch"
 
 
+def test_common_word_is_the_widest_view_torch_allows():
+    """BucketGraph.write's one-dtype copy views every tensor as `common_word`: against torch's own rule, on random
+    dense tensors (dtypes, shapes, storage offsets), every tensor views as it with the same bytes, and none wider
+    would do for all of them."""
+    from graphcap.bucket_graph import WORDS, common_word
+
+    g = torch.Generator().manual_seed(11)
+    dtypes = (torch.int64, torch.int32, torch.bfloat16, torch.float32, torch.uint8, torch.int16)
+
+    def views(x, word) -> bool:
+        try:
+            x.view(word)
+        except RuntimeError:
+            return False
+        return True
+
+    for _ in range(300):
+        ts = []
+        for _ in range(int(torch.randint(1, 5, (), generator=g))):
+            dt = dtypes[int(torch.randint(len(dtypes), (), generator=g))]
+            shape = [int(torch.randint(1, 6, (), generator=g)) for _ in range(int(torch.randint(1, 3, (), generator=g)))]
+            off = int(torch.randint(0, 4, (), generator=g))
+            n = 1
+            for d in shape:
+                n *= d
+            base = torch.randint(0, 100, (n + off,), generator=g).to(dt)
+            ts.append(base[off:].view(shape))
+        word = common_word(ts)
+        for x in ts:
+            assert torch.equal(x.view(word).view(torch.uint8), x.view(torch.uint8))
+        wider = [w for w in WORDS if w.itemsize > word.itemsize]
+        assert all(not all(views(x, w) for x in ts) for w in wider), ([(x.dtype, x.shape, x.storage_offset())
+                                                                      for x in ts], word)
+
+
 def test_moved_static_tensor_is_caught_and_recapture_recovers(device):
     st, wb, loop = build(device)
     graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)

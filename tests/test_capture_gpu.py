@@ -273,16 +273,14 @@ def test_cudagraph_replay_equals_eager_at_padded_buckets():
 
 def test_run_copies_a_batch_of_the_static_dtypes_in_one_launch():
     """run()'s input copy (BucketGraph.write): a batch in the static inputs' dtypes, contiguous, is one device launch
-    (the byte-view multi-tensor copy), and its rows arrive exactly; int32 slots take the per-pair copies."""
+    (the multi-tensor copy over views of one integer word: int64 at an even batch, int32 at an odd one, a narrower
+    word where a source sits at an odd offset), and its rows arrive exactly; int32 slots take the per-pair copies."""
     spec = load_spec("tiny")
     st, model, lens = _world(spec, 16, 32, iters=4)
     gr = DraftGraphs.for_loop(_loop(spec, st, model, lens), backend="eager", buckets=(8,), manifest_path=None)
     gr.capture()
     bucket = gr.bucket_graph(8)
     g = torch.Generator().manual_seed(3)
-    batch = [torch.randperm(16, generator=g)[:6], torch.randint(1, 4, (6,), generator=g, dtype=torch.int32),
-             torch.randint(0, spec.draft.vocab, (6,), generator=g), torch.randn(6, spec.target.hidden, generator=g)]
-    batch = [x.to("cuda", s.dtype) for x, s in zip(batch, bucket.inputs)]
 
     def launches(inputs) -> int:
         bucket.write(*inputs)  # warm
@@ -292,8 +290,15 @@ def test_run_copies_a_batch_of_the_static_dtypes_in_one_launch():
             torch.cuda.synchronize()
         return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
-    assert launches(batch) == 1
-    for x, s in zip(batch, bucket.inputs):
-        assert torch.equal(s[:6], x)
-    assert launches([batch[0].int(), *batch[1:]]) > 1  # a conversion kernel plus copies
-    assert torch.equal(bucket.inputs[0][:6], batch[0])
+    for b in (6, 5):
+        batch = [torch.randperm(16, generator=g)[:b], torch.randint(1, 4, (b,), generator=g, dtype=torch.int32),
+                 torch.randint(0, spec.draft.vocab, (b,), generator=g), torch.randn(b, spec.target.hidden, generator=g)]
+        batch = [x.to("cuda", s.dtype) for x, s in zip(batch, bucket.inputs)]
+        unaligned = torch.cat([batch[1][:1], batch[1]])[1:]  # int32 at an odd offset: no int64 view
+        assert bucket.word_rows(b)[0].dtype == (torch.int64 if b % 2 == 0 else torch.int32)
+        for inputs in (batch, [batch[0], unaligned, *batch[2:]]):
+            assert launches(inputs) == 1, b
+            for x, s in zip(inputs, bucket.inputs):
+                assert torch.equal(s[:b], x), b
+        assert launches([batch[0].int(), *batch[1:]]) > 1  # a conversion kernel plus copies
+        assert torch.equal(bucket.inputs[0][:b], batch[0])

@@ -374,6 +374,45 @@ def test_merged_head_projection_is_post_proj_and_the_centroid_scores(device, mon
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_query_norm_in_the_attention_or_as_its_own_kernel_drafts_the_same(device, monkeypatch, seed):
+    """q_norm_in_attention (the default set): the query's norm + rotary inside the attention's split kernel; off
+    (QNORM_KERNEL_OPS, the bench's graphcap-qnorm-kernel) the norm_rope kernel runs before the attention, once per
+    layer call, and the attention takes the normed query. The same math and roundings either way: the loop drafts
+    the same tokens, and scores, margins and hidden states to fp32 rounding."""
+    import graphcap.kernels.layer_fusions as lf
+    from graphcap.models.draft_ops import DEFAULT_OPS, QNORM_KERNEL_OPS
+
+    calls = []
+    norm_rope = lf.norm_rope
+    monkeypatch.setattr(lf, "norm_rope", lambda *a, **k: (calls.append(a[0].shape), norm_rope(*a, **k))[1])
+    spec = load_spec("tiny")
+    lens0 = [1, 5, 16, 40, 70, 3]
+    st = make_target_state(spec, lens0, [n + 20 for n in lens0], seed=seed, device=device)
+    model = FrozenKVDraft(spec, seed=seed + 1, device=device)
+    outs = {}
+    for ops in (DEFAULT_OPS, QNORM_KERNEL_OPS):
+        wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
+        wb.reset(st.slots.tolist(), lens0)
+        loop = DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, ops=ops)
+        gi = torch.Generator().manual_seed(seed + 3)
+        accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=gi).to(device)
+        tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=gi).to(device)
+        hidden = torch.randn(len(lens0), spec.target.hidden, generator=gi).to(device)
+        calls.clear()
+        outs[ops.q_norm_in_attention] = loop(st.slots, accepted, tokens, hidden)
+        want = [] if ops.q_norm_in_attention else [
+            (len(lens0), spec.draft.heads, spec.attention(lt).head_dim) for lt in spec.draft.layers]
+        assert calls == want * spec.capture.steps, ops.name
+    inside, apart = outs[True], outs[False]
+    clear = (apart.margins > 1e-3).all(1)
+    assert clear.sum() >= len(lens0) // 2
+    assert torch.equal(inside.tokens[clear], apart.tokens[clear])
+    for name in ("scores", "hidden"):
+        torch.testing.assert_close(getattr(inside, name)[clear], getattr(apart, name)[clear], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_default_op_set_routes_each_projection_by_its_shape_class(monkeypatch):
     """The default set (LAYER_KERNEL_OPS) hands a bf16 projection to the skinny GEMM with cublas_above = its shape
     class's KERNEL_ROWS (capped by skinny_rows), and a class with 0 rows, a float32 input or more than MAX_M rows

@@ -36,6 +36,7 @@ baselines and graphcap's own loop run one model with the same weights.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -247,6 +248,9 @@ class LayerKernelOps(TorchOps):
 
     name: str = "layer-kernels"
     merge_head_proj: bool = True
+    # the query's norm + rotary in the attention's split kernel (decode_attention's `q_norm`); False: the
+    # norm_rope kernel before the attention, one launch more per layer call (bench mode graphcap-qnorm-kernel)
+    q_norm_in_attention: bool = True
 
     def norm(self, x, weight):
         shape = x.shape
@@ -270,6 +274,8 @@ class LayerKernelOps(TorchOps):
     def attention_q_norm(self, weight, rope):
         # in the attention's split kernel: the rows' slots and lengths are the attention's own (DraftLoop passes
         # both the same), and the norm_rope kernel is one launch fewer per layer
+        if not self.q_norm_in_attention:
+            return None
         cos, sin, _, _ = rope
         return QueryNormRope(weight, cos, sin, EPS)
 
@@ -289,3 +295,7 @@ DEFAULT_OPS = LAYER_KERNEL_OPS
 SKINNY_OPS = LayerKernelOps(name="layer-kernels-skinny-gemm", skinny_rows=SKINNY_MAX_M)
 # the skinny GEMM for every shape up to 4 rows, cuBLAS above (bench mode graphcap-skinny-4rows)
 SKINNY_4ROWS_OPS = LayerKernelOps(name="layer-kernels", skinny_rows=4)
+# graphcap's loop less one kernel-count lever each, to price it alone (bench modes graphcap-qnorm-kernel: the
+# query's norm + rotary as its own kernel; graphcap-two-head-proj: post_proj and the centroid scores as two GEMMs)
+QNORM_KERNEL_OPS = dataclasses.replace(LAYER_KERNEL_OPS, name="layer-kernels-qnorm-kernel", q_norm_in_attention=False)
+TWO_HEAD_PROJ_OPS = dataclasses.replace(LAYER_KERNEL_OPS, name="layer-kernels-two-head-proj", merge_head_proj=False)
