@@ -51,7 +51,7 @@ from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
 from graphcap.kernels.fused_ops import FusedOpError
-from graphcap.kernels.layer_fusions import check_norm_rope, norm_rope_torch
+from graphcap.kernels.layer_fusions import check_norm_rope, launch_norm_rope, norm_rope_torch
 from graphcap.kernels.attention_plan import (  # noqa: F401 - re-exported: the op's public planning helpers
     AttentionError,
     AttentionPlan,
@@ -160,9 +160,10 @@ def decode_attention_torch(
 
 @triton.jit
 def _split_kernel(
-    q, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin,
-    sm_scale_log2, cols, num_splits, min_chunk, wave, max_chunk, rope_rows, eps,
+    q, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin, normed,
+    sm_scale_log2, cols, num_splits, min_chunk, wave, max_chunk, rope_rows, eps, prologue_rows,
     stride_qb, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_t, stride_ob, stride_oh, stride_c,
+    stride_nb, stride_nh,
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_TILES: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE: tl.constexpr, F32_DOT: tl.constexpr, WAVE_IN_KERNEL: tl.constexpr = False, NORM_ROPE: tl.constexpr = False,
@@ -191,22 +192,27 @@ def _split_kernel(
 
     q_mask = mask_g[:, None] & mask_d[None, :]
     q_ptr = q + b * stride_qb + heads[:, None] * stride_qh
-    if NORM_ROPE:  # q is the raw projection: layer_fusions.norm_rope's math and roundings, per head of the tile
-        half = D // 2
-        partner = (offs_d + half) % D  # the element each one rotates with
-        x = tl.load(q_ptr + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
-        xp = tl.load(q_ptr + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
-        r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-        dt = q.dtype.element_ty
-        n = (x * r * (tl.load(q_w + offs_d, mask=mask_d, other=0.0).to(tl.float32) + 1.0)[None, :])
-        n = n.to(dt).to(tl.float32)
-        npart = (xp * r * (tl.load(q_w + partner, mask=mask_d, other=0.0).to(tl.float32) + 1.0)[None, :])
-        npart = npart.to(dt).to(tl.float32)
-        pos = tl.minimum(tl.maximum(tl.load(lens + slot).to(tl.int64) - 1, 0), rope_rows - 1)  # query_positions
-        c = tl.load(cos + pos * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
-        sn = tl.load(sin + pos * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
-        sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
-        qv = (n * c + sign * npart * sn).to(dt).to(k_pool.dtype.element_ty)
+    if NORM_ROPE:
+        if tl.num_programs(0) <= prologue_rows:  # q is the raw projection: layer_fusions.norm_rope's math and
+            # roundings, per head of the tile
+            half = D // 2
+            partner = (offs_d + half) % D  # the element each one rotates with
+            x = tl.load(q_ptr + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+            xp = tl.load(q_ptr + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+            r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+            dt = q.dtype.element_ty
+            n = (x * r * (tl.load(q_w + offs_d, mask=mask_d, other=0.0).to(tl.float32) + 1.0)[None, :])
+            n = n.to(dt).to(tl.float32)
+            npart = (xp * r * (tl.load(q_w + partner, mask=mask_d, other=0.0).to(tl.float32) + 1.0)[None, :])
+            npart = npart.to(dt).to(tl.float32)
+            pos = tl.minimum(tl.maximum(tl.load(lens + slot).to(tl.int64) - 1, 0), rope_rows - 1)  # query_positions
+            c = tl.load(cos + pos * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
+            sn = tl.load(sin + pos * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
+            sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
+            qv = (n * c + sign * npart * sn).to(dt).to(k_pool.dtype.element_ty)
+        else:  # the norm_rope kernel wrote it (`_launch`)
+            n_ptr = normed + b * stride_nb + heads[:, None] * stride_nh
+            qv = tl.load(n_ptr + offs_d[None, :], mask=q_mask, other=0.0).to(k_pool.dtype.element_ty)
     else:
         qv = tl.load(q_ptr + offs_d[None, :], mask=q_mask, other=0.0).to(k_pool.dtype.element_ty)
     scale = tl.cast(sm_scale_log2, tl.float32)  # Inductor passes Python floats as fp64 scalars
@@ -279,8 +285,9 @@ def _combine_kernel(
 
 class QueryNormRope(NamedTuple):
     """The query heads' RMSNorm weight [D] and the rotary position tables cos, sin [P, D/2] fp32 (and eps): with
-    them decode_attention takes q as the raw projection and norms and rotates it in its split kernel
-    (layer_fusions.norm_rope's math, roundings and positions) - one kernel fewer per layer call."""
+    them decode_attention takes q as the raw projection and norms and rotates it (layer_fusions.norm_rope's math,
+    roundings and positions): in its split kernel's prologue up to the plan's `prologue_rows` rows - one kernel
+    fewer per layer call - and above them by the norm_rope kernel, launched by the op before the split kernel."""
     weight: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
@@ -323,14 +330,21 @@ def _launch(
     if q_norm is not None:
         q_w, cos, sin, eps = q_norm
         rope_rows, stride_c = cos.shape[0], cos.stride(0)
+        # Above plan.prologue_rows rows the query's norm + rotary is the norm_rope kernel's, first, and the split
+        # kernel reads its output; up to them that kernel's grid is empty (a launch of nothing, no graph node) and
+        # the split kernel norms in its prologue. Arithmetic on the batch, no branch: one compile serves every bucket.
+        normed = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
+        above = torch.sym_min(1, torch.sym_max(0, b - plan.prologue_rows))
+        launch_norm_rope(q, q_w, cos, sin, slots, lens, eps, normed, above * b)
     else:  # placeholders, never read (NORM_ROPE is off)
-        q_w = cos = sin = q
+        q_w = cos = sin = normed = q
         rope_rows, stride_c, eps = 1, 0, 0.0
     wrap_triton(_split_kernel)[(b, hkv * head_tiles, num_splits)](
-        q, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin,
+        q, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin, normed,
         float(sm_scale) * LOG2E, cols, num_splits, plan.min_chunk, wave, max_chunk, rope_rows, float(eps),
+        plan.prologue_rows,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        table.stride(0), out.stride(0), out.stride(1), stride_c,
+        table.stride(0), out.stride(0), out.stride(1), stride_c, normed.stride(0), normed.stride(1),
         H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
         BLOCK_N=plan.block_n, SINGLE=single, WAVE_IN_KERNEL=wave_in_kernel, NORM_ROPE=q_norm is not None,
         # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16 tiles
@@ -386,8 +400,8 @@ def decode_attention(
     traces that body, so a compiled caller should bring a plan).
 
     `q_norm`: q is the raw query projection, normed and rotated at each row's query position (lens[slots[b]] - 1)
-    in the split kernel before it attends (`QueryNormRope`; the same as attending over
-    layer_fusions.norm_rope(q, ...)).
+    before it attends (`QueryNormRope`; the same as attending over layer_fusions.norm_rope(q, ...)): in the split
+    kernel up to the plan's `prologue_rows` rows, by a norm_rope kernel first above them.
     """
     if q_norm is not None:
         try:
@@ -410,7 +424,7 @@ def decode_attention(
     return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, *args, *q_args)
 
 
-_UNPLANNED = (0,) * 9  # the op's plan arguments after num_splits when the call brought no plan
+_UNPLANNED = (0,) * 10  # the op's plan arguments after num_splits when the call brought no plan
 
 
 @triton_op("graphcap::decode_attention", mutates_args=())
@@ -418,6 +432,7 @@ def _decode_attention_op(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, block_n: int, num_warps: int,
     num_stages: int, min_chunk: int, max_chunk: int, combine_warps: int, programs: int, wave: int, min_splits: int,
+    prologue_rows: int,
     q_weight: Optional[torch.Tensor], cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], eps: float,
 ) -> torch.Tensor:
     """The registered op behind `decode_attention` (traceable by torch.compile, capturable in a CUDA graph). The
@@ -434,5 +449,5 @@ def _decode_attention_op(
         plan = plan_for_inputs(q, k_pool, table, window, num_splits)
     else:
         plan = AttentionPlan(num_splits, block_n, num_warps, num_stages, min_chunk, max_chunk, combine_warps,
-                             programs, wave, min_splits)
+                             programs, wave, min_splits, prologue_rows)
     return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, plan, q_norm)
