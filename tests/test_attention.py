@@ -366,7 +366,7 @@ from graphcap.kernels import attention as A
 from graphcap.kernels.attention_plan import _H200_SMEM, default_config, query_block
 
 TYPES = dict(q="*bf16", k_pool="*bf16", v_pool="*bf16", table="*i32", slots="*i64", lens="*i32", out="*bf16",
-             part="*fp32", lse="*fp32", q_w="*bf16", cos="*fp32", sin="*fp32", normed="*bf16", sm_scale_log2="fp32",
+             part="*fp32", lse="*fp32", q_w="*bf16", cos="*fp32", sin="*fp32", sm_scale_log2="fp32",
              eps="fp32")
 n = 0
 for heads, kv_heads, d in ((32, 16, 256), (32, 4, 512)):  # the Gemma 4 draft's sliding and full layers
@@ -541,10 +541,10 @@ def test_q_norm_at_gemma4_widths_on_gpu(layer):
 
 @pytest.mark.gpu
 def test_q_norm_is_the_prologue_up_to_prologue_rows_and_a_kernel_first_above():
-    """The prologue rule on the H200, eagerly and in a CUDA graph of Inductor's code compiled once for both batches
-    (the batch symbolic, as graphcap's one compile for every bucket): at a batch of at most `prologue_rows` rows no
-    norm_rope kernel runs (its grid is empty: nothing launched, no graph node); above, one runs before the split
-    kernel. Either way the output is the float64 reference's."""
+    """The prologue rule on the H200, eagerly and in CUDA graphs of one Inductor compile for both batches (the batch
+    dimension dynamic, as graphcap's one compile for every bucket): at a batch of at most `prologue_rows` rows one
+    split kernel runs and no norm_rope kernel (its grid is empty: nothing launched, no graph node); above, a
+    norm_rope kernel and then one split kernel. Either way the output is the float64 reference's."""
     import dataclasses as dc
 
     from graphcap.kernels.attention import QueryNormRope, plan_attention
@@ -556,31 +556,32 @@ def test_q_norm_is_the_prologue_up_to_prologue_rows_and_a_kernel_first_above():
     qn = QueryNormRope(weight, ang.cos().float().cuda(), ang.sin().float().cuda())
     plan = dc.replace(plan_attention(None, shp["kv_heads"], shp["dim"], torch.bfloat16, "cuda", shp["window"]),
                       prologue_rows=4)
+    q7, k, v, t, slots7, n, w, sc = make_case(7, lens=_gemma_lens(7, 7), heads=shp["heads"], kv_heads=shp["kv_heads"],
+                                              dim=shp["dim"], window=shp["window"], dtype=torch.bfloat16,
+                                              device="cuda", cols=shp["window"], page=64)
 
-    def norm_rope_kernels(fn, q) -> int:
-        fn(q)
+    def attend(q, slots):
+        return decode_attention(q, k, v, t, slots, n, w, sc, plan=plan, q_norm=qn)
+
+    def kernels(fn, q, slots) -> dict[str, int]:
+        fn(q, slots)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn(q)
+            fn(q, slots)
             torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and "norm_rope" in e.name)
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return {k_: sum(k_ in x for x in names) for k_ in ("norm_rope", "_split_kernel")}
 
     torch._dynamo.reset()
+    compiled = torch.compile(attend, mode="reduce-overhead", fullgraph=True, dynamic=False)
     for b in (3, 7):
-        case = make_case(b, lens=_gemma_lens(b, b)[:b], heads=shp["heads"], kv_heads=shp["kv_heads"],
-                         dim=shp["dim"], window=shp["window"], dtype=torch.bfloat16, device="cuda",
-                         cols=shp["window"], page=64)
-        q, k, v, t, slots, n, w, sc = case
-
-        def attend(q_):
-            return decode_attention(q_, k, v, t, slots, n, w, sc, plan=plan, q_norm=qn)
-
-        compiled = torch.compile(attend, mode="reduce-overhead", fullgraph=True, dynamic=True)
+        q, slots = q7[:b].clone(), slots7[:b].clone()
+        torch._dynamo.mark_dynamic(q, 0)
+        torch._dynamo.mark_dynamic(slots, 0)
         ref = reference(q_norm_reference(q, weight, qn.cos, qn.sin, slots, n, 1e-6), k, v, t, slots, n, w, sc)
         for fn in (attend, compiled):
-            assert norm_rope_kernels(fn, q) == (0 if b <= 4 else 1), (b, fn)
-            out = fn(q).clone()
+            assert kernels(fn, q, slots) == {"norm_rope": int(b > 4), "_split_kernel": 1}, (b, fn)
+            out = fn(q, slots).clone()
             torch.cuda.synchronize()
             assert rel_err(out, ref) < TOL[torch.bfloat16], b
     torch._dynamo.reset()

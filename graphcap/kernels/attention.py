@@ -160,10 +160,9 @@ def decode_attention_torch(
 
 @triton.jit
 def _split_kernel(
-    q, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin, normed,
-    sm_scale_log2, cols, num_splits, min_chunk, wave, max_chunk, rope_rows, eps, prologue_rows,
+    q, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin,
+    sm_scale_log2, cols, num_splits, min_chunk, wave, max_chunk, rope_rows, eps,
     stride_qb, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_t, stride_ob, stride_oh, stride_c,
-    stride_nb, stride_nh,
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_TILES: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE: tl.constexpr, F32_DOT: tl.constexpr, WAVE_IN_KERNEL: tl.constexpr = False, NORM_ROPE: tl.constexpr = False,
@@ -192,27 +191,22 @@ def _split_kernel(
 
     q_mask = mask_g[:, None] & mask_d[None, :]
     q_ptr = q + b * stride_qb + heads[:, None] * stride_qh
-    if NORM_ROPE:
-        if tl.num_programs(0) <= prologue_rows:  # q is the raw projection: layer_fusions.norm_rope's math and
-            # roundings, per head of the tile
-            half = D // 2
-            partner = (offs_d + half) % D  # the element each one rotates with
-            x = tl.load(q_ptr + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
-            xp = tl.load(q_ptr + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
-            r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-            dt = q.dtype.element_ty
-            n = (x * r * (tl.load(q_w + offs_d, mask=mask_d, other=0.0).to(tl.float32) + 1.0)[None, :])
-            n = n.to(dt).to(tl.float32)
-            npart = (xp * r * (tl.load(q_w + partner, mask=mask_d, other=0.0).to(tl.float32) + 1.0)[None, :])
-            npart = npart.to(dt).to(tl.float32)
-            pos = tl.minimum(tl.maximum(tl.load(lens + slot).to(tl.int64) - 1, 0), rope_rows - 1)  # query_positions
-            c = tl.load(cos + pos * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
-            sn = tl.load(sin + pos * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
-            sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
-            qv = (n * c + sign * npart * sn).to(dt).to(k_pool.dtype.element_ty)
-        else:  # the norm_rope kernel wrote it (`_launch`)
-            n_ptr = normed + b * stride_nb + heads[:, None] * stride_nh
-            qv = tl.load(n_ptr + offs_d[None, :], mask=q_mask, other=0.0).to(k_pool.dtype.element_ty)
+    if NORM_ROPE:  # q is the raw projection: layer_fusions.norm_rope's math and roundings, per head of the tile
+        half = D // 2
+        partner = (offs_d + half) % D  # the element each one rotates with
+        x = tl.load(q_ptr + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        xp = tl.load(q_ptr + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        dt = q.dtype.element_ty
+        n = (x * r * (tl.load(q_w + offs_d, mask=mask_d, other=0.0).to(tl.float32) + 1.0)[None, :])
+        n = n.to(dt).to(tl.float32)
+        npart = (xp * r * (tl.load(q_w + partner, mask=mask_d, other=0.0).to(tl.float32) + 1.0)[None, :])
+        npart = npart.to(dt).to(tl.float32)
+        pos = tl.minimum(tl.maximum(tl.load(lens + slot).to(tl.int64) - 1, 0), rope_rows - 1)  # query_positions
+        c = tl.load(cos + pos * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
+        sn = tl.load(sin + pos * stride_c + offs_d % half, mask=mask_d, other=0.0)[None, :]
+        sign = tl.where(offs_d < half, -1.0, 1.0)[None, :]
+        qv = (n * c + sign * npart * sn).to(dt).to(k_pool.dtype.element_ty)
     else:
         qv = tl.load(q_ptr + offs_d[None, :], mask=q_mask, other=0.0).to(k_pool.dtype.element_ty)
     scale = tl.cast(sm_scale_log2, tl.float32)  # Inductor passes Python floats as fp64 scalars
@@ -330,28 +324,36 @@ def _launch(
     if q_norm is not None:
         q_w, cos, sin, eps = q_norm
         rope_rows, stride_c = cos.shape[0], cos.stride(0)
-        # Above plan.prologue_rows rows the query's norm + rotary is the norm_rope kernel's, first, and the split
-        # kernel reads its output; up to them that kernel's grid is empty (a launch of nothing, no graph node) and
-        # the split kernel norms in its prologue. Arithmetic on the batch, no branch: one compile serves every bucket.
-        normed = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
-        above = torch.sym_min(1, torch.sym_max(0, b - plan.prologue_rows))
-        launch_norm_rope(q, q_w, cos, sin, slots, lens, eps, normed, above * b)
     else:  # placeholders, never read (NORM_ROPE is off)
-        q_w = cos = sin = normed = q
+        q_w = cos = sin = q
         rope_rows, stride_c, eps = 1, 0, 0.0
-    wrap_triton(_split_kernel)[(b, hkv * head_tiles, num_splits)](
-        q, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin, normed,
-        float(sm_scale) * LOG2E, cols, num_splits, plan.min_chunk, wave, max_chunk, rope_rows, float(eps),
-        plan.prologue_rows,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        table.stride(0), out.stride(0), out.stride(1), stride_c, normed.stride(0), normed.stride(1),
-        H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
-        BLOCK_N=plan.block_n, SINGLE=single, WAVE_IN_KERNEL=wave_in_kernel, NORM_ROPE=q_norm is not None,
-        # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16 tiles
-        # returns garbage (seen with triton 3.9), so the tiles are upcast there.
-        F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
+
+    def split(qx: torch.Tensor, norm_rope: bool, rows) -> None:  # rows: the grid's batch (0: nothing launched)
+        wrap_triton(_split_kernel)[(rows, hkv * head_tiles, num_splits)](
+            qx, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin,
+            float(sm_scale) * LOG2E, cols, num_splits, plan.min_chunk, wave, max_chunk, rope_rows, float(eps),
+            qx.stride(0), qx.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+            table.stride(0), out.stride(0), out.stride(1), stride_c,
+            H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
+            BLOCK_N=plan.block_n, SINGLE=single, WAVE_IN_KERNEL=wave_in_kernel, NORM_ROPE=norm_rope,
+            # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16
+            # tiles returns garbage (seen with triton 3.9), so the tiles are upcast there.
+            F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
+
+    if q_norm is None:
+        split(q, False, b)
+    else:
+        # Up to plan.prologue_rows rows the split kernel norms and rotates q in its prologue; above them the
+        # norm_rope kernel does, first, and the plain split kernel reads its output. Both pairs are launched with
+        # the other's grid empty (a launch of nothing: no graph node), by arithmetic on the batch, not a branch:
+        # one compile serves every bucket, and each bucket's graph holds its own pair.
+        above = torch.sym_min(1, torch.sym_max(0, b - plan.prologue_rows))
+        normed = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
+        split(q, True, (1 - above) * b)
+        launch_norm_rope(q, q_w, cos, sin, slots, lens, eps, normed, above * b)
+        split(normed, False, above * b)
     if not single:
         wrap_triton(_combine_kernel)[(b, h)](
             part, lse, out, num_splits, out.stride(0), out.stride(1),
