@@ -3,7 +3,6 @@ computed from scratch: gather K/V by location, softmax, weighted sum. Random dat
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import zlib
 
@@ -308,15 +307,13 @@ def q_norm_reference(q, w, cos, sin, slots, lens, eps):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**20), ratio=st.sampled_from([1, 2, 8]), dim=st.sampled_from([16, 32]),
        window=st.sampled_from([0, 5, 16]), lens=st.lists(st.integers(0, 45), min_size=1, max_size=4),
-       splits=st.integers(1, 6), table_rows=st.integers(1, 60), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       prologue_rows=st.sampled_from([0, 2, 64]))
+       splits=st.integers(1, 6), table_rows=st.integers(1, 60), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_q_norm_in_the_kernel_matches_float64(impl, device, seed, ratio, dim, window, lens, splits, table_rows,
-                                               dtype, prologue_rows):
-    """`q_norm`: the raw projection normed and rotated (positions from the rows' own lengths, some past the tables'
-    end) - in the split kernel's prologue up to the plan's `prologue_rows` rows, by the norm_rope kernel first above
-    them - attends as the float64 reference over the normed, rotated q does, and as the kernel over
-    layer_fusions.norm_rope's q, to the query's rounding."""
-    from graphcap.kernels.attention import QueryNormRope, plan_for_inputs
+                                               dtype):
+    """`q_norm`: the raw projection normed and rotated in the split kernel (positions from the rows' own lengths,
+    some past the tables' end) attends as the float64 reference over the normed, rotated q does - and as the
+    kernel over layer_fusions.norm_rope's q, to the query's rounding."""
+    from graphcap.kernels.attention import QueryNormRope
     from graphcap.kernels.layer_fusions import norm_rope
 
     if impl == "twin" and device == "cuda":
@@ -329,8 +326,7 @@ def test_q_norm_in_the_kernel_matches_float64(impl, device, seed, ratio, dim, wi
     ang = torch.rand(table_rows, dim // 2, generator=g, dtype=torch.float64) * 6.28
     cos, sin = ang.cos().float().to(device), ang.sin().float().to(device)
     with impl_ctx(impl, device):
-        plan = dataclasses.replace(plan_for_inputs(q, k, t, w, splits), prologue_rows=prologue_rows)
-        out = decode_attention(q, k, v, t, slots, lens_t, w, sc, plan=plan,
+        out = decode_attention(q, k, v, t, slots, lens_t, w, sc, splits,
                                q_norm=QueryNormRope(weight, cos, sin, 1e-6))
         chained = decode_attention(norm_rope(q, weight, cos, sin, slots, lens_t), k, v, t, slots, lens_t, w, sc,
                                    splits)
@@ -366,8 +362,7 @@ from graphcap.kernels import attention as A
 from graphcap.kernels.attention_plan import _H200_SMEM, default_config, query_block
 
 TYPES = dict(q="*bf16", k_pool="*bf16", v_pool="*bf16", table="*i32", slots="*i64", lens="*i32", out="*bf16",
-             part="*fp32", lse="*fp32", q_w="*bf16", cos="*fp32", sin="*fp32", sm_scale_log2="fp32",
-             eps="fp32")
+             part="*fp32", lse="*fp32", q_w="*bf16", cos="*fp32", sin="*fp32", sm_scale_log2="fp32", eps="fp32")
 n = 0
 for heads, kv_heads, d in ((32, 16, 256), (32, 4, 512)):  # the Gemma 4 draft's sliding and full layers
     cfg = default_config(d, torch.bfloat16, True, _H200_SMEM)
@@ -536,54 +531,6 @@ def test_q_norm_at_gemma4_widths_on_gpu(layer):
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     assert rel_err(out, chained.double().cpu()) < TOL[torch.bfloat16]
     assert (out[-1] == 0).all()
-    torch._dynamo.reset()
-
-
-@pytest.mark.gpu
-def test_q_norm_is_the_prologue_up_to_prologue_rows_and_a_kernel_first_above():
-    """The prologue rule on the H200, eagerly and in CUDA graphs of one Inductor compile for both batches (the batch
-    dimension dynamic, as graphcap's one compile for every bucket): at a batch of at most `prologue_rows` rows one
-    split kernel runs and no norm_rope kernel (its grid is empty: nothing launched, no graph node); above, a
-    norm_rope kernel and then one split kernel. Either way the output is the float64 reference's."""
-    import dataclasses as dc
-
-    from graphcap.kernels.attention import QueryNormRope, plan_attention
-
-    shp = GEMMA["sliding"]
-    g = torch.Generator().manual_seed(4)
-    weight = (0.5 * torch.randn(shp["dim"], generator=g)).to(torch.bfloat16).cuda()
-    ang = torch.rand(4096, shp["dim"] // 2, generator=g, dtype=torch.float64) * 6.28
-    qn = QueryNormRope(weight, ang.cos().float().cuda(), ang.sin().float().cuda())
-    plan = dc.replace(plan_attention(None, shp["kv_heads"], shp["dim"], torch.bfloat16, "cuda", shp["window"]),
-                      prologue_rows=4)
-    q7, k, v, t, slots7, n, w, sc = make_case(7, lens=_gemma_lens(7, 7), heads=shp["heads"], kv_heads=shp["kv_heads"],
-                                              dim=shp["dim"], window=shp["window"], dtype=torch.bfloat16,
-                                              device="cuda", cols=shp["window"], page=64)
-
-    def attend(q, slots):
-        return decode_attention(q, k, v, t, slots, n, w, sc, plan=plan, q_norm=qn)
-
-    def kernels(fn, q, slots) -> dict[str, int]:
-        fn(q, slots)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn(q, slots)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        return {k_: sum(k_ in x for x in names) for k_ in ("norm_rope", "_split_kernel")}
-
-    torch._dynamo.reset()
-    compiled = torch.compile(attend, mode="reduce-overhead", fullgraph=True, dynamic=False)
-    for b in (3, 7):
-        q, slots = q7[:b].clone(), slots7[:b].clone()
-        torch._dynamo.mark_dynamic(q, 0)
-        torch._dynamo.mark_dynamic(slots, 0)
-        ref = reference(q_norm_reference(q, weight, qn.cos, qn.sin, slots, n, 1e-6), k, v, t, slots, n, w, sc)
-        for fn in (attend, compiled):
-            assert kernels(fn, q, slots) == {"norm_rope": int(b > 4), "_split_kernel": 1}, (b, fn)
-            out = fn(q, slots).clone()
-            torch.cuda.synchronize()
-            assert rel_err(out, ref) < TOL[torch.bfloat16], b
     torch._dynamo.reset()
 
 

@@ -51,7 +51,7 @@ from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
 from graphcap.kernels.fused_ops import FusedOpError
-from graphcap.kernels.layer_fusions import check_norm_rope, launch_norm_rope, norm_rope_torch
+from graphcap.kernels.layer_fusions import check_norm_rope, norm_rope_torch
 from graphcap.kernels.attention_plan import (  # noqa: F401 - re-exported: the op's public planning helpers
     AttentionError,
     AttentionPlan,
@@ -279,9 +279,8 @@ def _combine_kernel(
 
 class QueryNormRope(NamedTuple):
     """The query heads' RMSNorm weight [D] and the rotary position tables cos, sin [P, D/2] fp32 (and eps): with
-    them decode_attention takes q as the raw projection and norms and rotates it (layer_fusions.norm_rope's math,
-    roundings and positions): in its split kernel's prologue up to the plan's `prologue_rows` rows - one kernel
-    fewer per layer call - and above them by the norm_rope kernel, launched by the op before the split kernel."""
+    them decode_attention takes q as the raw projection and norms and rotates it in its split kernel
+    (layer_fusions.norm_rope's math, roundings and positions) - one kernel fewer per layer call."""
     weight: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
@@ -327,33 +326,18 @@ def _launch(
     else:  # placeholders, never read (NORM_ROPE is off)
         q_w = cos = sin = q
         rope_rows, stride_c, eps = 1, 0, 0.0
-
-    def split(qx: torch.Tensor, norm_rope: bool, rows) -> None:  # rows: the grid's batch (0: nothing launched)
-        wrap_triton(_split_kernel)[(rows, hkv * head_tiles, num_splits)](
-            qx, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin,
-            float(sm_scale) * LOG2E, cols, num_splits, plan.min_chunk, wave, max_chunk, rope_rows, float(eps),
-            qx.stride(0), qx.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-            table.stride(0), out.stride(0), out.stride(1), stride_c,
-            H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
-            BLOCK_N=plan.block_n, SINGLE=single, WAVE_IN_KERNEL=wave_in_kernel, NORM_ROPE=norm_rope,
-            # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16
-            # tiles returns garbage (seen with triton 3.9), so the tiles are upcast there.
-            F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )
-
-    if q_norm is None:
-        split(q, False, b)
-    else:
-        # Up to plan.prologue_rows rows the split kernel norms and rotates q in its prologue; above them the
-        # norm_rope kernel does, first, and the plain split kernel reads its output. Both pairs are launched with
-        # the other's grid empty (a launch of nothing: no graph node), by arithmetic on the batch, not a branch:
-        # one compile serves every bucket, and each bucket's graph holds its own pair.
-        above = torch.sym_min(1, torch.sym_max(0, b - plan.prologue_rows))
-        normed = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
-        split(q, True, (1 - above) * b)
-        launch_norm_rope(q, q_w, cos, sin, slots, lens, eps, normed, above * b)
-        split(normed, False, above * b)
+    wrap_triton(_split_kernel)[(b, hkv * head_tiles, num_splits)](
+        q, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin,
+        float(sm_scale) * LOG2E, cols, num_splits, plan.min_chunk, wave, max_chunk, rope_rows, float(eps),
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        table.stride(0), out.stride(0), out.stride(1), stride_c,
+        H=h, GROUP=group, HEAD_TILES=head_tiles, D=d, BLOCK_D=block_d, BLOCK_G=block_g,
+        BLOCK_N=plan.block_n, SINGLE=single, WAVE_IN_KERNEL=wave_in_kernel, NORM_ROPE=q_norm is not None,
+        # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16 tiles
+        # returns garbage (seen with triton 3.9), so the tiles are upcast there.
+        F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
     if not single:
         wrap_triton(_combine_kernel)[(b, h)](
             part, lse, out, num_splits, out.stride(0), out.stride(1),
@@ -402,8 +386,8 @@ def decode_attention(
     traces that body, so a compiled caller should bring a plan).
 
     `q_norm`: q is the raw query projection, normed and rotated at each row's query position (lens[slots[b]] - 1)
-    before it attends (`QueryNormRope`; the same as attending over layer_fusions.norm_rope(q, ...)): in the split
-    kernel up to the plan's `prologue_rows` rows, by a norm_rope kernel first above them.
+    in the split kernel before it attends (`QueryNormRope`; the same as attending over
+    layer_fusions.norm_rope(q, ...)).
     """
     if q_norm is not None:
         try:
@@ -426,7 +410,7 @@ def decode_attention(
     return _decode_attention_op(q, k_pool, v_pool, table, slots, lens, window, sm_scale, *args, *q_args)
 
 
-_UNPLANNED = (0,) * 10  # the op's plan arguments after num_splits when the call brought no plan
+_UNPLANNED = (0,) * 9  # the op's plan arguments after num_splits when the call brought no plan
 
 
 @triton_op("graphcap::decode_attention", mutates_args=())
@@ -434,7 +418,6 @@ def _decode_attention_op(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, num_splits: int, block_n: int, num_warps: int,
     num_stages: int, min_chunk: int, max_chunk: int, combine_warps: int, programs: int, wave: int, min_splits: int,
-    prologue_rows: int,
     q_weight: Optional[torch.Tensor], cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], eps: float,
 ) -> torch.Tensor:
     """The registered op behind `decode_attention` (traceable by torch.compile, capturable in a CUDA graph). The
@@ -451,5 +434,5 @@ def _decode_attention_op(
         plan = plan_for_inputs(q, k_pool, table, window, num_splits)
     else:
         plan = AttentionPlan(num_splits, block_n, num_warps, num_stages, min_chunk, max_chunk, combine_warps,
-                             programs, wave, min_splits, prologue_rows)
+                             programs, wave, min_splits)
     return _launch(q, k_pool, v_pool, table, slots, lens, window, sm_scale, plan, q_norm)

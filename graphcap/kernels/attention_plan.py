@@ -29,11 +29,6 @@ class KernelConfig:
     # program before a row uses more splits than filling the GPU needs.
     max_chunk: int = 1024
     wave: int = 0  # programs the split adaptation fills (0: `target_programs` for the device and these tiles)
-    # decode_attention's `q_norm` (the query's norm + rotary) in the split kernel's prologue up to this many batch
-    # rows, above them as its own kernel first: on the H200 the prologue was 4% faster at batch 1 and 2-3% slower at
-    # batches 8 and 64 than the separate kernel (docs/results.md, the kernel-count levers); every split program
-    # redoes it, and its loads stand before the first keys'
-    prologue_rows: int = 4
 
 
 def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: int | None = None) -> KernelConfig:
@@ -155,14 +150,13 @@ class AttentionPlan:
     # the fewest splits any batch is given (`choose_num_splits` at a batch that fills the GPU alone); with it a plan
     # for any batch sizes the grid per batch (`grid_splits`). 0: the grid is always num_splits
     min_splits: int = 0
-    prologue_rows: int = 4  # KernelConfig's: q_norm in the split kernel up to this many rows, its own kernel above
 
     def __post_init__(self) -> None:
         for name in ("num_splits", "block_n", "num_warps", "num_stages", "min_chunk", "combine_warps", "programs"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise AttentionError(f"AttentionPlan: {name} must be an int >= 1, got {v!r}")
-        for name in ("max_chunk", "wave", "min_splits", "prologue_rows"):
+        for name in ("max_chunk", "wave", "min_splits"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise AttentionError(f"AttentionPlan: {name} must be an int >= 0, got {v!r}")
@@ -172,7 +166,7 @@ class AttentionPlan:
     def launch_args(self) -> tuple[int, ...]:
         """The op's int arguments from `num_splits` on, in its order."""
         return (self.num_splits, self.block_n, self.num_warps, self.num_stages, self.min_chunk, self.max_chunk,
-                self.combine_warps, self.programs, self.wave, self.min_splits, self.prologue_rows)
+                self.combine_warps, self.programs, self.wave, self.min_splits)
 
     def grid_splits(self, batch, kv_heads: int):
         """The split dimension of the grid for `batch` rows (an int, or a SymInt under one compile for every
@@ -219,7 +213,7 @@ def plan_attention(batch: int | None, kv_heads: int, head_dim: int, dtype: torch
     return AttentionPlan(num_splits=int(num_splits), block_n=config.block_n, num_warps=config.num_warps,
                          num_stages=config.num_stages, min_chunk=config.min_chunk, max_chunk=config.max_chunk,
                          combine_warps=config.combine_warps, programs=int(programs), wave=int(wave),
-                         min_splits=int(min(min_splits, num_splits)), prologue_rows=config.prologue_rows)
+                         min_splits=int(min(min_splits, num_splits)))
 
 
 def splits_for(q: torch.Tensor, k_pool: torch.Tensor, max_len: int) -> int:

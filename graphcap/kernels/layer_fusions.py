@@ -156,21 +156,13 @@ def _norm_rope_op(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin:
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    launch_norm_rope(q, weight, cos, sin, slots, lens, eps, out, b)
-    return out
-
-
-def launch_norm_rope(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     slots: torch.Tensor, lens: torch.Tensor, eps: float, out: torch.Tensor, rows) -> None:
-    """The norm_rope kernel over the first `rows` rows of q into `out` (checked inputs; inside a triton_op's body).
-    `rows` may be a SymInt expression, and 0 launches nothing (decode_attention's prologue rule)."""
-    h, d = q.shape[1], q.shape[2]
     half = d // 2
     block = triton.next_power_of_2(half)
-    wrap_triton(_norm_rope_kernel)[(rows * h,)](
+    wrap_triton(_norm_rope_kernel)[(b * h,)](
         q, weight, cos, sin, slots, lens, out, h, half, cos.shape[0], q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), cos.stride(0), sin.stride(0), eps, BLOCK=block, num_warps=_warps(block),
     )
+    return out
 
 
 @triton_op("graphcap::norm_add_norm", mutates_args=())

@@ -240,8 +240,7 @@ PLAIN_OPS = TorchOps(name="torch-plain", graphcap_kernels=False)  # what a hand-
 class LayerKernelOps(TorchOps):
     """The torch set with the layer's small ops as graphcap's kernels: each norm chain one kernel
     (graphcap.kernels.layer_fusions: post-attention norm + residual + pre-MLP norm; post-MLP norm + residual + scalar
-    + the next layer's input norm), the query's norm + rotary handed to graphcap's attention op (`attention_q_norm`:
-    its split kernel's prologue at small batches, its norm_rope kernel first above - AttentionPlan.prologue_rows),
+    + the next layer's input norm), the query's norm + rotary in the attention's split kernel (`attention_q_norm`),
     the first input norm and the gelu-mul one kernel each (graphcap.kernels.fused_ops). Under one compile for every
     bucket (an unbacked batch) Inductor splits each norm into a reduction and a pointwise kernel (docs/results.md),
     so the torch set costs more launches. The same math as the torch set, rounded where it rounds (layer_fusions'
@@ -249,8 +248,8 @@ class LayerKernelOps(TorchOps):
 
     name: str = "layer-kernels"
     merge_head_proj: bool = True
-    # the query's norm + rotary handed to graphcap's attention op (decode_attention's `q_norm`); False: the
-    # norm_rope kernel before the attention at every batch (bench mode graphcap-qnorm-kernel)
+    # the query's norm + rotary in the attention's split kernel (decode_attention's `q_norm`); False: the
+    # norm_rope kernel before the attention, one launch more per layer call (bench mode graphcap-qnorm-kernel)
     q_norm_in_attention: bool = True
 
     def norm(self, x, weight):
@@ -273,8 +272,8 @@ class LayerKernelOps(TorchOps):
         return layer_fusions.norm_rope(q, weight, *rope, EPS)
 
     def attention_q_norm(self, weight, rope):
-        # to the attention op: the rows' slots and lengths are the attention's own (DraftLoop passes both the same),
-        # and at small batches its split kernel's prologue is one launch fewer per layer
+        # in the attention's split kernel: the rows' slots and lengths are the attention's own (DraftLoop passes
+        # both the same), and the norm_rope kernel is one launch fewer per layer
         if not self.q_norm_in_attention:
             return None
         cos, sin, _, _ = rope
