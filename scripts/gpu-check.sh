@@ -244,7 +244,8 @@ case $stage in
       tests/test_skinny_gemm.py
     ;;
   profile)  # graphcap's iteration kernel by kernel at batch 1 and 8, as it ships and with the skinny GEMM at every
-    # batch (PROFILE_RUNS: a subset of b1 skinny-b1 b8 skinny-b8, or qnorm-b1/-b8 / twohead-b1/-b8: less one lever)
+    # batch (PROFILE_RUNS: a subset of b1 skinny-b1 b8 skinny-b8, or qnorm-b1/-b8 / twohead-b1/-b8: less one lever;
+    # PROFILE_CODE=1: also the batch-8 iteration's generated code)
     for run in ${PROFILE_RUNS:-b1 skinny-b1 b8 skinny-b8}; do
       case $run in b1|b8) flag= ;; skinny-b1|skinny-b8) flag=--skinny-gemm ;;
         qnorm-b1|qnorm-b8) flag=--qnorm-kernel ;; twohead-b1|twohead-b8) flag=--two-head-proj ;;
@@ -253,6 +254,14 @@ case $stage in
       step profile-$run python3 bench/profile_iteration.py --batch ${run##*b} --context 2048 $flag \
         --out "$LOG/profile-$run"
     done
+    if [ -n "${PROFILE_CODE:-}" ]; then  # PROFILE_CODE=1: Inductor's generated code of the batch-8 iteration, from
+      # empty caches (a warm cache logs no code), to read what its fused kernels compute (profile-b8-code.txt.gz)
+      fresh=$WORK/code-$(date +%s)
+      STEP_LIMIT=${STEP_LIMIT:-120} step profile-b8-code env TORCHINDUCTOR_CACHE_DIR=$fresh/inductor \
+        TRITON_CACHE_DIR=$fresh/triton TORCH_LOGS=output_code TORCH_LOGS_OUT=$LOG/profile-b8-code.txt \
+        python3 bench/profile_iteration.py --batch 8 --context 2048 --out "$fresh/out"
+      gzip -f "$LOG/profile-b8-code.txt"
+    fi
     ;;
   variants)  # graphcap against one compile per bucket and compile-plain, same run
     step bench-variants python3 -m graphcap.cli bench --batch 1,8,64 --context 2048 --steps 3 \
