@@ -82,7 +82,8 @@ class BucketGraph:
         v = self.word_views.get(b)
         if v is None:
             rows = self.rows(b)[0]
-            v = self.word_views[b] = [x.view(common_word(rows)) for x in rows]
+            word = common_word(rows)
+            v = self.word_views[b] = [x.view(word) for x in rows]
         return v
 
     def write(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -93,9 +94,9 @@ class BucketGraph:
         if self.inputs[0].is_cuda and all(s.dtype == d.dtype and s.is_contiguous() for s, d in zip(src, dst)):
             # Same dtypes, both dense: the same bytes. As views of one integer word the four pairs share a dtype,
             # which puts torch._foreach_copy_ on its multi-tensor path: one kernel launch instead of four copies.
-            # The widest word both sides allow: the multi-tensor kernel gives each chunk one block, so as bytes a
-            # batch-8 hidden took 12.8 us on the H200 (docs/results.md). (CUDA only: on a CPU the views would
-            # cost more than they save.)
+            # The widest word both sides allow: the multi-tensor kernel gives each chunk one block, whose threads
+            # then make a load per word - as bytes, eight times as many as int64 (docs/results.md, run()'s input
+            # copy). (CUDA only: on a CPU the views would cost more than they save.)
             dst_words = self.word_rows(b)
             try:
                 src_words = [s.view(dst_words[0].dtype) for s in src]
