@@ -350,27 +350,38 @@ def test_merged_head_projection_is_post_proj_and_the_centroid_scores(device, mon
     outs = {}
     assert DEFAULT_OPS.merge_head_proj
     for ops in (DEFAULT_OPS, dataclasses.replace(DEFAULT_OPS, merge_head_proj=False)):
-        wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
-        wb.reset(st.slots.tolist(), lens0)
-        loop = DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, ops=ops)
-        gi = torch.Generator().manual_seed(seed + 3)
-        accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=gi).to(device)
-        tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=gi).to(device)
-        hidden = torch.randn(len(lens0), ht, generator=gi).to(device)
         projections.clear()
-        outs[ops.merge_head_proj] = loop(st.slots, accepted, tokens, hidden)
+        outs[ops.merge_head_proj] = _draft_once(spec, st, model, lens0, ops, seed + 3)
         head = {both.data_ptr(), model.centroids.data_ptr()}  # post_proj starts where the stacked tensor does
         heads = [p for p in projections if p[0] in head]
         per_step = [(both.data_ptr(), tuple(both.shape))] if ops.merge_head_proj else [
             (model.centroids.data_ptr(), tuple(model.centroids.shape)),
             (model.post_proj.data_ptr(), tuple(model.post_proj.shape))]
         assert heads == per_step * spec.capture.steps, ops.merge_head_proj
-    merged, apart = outs[True], outs[False]
-    clear = (apart.margins > 1e-3).all(1)
-    assert clear.sum() >= len(lens0) // 2
-    assert torch.equal(merged.tokens[clear], apart.tokens[clear])
+    _assert_drafts_agree(outs[True], outs[False])
+
+
+def _draft_once(spec, st, model, lens0, ops, seed):
+    """One iteration of a fresh loop with `ops` over windows at `lens0`, on random inputs from `seed`."""
+    device = st.slots.device
+    wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
+    wb.reset(st.slots.tolist(), lens0)
+    loop = DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, ops=ops)
+    gi = torch.Generator().manual_seed(seed)
+    accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=gi).to(device)
+    tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=gi).to(device)
+    hidden = torch.randn(len(lens0), spec.target.hidden, generator=gi).to(device)
+    return loop(st.slots, accepted, tokens, hidden)
+
+
+def _assert_drafts_agree(a, b):
+    """The same math computed two ways: the same tokens on every row whose decisions are clear (at least half the
+    rows), scores and hidden states there to fp32 rounding."""
+    clear = (b.margins > 1e-3).all(1)
+    assert clear.sum() >= len(clear) // 2
+    assert torch.equal(a.tokens[clear], b.tokens[clear])
     for name in ("scores", "hidden"):
-        torch.testing.assert_close(getattr(merged, name)[clear], getattr(apart, name)[clear], rtol=1e-5, atol=1e-5,
+        torch.testing.assert_close(getattr(a, name)[clear], getattr(b, name)[clear], rtol=1e-5, atol=1e-5,
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
@@ -392,25 +403,12 @@ def test_query_norm_in_the_attention_or_as_its_own_kernel_drafts_the_same(device
     model = FrozenKVDraft(spec, seed=seed + 1, device=device)
     outs = {}
     for ops in (DEFAULT_OPS, QNORM_KERNEL_OPS):
-        wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
-        wb.reset(st.slots.tolist(), lens0)
-        loop = DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, ops=ops)
-        gi = torch.Generator().manual_seed(seed + 3)
-        accepted = torch.randint(1, spec.capture.steps + 2, (len(lens0),), generator=gi).to(device)
-        tokens = torch.randint(0, spec.draft.vocab, (len(lens0),), generator=gi).to(device)
-        hidden = torch.randn(len(lens0), spec.target.hidden, generator=gi).to(device)
         calls.clear()
-        outs[ops.q_norm_in_attention] = loop(st.slots, accepted, tokens, hidden)
+        outs[ops.q_norm_in_attention] = _draft_once(spec, st, model, lens0, ops, seed + 3)
         want = [] if ops.q_norm_in_attention else [
             (len(lens0), spec.draft.heads, spec.attention(lt).head_dim) for lt in spec.draft.layers]
         assert calls == want * spec.capture.steps, ops.name
-    inside, apart = outs[True], outs[False]
-    clear = (apart.margins > 1e-3).all(1)
-    assert clear.sum() >= len(lens0) // 2
-    assert torch.equal(inside.tokens[clear], apart.tokens[clear])
-    for name in ("scores", "hidden"):
-        torch.testing.assert_close(getattr(inside, name)[clear], getattr(apart, name)[clear], rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    _assert_drafts_agree(outs[True], outs[False])
 
 
 def test_default_op_set_routes_each_projection_by_its_shape_class(monkeypatch):
