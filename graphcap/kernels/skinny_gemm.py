@@ -78,7 +78,8 @@ _SMALL = {
     "narrow": _FIXUP + (Config(32, 256, 4, 4, 4), Config(16, 256, 4, 4, 4), Config(32, 256, 8, 4, 4),
                         Config(64, 256, 8, 8, 3), Config(16, 256, 1, 4, 4), Config(16, 512, 2, 4, 3))
     # Whole waves: N = 1536 in 12 / 24 / 48 n-blocks times 11 splits of K (10 for K = 6144) is 132 / 264 / 528
-    # programs, 1 / 2 / 4 per SM of the H200's 132, where 8 splits make 192 (1.45 per SM: half the SMs get two)
+    # programs, 1 / 2 / 4 per SM of the H200's 132, where 8 splits make 192 (1.45 per SM: half the SMs get two).
+    # Timed on the H200 they were no faster than the 8-split candidate first in the class (docs/results.md)
     + (Config(128, 128, 11, 8, 3, fixup=True), Config(64, 128, 11, 4, 4, fixup=True),
        Config(32, 128, 11, 4, 4, fixup=True), Config(32, 256, 11, 4, 4, fixup=True)),
 }
