@@ -292,6 +292,36 @@ def test_traces_under_torch_compile_on_cpu():
     assert rel_err(out / 2, reference(*case)) < TOL[torch.float32]
 
 
+@torch.library.custom_op("graphcap_test::write_splits", mutates_args=("part", "lse"))
+def _write_splits(part: torch.Tensor, lse: torch.Tensor) -> None:
+    """A stand-in for the split kernel on CPU (Inductor lowers no interpreted Triton kernel): writes every element."""
+    part.copy_(torch.arange(part.numel(), dtype=part.dtype).reshape(part.shape).sin())
+    lse.copy_(torch.arange(lse.numel(), dtype=lse.dtype).reshape(lse.shape).cos())
+
+
+def test_split_scratch_costs_no_fill_kernel_under_a_symbolic_batch():
+    """Under one compile for every bucket the split count is an expression of the batch (a grid_splits-shaped
+    min/max); the kernel's scratch must reach it as allocated - no kernel of Inductor's filling it first (a 4-D
+    empty tensor got one per buffer: its strides hold max(1, S)). The kernel writes it; the answer equals eager."""
+    from torch._inductor.utils import run_and_get_code
+    from graphcap.kernels.attention import split_scratch
+
+    def f(x):
+        b = x.shape[0]
+        splits = torch.sym_min(16, torch.sym_max(1, torch.sym_max(1, 33 // b)))  # AttentionPlan.grid_splits' form
+        part, lse = split_scratch(b, 4, splits, 8, x.device)
+        _write_splits(part, lse)
+        return part.sum() + lse.sum() + x.sum()
+
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(3))
+    torch._dynamo.decorators.mark_unbacked(x, 0)
+    torch._dynamo.reset()
+    out, codes = run_and_get_code(torch.compile(f, fullgraph=True, backend="inductor"), x)
+    torch.testing.assert_close(out, f(x))
+    code = "\n".join(codes)
+    assert "quiet_NaN" not in code and "float(\"nan\")" not in code, "Inductor filled the scratch before the op"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # errors and the split heuristic
 

@@ -287,6 +287,16 @@ class QueryNormRope(NamedTuple):
     eps: float = 1e-6
 
 
+def split_scratch(b, h: int, num_splits, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel's partial outputs [B, H, S, D] and log-sum-exps [B, H, S], fp32, allocated flat. Under one
+    compile for every bucket S is an expression of the batch (`AttentionPlan.grid_splits`), and a 3-D or 4-D empty
+    tensor's contiguous strides hold max(1, S), which Inductor does not prove equal to S: it then fills the buffer
+    with NaN in a kernel of its own before each launch (two per layer call). One dimension has stride 1."""
+    part = torch.empty((b * h * num_splits * d,), dtype=torch.float32, device=device)
+    lse = torch.empty((b * h * num_splits,), dtype=torch.float32, device=device)
+    return part, lse
+
+
 def _launch(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor,
     lens: torch.Tensor, window: int, sm_scale: float, plan: AttentionPlan, q_norm: QueryNormRope | None = None,
@@ -317,9 +327,8 @@ def _launch(
     if single:  # placeholders, never touched
         part = torch.empty((1,), dtype=torch.float32, device=q.device)
         lse = part
-    else:
-        part = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
-        lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
+    else:  # [B, H, S, D] and [B, H, S], indexed by the kernels alone
+        part, lse = split_scratch(b, h, num_splits, d, q.device)
     if q_norm is not None:
         q_w, cos, sin, eps = q_norm
         rope_rows, stride_c = cos.shape[0], cos.stride(0)
