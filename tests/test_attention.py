@@ -226,7 +226,8 @@ def test_wave_from_the_grid_equals_the_hosts(device, batch):
     planned for the call's batch and for batch 1 (what `plan_for_any_batch` launches)."""
     import dataclasses
 
-    from graphcap.kernels.attention import KernelConfig, _launch, plan_attention, wave_splits
+    from graphcap.kernels.attention import KernelConfig, plan_attention, wave_splits
+    from graphcap.kernels.attention_kernels import launch
 
     g = torch.Generator().manual_seed(300 + batch)
     lens = torch.randint(0, 200, (batch,), generator=g).tolist()
@@ -238,8 +239,8 @@ def test_wave_from_the_grid_equals_the_hosts(device, batch):
     for splits in (choose_num_splits(batch, 2, 200, 8, 48, 16), choose_num_splits(1, 2, 200, 8, 48, 16)):
         plan = plan_attention(batch, 2, 16, torch.float32, device, 200, num_splits=splits, config=cfg)
         assert plan.wave == min(splits, wave_splits(batch, 2, 8)) and plan.programs == 8
-        host = _launch(*case, plan)
-        grid = _launch(*case, dataclasses.replace(plan, wave=0))  # what a plan for any batch launches
+        host = launch(*case, plan)
+        grid = launch(*case, dataclasses.replace(plan, wave=0))  # what a plan for any batch launches
         assert torch.equal(host, grid), (batch, splits)
         assert rel_err(grid, ref) < TOL[torch.float32]
 
@@ -304,7 +305,7 @@ def test_split_scratch_costs_no_fill_kernel_under_a_symbolic_batch():
     min/max); the kernel's scratch must reach it as allocated - no kernel of Inductor's filling it first (a 4-D
     empty tensor got one per buffer: its strides hold max(1, S)). The kernel writes it; the answer equals eager."""
     from torch._inductor.utils import run_and_get_code
-    from graphcap.kernels.attention import split_scratch
+    from graphcap.kernels.attention_kernels import split_scratch
 
     def f(x):
         b = x.shape[0]
@@ -388,7 +389,7 @@ def test_q_norm_bad_inputs_name_the_argument():
 
 SM90_ATTENTION = """
 import torch
-from graphcap.kernels import attention as A
+from graphcap.kernels import attention_kernels as A
 from graphcap.kernels.attention_plan import _H200_SMEM, default_config, query_block
 
 TYPES = dict(q="*bf16", k_pool="*bf16", v_pool="*bf16", table="*i32", slots="*i64", lens="*i32", out="*bf16",
