@@ -202,7 +202,8 @@ class QueryNormRope(NamedTuple):
     eps: float = 1e-6
 
 
-def split_scratch(b, h: int, num_splits, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def split_scratch(b: int | torch.SymInt, h: int, num_splits: int | torch.SymInt, d: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The split kernel's partial outputs [B, H, S, D] and log-sum-exps [B, H, S], fp32, allocated flat. Under one
     compile for every bucket S is an expression of the batch (`AttentionPlan.grid_splits`), and a 3-D or 4-D empty
     tensor's contiguous strides hold max(1, S), which Inductor does not prove equal to S: it then fills the buffer
