@@ -301,15 +301,19 @@ def _write_splits(part: torch.Tensor, lse: torch.Tensor) -> None:
 
 
 def test_split_scratch_costs_no_fill_kernel_under_a_symbolic_batch():
-    """Under one compile for every bucket the split count is an expression of the batch (a grid_splits-shaped
-    min/max); the kernel's scratch must reach it as allocated - no kernel of Inductor's filling it first (a 4-D
+    """Under one compile for every bucket the split count is an expression of the batch (`grid_splits` of a plan
+    for any batch); the kernel's scratch must reach it as allocated - no kernel of Inductor's filling it first (a 4-D
     empty tensor got one per buffer: its strides hold max(1, S)). The kernel writes it; the answer equals eager."""
     from torch._inductor.utils import run_and_get_code
+    from graphcap.kernels.attention import plan_attention
     from graphcap.kernels.attention_kernels import split_scratch
+
+    plan = plan_attention(None, 2, 8, torch.float32, "cpu", 1024)  # what the draft layers plan for any batch
+    assert plan.wave == 0 and plan.max_chunk > 0 and plan.min_splits > 0  # so grid_splits follows the batch
 
     def f(x):
         b = x.shape[0]
-        splits = torch.sym_min(16, torch.sym_max(1, torch.sym_max(1, 33 // b)))  # AttentionPlan.grid_splits' form
+        splits = plan.grid_splits(b, 2)
         part, lse = split_scratch(b, 4, splits, 8, x.device)
         _write_splits(part, lse)
         return part.sum() + lse.sum() + x.sum()
