@@ -26,8 +26,7 @@ class CaptureError(RuntimeError):
 
 _data_ptr = torch.Tensor.data_ptr
 # The check CUDA-graph trees run before each replay: every tensor's data pointer against a list, in one C++ loop
-# (torch's CUDA builds have it; a CPU build does not). On the H200's host it took 8.5 us for the draft loop's 59
-# tensors; the Python loop was not timed beside it there (docs/results.md, host time).
+# (torch's CUDA builds have it; a CPU build does not). Its cost per call: docs/results.md, host time per call.
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 

@@ -244,12 +244,14 @@ case $stage in
       tests/test_skinny_gemm.py
     ;;
   profile)  # graphcap's iteration kernel by kernel at batch 1 and 8, as it ships and with the skinny GEMM at every
-    # batch (PROFILE_RUNS: a subset of b1 skinny-b1 b8 skinny-b8, or qnorm-b1/-b8 / twohead-b1/-b8: less one lever;
-    # PROFILE_CODE=1: also the batch-8 iteration's generated code)
+    # batch (PROFILE_RUNS: a subset of b1 skinny-b1 b8 skinny-b8, or qnorm-b1/-b8 / twohead-b1/-b8: less one lever,
+    # pdl-b1/-b8: the skinny GEMM with PDL; PROFILE_CODE=1: also the batch-8 iteration's generated code)
     for run in ${PROFILE_RUNS:-b1 skinny-b1 b8 skinny-b8}; do
       case $run in b1|b8) flag= ;; skinny-b1|skinny-b8) flag=--skinny-gemm ;;
         qnorm-b1|qnorm-b8) flag=--qnorm-kernel ;; twohead-b1|twohead-b8) flag=--two-head-proj ;;
-        *) echo "PROFILE_RUNS: b1 skinny-b1 b8 skinny-b8 qnorm-b1 qnorm-b8 twohead-b1 twohead-b8, got $run" >&2
+        pdl-b1|pdl-b8) flag=--skinny-pdl ;;
+        *) echo "PROFILE_RUNS: b1 skinny-b1 b8 skinny-b8 qnorm-b1 qnorm-b8 twohead-b1 twohead-b8 pdl-b1 pdl-b8," \
+             "got $run" >&2
            exit 2 ;; esac
       step profile-$run python3 bench/profile_iteration.py --batch ${run##*b} --context 2048 $flag \
         --out "$LOG/profile-$run"
@@ -263,8 +265,8 @@ case $stage in
       gzip -f "$LOG/profile-b8-code.txt"
     fi
     ;;
-  variants)  # graphcap against one compile per bucket and compile-plain, same run
-    step bench-variants python3 -m graphcap.cli bench --batch 1,8,64 --context 2048 --steps 3 \
+  variants)  # graphcap against one compile per bucket and compile-plain, same run (VARIANTS_BATCH: other batches)
+    step bench-variants python3 -m graphcap.cli bench --batch ${VARIANTS_BATCH:-1,8,64} --context 2048 --steps 3 \
       --modes ${BENCH_MODES:-graphcap-per-bucket,compile-plain,graphcap} --out "$LOG/bench-variants"
     ;;
   regions)  # each draft layer a nested compile region against the inlined layers, same machine (capture_starts
