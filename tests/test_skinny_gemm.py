@@ -239,13 +239,13 @@ def test_fake_implementations_give_shape_and_dtype():
 def test_opcheck():
     """torch.library's own checks of the registrations (schema, fake vs real, dispatch under aot_autograd)."""
     x, w = make(4, 3, 32, 48)
-    for rows, pdl in ((64, False), (1, False), (64, True)):  # the kernel; cuBLAS (3 rows > 1); pdl (none on CPU)
-        for op, args in ((torch.ops.graphcap.skinny_linear.default, (x, w, rows, pdl)),
-                         (torch.ops.graphcap.skinny_gate_up_gelu.default, (x, w, rows, pdl)),
+    for rows in (64, 1):  # the kernel; cuBLAS (3 rows > 1)
+        for op, args in ((torch.ops.graphcap.skinny_linear.default, (x, w, rows)),
+                         (torch.ops.graphcap.skinny_gate_up_gelu.default, (x, w, rows)),
                          (torch.ops.graphcap.skinny_linear_out.default, (torch.empty(3, 32, dtype=x.dtype), x, w,
-                                                                        rows, pdl)),
+                                                                        rows)),
                          (torch.ops.graphcap.skinny_gate_up_gelu_out.default, (torch.empty(3, 16, dtype=x.dtype), x,
-                                                                              w, rows, pdl))):
+                                                                              w, rows))):
             torch.library.opcheck(op, args)
 
 
@@ -314,10 +314,6 @@ def test_cublas_above_sends_larger_batches_to_cublas(device, monkeypatch):
         skinny_linear(x, w, cublas_above=-1)
     with pytest.raises(SkinnyGemmError, match="skinny_gate_up_gelu: cublas_above must be an int"):
         skinny_gate_up_gelu(x, w, cublas_above=2.5)
-    with pytest.raises(SkinnyGemmError, match="skinny_linear: pdl must be a bool, got 1"):
-        skinny_linear(x, w, pdl=1)
-    with pytest.raises(SkinnyGemmError, match="skinny_gate_up_gelu: pdl must be a bool, got 'yes'"):
-        skinny_gate_up_gelu(x, w, pdl="yes")
 
 
 @OVERFLOW_OK
@@ -379,27 +375,21 @@ for key, cfgs in sg.CANDIDATES.items():
     for i, cfg in enumerate(cfgs):
         for m in {"m4": (1, 4), "m16": (16,), "m64": (32, 64)}[key.split("-")[0]]:
             bm = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
-            # each class's plan (i == 0) also as launched with programmatic dependent launch
-            for even, pdl in ((True, False), (False, False), (True, True), (False, True)) if i == 0 else \
-                    ((True, False),):
-                if (cfg, bm, gated, even, pdl) in seen:
+            for even in (True, False) if i == 0 else (True,):
+                if (cfg, bm, gated, even) in seen:
                     continue
-                seen.add((cfg, bm, gated, even, pdl))
+                seen.add((cfg, bm, gated, even))
                 fixup = cfg.fixup and cfg.split_k > 1
                 sig = {a: "*bf16" if a in ("x", "w", "out") else "i32" for a in ARGS}
                 sig.update(y="*fp32" if fixup else "*bf16", counters="*i32" if fixup else "*bf16")
                 consts = dict(BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot,
-                              INTERPRET=False, EVEN_K=even, EVEN_N=even, FIXUP=fixup, PDL=pdl)
+                              INTERPRET=False, EVEN_K=even, EVEN_N=even, FIXUP=fixup)
                 sig.update({c: "constexpr" for c in consts})
                 attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)}
                 k = triton.compile(ASTSource(sg._skinny_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl))
+                                   options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
                 assert k.metadata.shared <= 227 * 1024, (key, cfg, bm, k.metadata.shared)
-                # the wait and the next kernel's early launch are in the PTX, once each, exactly when launched with PDL
-                ptx = k.asm["ptx"]
-                assert ptx.count("griddepcontrol.wait") == pdl and ptx.count("griddepcontrol.launch_dependents") == pdl
-                assert k.metadata.launch_pdl == pdl
-                print(key, cfg.name, bm, even, pdl, k.metadata.shared)
+                print(key, cfg.name, bm, even, k.metadata.shared)
 sig = dict(ws="*fp32", out="*bf16", M="i32", N="i32", SPLITS="i32", stride_om="i32", BLOCK="constexpr",
            INTERPRET="constexpr")
 triton.compile(ASTSource(sg._splitk_sum_kernel, sig, dict(BLOCK=1024, INTERPRET=False)),
@@ -569,55 +559,3 @@ def test_torch_compile_reduce_overhead_on_gpu():
         out = compiled(x).clone()
     assert not counters["inductor"]["cudagraph_skips"]
     assert torch.equal(out, f(x))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 8, 16, 64])
-def test_pdl_launch_equals_the_plain_launch_on_gpu(m):
-    """Launched with programmatic dependent launch (the first weight tile read before the wait), each Gemma 4 shape's
-    plan - fixup split K and gate/up included - gives the plain launch's bits (same tiles, same order)."""
-    assert sg.pdl_supported(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
-    sg.prepare_fixup("cuda")
-    for name in [*GEMMA, "gate_up"]:
-        gated = name == "gate_up"
-        n, k = (2 * GATE_UP[0], GATE_UP[1]) if gated else GEMMA[name]
-        x, w = gpu_case(m * 7 + n, m, n, k)
-        cfg = sg.plan(m, n // 2 if gated else n, k, gated)
-        out = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
-        want = sg.launch(x, w, out.clone(), cfg, gated, pdl=False)
-        for _ in range(3):
-            assert torch.equal(sg.launch(x, w, out.clone(), cfg, gated, pdl=True), want), (name, cfg.name)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8])
-def test_pdl_chain_in_a_cuda_graph_equals_the_eager_plain_chain(m):
-    """A chain in which each projection reads what the kernel just before it wrote (wide, narrow split K in one
-    kernel, gate/up, narrow, and a torch add between - a kernel launched without PDL, whose input is two launches
-    back), every projection launched with PDL and captured in one CUDA graph: each replay on a new x gives the bits
-    of the same chain run eagerly without PDL. A projection that read before its wait would read its input while
-    the previous kernel still writes it."""
-    sg.prepare_fixup("cuda")
-    ws = [gpu_case(10 + i, 1, n, k)[1] for i, (n, k) in enumerate(
-        (GEMMA["q_proj_sliding"], GEMMA["o_proj_sliding"], (2 * GATE_UP[0], GATE_UP[1]), GEMMA["down"]))]
-
-    def chain(x: torch.Tensor, pdl: bool) -> torch.Tensor:
-        h = x
-        for _ in range(3):
-            q = skinny_linear(h, ws[0], pdl=pdl)
-            o = skinny_linear(q, ws[1], pdl=pdl)
-            g = skinny_gate_up_gelu(o, ws[2], pdl=pdl)
-            h = skinny_linear(g, ws[3], pdl=pdl) + h
-        return h
-
-    x = gpu_case(1, m, 1, 1536)[0]
-    chain(x, True)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(x, True)
-    for seed in range(2, 6):
-        x.copy_(gpu_case(seed, m, 1, 1536)[0])
-        graph.replay()
-        assert torch.equal(out, chain(x, False)), seed
-    assert not sg.fixup_counters(x.device, 1).any()

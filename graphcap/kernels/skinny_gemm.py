@@ -224,21 +224,13 @@ def _round(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     return v.to(dtype)
 
 
-@triton.jit
-def _load_w(ptrs, mask_n, mask_k, EVEN: tl.constexpr):
-    """A [BLOCK_N, BLOCK_K] weight tile; the real shapes (EVEN) unmasked, fully vectorised loads."""
-    if EVEN:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-
-
 # M is not specialised (Triton compiles a separate binary for an int argument equal to 1): batches 1..16 share one
 # binary per config, which is what a warm start loads (BLOCK_M already is the constexpr that matters).
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                    DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                   FIXUP: tl.constexpr, PDL: tl.constexpr):
+                   FIXUP: tl.constexpr):
     # program (n-block, split s): columns [n0, n0 + BLOCK_N) of all M rows over K range [s * k_split, +k_split)
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -251,30 +243,19 @@ def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_w
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     k0 = pid_s * k_split
-    k_loop = k0
-    if PDL:
-        # Launched with programmatic dependent launch: this grid may start while the previous kernel still runs. The
-        # weights are neither its input nor its output, so the first weight tile is read before waiting for it
-        # (the wait makes its writes visible); x, the output and the counters only after. Then the next kernel may
-        # launch (it waits in turn before it reads what this one writes). Same tiles, same order: the same bits.
-        mask_k = (k0 + offs_k) < K
-        wt = _load_w(w_ptr + k0, mask_n, mask_k, EVEN_K and EVEN_N)
-        if GATED:
-            ut = _load_w(u_ptr + k0, mask_n, mask_k, EVEN_K and EVEN_N)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-        xt = tl.load(x_ptr + k0, mask=mask_m[None, :] & mask_k[:, None], other=0.0)
-        acc = _mac(acc, wt, xt, DOT, INTERPRET)
-        if GATED:
-            acc_u = _mac(acc_u, ut, xt, DOT, INTERPRET)
-        k_loop = k0 + BLOCK_K
-    for k in range(k_loop, tl.minimum(k0 + k_split, K), BLOCK_K):
+    for k in range(k0, tl.minimum(k0 + k_split, K), BLOCK_K):
         mask_k = (k + offs_k) < K
         xt = tl.load(x_ptr + k, mask=mask_m[None, :] & mask_k[:, None], other=0.0)
-        wt = _load_w(w_ptr + k, mask_n, mask_k, EVEN_K and EVEN_N)
+        if EVEN_K and EVEN_N:  # the real shapes: unmasked, fully vectorised weight loads
+            wt = tl.load(w_ptr + k)
+        else:
+            wt = tl.load(w_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc = _mac(acc, wt, xt, DOT, INTERPRET)
         if GATED:
-            ut = _load_w(u_ptr + k, mask_n, mask_k, EVEN_K and EVEN_N)
+            if EVEN_K and EVEN_N:
+                ut = tl.load(u_ptr + k)
+            else:
+                ut = tl.load(u_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc_u = _mac(acc_u, ut, xt, DOT, INTERPRET)
     if GATED:  # gelu_tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))) = g * sigmoid(2c (g + 0.044715 g^3))
         acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)) * acc_u
@@ -336,22 +317,9 @@ def fixup_counters(device: torch.device, blocks: int) -> torch.Tensor | None:
     return _counters.get(device) if blocks <= MAX_FIXUP_BLOCKS else None
 
 
-_pdl_devices: dict[torch.device, bool] = {}
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on `device` can launch with programmatic dependent launch (CUDA, compute capability >= 9)."""
-    ok = _pdl_devices.get(device)
-    if ok is None:
-        ok = _pdl_devices[device] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return ok
-
-
-def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gated: bool = False,
-           pdl: bool = False) -> torch.Tensor:
+def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gated: bool = False) -> torch.Tensor:
     """Run the kernel with an explicit config into `out` ([M, N] or gated [M, I]); the bench and tests time and check
-    every candidate through this. Inputs are assumed checked (`_check`). `pdl`: launch with programmatic dependent
-    launch where the device has it (the first weight tile read while the previous kernel finishes; the same bits)."""
+    every candidate through this. Inputs are assumed checked (`_check`)."""
     m, n = out.shape
     k = x.shape[1]
     if m == 0 or n == 0:
@@ -365,13 +333,12 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
     n_blocks = triton.cdiv(n, cfg.block_n)
     y = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     counters = fixup_counters(x.device, n_blocks) if splits > 1 and cfg.fixup else None
-    pdl = pdl and pdl_supported(x.device)
     _skinny_kernel[(n_blocks, splits)](
         x, w, y, out, counters if counters is not None else y, m, n, k, k_split, x.stride(0), w.stride(0),
         y.stride(-2), y.stride(0) if splits > 1 else 0, out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot, INTERPRET=not x.is_cuda,
-        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, FIXUP=counters is not None, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, FIXUP=counters is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1 and counters is None:
         _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](y, out, m, n, splits, out.stride(0), BLOCK=1024,
@@ -379,7 +346,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
     return out
 
 
-def _run(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool, cublas_above: int, pdl: bool) -> None:
+def _run(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool, cublas_above: int) -> None:
     if not use_triton(x):
         out.copy_(skinny_gate_up_gelu_torch(x, w) if gated else skinny_linear_torch(x, w))
     elif out.shape[0] > cublas_above:  # cuBLAS's own kernels, as the twin computes them
@@ -388,7 +355,7 @@ def _run(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool, cubla
         else:
             torch.mm(x, w.t(), out=out)
     else:
-        launch(x, w, out, plan(out.shape[0], out.shape[1], x.shape[1], gated), gated, pdl)
+        launch(x, w, out, plan(out.shape[0], out.shape[1], x.shape[1], gated), gated)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -397,22 +364,22 @@ def _run(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool, cubla
 
 def _register(name: str, gated: bool) -> tuple[Callable[..., torch.Tensor], Callable[..., None]]:
     @torch.library.custom_op(f"graphcap::{name}", mutates_args=())
-    def op(x: torch.Tensor, w: torch.Tensor, cublas_above: int, pdl: bool) -> torch.Tensor:
+    def op(x: torch.Tensor, w: torch.Tensor, cublas_above: int) -> torch.Tensor:
         out = x.new_empty(_check(name, x, w, gated))
-        _run(out, x, w, gated, cublas_above, pdl)
+        _run(out, x, w, gated, cublas_above)
         return out
 
     @op.register_fake
-    def _(x, w, cublas_above, pdl):
+    def _(x, w, cublas_above):
         return x.new_empty(_check(name, x, w, gated))
 
     @torch.library.custom_op(f"graphcap::{name}_out", mutates_args=("out",))
-    def op_out(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cublas_above: int, pdl: bool) -> None:
+    def op_out(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cublas_above: int) -> None:
         _check(name, x, w, gated, out)
-        _run(out, x, w, gated, cublas_above, pdl)
+        _run(out, x, w, gated, cublas_above)
 
     @op_out.register_fake
-    def _(out, x, w, cublas_above, pdl):
+    def _(out, x, w, cublas_above):
         _check(name, x, w, gated, out)
 
     return op, op_out
@@ -429,34 +396,27 @@ def _check_rows(op: str, cublas_above: object) -> int:
     return cublas_above
 
 
-def _check_pdl(op: str, pdl: object) -> bool:
-    if type(pdl) is not bool:
-        raise SkinnyGemmError(f"{op}: pdl must be a bool, got {pdl!r}")
-    return pdl
-
-
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
-                  cublas_above: int = MAX_M, pdl: bool = False) -> torch.Tensor:
+                  cublas_above: int = MAX_M) -> torch.Tensor:
     """x @ w.T for x [M, K] (M <= MAX_M, rows contiguous) and w [N, K] contiguous, bf16/fp16, fp32 accumulation,
     [M, N] in x's dtype (into `out` if given). The Triton kernel where Triton runs (cuBLAS for M > `cublas_above`),
-    the twin elsewhere. `pdl`: the kernel launches with programmatic dependent launch where the GPU has it
-    (`launch`)."""
+    the twin elsewhere."""
     _check("skinny_linear", x, w, False, out)  # here too: the op's schema would reject a bad type first, unnamed
-    rows, pdl = _check_rows("skinny_linear", cublas_above), _check_pdl("skinny_linear", pdl)
+    rows = _check_rows("skinny_linear", cublas_above)
     if out is None:
-        return _linear_op(x, w, rows, pdl)
-    _linear_out_op(out, x, w, rows, pdl)
+        return _linear_op(x, w, rows)
+    _linear_out_op(out, x, w, rows)
     return out
 
 
 def skinny_gate_up_gelu(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None, *,
-                        cublas_above: int = MAX_M, pdl: bool = False) -> torch.Tensor:
+                        cublas_above: int = MAX_M) -> torch.Tensor:
     """gelu_tanh(x @ w_gate_up[:I].T) * (x @ w_gate_up[I:].T) for w_gate_up [2I, K] (gate rows, then up rows):
     [M, I] in x's dtype (into `out` if given), the activation in fp32 before the one rounding (for M >
-    `cublas_above`: cuBLAS's product, rounded, then graphcap's gelu-mul kernel). `pdl`: as skinny_linear's."""
+    `cublas_above`: cuBLAS's product, rounded, then graphcap's gelu-mul kernel)."""
     _check("skinny_gate_up_gelu", x, w_gate_up, True, out)
-    rows, pdl = _check_rows("skinny_gate_up_gelu", cublas_above), _check_pdl("skinny_gate_up_gelu", pdl)
+    rows = _check_rows("skinny_gate_up_gelu", cublas_above)
     if out is None:
-        return _gate_up_op(x, w_gate_up, rows, pdl)
-    _gate_up_out_op(out, x, w_gate_up, rows, pdl)
+        return _gate_up_op(x, w_gate_up, rows)
+    _gate_up_out_op(out, x, w_gate_up, rows)
     return out

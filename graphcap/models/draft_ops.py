@@ -169,9 +169,6 @@ class TorchOps(ChainedOps):
     # and at most as many as the kernel measured faster than cuBLAS for the weight's shape class
     # (skinny_gemm.kernel_rows: 0 sends the shape to cuBLAS at every batch, with no op in the graph)
     skinny_by_shape: bool = False
-    # the skinny GEMM launched with programmatic dependent launch where the GPU has it: each projection's first
-    # weight tile read while the previous kernel finishes (skinny_gemm.launch; bench mode graphcap-skinny-pdl)
-    skinny_pdl: bool = False
     merge_head_proj: bool = False  # a plain loop projects twice (the reference's code)
 
     def bind(self, model: nn.Module) -> TorchOps:
@@ -212,12 +209,12 @@ class TorchOps(ChainedOps):
 
     def linear(self, x, w):
         rows = self._kernel_rows(x, w.shape[0], False)
-        return skinny_linear(x, w, cublas_above=rows, pdl=self.skinny_pdl) if rows else x @ w.t()
+        return skinny_linear(x, w, cublas_above=rows) if rows else x @ w.t()
 
     def gate_up_gelu(self, x, w_gate_up):
         rows = self._kernel_rows(x, w_gate_up.shape[0] // 2, True)
         if rows:
-            return skinny_gate_up_gelu(x, w_gate_up, cublas_above=rows, pdl=self.skinny_pdl)
+            return skinny_gate_up_gelu(x, w_gate_up, cublas_above=rows)
         return self.gelu_mul(x @ w_gate_up.t())
 
     def rope(self, q, rope):
@@ -302,5 +299,3 @@ SKINNY_4ROWS_OPS = LayerKernelOps(name="layer-kernels", skinny_rows=4)
 # query's norm + rotary as its own kernel; graphcap-two-head-proj: post_proj and the centroid scores as two GEMMs)
 QNORM_KERNEL_OPS = dataclasses.replace(LAYER_KERNEL_OPS, name="layer-kernels-qnorm-kernel", q_norm_in_attention=False)
 TWO_HEAD_PROJ_OPS = dataclasses.replace(LAYER_KERNEL_OPS, name="layer-kernels-two-head-proj", merge_head_proj=False)
-# graphcap's loop with the skinny GEMM launched with programmatic dependent launch (bench mode graphcap-skinny-pdl)
-SKINNY_PDL_OPS = dataclasses.replace(LAYER_KERNEL_OPS, name="layer-kernels-skinny-pdl", skinny_pdl=True)
