@@ -192,7 +192,7 @@ def main() -> None:
     rows: list[dict] = []
     notes: list[str] = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    from graphcap.kernels.skinny_gemm import prepare_fixup
+    from graphcap.kernels.skinny_gemm_kernels import prepare_fixup
 
     prepare_fixup("cuda")  # the one-kernel split K's counters (without them its configs run the sum kernel)
     for inductor in [False] + ([] if args.no_inductor else [True]):  # ours and cuBLAS everywhere first

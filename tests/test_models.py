@@ -446,16 +446,16 @@ def test_binding_an_op_set_with_the_skinny_gemm_makes_its_split_k_counters(monke
     """A loop whose op set sends projections to the skinny GEMM makes the one-kernel split K's counters on the
     model's device when it binds - before anything compiles or captures (a call never makes them: inside a graph's
     warm-up they would come from the graph's memory pool); the torch set, which never calls the kernel, makes none."""
-    import graphcap.kernels.skinny_gemm as sg
+    import graphcap.kernels.skinny_gemm_kernels as sgk
     from graphcap.models.draft_ops import LAYER_KERNEL_OPS
 
     spec = load_spec("tiny")
     for ops, made in ((TORCH_OPS, False), (LAYER_KERNEL_OPS, True)):
-        monkeypatch.setattr(sg, "_counters", {})
+        monkeypatch.setattr(sgk, "_counters", {})
         st = make_target_state(spec, [3, 7], [10, 10], seed=1)
         wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
         DraftLoop(FrozenKVDraft(spec, seed=2), wb, st.k_swa, st.v_swa, st.k_full, st.v_full, ops=ops)
-        assert (sg.fixup_counters(torch.device("cpu"), 1) is not None) == made, ops.name
+        assert (sgk.fixup_counters(torch.device("cpu"), 1) is not None) == made, ops.name
 
 
 def test_fused_post_norm_weight_unbound_is_an_error_and_refresh_follows_in_place_updates():

@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphcap.kernels.skinny_gemm as sg
+import graphcap.kernels.skinny_gemm_kernels as sgk
 from graphcap.kernels import twins_on_cpu
 from graphcap.kernels.skinny_gemm import (
     CANDIDATES, MAX_M, Config, SkinnyGemmError, skinny_gate_up_gelu, skinny_gate_up_gelu_torch, skinny_linear,
@@ -255,13 +256,13 @@ def test_fixup_equals_the_two_kernel_split_bit_for_bit(device, m, n, k, splits, 
     """Split K in one kernel (Config.fixup: the last split of each n-block sums the partials) gives the sum kernel's
     bits - the same partials summed in the same order - and leaves every counter at 0 for the next launch."""
     x, w = make(seed, m, n, k, device=device)
-    sg.prepare_fixup(x.device)
+    sgk.prepare_fixup(x.device)
     cfg = Config(16, 32, splits, 4, 2)
     two = run(x, w, cfg, False)
     one = run(x, w, cfg._replace(fixup=True), False)
     assert torch.equal(one, two)
     check_linear(x, w, one)
-    assert not sg.fixup_counters(x.device, 1).any()
+    assert not sgk.fixup_counters(x.device, 1).any()
 
 
 def test_fixup_only_with_prepared_counters_else_the_sum_kernel(device, monkeypatch):
@@ -272,15 +273,15 @@ def test_fixup_only_with_prepared_counters_else_the_sum_kernel(device, monkeypat
     cfg = Config(16, 32, 3, 4, 2, fixup=True)
     want = run(x, w, cfg._replace(fixup=False), False)
     sums = []
-    real_sum = sg._splitk_sum_kernel
-    monkeypatch.setattr(sg, "_splitk_sum_kernel", type("Counted", (), {
+    real_sum = sgk._splitk_sum_kernel
+    monkeypatch.setattr(sgk, "_splitk_sum_kernel", type("Counted", (), {
         "__getitem__": lambda self, grid: (sums.append(grid), real_sum[grid])[1]})())
-    monkeypatch.setattr(sg, "_counters", {})
-    assert torch.equal(run(x, w, cfg, False), want) and len(sums) == 1 and sg._counters == {}  # not prepared
-    sg.prepare_fixup(x.device)
+    monkeypatch.setattr(sgk, "_counters", {})
+    assert torch.equal(run(x, w, cfg, False), want) and len(sums) == 1 and sgk._counters == {}  # not prepared
+    sgk.prepare_fixup(x.device)
     assert torch.equal(run(x, w, cfg, False), want) and len(sums) == 1  # one kernel
-    monkeypatch.setattr(sg, "MAX_FIXUP_BLOCKS", 4)  # 80 columns / 16 = 5 blocks
-    assert sg.fixup_counters(x.device, 5) is None
+    monkeypatch.setattr(sgk, "MAX_FIXUP_BLOCKS", 4)  # 80 columns / 16 = 5 blocks
+    assert sgk.fixup_counters(x.device, 5) is None
     assert torch.equal(run(x, w, cfg, False), want) and len(sums) == 2
 
 
@@ -366,6 +367,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import graphcap.kernels.skinny_gemm as sg
+import graphcap.kernels.skinny_gemm_kernels as sgk
 
 ARGS = ["x", "w", "y", "out", "counters", "M", "N", "K", "k_split", "stride_xm", "stride_wn", "stride_ym", "stride_ys",
         "stride_om"]
@@ -386,13 +388,13 @@ for key, cfgs in sg.CANDIDATES.items():
                               INTERPRET=False, EVEN_K=even, EVEN_N=even, FIXUP=fixup)
                 sig.update({c: "constexpr" for c in consts})
                 attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)}
-                k = triton.compile(ASTSource(sg._skinny_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                k = triton.compile(ASTSource(sgk._skinny_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                    options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
                 assert k.metadata.shared <= 227 * 1024, (key, cfg, bm, k.metadata.shared)
                 print(key, cfg.name, bm, even, k.metadata.shared)
 sig = dict(ws="*fp32", out="*bf16", M="i32", N="i32", SPLITS="i32", stride_om="i32", BLOCK="constexpr",
            INTERPRET="constexpr")
-triton.compile(ASTSource(sg._splitk_sum_kernel, sig, dict(BLOCK=1024, INTERPRET=False)),
+triton.compile(ASTSource(sgk._splitk_sum_kernel, sig, dict(BLOCK=1024, INTERPRET=False)),
                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 print("compiled", len(seen) + 1)
 """
@@ -502,7 +504,7 @@ def test_cuda_graph_replay_equals_eager_exactly(name, m):
     n, k = (2 * GATE_UP[0], GATE_UP[1]) if gated else GEMMA[name]
     x, w = gpu_case(m, m, n, k)
     op = skinny_gate_up_gelu if gated else skinny_linear
-    sg.prepare_fixup(x.device)  # a narrow plan splits K in one kernel
+    sgk.prepare_fixup(x.device)  # a narrow plan splits K in one kernel
     op(x, w)  # compile the kernels outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -528,13 +530,13 @@ def test_fixup_on_gpu_equals_the_two_kernel_split(name, m, fp32_cublas):
     kernel's bits over repeated launches, within the float64 bound."""
     n, k = GEMMA[name]
     x, w = gpu_case(m, m, n, k)
-    sg.prepare_fixup(x.device)
+    sgk.prepare_fixup(x.device)
     for cfg in {c for cs in CANDIDATES.values() for c in cs if c.fixup}:
         want = run(x, w, cfg._replace(fixup=False), False)
         for _ in range(3):
             assert torch.equal(run(x, w, cfg, False), want), cfg.name
         check_linear(x, w, want)
-    assert not sg.fixup_counters(x.device, 1).any()
+    assert not sgk.fixup_counters(x.device, 1).any()
 
 
 @pytest.mark.gpu
@@ -545,7 +547,7 @@ def test_torch_compile_reduce_overhead_on_gpu():
     _, w_qkv = gpu_case(1, 1, 1536, 8192)
     _, w_gu = gpu_case(2, 1, 2 * 6144, 1536)
     _, w_down = gpu_case(4, 1, 1536, 6144)  # narrow: its plan splits K in one kernel, counters made first
-    sg.prepare_fixup("cuda")
+    sgk.prepare_fixup("cuda")
     for w in (w_qkv, w_gu, w_down):
         torch._dynamo.mark_static_address(w)
 

@@ -18,8 +18,9 @@ split-K reduction kernel, plus (gate/up) a separate gelu-mul kernel that reads t
 - Narrow shapes (N = 1536, K up to 16384: o_proj, down, pre_proj) cannot fill 132 SMs with N-blocks alone, so they
   split K: program (n, s) writes its fp32 partial to a workspace [S, M, N], and the S partials are summed in order
   s = 0..S-1 and rounded once - by a second kernel, or (Config.fixup) in the same kernel by the last split of each
-  n-block to arrive, which an atomic counter per n-block tells (`prepare_fixup`). Either way deterministic: the same
-  bits on every call, as replay-vs-compiled equality needs (the atomics only count; they add nothing).
+  n-block to arrive, which an atomic counter per n-block tells (`skinny_gemm_kernels.prepare_fixup`). Either way
+  deterministic: the same bits on every call, as replay-vs-compiled equality needs (the atomics only count; they add
+  nothing).
 
 Launch configs come from a fixed table (CANDIDATES, keyed by shape class) through `plan`, a pure-Python function of
 the static shapes: no autotuning at call time, so a call costs nothing extra on the host and captures in a CUDA graph.
@@ -27,7 +28,8 @@ The ops are opaque `torch.library.custom_op`s (with fake implementations): torch
 `cublas_above=R` sends calls of more than R rows to cuBLAS instead (gate/up: cuBLAS, then graphcap's gelu-mul
 kernel), decided in the op's body at run time, where M is a plain int also under one compile for every batch (the
 draft loop's op set uses the kernel only for the shape classes and batches it measured faster at: `KERNEL_ROWS`).
-`skinny_linear_torch` / `skinny_gate_up_gelu_torch` are the plain-torch twins (cuBLAS + an fp32 gelu-mul): the
+The Triton kernels and the split-K counters are graphcap.kernels.skinny_gemm_kernels'; this module plans, checks,
+launches and registers them. `skinny_linear_torch` / `skinny_gate_up_gelu_torch` are the plain-torch twins (cuBLAS + an fp32 gelu-mul): the
 tests' reference and the fallback where Triton does not run.
 """
 from __future__ import annotations
@@ -37,10 +39,11 @@ from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 
+from graphcap.kernels import skinny_gemm_kernels as kernels
 from graphcap.kernels import use_triton
 from graphcap.kernels.fused_ops import gelu_tanh_and_mul
+from graphcap.kernels.skinny_gemm_kernels import fixup_counters
 
 DTYPES = (torch.bfloat16, torch.float16)
 MAX_M = 64  # rows per call: above this a GEMM is no longer a weight read
@@ -195,128 +198,6 @@ def skinny_gate_up_gelu_torch(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch
     return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Triton kernels
-
-
-# INTERPRET (CPU tensors, which reach a kernel only under TRITON_INTERPRET=1) works around two faults of Triton's
-# CPU interpreter with bf16: tl.dot multiplies the tiles' raw bits (it stores bf16 as uint16), and fp32 -> bf16
-# casts truncate. The workaround is exact: bf16 -> fp32 is exact and fp32 products of bf16 values are too, and the
-# explicit rounding is what a GPU's cast does (to nearest, ties to even).
-
-
-@triton.jit
-def _mac(acc, w, xt, DOT: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc[BN, BM] += w[BN, BK] @ xt[BK, BM] with fp32 accumulation."""
-    if DOT:
-        if INTERPRET:
-            return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-        return tl.dot(w, xt, acc)
-    return acc + tl.sum(w.to(tl.float32)[:, :, None] * xt.to(tl.float32)[None, :, :], axis=1)
-
-
-@triton.jit
-def _round(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> dtype, to nearest even."""
-    if INTERPRET and dtype == tl.bfloat16:
-        bits = v.to(tl.int32, bitcast=True)
-        v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # now exact in bf16
-    return v.to(dtype)
-
-
-# M is not specialised (Triton compiles a separate binary for an int argument equal to 1): batches 1..16 share one
-# binary per config, which is what a warm start loads (BLOCK_M already is the constexpr that matters).
-@triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys, stride_om,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                   DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                   FIXUP: tl.constexpr):
-    # program (n-block, split s): columns [n0, n0 + BLOCK_N) of all M rows over K range [s * k_split, +k_split)
-    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n, mask_m = offs_n < N, offs_m < M
-    w_ptr = w + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    u_ptr = w + (offs_n + N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # gated: the up rows n + I
-    x_ptr = x + offs_m[None, :] * stride_xm + offs_k[:, None]  # x.T tile [BLOCK_K, BLOCK_M]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    k0 = pid_s * k_split
-    for k in range(k0, tl.minimum(k0 + k_split, K), BLOCK_K):
-        mask_k = (k + offs_k) < K
-        xt = tl.load(x_ptr + k, mask=mask_m[None, :] & mask_k[:, None], other=0.0)
-        if EVEN_K and EVEN_N:  # the real shapes: unmasked, fully vectorised weight loads
-            wt = tl.load(w_ptr + k)
-        else:
-            wt = tl.load(w_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc = _mac(acc, wt, xt, DOT, INTERPRET)
-        if GATED:
-            if EVEN_K and EVEN_N:
-                ut = tl.load(u_ptr + k)
-            else:
-                ut = tl.load(u_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            acc_u = _mac(acc_u, ut, xt, DOT, INTERPRET)
-    if GATED:  # gelu_tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))) = g * sigmoid(2c (g + 0.044715 g^3))
-        acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)) * acc_u
-    mask = mask_n[:, None] & mask_m[None, :]
-    y_ptr = y + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
-    if not FIXUP:  # the output, or (split K) this split's fp32 partial for the sum kernel
-        tl.store(y_ptr, _round(acc, y.dtype.element_ty, INTERPRET), mask=mask)
-    else:
-        # Split K in one kernel: store the partial, count this split in, and the n-block's last split to arrive sums
-        # all partials in order 0..S-1 (the sum kernel's order and bits) and stores the output. The barrier puts the
-        # whole program's stores before the count (the atomic releases them), the acquire puts the reads after it;
-        # the reads bypass L1 (.cg). The last split resets the counter to 0, ready for the next launch or replay.
-        tl.store(y_ptr, acc, mask=mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counters + pid_n, 1, sem="acq_rel")
-        if arrived == tl.num_programs(1) - 1:
-            ws_ptr = y + offs_m[None, :] * stride_ym + offs_n[:, None]
-            total = tl.load(ws_ptr, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in range(1, tl.num_programs(1)):
-                total += tl.load(ws_ptr + s * stride_ys, mask=mask, other=0.0, cache_modifier=".cg")
-            o_ptr = out + offs_m[None, :] * stride_om + offs_n[:, None]
-            tl.store(o_ptr, _round(total, out.dtype.element_ty, INTERPRET), mask=mask)
-            tl.atomic_xchg(counters + pid_n, 0)
-
-
-@triton.jit
-def _splitk_sum_kernel(ws, out, M, N, SPLITS, stride_om, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.load(ws + offs, mask=mask, other=0.0)
-    for s in range(1, SPLITS):  # always split 0, 1, ... in order: the same bits on every call
-        acc += tl.load(ws + s * M * N + offs, mask=mask, other=0.0)
-    tl.store(out + (offs // N) * stride_om + offs % N, _round(acc, out.dtype.element_ty, INTERPRET), mask=mask)
-
-
-MAX_FIXUP_BLOCKS = 4096  # n-blocks one fixup launch may have (N / block_n): 16 KiB of counters per device
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def prepare_fixup(device: torch.device | str) -> torch.Tensor:
-    """Make `device`'s split-K arrival counters (int32, zero between launches: each launch's last splits reset
-    theirs), once; returns them. Call it before compiling or capturing anything that launches a fixup config
-    (graphcap's op sets do, at bind): never lazily inside a call, where a CUDA graph capture, or torch.compile's
-    CUDA-graph warm-up, would take them from the graph's private memory pool - memory the graph machinery hands out
-    again, clobbering the counts. One buffer per device, so two fixup launches must not run at the same time on two
-    streams of one device (their counts would mix): graphcap launches its projections from one stream, in order."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    c = _counters.get(device)
-    if c is None:
-        c = _counters[device] = torch.zeros(MAX_FIXUP_BLOCKS, dtype=torch.int32, device=device)
-    return c
-
-
-def fixup_counters(device: torch.device, blocks: int) -> torch.Tensor | None:
-    """The counters `prepare_fixup` made for `device`; None - the launch then takes the two-kernel split K, the same
-    bits - where none were made or `blocks` exceeds MAX_FIXUP_BLOCKS."""
-    return _counters.get(device) if blocks <= MAX_FIXUP_BLOCKS else None
-
-
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gated: bool = False) -> torch.Tensor:
     """Run the kernel with an explicit config into `out` ([M, N] or gated [M, I]); the bench and tests time and check
     every candidate through this. Inputs are assumed checked (`_check`)."""
@@ -333,7 +214,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
     n_blocks = triton.cdiv(n, cfg.block_n)
     y = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     counters = fixup_counters(x.device, n_blocks) if splits > 1 and cfg.fixup else None
-    _skinny_kernel[(n_blocks, splits)](
+    kernels._skinny_kernel[(n_blocks, splits)](
         x, w, y, out, counters if counters is not None else y, m, n, k, k_split, x.stride(0), w.stride(0),
         y.stride(-2), y.stride(0) if splits > 1 else 0, out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot, INTERPRET=not x.is_cuda,
@@ -341,8 +222,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1 and counters is None:
-        _splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](y, out, m, n, splits, out.stride(0), BLOCK=1024,
-                                                            INTERPRET=not x.is_cuda, num_warps=4)
+        kernels._splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](y, out, m, n, splits, out.stride(0), BLOCK=1024,
+                                                                    INTERPRET=not x.is_cuda, num_warps=4)
     return out
 
 

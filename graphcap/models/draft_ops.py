@@ -50,7 +50,8 @@ from graphcap.kernels.fused_ops import gelu_tanh_and_mul, gemma_rmsnorm
 from graphcap.kernels.layer_fusions import query_positions
 from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
 from graphcap.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
-from graphcap.kernels.skinny_gemm import kernel_rows, prepare_fixup, skinny_gate_up_gelu, skinny_linear
+from graphcap.kernels.skinny_gemm import kernel_rows, skinny_gate_up_gelu, skinny_linear
+from graphcap.kernels.skinny_gemm_kernels import prepare_fixup
 from graphcap.kernels.small_topk import small_topk
 
 EPS = 1e-6
