@@ -174,12 +174,15 @@ case $stage in
     # GEMM_ARGS: other bench/skinny_gemm.py options (e.g. --no-inductor --ms 1,8,16)
     STEP_LIMIT=${STEP_LIMIT:-560} step skinny-gemm python3 bench/skinny_gemm.py ${GEMM_ARGS:-} --out "$LOG/skinny-gemm"
     ;;
-  tests)  # the whole suite, then the attention grid at the shapes short of 70% of copy bandwidth
-    step pytest python3 -m pytest -q -rs tests/
-    step attention-grid-sliding python3 bench/attention_bw.py --grid --rep-ms 5 --layers sliding --batches 8 \
-      --contexts 1024 --out "$LOG/attention-grid-sliding"
-    step attention-grid-full python3 bench/attention_bw.py --grid --rep-ms 5 --layers full --batches 8,16 \
-      --contexts 2048,4096 --out "$LOG/attention-grid-full"
+  tests)  # the whole suite, then the attention grid at the shapes short of 70% of copy bandwidth (TESTS_ARGS: pytest's
+    # options instead of -q -rs, e.g. -v for a per-test log that a cut call keeps; TESTS_GRID=0: the suite alone)
+    step pytest python3 -m pytest ${TESTS_ARGS:--q -rs} tests/
+    if [ "${TESTS_GRID:-1}" != 0 ]; then
+      step attention-grid-sliding python3 bench/attention_bw.py --grid --rep-ms 5 --layers sliding --batches 8 \
+        --contexts 1024 --out "$LOG/attention-grid-sliding"
+      step attention-grid-full python3 bench/attention_bw.py --grid --rep-ms 5 --layers full --batches 8,16 \
+        --contexts 2048,4096 --out "$LOG/attention-grid-full"
+    fi
     ;;
   kernels)  # window advance; attention defaults vs sglang: L2 emptied by writing (do_bench), by reading, in-graph
     step window-advance python3 bench/window_advance.py --out "$LOG"
