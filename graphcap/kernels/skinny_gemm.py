@@ -28,9 +28,9 @@ The ops are opaque `torch.library.custom_op`s (with fake implementations): torch
 `cublas_above=R` sends calls of more than R rows to cuBLAS instead (gate/up: cuBLAS, then graphcap's gelu-mul
 kernel), decided in the op's body at run time, where M is a plain int also under one compile for every batch (the
 draft loop's op set uses the kernel only for the shape classes and batches it measured faster at: `KERNEL_ROWS`).
-The Triton kernels and the split-K counters are graphcap.kernels.skinny_gemm_kernels'; this module plans, checks,
-launches and registers them. `skinny_linear_torch` / `skinny_gate_up_gelu_torch` are the plain-torch twins (cuBLAS + an fp32 gelu-mul): the
-tests' reference and the fallback where Triton does not run.
+The Triton kernels and the split-K counters live in graphcap.kernels.skinny_gemm_kernels; this module plans, checks,
+launches and registers them. `skinny_linear_torch` / `skinny_gate_up_gelu_torch` are the plain-torch twins (cuBLAS +
+an fp32 gelu-mul): the tests' reference and the fallback where Triton does not run.
 """
 from __future__ import annotations
 
