@@ -230,7 +230,7 @@ def test_sglang_attention_plans_per_layer_and_bucket(device, monkeypatch):
         slots = _inputs(loop, b, b)[0]
         backend.bind(slots)
         for layer in layers:
-            q = torch.randn(b, 4 * layer.qk_head_dim, generator=torch.Generator().manual_seed(b), device=device)
+            q = torch.randn(b, 4 * layer.qk_head_dim, generator=torch.Generator().manual_seed(b)).to(device)
             want[b, layer.layer_id] = (q, slots, backend.forward(q, None, None, layer, None))
     called = forbid_planning(monkeypatch)
     torch._dynamo.reset()
