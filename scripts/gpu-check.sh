@@ -175,8 +175,9 @@ case $stage in
     STEP_LIMIT=${STEP_LIMIT:-560} step skinny-gemm python3 bench/skinny_gemm.py ${GEMM_ARGS:-} --out "$LOG/skinny-gemm"
     ;;
   tests)  # the whole suite, then the attention grid at the shapes short of 70% of copy bandwidth (TESTS_ARGS: pytest's
-    # options instead of -q -rs, e.g. -v for a per-test log that a cut call keeps; TESTS_GRID=0: the suite alone)
-    step pytest python3 -m pytest ${TESTS_ARGS:--q -rs} tests/
+    # options instead of -q -rs, e.g. -v for a per-test log that a cut call keeps; TESTS_PATHS: some test files or
+    # ids instead of tests/ - the whole suite takes more than one call; TESTS_GRID=0: the suite alone)
+    step pytest python3 -m pytest ${TESTS_ARGS:--q -rs} ${TESTS_PATHS:-tests/}
     if [ "${TESTS_GRID:-1}" != 0 ]; then
       step attention-grid-sliding python3 bench/attention_bw.py --grid --rep-ms 5 --layers sliding --batches 8 \
         --contexts 1024 --out "$LOG/attention-grid-sliding"
