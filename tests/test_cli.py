@@ -229,5 +229,7 @@ def test_bench_refuses_bad_options_in_one_line_before_running(capsys, args, frag
 def test_bench_refuses_an_unwritable_out_before_running(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert main(["bench", "--spec", "tiny", "--out", str(blocker / "sub")]) == 2
+    # options that resolve on a CPU and on a GPU alike (the GPU's default iterations outgrow the tiny spec's context)
+    assert main(["bench", "--spec", "tiny", "--iters", "2", "--warmup", "1", "--context", "8",
+                 "--out", str(blocker / "sub")]) == 2
     one_line_error(capsys, "--out", "sub")

@@ -219,7 +219,11 @@ def test_newer_format_wins_over_shape_errors(tmp_path):
 
 def test_manifest_module_does_not_import_torch():
     code = "import sys, graphcap.manifest, graphcap.cli; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    # the repo first, the environment's own path kept (where a machine keeps packages on PYTHONPATH)
+    path = os.pathsep.join(p for p in (str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": path})
+    assert r.returncode == 0, r.stderr
 
 
 def test_dynamic_batch_field_is_optional_in_older_files_and_strict_when_present():

@@ -308,7 +308,10 @@ def test_skinny_gemm_op_set_runs_every_projection_through_the_kernel_and_drafts_
                          {k: 0 for k in calls}), (dtype, ops.name)
     ref = outs[torch.float32, TORCH_OPS.name]
     for a, b in zip(outs[torch.float32, SKINNY_OPS.name], ref):
-        assert torch.equal(a, b)  # float32: the same cuBLAS calls
+        if device == "cpu":  # float32: the same math in the same order (the layer kernels' twins, cuBLAS's)
+            assert torch.equal(a, b)
+        else:  # the layer kernels and the merged head GEMM round float32 in another order than torch's ops
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, equal_nan=True)
     decided = ref.margins[:, 0] > 0.05  # bf16 rounds logits of this size by ~0.01
     assert decided.sum() >= 2
     err = {}

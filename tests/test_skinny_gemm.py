@@ -457,11 +457,13 @@ GEMMA = {"q_proj_sliding": (8192, 1536), "q_proj_full": (16384, 1536), "o_proj_s
 GATE_UP = (6144, 1536)  # I, K
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def fp32_cublas(monkeypatch):
     """cuBLAS (the twin on CUDA) reduces split-K partials in fp32: torch's default lets it use bf16, whose rounding
-    is outside the twin's bound (module docstring)."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
+    is outside the twin's bound (module docstring). Every test here: the device-parametrised ones run on CUDA too
+    (a CPU build of torch has no such switch)."""
+    if torch.cuda.is_available():
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
 
 
 def gpu_case(seed: int, m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
