@@ -7,6 +7,7 @@
 #   scripts/gpu-check.sh unit     the kernels' GPU tests (attention, plan, centroid head, small top-k, fused ops,
 #                                 layer fusions, skinny GEMM; UNIT_TESTS: other test files)
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included), attention tuning grid
+#                                 (more than one 600 s call: TESTS_PATHS runs some files, TESTS_GRID=0 skips the grid)
 #   scripts/gpu-check.sh gemm     bench/skinny_gemm.py: the skinny GEMM's candidates and plan vs cuBLAS and Inductor
 #                                 max-autotune at the draft's matmul shapes, M 1..64 (skinny_gemm.{json,md})
 #   scripts/gpu-check.sh kernels  bench/window_advance.py, bench/attention_bw.py defaults timed three ways (L2
