@@ -34,7 +34,7 @@ from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import time_call
 from graphcap.backends import GRAPH_BACKENDS
 from graphcap.capture import DraftGraphs
-from graphcap.guards import check_batch_inputs
+from graphcap.guards import AddressGuard, check_batch_inputs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.models.draft_ops import DEFAULT_OPS, TORCH_OPS
 from graphcap.spec import load_spec
@@ -44,7 +44,7 @@ from graphcap.window import WindowBuffers
 # run()'s parts that launch no graph: timed as 20 calls back to back (a single call timed after a sync also times the
 # host waking from it: on the H200's host up to ~15 us, more than these calls take)
 HOST_ONLY = ("check_batch()", "check_batch(), full check", "static address guard", "input copy (write)",
-             "input copy, pair by pair")
+             "input copy, pair by pair", "static address guard, torch's C++ check", "static address guard, Python loop")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
             calls["check_batch(), full check"] = lambda s, acc, tok, hid, r=r: check_batch_inputs(
                 bucket.inputs, r.device, r.padding_slot, s, tok, hid, accepted=acc, host_slots=host_slots)
             calls["static address guard"] = lambda *x, r=r: r._static.check()  # replay()'s and run()'s
+            # the same tensors through each way of reading their addresses, to pick the cheaper on this host
+            for how, native in (("torch's C++ check", True), ("Python loop", False)):
+                try:
+                    guard = AddressGuard(r._static.persistent, native=native)
+                except ValueError:  # this torch has no C++ check
+                    continue
+                calls[f"static address guard, {how}"] = lambda *x, gd=guard: gd.check()
             calls["input copy (write)"] = bucket.write
             calls["input copy, pair by pair"] = lambda *x, bk=bucket: torch._foreach_copy_(bk.claim(b), x)
             if bucket.graph is not None:
@@ -163,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                 calls["CUDAGraph.replay(), GPU busy"] = calls["CUDAGraph.replay()"]
             if a.census and name == "inductor-cudagraph":
                 census[name] = graph_census(r.compiled, bucket.inputs, a.out / f"graph-{name}-b{b}.dot")
+            if a.census and bucket.graph is not None:  # what one replay puts on the GPU beyond the graph's nodes
+                census.setdefault(name, {})["replay_device_ops"] = replay_device_ops(bucket.graph)
         res = results[name] = {}
         for kind, run in calls.items():
             wb.reset(host_slots, [a.context] * b)  # each kind starts at the same context, inside the allocated rows
@@ -207,9 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     if census:
         text += ("\nNodes of one recorded iteration (bucket of --batch; cudaGraphDebugDotPrint, file graph-*.dot):\n\n"
                  + tabulate([[k, v["nodes"], v["edges"], ", ".join(f"{t} {c}" for t, c in v["by_type"].items()),
-                              ", ".join(f"{t} {c}" for t, c in v["kernels"][:12])] for k, v in census.items()],
+                              ", ".join(f"{t} {c}" for t, c in v["kernels"][:12])] for k, v in census.items()
+                             if "nodes" in v],
                             headers=["backend", "nodes", "edges", "by type", "most frequent kernels"],
-                            tablefmt="github") + "\n")
+                            tablefmt="github") + "\n"
+                 + "\nDevice operations of one bare CUDAGraph.replay() (torch.profiler; the graph's kernels and "
+                   "anything launched around them):\n\n"
+                 + tabulate([[k, sum(v["replay_device_ops"].values()),
+                              ", ".join(f"{t} {c}" for t, c in list(v["replay_device_ops"].items())[:8])]
+                             for k, v in census.items() if "replay_device_ops" in v],
+                            headers=["backend", "device ops", "most frequent"], tablefmt="github") + "\n")
     print(text)
     (a.out / "capture_cost.md").write_text(text)
     (a.out / "capture_cost.json").write_text(json.dumps(
@@ -253,6 +269,23 @@ def graph_census(fn, inputs, dot_path: Path) -> dict:
     if not dot_path.exists():
         return {"nodes": 0, "edges": 0, "by_type": {"(no dump written)": 1}, "kernels": []}
     return parse_dot(dot_path.read_text(errors="replace"))
+
+
+def replay_device_ops(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
+    """Device operations (kernels, memsets, copies) of one bare `graph.replay()` by name, from torch.profiler: the
+    graph's kernels plus whatever torch launches around them on every replay (e.g. filling a registered RNG
+    generator's seed and offset)."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return dict(collections.Counter(n[:80] for n in names).most_common())
 
 
 def parse_dot(text: str) -> dict:

@@ -31,9 +31,10 @@ _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 class AddressGuard:
-    """The data pointers of the static tensors at capture time; `check()` raises if any moved."""
+    """The data pointers of the static tensors at capture time; `check()` raises if any moved. `native`: read them
+    through torch's C++ check (None: where torch has it) or through a Python loop (False); the host bench times both."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], native: bool | None = None) -> None:
         self._names = list(tensors)
         self._tensors = tuple(tensors.values())
         # map() over the unbound method makes no bound method per tensor; a subclass that overrides data_ptr keeps
@@ -41,8 +42,12 @@ class AddressGuard:
         self._plain = all(type(t).data_ptr is _data_ptr for t in self._tensors)
         self._ptrs = self._read()
         # the C++ check's arguments, made once (it takes lists)
+        use_native = _ptrs_equal is not None and self._plain and native is not False
+        if native and not use_native:
+            raise ValueError("AddressGuard(native=True): this torch has no C++ data-pointer check, or a tensor "
+                             "overrides data_ptr")
         self._native = (list(self._tensors), list(self._ptrs), list(range(len(self._tensors)))) \
-            if _ptrs_equal is not None and self._plain else None
+            if use_native else None
 
     def _read(self) -> tuple[int, ...]:
         if self._plain:

@@ -829,3 +829,30 @@ def test_address_guard_asks_a_subclass_that_overrides_data_ptr_its_own():
     plain.set_(torch.zeros(4))
     with pytest.raises(CaptureError, match="static tensor 'plain' moved"):
         only_plain.check()
+
+
+def test_address_guard_takes_the_path_it_is_asked_for(monkeypatch):
+    """native=False reads the addresses in Python even where torch has the C++ check; native=True refuses a torch
+    without it (or a tensor with its own data_ptr) instead of silently taking the other path; both catch a move."""
+    import graphcap.guards as guards
+    from graphcap.guards import AddressGuard
+
+    calls = []
+    monkeypatch.setattr(guards, "_ptrs_equal", lambda *a: (calls.append(1), _ptrs_equal_twin(*a))[1])
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"t{i}": torch.randn(int(torch.randint(1, 9, (1,), generator=g)), generator=g) for i in range(6)}
+    for native, expect_calls in ((None, True), (True, True), (False, False)):
+        calls.clear()
+        guard = AddressGuard(tensors, native=native)
+        guard.check()
+        assert bool(calls) == expect_calls, native
+    moved = next(iter(tensors))
+    for native in (True, False):
+        guard = AddressGuard(tensors, native=native)
+        tensors[moved].set_(tensors[moved].clone())
+        with pytest.raises(CaptureError, match=f"static tensor '{moved}' moved"):
+            guard.check()
+    monkeypatch.setattr(guards, "_ptrs_equal", None)
+    with pytest.raises(ValueError, match="native=True"):
+        AddressGuard(tensors, native=True)
+    AddressGuard(tensors, native=None).check()  # falls back to the loop
