@@ -501,3 +501,60 @@ def test_bad_state_and_loop_arguments_are_named():
         DraftLoop(loop.model, wb, st.k_swa, st.v_swa, st.k_swa, st.v_full)
     with pytest.raises(ValueError, match=r"layer_regions must be True or False, got 'no'"):
         DraftLoop(loop.model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full, layer_regions="no")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_winners_id_looked_up_alone_is_the_candidates_gather(device, monkeypatch, seed):
+    """graphcap's op sets hand the head no [B, k * T] candidates' ids: it looks the winner's id up from the chosen
+    clusters alone. Everything else equal, the loop drafts bit for bit what it drafts when the op set hands it the
+    candidates (the gather sglang's head makes) - over rows whose winners fall in every cluster position."""
+    import graphcap.models.draft_ops as draft_ops
+    from graphcap.models.draft_ops import DEFAULT_OPS
+
+    spec = load_spec("tiny")
+    lens0 = [1, 5, 16, 40, 70, 3, 9, 33]
+    st = make_target_state(spec, lens0, [n + 20 for n in lens0], seed=seed, device=device)
+    model = FrozenKVDraft(spec, seed=seed + 1, device=device)
+    looked_up = _draft_once(spec, st, model, lens0, DEFAULT_OPS, seed + 3)
+
+    made = []
+    real = draft_ops.TorchOps.centroid_head
+
+    def with_candidates(self, lm_head, token_of_cluster, x, top):
+        logits, cand = real(self, lm_head, token_of_cluster, x, top)
+        made.append(cand)
+        return logits, token_of_cluster[top].flatten(1)
+
+    monkeypatch.setattr(draft_ops.TorchOps, "centroid_head", with_candidates)
+    gathered = _draft_once(spec, st, model, lens0, DEFAULT_OPS, seed + 3)
+    assert made == [None] * spec.capture.steps  # the default set makes no candidates
+    assert looked_up.tokens.unique().numel() > 2
+    for name, a, b in zip(looked_up._fields, looked_up, gathered):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_head_ranks_the_scores_in_their_own_dtype_as_in_fp32(device, seed):
+    """The head hands graphcap's top-k the centroid scores in the projection's dtype (the kernel ranks them widened
+    to fp32; the plain sets widen first): in bf16, the same clusters, margins and tokens as the head written out with
+    the scores widened first, the candidates gathered and torch.topk (exactly; tokens where no tie decides)."""
+    from graphcap.models.draft_ops import DEFAULT_OPS, PLAIN_OPS
+
+    spec = load_spec("tiny")
+    d = spec.draft
+    model = FrozenKVDraft(spec, seed=seed, device=device, dtype=torch.bfloat16)
+    x = torch.randn(16, d.hidden, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16)
+    for ops in (DEFAULT_OPS.bind(model), PLAIN_OPS):
+        token, score, margin = model.head(x, ops)
+        # the head as written out: fp32 scores, torch.topk, the candidates' ids gathered
+        scores = ops.linear(x, model.centroids).float()
+        cv, ci = torch.topk(scores, d.centroid_top_k + 1, dim=-1)
+        top = ci[:, : d.centroid_top_k]
+        logits, _ = ops.centroid_head(model.lm_head, model.token_of_cluster, x, top)
+        bv, bi = torch.topk(logits, 2, dim=-1)
+        want_margin = torch.minimum(bv[:, 0] - bv[:, 1], cv[:, d.centroid_top_k - 1] - cv[:, d.centroid_top_k])
+        assert torch.equal(score, bv[:, 0]) and torch.equal(margin, want_margin), ops.name
+        clear = margin > 0
+        assert clear.sum() >= len(clear) // 2
+        want = model.token_of_cluster[top].flatten(1).gather(1, bi[:, :1])[:, 0]
+        assert torch.equal(token[clear], want[clear]), ops.name
