@@ -249,13 +249,12 @@ case $stage in
       tests/test_skinny_gemm.py
     ;;
   profile)  # graphcap's iteration kernel by kernel at batch 1 and 8, as it ships and with the skinny GEMM at every
-    # batch (PROFILE_RUNS: a subset of b1 skinny-b1 b8 skinny-b8, or qnorm-/twohead-/gather-b1/-b8: less one lever;
+    # batch (PROFILE_RUNS: a subset of b1 skinny-b1 b8 skinny-b8, or qnorm-b1/-b8 / twohead-b1/-b8: less one lever;
     # PROFILE_CODE=1: also the batch-8 iteration's generated code)
     for run in ${PROFILE_RUNS:-b1 skinny-b1 b8 skinny-b8}; do
       case $run in b1|b8) flag= ;; skinny-b1|skinny-b8) flag=--skinny-gemm ;;
         qnorm-b1|qnorm-b8) flag=--qnorm-kernel ;; twohead-b1|twohead-b8) flag=--two-head-proj ;;
-        gather-b1|gather-b8) flag=--head-gather ;;
-        *) echo "PROFILE_RUNS: b1 skinny-b1 b8 skinny-b8 {qnorm,twohead,gather}-b1 / -b8, got $run" >&2
+        *) echo "PROFILE_RUNS: b1 skinny-b1 b8 skinny-b8 qnorm-b1 qnorm-b8 twohead-b1 twohead-b8, got $run" >&2
            exit 2 ;; esac
       step profile-$run python3 bench/profile_iteration.py --batch ${run##*b} --context 2048 $flag \
         --out "$LOG/profile-$run"

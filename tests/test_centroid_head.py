@@ -250,9 +250,9 @@ def test_torch_compile_reduce_overhead_on_gpu():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sglang_style_head_gathers_with_a_contiguous_index_and_scores_as_the_torch_set(dtype):
     """The fused op set's head (sglang's _apply_centroid_masking: contiguous gather, batched product) against the
-    torch set's (graphcap's kernel, which leaves the candidates' ids to the model's lookup) and float64: sglang's
-    candidates, scores within the dtype's rounding, the same greedy token where the float64 runner-up is not within
-    it; a strided cluster index (a slice of topk's output) gives exactly what a contiguous one does."""
+    torch set's (graphcap's kernel) and float64: the same candidates, scores within the dtype's rounding, the same
+    greedy token where the float64 runner-up is not within it; a strided cluster index (a slice of topk's output)
+    gives exactly what a contiguous one does."""
     from graphcap.models.draft_ops import TORCH_OPS
     from graphcap.models.fused_op_set import fused_ops
 
@@ -266,8 +266,8 @@ def test_sglang_style_head_gathers_with_a_contiguous_index_and_scores_as_the_tor
         fused, fused_ids = fused_ops().centroid_head(w, token_of_cluster, x, top)
         fused_c, _ = fused_ops().centroid_head(w, token_of_cluster, x, top.contiguous())
         mine, ids = TORCH_OPS.centroid_head(w, token_of_cluster, x, top)
-    assert torch.equal(fused, fused_c) and ids is None
-    assert torch.equal(fused_ids, token_of_cluster[top].flatten(1)) and fused.dtype == mine.dtype == torch.float32
+    assert torch.equal(fused, fused_c) and torch.equal(fused_ids, ids)
+    assert torch.equal(ids, token_of_cluster[top].flatten(1)) and fused.dtype == mine.dtype == torch.float32
     want, _ = reference(w, x, top, t)
     tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7
     for got in (fused, mine):

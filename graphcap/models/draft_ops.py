@@ -88,8 +88,7 @@ class DraftOps(Protocol):
     def centroid_head(self, lm_head: torch.Tensor, token_of_cluster: torch.Tensor, x: torch.Tensor,
                       top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 scores [B, k * T] of rows `x` [B, H] over the tokens of clusters `top` [B, k], and those tokens'
-        ids [B, k * T] (entry j * T + t: token_of_cluster[top[:, j], t]) - or None, and the head looks up the
-        winner's id alone (no [B, k * T] gather in the graph)."""
+        ids [B, k * T]."""
         ...
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...  # x @ w.T, w [N, K] as nn.Linear's
@@ -97,8 +96,8 @@ class DraftOps(Protocol):
     def gate_up_gelu(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor: ...  # gelu_mul(linear(x, w))
 
     def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k largest entries of each row of `x` [B, N] and their indices, largest first (torch.topk's values, in
-        x's dtype or fp32; the order of equal values is the set's own)."""
+        """The k largest entries of each row of `x` [B, N] and their indices, largest first (torch.topk's values;
+        the order of equal values is the set's own)."""
         ...
 
     # The layer's chains of norms (`ChainedOps` composes them from the ops above; LAYER_KERNEL_OPS runs each as one
@@ -172,10 +171,6 @@ class TorchOps(ChainedOps):
     # (skinny_gemm.kernel_rows: 0 sends the shape to cuBLAS at every batch, with no op in the graph)
     skinny_by_shape: bool = False
     merge_head_proj: bool = False  # a plain loop projects twice (the reference's code)
-    # with graphcap's kernels, the head looks the winner's id up alone and ranks the centroid scores in their own
-    # dtype; False: the candidates' ids gathered and the scores widened to fp32 first, as the plain sets do - two
-    # Inductor kernels more per step (bench mode graphcap-head-gather)
-    head_lookup: bool = True
 
     def bind(self, model: nn.Module) -> TorchOps:
         p = next(model.parameters(), None)
@@ -229,17 +224,13 @@ class TorchOps(ChainedOps):
     def centroid_head(self, lm_head, token_of_cluster, x, top):
         t = token_of_cluster.shape[1]
         # graphcap's kernel (the twin on CPU), or the plain gather + product
-        if not self.graphcap_kernels:
-            return centroid_logits_torch(lm_head, x, top, t), token_of_cluster[top].flatten(1)
-        # graphcap's kernel; with head_lookup the winner's id is looked up alone (FrozenKVDraft.head)
-        return centroid_logits(lm_head, x, top, t), None if self.head_lookup else token_of_cluster[top].flatten(1)
+        logits = centroid_logits(lm_head, x, top, t) if self.graphcap_kernels else centroid_logits_torch(lm_head, x,
+                                                                                                        top, t)
+        return logits, token_of_cluster[top].flatten(1)
 
     def topk(self, x, k):
-        # graphcap's one-kernel top-k (torch.topk on CPU, past its sizes), with head_lookup over x as it is (it
-        # ranks in fp32: no widening kernel before it); or torch.topk over fp32, as a plain loop writes it
-        if self.graphcap_kernels:
-            return small_topk(x if self.head_lookup else x.float(), k)
-        return torch.topk(x.float(), k, dim=-1)
+        # graphcap's one-kernel top-k (torch.topk on CPU, past its sizes), or torch.topk
+        return small_topk(x, k) if self.graphcap_kernels else torch.topk(x, k, dim=-1)
 
 
 TORCH_OPS = TorchOps()
@@ -306,8 +297,6 @@ SKINNY_OPS = LayerKernelOps(name="layer-kernels-skinny-gemm", skinny_rows=SKINNY
 # the skinny GEMM for every shape up to 4 rows, cuBLAS above (bench mode graphcap-skinny-4rows)
 SKINNY_4ROWS_OPS = LayerKernelOps(name="layer-kernels", skinny_rows=4)
 # graphcap's loop less one kernel-count lever each, to price it alone (bench modes graphcap-qnorm-kernel: the
-# query's norm + rotary as its own kernel; graphcap-two-head-proj: post_proj and the centroid scores as two GEMMs;
+# query's norm + rotary as its own kernel; graphcap-two-head-proj: post_proj and the centroid scores as two GEMMs)
 QNORM_KERNEL_OPS = dataclasses.replace(LAYER_KERNEL_OPS, name="layer-kernels-qnorm-kernel", q_norm_in_attention=False)
 TWO_HEAD_PROJ_OPS = dataclasses.replace(LAYER_KERNEL_OPS, name="layer-kernels-two-head-proj", merge_head_proj=False)
-# graphcap-head-gather: the head's candidates' ids gathered and its centroid scores widened first
-HEAD_GATHER_OPS = dataclasses.replace(LAYER_KERNEL_OPS, name="layer-kernels-head-gather", head_lookup=False)

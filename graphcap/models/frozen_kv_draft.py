@@ -192,28 +192,21 @@ class FrozenKVDraft(nn.Module):
         in the torch set, sglang's contiguous gather and batched product in the fused set: draft_ops' docstring) and
         takes both top-ks (graphcap's one-kernel top-k in the torch set, torch.topk in the others).
         `centroid_scores`: x's centroid scores where the caller has them (`step`: with post_proj, in one GEMM)."""
-        cluster_margin = top = cand = None
+        cluster_margin = None
         if self.spec.draft.head == "centroid":
             d = self.spec.draft
-            # the scores in the projection's dtype: ranking them widened to fp32 ranks them the same (an op set that
-            # needs fp32 widens them in its topk), and the margin below is taken in fp32 either way
-            scores = ops.linear(x, self.centroids) if centroid_scores is None else centroid_scores
+            scores = (ops.linear(x, self.centroids) if centroid_scores is None else centroid_scores).float()
             cs_values, cs_indices = ops.topk(scores, min(d.centroid_top_k + 1, d.centroids))
             top = cs_indices[:, : d.centroid_top_k]  # [B, k]
             if d.centroid_top_k < d.centroids:
-                cluster_margin = cs_values[:, d.centroid_top_k - 1].float() - cs_values[:, d.centroid_top_k].float()
+                cluster_margin = cs_values[:, d.centroid_top_k - 1] - cs_values[:, d.centroid_top_k]
             logits, cand = ops.centroid_head(self.lm_head, self.token_of_cluster, x, top)
         else:
+            cand = None
             logits = ops.linear(x, self.lm_head).float()
         best_values, best_indices = ops.topk(logits, 2)
         idx = best_indices[:, 0]
-        if cand is not None:  # the chosen clusters' token ids, as the op set made them
-            token = cand.gather(1, idx[:, None])[:, 0]
-        elif top is not None:  # the winner's id alone: cluster top[idx // T], its (idx % T)-th token
-            t = self.token_of_cluster.shape[1]
-            token = self.token_of_cluster[top.gather(1, (idx // t)[:, None])[:, 0], idx % t]
-        else:
-            token = idx
+        token = idx if cand is None else cand.gather(1, idx[:, None])[:, 0]
         margin = best_values[:, 0] - best_values[:, 1]
         if cluster_margin is not None:
             margin = torch.minimum(margin, cluster_margin)

@@ -162,7 +162,7 @@ class FusedOps(ChainedOps):
         return logits.float(), token_of_cluster[top].flatten(1)
 
     def topk(self, x, k):
-        return torch.topk(x.float(), k, dim=-1)  # sglang's head: torch.topk (several kernels each), here over fp32
+        return torch.topk(x, k, dim=-1)  # sglang's head: torch.topk (several kernels each)
 
 
 def fused_ops(sglang_post_norm: bool = True) -> FusedOps:
