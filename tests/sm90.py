@@ -39,7 +39,8 @@ def compile_for_sm90(script: str, tmp_path: Path) -> str:
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton has no bundled ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[1]), TRITON_CACHE_DIR=str(tmp_path))
+    path = (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH"))  # the repo, then the machine's
+    env.update(PYTHONPATH=os.pathsep.join(p for p in path if p), TRITON_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", PRELUDE + script], capture_output=True, text=True, env=env,
                        timeout=600)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]

@@ -25,8 +25,10 @@ MESSAGE = ("is not provided (graphcap's engine harness covers only the Gemma 4 f
 
 
 def run_python(code: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "PYTHONPATH")}
-    env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), str(ROOT)])
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"}
+    # the stand-in and the repo first; the environment's own path kept after them (where a machine keeps its
+    # packages, sglang among them, on PYTHONPATH)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), str(ROOT), os.environ.get("PYTHONPATH")) if p)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
