@@ -12,7 +12,8 @@ a run cut at a time limit keeps what finished):
   `GRAPHCAP_SGLANG_TRACE`, flushed at every call), accepted length, fallbacks and captured buckets from graphcap's
   manifest;
 - speed (`--speed`, the draft-shapes checkpoint): per batch, the draft phase's GPU time per iteration (CUDA events
-  around the worker's draft call) and decode tokens/s, for stock sglang, graphcap and the target alone.
+  around the worker's draft call) and decode tokens/s, for the target alone, stock sglang and graphcap with each
+  backend of `--backends` (`--speed-engines`: a subset, in that order).
 
 Usage: python bench/sglang_engine.py --ckpt DIR --check --out OUT.json [--backends ...]
 """
@@ -266,6 +267,9 @@ def main(argv=None) -> int:
                     help="--speed: also record the kernels of 5 warm draft calls at each of these batch sizes (each "
                          "engine). Those calls sync and fall in the first short run: left out of draft_ms, but they "
                          "bias the first pair's decode rate up a little - leave this off for decode rates")
+    ap.add_argument("--speed-engines", default="nospec,sglang,graphcap",
+                    help="--speed: the engines to time, in order: nospec (the target alone), sglang (its own MTP "
+                         "draft), graphcap (one engine per backend of --backends)")
     ap.add_argument("--combine", nargs=2, metavar=("CHECK_JSON", "SPEED_JSON"),
                     help="write the issue record (--out) from a --check and a --speed output")
     ap.add_argument("--child")
@@ -283,6 +287,9 @@ def main(argv=None) -> int:
                      f"{a.new}")
         if any(not x.strip().isdigit() or int(x) < 1 for x in a.profile_batches.split(",") if x.strip()):
             ap.error(f"--profile-batches: expected batch sizes >= 1, got {a.profile_batches!r}")
+        engines = [e for e in a.speed_engines.split(",") if e]
+        if not engines or any(e not in ("nospec", "sglang", "graphcap") for e in engines):
+            ap.error(f"--speed-engines: a list of nospec, sglang, graphcap; got {a.speed_engines!r}")
     if a.child:
         res = run_child(json.load(open(a.child)))
         json.dump(res, open(a.child_out, "w"))
@@ -337,8 +344,11 @@ def main(argv=None) -> int:
         cases = [dict(speed_case(b, vocab, a.context, a.new), decode_rate=True, repeats=a.repeats)
                  for b in SPEED_BATCHES]
         rows = {}
-        for tag, mode, be in (("nospec", "nospec", None), ("sglang", "sglang", None),
-                              (f"graphcap-{backends[0]}", "graphcap", backends[0])):
+        engines = [(e, e, None) for e in a.speed_engines.split(",") if e in ("nospec", "sglang")]
+        engines += [(f"graphcap-{be}", "graphcap", be) for be in backends] if "graphcap" in a.speed_engines else []
+        order = [e for e in a.speed_engines.split(",") if e]
+        engines.sort(key=lambda e: order.index(e[1]))
+        for tag, mode, be in engines:
             prof = [int(x) for x in a.profile_batches.split(",") if x.strip()]
             r = spawn(cfg("speed-" + tag, mode, cases, backend=be, profile_batches=prof), work)
             tr = read_trace(r["config"]["trace_dir"]) if not r.get("crashed") else []

@@ -53,7 +53,8 @@
 #   scripts/gpu-check.sh engine-speed  the same on the draft-shapes pair: draft-phase GPU time and decode tok/s per
 #                                 batch, stock sglang vs graphcap vs the target alone (each engine stage wants a
 #                                 call of its own: an engine starts in 40-150 s; ENGINE_BACKENDS picks the backends;
-#                                 ENGINE_PROFILE=8,64: kernel tables of the draft at those batches, every engine)
+#                                 ENGINE_PROFILE=8,64: kernel tables of the draft at those batches, every engine;
+#                                 ENGINE_SPEED_ENGINES=sglang,graphcap: leave the target alone out; ENGINE_REPEATS)
 # Several stages run in one call in order: scripts/gpu-check.sh kernels capture-all.
 # sglang's kernels are used when ./.whl holds sglang 0.5.23's wheels (for a machine without network).
 # A copied checkout's .git may be stale: `git rev-parse --short HEAD > .gpu-commit` here (ignored; carry it) records
@@ -344,7 +345,9 @@ case $stage in
     engine_env
     step ckpt-draft-shapes python3 bench/sglang_checkpoint.py --size draft-shapes --out "$WORK/ckpt-ds" --device cuda
     STEP_LIMIT=${STEP_LIMIT:-540} step engine-speed python3 bench/sglang_engine.py --ckpt "$WORK/ckpt-ds" --speed \
-      --backends "${ENGINE_BACKENDS:-cudagraph}" --profile-batches "${ENGINE_PROFILE:-}" --out "$LOG/engine-speed.json"
+      --backends "${ENGINE_BACKENDS:-cudagraph}" --profile-batches "${ENGINE_PROFILE:-}" \
+      --speed-engines "${ENGINE_SPEED_ENGINES:-nospec,sglang,graphcap}" --repeats "${ENGINE_REPEATS:-3}" \
+      --out "$LOG/engine-speed.json"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
