@@ -2,9 +2,10 @@
 
 The jobs are split as vLLM's cudagraph dispatcher splits them, one module each: graphcap.dispatch picks the bucket of a
 batch size, graphcap.bucket_graph records and replays one bucket (static inputs, graph, static outputs, padding),
-graphcap.static_buffers owns the tensors the graphs read by address and their guard, graphcap.recording compiles and
-records per backend. This module orders the capture, checks batches, runs the eager fallbacks and keeps the manifest;
-what it reports (the manifest file, progress) goes to observers (graphcap.observers): it prints nothing.
+graphcap.static_buffers owns the tensors the graphs read by address and their guard, graphcap.shared_compile obtains
+the one compiled iteration the buckets share (marks, compile cache, precompiled iteration) and graphcap.recording
+compiles and records per backend. This module orders the capture, checks batches, runs the eager fallbacks and keeps
+the manifest; what it reports (the manifest file, progress) goes to observers (graphcap.observers): it prints nothing.
 
 Run time: the smallest bucket >= B is chosen, the live batch is copied into its first B rows, the other rows point
 at the padding slot with accepted = 0, the graph replays and views of the first B rows come back. They stay valid
@@ -24,7 +25,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from graphcap import compile_cache as cc
 from graphcap import manifest as mf
 from graphcap import precompile as precompile_mod
 from graphcap.backends import ALL_BACKENDS, COMPILED_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS
@@ -33,8 +33,8 @@ from graphcap.dispatch import BucketDispatcher
 from graphcap.guards import BatchCheck, CaptureError
 from graphcap.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
 from graphcap.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
-from graphcap.recording import (CompiledIteration, compile_iteration, iteration_function, mark_batch_unbacked,
-                                mark_static)
+from graphcap.recording import CompiledIteration
+from graphcap.shared_compile import SharedCompile
 from graphcap.static_buffers import PoolDims, StaticBuffers
 
 __all__ = ["DraftGraphs"]  # CaptureError is graphcap.guards'
@@ -118,18 +118,18 @@ class DraftGraphs:
             raise ValueError(f"DraftGraphs: compile_max_batch sizes the one compile for every bucket: an int >= the "
                              f"largest bucket {largest} with dynamic_batch=True (got {compile_max_batch!r}, "
                              f"dynamic_batch={dynamic_batch})")
-        self._compile_max = compile_max_batch or largest
         self.dynamic_batch = dynamic_batch
         self.precompile = precompile
         self.compile_cache = compile_cache if backend in COMPILED_BACKENDS else None
         if self.compile_cache is not None and spec is None and not cache_key:
             raise ValueError("DraftGraphs: compile_cache without a spec needs a cache_key (what is compiled)")
-        self._cache_key_text = cache_key
-        self._cache_state: str | None = None  # the manifest's compile_cache: hit, miss, refused: <why>
-        self._aot_to_save = None  # a precompiled iteration compiled by this capture, saved once all buckets record
         self.fn, self.backend, self.spec, self.padding_slot = fn, backend, spec, padding_slot
         self.device = device
         self._static = StaticBuffers(static_tensors, example_inputs, pool_dims)
+        self._compile = SharedCompile(fn, backend, spec, device, self._dispatch.sizes, self._static, f"{id(self):x}",
+                                      dynamic_batch=dynamic_batch, compile_max=compile_max_batch or largest,
+                                      compile_cache=self.compile_cache, cache_key_text=cache_key,
+                                      precompile=precompile)
         self._buckets = [self._new_bucket(b) for b in self._dispatch.sizes]
         self._check_batch = BatchCheck(self._buckets[0].inputs, device, padding_slot)
         self._compiled: CompiledIteration | None = None
@@ -219,30 +219,9 @@ class DraftGraphs:
     def capture(self) -> None:
         """Warm up and record every bucket, largest first (so smaller ones reuse its pool memory)."""
         t_all = time.perf_counter()
-        self._aot_to_save = None  # nothing left over from a capture that raised
         self._static.arm()
         if self.backend in COMPILED_BACKENDS:
-            inputs = [t for b in self._buckets for t in b.inputs]
-            if self.dynamic_batch:
-                # One symbol for the batch of all four inputs of every bucket (shape_id), so one graph serves them all.
-                # Unbacked, not mark_dynamic: a backed size is specialised at 1 (bucket 1 would compile again - an
-                # error under mark_dynamic's range) and each input would get its own symbol. (strict=True, which
-                # should refuse a specialisation, made Dynamo specialise at 1 again in torch 2.13: the entry count
-                # after capture is checked instead.) hint_override: Inductor's size hints (autotuning) take the
-                # largest batch (compile_max_batch), not its default for unbacked sizes.
-                for t in inputs:
-                    mark_batch_unbacked(t, self._compile_max)
-            if self.dynamic_batch:  # the per-bucket compile specialises on every shape anyway (docs/architecture.md)
-                self._static.mark_pool_dims()
-            static = self._static.all_tensors(iter(inputs))
-            if self.compile_cache is not None:
-                self._cache_state = cc.load(self.compile_cache, self._cache_key())
-            batch_range = (1, self._compile_max) if self.dynamic_batch else None
-            self._compiled = self._precompiled(static, batch_range) if self.precompile else None
-            if self._compiled is None:
-                compiled = compile_iteration(self.fn, self.backend, static, len(self._buckets), tag=f"{id(self):x}",
-                                             dynamic_batch=self.dynamic_batch, batch_range=batch_range)
-                self._compiled = CompiledIteration(*compiled)
+            self._compiled = self._compile.obtain([b.inputs for b in self._buckets], self._warn_once)
         pool = torch.cuda.graph_pool_handle() if self.backend in MANUAL_GRAPH_BACKENDS else None
         order = list(reversed(self._buckets))
         for i, bucket in enumerate(order, 1):
@@ -261,12 +240,7 @@ class DraftGraphs:
                         "something in the function specialises the batch (TORCH_LOGS=recompiles names the guard)")
                 self._warn_once("dynamic_batch", f"graphcap: {note}")
                 self._notes.append(note)
-        if self.compile_cache is not None and self._cache_state != cc.HIT \
-                and all(b.captured for b in self._buckets):
-            cc.save(self.compile_cache, self._cache_key())
-        if self._aot_to_save is not None and all(b.captured for b in self._buckets):
-            precompile_mod.save(self.compile_cache, self._aot_key(), self._aot_to_save, {"fn": self.fn})
-        self._aot_to_save = None
+        self._compile.save(all(b.captured for b in self._buckets))
         self.captured = True
         self._created = self._created or mf.utc_now()
         self.flush()  # an unwritable manifest is the caller's error here
@@ -286,35 +260,8 @@ class DraftGraphs:
         self._buckets = [self._new_bucket(b.size) for b in self._buckets]
         self._compiled = None
         self._notes.clear()
+        self._compile.notes.clear()
         self.capture()
-
-    def _aot_key(self) -> str:
-        sig = precompile_mod.signature(self._static.persistent, self._static.pool_dims, self.fn)
-        return f"{self._cache_key()}-{sig}"
-
-    def _precompiled(self, static: list[torch.Tensor], batch_range: tuple[int, int]) -> CompiledIteration | None:
-        """The precompiled iteration from the cache directory, else compiled now (saved once every bucket is
-        captured); None where torch's AOT compile fails: the capture then compiles as without precompile (warned,
-        noted), saving nothing (graphcap.precompile.load_or_compile)."""
-        def fresh() -> DraftFn:
-            mark_static(static)
-            return iteration_function(self.fn, f"{id(self):x}", batch_range)[0]
-
-        got = precompile_mod.load_or_compile(self.compile_cache, self._aot_key(), {"fn": self.fn}, fresh,
-                                             self._buckets[-1].inputs)
-        self._cache_state, self._aot_to_save = got.state, got.to_save
-        self._notes += [got.note] if got.note else []
-        if got.fn is None:
-            self._warn_once("precompile", f"graphcap: {got.note}")
-            return None
-        return CompiledIteration(got.fn, None)
-
-    def _cache_key(self) -> str:
-        sized = f";compile_max_batch={self._compile_max}" if self._compile_max != self._dispatch.largest else ""
-        return cc.cache_key(spec_hash=self.spec.hash if self.spec is not None else None,
-                             key=(self._cache_key_text or "") + sized or None, backend=self.backend,
-                             buckets=self._dispatch.sizes,
-                             dynamic_batch=self.dynamic_batch, device=self.device)
 
     def _new_bucket(self, size: int) -> BucketGraph:
         return BucketGraph(size, self._static.new_inputs(size), mf.BucketRecord(size))
@@ -399,8 +346,8 @@ class DraftGraphs:
                                  buckets=[dataclasses.replace(b.record) for b in self._buckets])
         m.oversize_fallbacks = self.oversize_fallbacks
         m.dynamic_batch = self.dynamic_batch
-        m.compile_cache = self._cache_state
-        m.notes = list(self._notes)
+        m.compile_cache = self._compile.state
+        m.notes = [*self._compile.notes, *self._notes]
         return m
 
     def flush(self) -> None:

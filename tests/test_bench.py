@@ -275,9 +275,9 @@ def test_graphcap_variants_change_one_thing_each_and_run_only_by_name():
         ("graphcap-qnorm-kernel", "compile", True, "layer-kernels-qnorm-kernel", True),
         ("graphcap-two-head-proj", "compile", True, "layer-kernels-two-head-proj", True),
         ("graphcap", "compile", True, "layer-kernels-gemm-by-shape", True)]
-    assert len({m.runner._cache_key() for m in modes}) == 8
+    assert len({m.runner._compile.cache_key() for m in modes}) == 8
     # the one compile sized for the spec's largest bucket (as a server capturing them all), not the run's largest
-    assert {m.runner._compile_max for m in modes if m.runner.dynamic_batch} == {spec.capture.buckets[-1]}
+    assert {m.runner._compile.compile_max for m in modes if m.runner.dynamic_batch} == {spec.capture.buckets[-1]}
     assert max(options.buckets_for(cfg)) < spec.capture.buckets[-1]
     assert not set(options.VARIANTS) & set(_config("--spec", "tiny", "--iters", "4").modes)
 

@@ -603,19 +603,19 @@ def test_compile_max_batch_sizes_the_one_compile_beyond_the_captured_buckets(dev
     eager loop does. A value below the largest bucket, not an int, or without the one compile is refused, named."""
     if device == "cuda":
         pytest.skip("CPU check with the compile backend; the GPU backends need a GPU run")
-    import graphcap.capture as capture_mod
+    import graphcap.shared_compile as shared_compile
 
     tops, ranges = [], []
-    real_mark, real_compile = capture_mod.mark_batch_unbacked, capture_mod.compile_iteration
-    monkeypatch.setattr(capture_mod, "mark_batch_unbacked", lambda t, top: (tops.append(top), real_mark(t, top)))
-    monkeypatch.setattr(capture_mod, "compile_iteration",
+    real_mark, real_compile = shared_compile.mark_batch_unbacked, shared_compile.compile_iteration
+    monkeypatch.setattr(shared_compile, "mark_batch_unbacked", lambda t, top: (tops.append(top), real_mark(t, top)))
+    monkeypatch.setattr(shared_compile, "compile_iteration",
                         lambda *a, **kw: (ranges.append(kw["batch_range"]), real_compile(*a, **kw))[1])
     with twins_on_cpu():
         eager, dyn = build(device), build(device)
         graphs = DraftGraphs.for_loop(dyn[2], backend="compile", buckets=(1, 2), manifest_path=None,
                                       compile_max_batch=7)
         plain = DraftGraphs.for_loop(build(device)[2], backend="compile", buckets=(1, 2), manifest_path=None)
-        assert graphs._cache_key() != plain._cache_key()
+        assert graphs._compile.cache_key() != plain._compile.cache_key()
         graphs.capture()
         assert set(tops) == {7} and ranges == [(1, 7)] and graphs._compiled.entries == 1
         assert_drafts_as_eager(graphs, eager, device, (2, 1), seed=9)

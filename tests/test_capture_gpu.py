@@ -211,7 +211,7 @@ def test_precompiled_iteration_replays_as_compiled_over_larger_pools(layer_regio
             assert "precompiled: the iteration was loaded, not traced" in gr.manifest().notes
             assert k_pool > pools and graphed.window.ring.shape[0] == spec.capture.max_slots + spare_rows + 1
         twin.plan_for_any_batch()  # as for_loop planned the graphed loop
-        saved, state = precompile.load(cache, gr._aot_key(), {"fn": twin})  # the saved function over the twin
+        saved, state = precompile.load(cache, gr._compile.aot_key(), {"fn": twin})  # the saved function over the twin
         assert state == cc.HIT
         g = torch.Generator().manual_seed(7)
         sizes = list(buckets) + [max(1, b - 1) for b in buckets]

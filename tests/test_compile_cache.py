@@ -135,7 +135,7 @@ def test_capture_saves_and_a_fresh_process_state_loads(tmp_path, monkeypatch, cp
                               compile_cache=cache, precompile=False)  # torch's artifacts alone
     g1.capture()
     files = list(cache.iterdir())
-    assert [p.name for p in files] == [f"{g1._cache_key()}.bin"]
+    assert [p.name for p in files] == [f"{g1._compile.cache_key()}.bin"]
     assert _mode(files[0]) == 0o600 and _mode(cache) == 0o700
     assert mf.read_manifest(tmp_path / "m1.json").compile_cache == "miss"
     batch = random_batch(torch.Generator().manual_seed(3), wb1, "cpu", 3)

@@ -80,7 +80,7 @@ def test_the_compile_cache_key_leaves_pool_sizes_out():
         loop = build(spec, grow=grow, rows=rows, cols=cols)[2]
         g = DraftGraphs.for_loop(loop, backend="compile", buckets=(1, 2), manifest_path=None, dynamic_batch=True,
                                  compile_cache="/nonexistent")
-        keys.append(g._cache_key())
+        keys.append(g._compile.cache_key())
     assert keys[0] == keys[1] != keys[2]
 
 
@@ -128,5 +128,5 @@ def test_the_compile_cache_key_names_the_loops_steps_and_what_is_compiled():
         loop = build(SPEC, grow=0, rows=LIVE, cols=128, steps=steps)[2]
         g = DraftGraphs.for_loop(loop, backend="compile", buckets=(1, 2), manifest_path=None,
                                  compile_cache="/nonexistent", steps_only=steps_only)
-        keys.add(g._cache_key())
+        keys.add(g._compile.cache_key())
     assert len(keys) == 3
