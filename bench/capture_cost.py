@@ -44,7 +44,8 @@ from graphcap.window import WindowBuffers
 # run()'s parts that launch no graph: timed as 20 calls back to back (a single call timed after a sync also times the
 # host waking from it: on the H200's host up to ~15 us, more than these calls take)
 HOST_ONLY = ("check_batch()", "check_batch(), full check", "static address guard", "input copy (write)",
-             "input copy, pair by pair", "static address guard, torch's C++ check", "static address guard, Python loop")
+             "input copy, pair by pair", "static address guard, torch's C++ check",
+             "static address guard, Python loop")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             calls["check_batch(), full check"] = lambda s, acc, tok, hid, r=r: check_batch_inputs(
                 bucket.inputs, r.device, r.padding_slot, s, tok, hid, accepted=acc, host_slots=host_slots)
             calls["static address guard"] = lambda *x, r=r: r._static.check()  # replay()'s and run()'s
-            # the same tensors through each way of reading their addresses, to pick the cheaper on this host
+            # the same tensors through each way of reading their addresses, to compare the two on this host
             for how, native in (("torch's C++ check", True), ("Python loop", False)):
                 try:
                     guard = AddressGuard(r._static.persistent, native=native)

@@ -344,10 +344,10 @@ def main(argv=None) -> int:
         cases = [dict(speed_case(b, vocab, a.context, a.new), decode_rate=True, repeats=a.repeats)
                  for b in SPEED_BATCHES]
         rows = {}
-        engines = [(e, e, None) for e in a.speed_engines.split(",") if e in ("nospec", "sglang")]
-        engines += [(f"graphcap-{be}", "graphcap", be) for be in backends] if "graphcap" in a.speed_engines else []
-        order = [e for e in a.speed_engines.split(",") if e]
-        engines.sort(key=lambda e: order.index(e[1]))
+        # (tag, mode, backend) in --speed-engines' order, graphcap once per backend
+        engines = [(f"graphcap-{be}", "graphcap", be) if mode == "graphcap" else (mode, mode, None)
+                   for mode in a.speed_engines.split(",") if mode
+                   for be in (backends if mode == "graphcap" else [None])]
         for tag, mode, be in engines:
             prof = [int(x) for x in a.profile_batches.split(",") if x.strip()]
             r = spawn(cfg("speed-" + tag, mode, cases, backend=be, profile_batches=prof), work)
