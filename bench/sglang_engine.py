@@ -288,8 +288,9 @@ def main(argv=None) -> int:
         if any(not x.strip().isdigit() or int(x) < 1 for x in a.profile_batches.split(",") if x.strip()):
             ap.error(f"--profile-batches: expected batch sizes >= 1, got {a.profile_batches!r}")
         engines = [e for e in a.speed_engines.split(",") if e]
-        if not engines or any(e not in ("nospec", "sglang", "graphcap") for e in engines):
-            ap.error(f"--speed-engines: a list of nospec, sglang, graphcap; got {a.speed_engines!r}")
+        if not engines or len(set(engines)) != len(engines) or any(e not in ("nospec", "sglang", "graphcap")
+                                                                   for e in engines):
+            ap.error(f"--speed-engines: a list of nospec, sglang, graphcap, each once; got {a.speed_engines!r}")
     if a.child:
         res = run_child(json.load(open(a.child)))
         json.dump(res, open(a.child_out, "w"))

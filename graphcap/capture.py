@@ -127,7 +127,7 @@ class DraftGraphs:
         self.device = device
         self._static = StaticBuffers(static_tensors, example_inputs, pool_dims)
         self._compile = SharedCompile(fn, backend, spec, device, self._dispatch.sizes, self._static, f"{id(self):x}",
-                                      dynamic_batch=dynamic_batch, compile_max=compile_max_batch or largest,
+                                      compile_max=compile_max_batch or largest, dynamic_batch=dynamic_batch,
                                       compile_cache=self.compile_cache, cache_key_text=cache_key,
                                       precompile=precompile)
         self._buckets = [self._new_bucket(b) for b in self._dispatch.sizes]

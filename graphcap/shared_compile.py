@@ -25,6 +25,9 @@ from graphcap.static_buffers import StaticBuffers
 
 @dataclass
 class SharedCompile:
+    """One capture configuration's compiled iteration: its keys, `obtain` before recording, `save` after; `state` and
+    `notes` go to the manifest."""
+
     fn: DraftFn
     backend: str
     spec: object | None
@@ -32,8 +35,8 @@ class SharedCompile:
     sizes: tuple[int, ...]  # the capture's buckets
     static: StaticBuffers
     tag: str  # names the compiled code object (recording.iteration_function)
+    compile_max: int  # the largest batch the one compile is sized for (DraftGraphs' compile_max_batch)
     dynamic_batch: bool = False
-    compile_max: int = 0  # the largest batch the one compile is sized for (DraftGraphs' compile_max_batch)
     compile_cache: str | os.PathLike | None = None
     cache_key_text: str | None = None  # what is compiled, beyond the spec (DraftGraphs' cache_key)
     precompile: bool = False

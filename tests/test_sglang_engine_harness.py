@@ -153,7 +153,10 @@ def test_decode_rate_is_per_pair_of_runs_extra_tokens_over_extra_time(batch, pai
 def test_speed_arguments_are_checked_before_anything_starts(capsys):
     import pytest
 
-    for argv, named in ((["--repeats", "0"], "--repeats"), (["--new", str(E.SHORT_NEW)], "--new")):
+    for argv, named in ((["--repeats", "0"], "--repeats"), (["--new", str(E.SHORT_NEW)], "--new"),
+                        (["--speed-engines", "sglang,vllm"], "--speed-engines"),
+                        (["--speed-engines", "graphcap,graphcap"], "--speed-engines"),
+                        (["--speed-engines", ","], "--speed-engines")):
         with pytest.raises(SystemExit) as e:
             E.main(["--ckpt", "x", "--speed", "--out", "o.json", *argv])
         assert e.value.code == 2 and named in capsys.readouterr().err
