@@ -30,6 +30,9 @@ import sys
 import tempfile
 import time
 
+from graphcap.backends import GRAPH_BACKENDS
+from graphcap.integrations.sglang_config import UNSERVED_BACKENDS
+
 WINDOW = 1024
 CHECK_BATCHES = (1, 2, 8, 32, 64)
 SPEED_BATCHES = (1, 8, 32, 64)
@@ -254,7 +257,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--speed", action="store_true")
-    ap.add_argument("--backends", default="cudagraph,inductor-cudagraph,reduce-overhead")
+    ap.add_argument("--backends", default="cudagraph,inductor-cudagraph")
     ap.add_argument("--vocab", type=int, default=None, help="default: the checkpoint's")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--new", type=int, default=160)
@@ -280,8 +283,11 @@ def main(argv=None) -> int:
             ap.error("--out is required")
         if not a.combine and not (a.ckpt and (a.check or a.speed)):
             ap.error("give --ckpt with --check and/or --speed, or --combine CHECK_JSON SPEED_JSON")
-        if not [b for b in a.backends.split(",") if b]:
-            ap.error("--backends: give at least one backend")
+        served = [b for b in GRAPH_BACKENDS if b not in UNSERVED_BACKENDS]
+        given = [b for b in a.backends.split(",") if b]
+        if not given or any(b not in served for b in given):
+            ap.error(f"--backends: a list of {', '.join(served)} (the backends the plugin serves); got "
+                     f"{a.backends!r}")
         if a.repeats < 1 or a.new <= SHORT_NEW:
             ap.error(f"--repeats must be >= 1 and --new > {SHORT_NEW} (the short run's tokens), got {a.repeats}, "
                      f"{a.new}")

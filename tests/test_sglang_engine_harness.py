@@ -156,7 +156,8 @@ def test_speed_arguments_are_checked_before_anything_starts(capsys):
     for argv, named in ((["--repeats", "0"], "--repeats"), (["--new", str(E.SHORT_NEW)], "--new"),
                         (["--speed-engines", "sglang,vllm"], "--speed-engines"),
                         (["--speed-engines", "graphcap,graphcap"], "--speed-engines"),
-                        (["--speed-engines", ","], "--speed-engines")):
+                        (["--speed-engines", ","], "--speed-engines"),
+                        (["--backends", "reduce-overhead"], "--backends"), (["--backends", ","], "--backends")):
         with pytest.raises(SystemExit) as e:
             E.main(["--ckpt", "x", "--speed", "--out", "o.json", *argv])
         assert e.value.code == 2 and named in capsys.readouterr().err

@@ -201,6 +201,8 @@ def _resolved(sa, **fields):
      r"--speculative-draft-attention-backend trtllm_mha is not supported"),
     (["--enable-unified-memory"], None, r"--enable-unified-memory"),
     (["--pp-size", "2"], None, r"--pp-size 2 is not supported"),
+    (["--draft-graph-capture-backend", "reduce-overhead"], None,
+     r"--draft-graph-capture-backend reduce-overhead is not supported in sglang's engine: .*crashed"),
     (["--enable-torch-compile", "--draft-graph-capture-backend", "inductor-cudagraph"], None,
      r"--draft-graph-capture-backend inductor-cudagraph with --enable-torch-compile"),
     (["--attn-dp-size", "2"], None, r"attention data parallelism \(--attn-dp-size 2\) is not supported"),
@@ -212,8 +214,9 @@ def _resolved(sa, **fields):
     (["--draft-graph-manifest-dir", "/proc/graphcap-cannot-exist"], None, r"--draft-graph-manifest-dir .*cannot create"),
 ])
 def test_unsupported_settings_are_named(fresh, argv, resolved, match):
-    """Each refused setting is named in the error (the last `--enable-torch-compile` case: graphcap's compiling
-    backends patch sglang's layer boundaries, which sglang's own fullgraph compile of the target cannot take)."""
+    """Each refused setting is named in the error (reduce-overhead: sglang's engine crashed with it; the
+    `--enable-torch-compile` case: graphcap's compiling backends patch sglang's layer boundaries, which sglang's own
+    fullgraph compile of the target cannot take)."""
     fresh.load_plugins()
     argv = [a for a in ENABLED if a not in ("--speculative-algorithm", "NEXTN")] + (
         argv if "--speculative-algorithm" in argv else ["--speculative-algorithm", "NEXTN"] + argv)

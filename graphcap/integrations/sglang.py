@@ -111,10 +111,10 @@ def add_arguments(parser) -> None:
                         "accepted tokens, and capture the whole draft iteration per decode batch bucket. Off by "
                         "default: without this flag the plugin changes nothing.")
     g.add_argument(BACKEND_FLAG, dest=_DEST["backend"], choices=GRAPH_BACKENDS, default=DEFAULT_BACKEND,
-                   help="graphcap: how the draft iteration is captured: 'reduce-overhead' = torch.compile with CUDA "
-                        "graphs (Inductor fuses the small ops), 'inductor-cudagraph' = the same Inductor code recorded in "
-                        "torch.cuda.CUDAGraph (no per-call torch.compile bookkeeping), 'cudagraph' = "
-                        "torch.cuda.CUDAGraph of the eager ops. Default: %(default)s.")
+                   help="graphcap: how the draft iteration is captured: 'cudagraph' = torch.cuda.CUDAGraph of the "
+                        "eager ops, 'inductor-cudagraph' = the Inductor-compiled iteration recorded in "
+                        "torch.cuda.CUDAGraph. 'reduce-overhead' (torch.compile's CUDA-graph trees) is refused at "
+                        "start-up: sglang's engine crashed with it. Default: %(default)s.")
     g.add_argument(MANIFEST_FLAG, dest=_DEST["manifest_dir"], default=None, metavar="DIR",
                    help="graphcap: directory for the capture manifest that `graphcap inspect DIR` lists (default: "
                         "$GRAPHCAP_MANIFEST_DIR, else $XDG_CACHE_HOME/graphcap/manifests, else "

@@ -18,9 +18,15 @@ log = logging.getLogger("graphcap.sglang")
 TESTED_SGLANG = ("0.5.23",)
 # The plugin's default backend. sglang's Gemma 4 layers already run one fused kernel per norm, activation and rotary,
 # so recording them as they are leaves Inductor little to fuse, and Dynamo breaks the graph at every layer boundary
-# (sglang 0.5.23 builds msgspec records there). All three backends serve with sglang's tokens in its own engine;
-# `cudagraph` starts about 40 s sooner (no compile) and is the one whose speed was measured (docs/sglang.md, Measured).
+# (sglang 0.5.23 builds msgspec records there). Both backends it serves give sglang's tokens in its own engine;
+# `cudagraph` starts about 40 s sooner (no compile) and was as fast or faster at 3 of 4 batches (docs/sglang.md,
+# Measured).
 DEFAULT_BACKEND = "cudagraph"
+# Refused at start-up. reduce-overhead: CUDA-graph trees replay the draft piece by piece between sglang's Python at
+# its graph breaks, and sglang's engine crashed with an illegal memory access at the draft's real shapes at its first
+# verify (not under CUDA_LAUNCH_BLOCKING=1: an ordering fault, cause not found); the manual-graph backends record
+# the whole iteration, Python glue included, as one graph (docs/sglang.md).
+UNSERVED_BACKENDS = ("reduce-overhead",)
 FLAG = "--enable-draft-graph-capture"
 BACKEND_FLAG = "--draft-graph-capture-backend"
 MANIFEST_FLAG = "--draft-graph-manifest-dir"
@@ -186,6 +192,11 @@ def validate_server_args(server_args) -> DraftCaptureOptions:
     pp = get("pp_size") or 1
     if int(pp) > 1:
         raise DraftCaptureConfigError(f"{FLAG}: --pp-size {pp} is not supported (the draft runs on one stage)")
+    if opts.backend in UNSERVED_BACKENDS:
+        raise DraftCaptureConfigError(
+            f"{FLAG}: {BACKEND_FLAG} {opts.backend} is not supported in sglang's engine: with it the engine crashed "
+            "(CUDA illegal memory access) at its first verify after a draft, at the Gemma 4 draft's shapes. Use "
+            f"{DEFAULT_BACKEND} (the default) or inductor-cudagraph (docs/sglang.md).")
     if opts.backend in COMPILED_BACKENDS and get("enable_torch_compile"):
         raise DraftCaptureConfigError(
             f"{FLAG}: {BACKEND_FLAG} {opts.backend} with --enable-torch-compile is not supported: to compile sglang's "
