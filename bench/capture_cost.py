@@ -3,7 +3,8 @@
 same loop in a manual CUDA graph without Inductor, plus the host time of one call: `run()` (copies the batch in),
 `replay()` (zero-copy: the batch already in the static inputs), run()'s own parts (`check_batch()` - remembered
 and full -, the input copy, the static address guard) and, for the manual-graph backends, the bare
-`CUDAGraph.replay()` underneath. `--profile-capture` says where a capture's host time went (cProfile).
+`CUDAGraph.replay()` underneath (and, to tell the host's fixed cost per launch from its cost per node, graphs of 1 and
+160 tiny kernels). `--profile-capture` says where a capture's host time went (cProfile).
 
     python bench/capture_cost.py --spec gemma4-31b-assistant --batch 8 --context 2048 --out DIR
     python bench/capture_cost.py ... --capture-only --backends inductor-cudagraph --out DIR2   # e.g. a warm cache
@@ -169,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
             if bucket.graph is not None:
                 calls["CUDAGraph.replay()"] = lambda *x, g=bucket.graph: g.replay()
                 calls["CUDAGraph.replay(), GPU busy"] = calls["CUDAGraph.replay()"]
+                # the same host's launch of graphs of tiny kernels: its fixed cost per launch and per node, apart
+                # from what the iteration's kernels are
+                for k in (1, TINY_NODES):
+                    calls[f"CUDAGraph.replay(), {k} tiny kernel{'s' * (k > 1)}"] = \
+                        lambda *x, g=tiny_graph(k, r.device): g[0].replay()
             if a.census and name == "inductor-cudagraph":
                 census[name] = graph_census(r.compiled, bucket.inputs, a.out / f"graph-{name}-b{b}.dot")
             if a.census and bucket.graph is not None:  # what one replay puts on the GPU beyond the graph's nodes
@@ -270,6 +276,22 @@ def graph_census(fn, inputs, dot_path: Path) -> dict:
     if not dot_path.exists():
         return {"nodes": 0, "edges": 0, "by_type": {"(no dump written)": 1}, "kernels": []}
     return parse_dot(dot_path.read_text(errors="replace"))
+
+
+TINY_NODES = 160  # about the batch-8 iteration's kernel nodes
+
+
+def tiny_graph(nodes: int, device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of `nodes` one-element add kernels in a line (the iteration's graphs are a line too), and the
+    tensor it writes (keep both alive together)."""
+    x = torch.zeros(1, device=device)
+    x.add_(1)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(nodes):
+            x.add_(1)
+    return g, x
 
 
 def replay_device_ops(graph: torch.cuda.CUDAGraph) -> dict[str, int]:

@@ -47,6 +47,8 @@
 #   scripts/gpu-check.sh check    the whole suite on CUDA, attention defaults in-graph vs sglang, bench at batch 8
 #   scripts/gpu-check.sh splits   the split rule: split counts timed in-graph, defaults vs sglang in-graph,
 #                                 kernel/model tests, gemma4 replay tests
+#   scripts/gpu-check.sh prefetch an experiment: a projection's weights pulled into L2 by cp.async.bulk.prefetch
+#                                 while the attention before it runs (bench/l2_prefetch.py; PREFETCH_ARGS)
 #   scripts/gpu-check.sh engine-check  sglang's own engine with and without --enable-draft-graph-capture (per
 #                                 backend) on a tiny structured Gemma 4 pair: tokens, drafts, acceptance, manifests
 #                                 (ENGINE_RETRACT=N: every engine retracts running requests every N forwards)
@@ -54,7 +56,8 @@
 #                                 batch, stock sglang vs graphcap vs the target alone (each engine stage wants a
 #                                 call of its own: an engine starts in 40-150 s; ENGINE_BACKENDS picks the backends;
 #                                 ENGINE_PROFILE=8,64: kernel tables of the draft at those batches, every engine;
-#                                 ENGINE_SPEED_ENGINES=sglang,graphcap: leave the target alone out; ENGINE_REPEATS)
+#                                 ENGINE_SPEED_ENGINES=sglang,graphcap: leave the target alone out; ENGINE_REPEATS;
+#                                 ENGINE_CONTEXT: the prompts' length, default 2048)
 # Several stages run in one call in order: scripts/gpu-check.sh kernels capture-all.
 # sglang's kernels are used when ./.whl holds sglang 0.5.23's wheels (for a machine without network).
 # A copied checkout's .git may be stale: `git rev-parse --short HEAD > .gpu-commit` here (ignored; carry it) records
@@ -67,7 +70,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 [ "${1:-}" = "--tree-hash" ] && { tree_hash; exit 0; }
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
-STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic regions layers"
+STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic regions layers prefetch"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -335,6 +338,9 @@ case $stage in
     STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-gemma4 python3 -m pytest -q -rs tests/test_capture_gpu.py \
       -k "gemma4 and inductor-cudagraph"
     ;;
+  prefetch)  # experiment: a projection's weights prefetched into L2 while the attention runs (bench/l2_prefetch.py)
+    step l2-prefetch python3 bench/l2_prefetch.py ${PREFETCH_ARGS:-} --out "$LOG/l2-prefetch"
+    ;;
   engine-check)  # correctness in sglang's own engine (tiny pair: starts in tens of seconds per engine)
     engine_env
     step ckpt-tiny python3 bench/sglang_checkpoint.py --size tiny --out "$WORK/ckpt-tiny" --device cuda
@@ -345,7 +351,7 @@ case $stage in
     engine_env
     step ckpt-draft-shapes python3 bench/sglang_checkpoint.py --size draft-shapes --out "$WORK/ckpt-ds" --device cuda
     STEP_LIMIT=${STEP_LIMIT:-540} step engine-speed python3 bench/sglang_engine.py --ckpt "$WORK/ckpt-ds" --speed \
-      --backends "${ENGINE_BACKENDS:-cudagraph}" --profile-batches "${ENGINE_PROFILE:-}" \
+      --backends "${ENGINE_BACKENDS:-cudagraph}" --context "${ENGINE_CONTEXT:-2048}" --profile-batches "${ENGINE_PROFILE:-}" \
       --speed-engines "${ENGINE_SPEED_ENGINES:-nospec,sglang,graphcap}" --repeats "${ENGINE_REPEATS:-3}" \
       --out "$LOG/engine-speed.json"
     ;;

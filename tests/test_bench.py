@@ -483,3 +483,16 @@ def test_server_compile_sizes_every_bench_capture_as_a_server_does():
         for backend in ("compile", "eager"):
             DraftGraphs.for_loop(loop, backend=backend, buckets=(1, 2), manifest_path=None,
                                  **options.server_compile(spec, (1, 2), backend))
+
+
+def test_l2_prefetch_experiment_names_what_it_needs(capsys, tmp_path):
+    """bench/l2_prefetch.py issues sm_90's cp.async.bulk.prefetch: elsewhere it exits 2 with one line saying so,
+    before it allocates anything."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        pytest.skip("an sm_90 GPU is here: the script would run")
+    mod = load_bench_script("l2_prefetch")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "compute capability 9.0" in err[-1] and "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "x").exists()
