@@ -312,6 +312,20 @@ def test_environment_path_for_engine_users(fresh, monkeypatch):
         plugin.options_from_env()
 
 
+def test_engine_users_asking_for_reduce_overhead_are_refused_too(fresh, monkeypatch):
+    """The Engine path (options from the environment, no command line) meets the same start-up refusal."""
+    fresh.load_plugins()
+    sa = _parse(["--model-path", "dummy", "--speculative-algorithm", "NEXTN"])
+    setattr(sa, plugin.ATTR, None)  # what an Engine(...)-built record carries: nothing of graphcap's
+    monkeypatch.setenv(plugin.ENV_VAR, json.dumps({"enabled": True, "backend": "reduce-overhead", "manifest_dir": None}))
+    assert plugin.options_of(sa).backend == "reduce-overhead"
+    with pytest.raises(plugin.DraftCaptureConfigError, match=r"reduce-overhead is not supported in sglang's engine"):
+        plugin.validate_server_args(sa)
+    monkeypatch.setenv(plugin.ENV_VAR, json.dumps({"enabled": True, "backend": "inductor-cudagraph",
+                                                   "manifest_dir": None}))
+    assert plugin.validate_server_args(sa).backend == "inductor-cudagraph"
+
+
 def test_half_installed_hooks_refuse_to_serve(fresh, monkeypatch):
     """sglang logs a hook it could not install and carries on: graphcap must then refuse (naming the hooks) rather
     than serve with windows that never advance. Checked before anything else of the worker is touched."""
