@@ -26,13 +26,11 @@ import triton
 import triton.language as tl
 
 from graphcap.bench import environment as bench_env
-from graphcap.bench import timing
 from graphcap.bench.options import OneLineParser
 from graphcap.kernels.attention import decode_attention
 from graphcap.kernels.attention_plan import plan_attention
 from graphcap.kernels.skinny_gemm import skinny_linear
 
-REPEATS = 8
 SHAPES = {"o_proj_sliding": (1536, 8192), "down": (1536, 6144), "q_proj_sliding": (8192, 1536)}
 
 
@@ -52,21 +50,14 @@ def l2_prefetch(t: torch.Tensor, chunk: int = 16384, per_program: int = 128) -> 
     _l2_prefetch_kernel[grid](t.data_ptr(), nbytes, CHUNK=chunk, PER_PROGRAM=per_program, num_warps=4)
 
 
-def in_graph_us(seq, flush: torch.Tensor) -> float:
-    """Microseconds per repeat of `seq` among 256 MB reads, over the reads alone (as bench/attention_bw.py)."""
+def in_graph_us(seq) -> float:
+    """Microseconds per repeat of `seq` among 256 MB reads, over the reads alone: bench/attention_bw.py's in-graph
+    timing (its 8 repeats and its flush buffer), after one warm-up call (compiles, plans)."""
+    from attention_bw import in_graph_ms  # bench/: the script's directory is on sys.path
+
     seq()
     torch.cuda.synchronize()
-    graphs = []
-    for with_seq in (True, False):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(REPEATS):
-                flush.sum()
-                if with_seq:
-                    seq()
-        graphs.append(g)
-    both, reads = (timing.events_ms(g.replay, 200.0) for g in graphs)
-    return max(0.0, (both - reads) / REPEATS) * 1e3
+    return in_graph_ms(seq, 200.0) * 1e3
 
 
 def attention_call(batch: int, ctx: int = 2048, window: int = 1024, heads: int = 32, kv_heads: int = 16,
@@ -96,7 +87,6 @@ def main(argv=None) -> int:
     shapes = [s for s in a.shapes.split(",") if s]
     if any(s not in SHAPES for s in shapes):
         ap.error(f"--shapes: a list of {', '.join(SHAPES)}; got {a.shapes!r}")
-    flush = torch.empty(64 << 20, dtype=torch.float32, device="cuda").uniform_()
     rows = []
     for batch in (int(x) for x in a.batches.split(",")):
         attn = attention_call(batch)
@@ -109,14 +99,14 @@ def main(argv=None) -> int:
                      "cublas": lambda: torch.mm(x, w.t(), out=out)}
             for gname, gemm in gemms.items():
                 row = {"batch": batch, "shape": shape, "weights_mb": round(w.numel() * 2 / 1e6, 2), "gemm": gname}
-                t = {"attn": in_graph_us(attn, flush), "gemm": in_graph_us(gemm, flush),
-                     "gemm,gemm": in_graph_us(lambda: (gemm(), gemm()), flush),
-                     "attn,gemm": in_graph_us(lambda: (attn(), gemm()), flush)}
+                t = {"attn": in_graph_us(attn), "gemm": in_graph_us(gemm),
+                     "gemm,gemm": in_graph_us(lambda: (gemm(), gemm())),
+                     "attn,gemm": in_graph_us(lambda: (attn(), gemm()))}
                 for chunk in (int(c) for c in a.chunks.split(",")):
                     pf = lambda: l2_prefetch(w, chunk)  # noqa: E731 - bound per chunk
-                    t[f"pf{chunk},attn"] = in_graph_us(lambda: (pf(), attn()), flush)
-                    t[f"pf{chunk},attn,gemm"] = in_graph_us(lambda: (pf(), attn(), gemm()), flush)
-                    t[f"pf{chunk},gemm"] = in_graph_us(lambda: (pf(), gemm()), flush)
+                    t[f"pf{chunk},attn"] = in_graph_us(lambda: (pf(), attn()))
+                    t[f"pf{chunk},attn,gemm"] = in_graph_us(lambda: (pf(), attn(), gemm()))
+                    t[f"pf{chunk},gemm"] = in_graph_us(lambda: (pf(), gemm()))
                 row["us"] = {k: round(v, 2) for k, v in t.items()}
                 row["gemm_after_attn_us"] = round(t["attn,gemm"] - t["attn"], 2)
                 row["gemm_from_l2_us"] = round(t["gemm,gemm"] - t["gemm"], 2)
