@@ -367,3 +367,34 @@ def test_greedy_token_is_sglangs_softmax_then_fast_topk(seed, rows, ties):
     tokens, score = greedy_token(logits)
     assert torch.equal(tokens, want[:, 0])
     assert score.dtype == torch.float32 and torch.equal(score, logits.float().gather(1, want)[:, 0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), clusters=st.integers(1, 6), ties=st.integers(0, 3),
+       nan_rows=st.integers(0, 1))
+def test_greedy_from_candidates_is_the_max_over_the_full_row(seed, rows, clusters, ties, nan_rows):
+    """The loop's greedy pick from the centroid head's candidates against the pick over the full-vocabulary row that
+    sglang's head builds from them (mask value elsewhere, `centroid_masking`'s fill + scatter) and greedy_token:
+    the same token and logit, exact ties planted at the top of a row (the smallest token id wins either way). A row
+    holding a NaN gives NaN and a token of its candidates."""
+    import torch
+
+    from graphcap.integrations.sglang_head import greedy_from_candidates
+    from graphcap.integrations.sglang_loop import greedy_token
+
+    g = torch.Generator().manual_seed(seed)
+    vocab, per = 2048, 16
+    token_ids = torch.stack([torch.randperm(vocab, generator=g)[: clusters * per] for _ in range(rows)])
+    values = (torch.randn(rows, clusters * per, generator=g) * 4).to(torch.bfloat16)
+    for r in range(min(ties, rows)):  # a second copy of the row's top logit elsewhere among its candidates
+        values[r, int(torch.randint(0, clusters * per, (1,), generator=g))] = values[r].max()
+    full = torch.full((rows, vocab), torch.finfo(torch.bfloat16).min / 2, dtype=torch.bfloat16)
+    full.scatter_(1, token_ids, values)
+    want_tok, want_score = greedy_token(full)
+    tok, score = greedy_from_candidates(values, token_ids)
+    assert torch.equal(tok, want_tok) and torch.equal(score, want_score) and score.dtype == torch.float32
+    if nan_rows:
+        values[0, int(torch.randint(0, clusters * per, (1,), generator=g))] = float("nan")
+        tok, score = greedy_from_candidates(values, token_ids)
+        assert score[0].isnan() and int(tok[0]) in token_ids[0].tolist()
+        assert torch.equal(tok[1:], want_tok[1:]) and torch.equal(score[1:], want_score[1:])

@@ -1,4 +1,5 @@
-"""sglang's Gemma 4 assistant centroid head with graphcap's kernel for its costly half.
+"""sglang's Gemma 4 assistant centroid head with graphcap's kernel for its costly half, and, inside graphcap's captured
+loop, the greedy pick straight from the head's candidates.
 
 sglang's `Gemma4AssistantForCausalLM._apply_centroid_masking` picks each row's top clusters, copies those clusters'
 LM-head rows into a [rows, k * T, H] tensor, multiplies, and scatters the products into a full-vocabulary row. At the
@@ -8,6 +9,13 @@ written and read again: in sglang's engine it was the draft's second-largest cos
 `graphcap.kernels.centroid_head.centroid_logits`, which reads each chosen row once in place; the cluster choice, the
 scatter and the mask value stay sglang's, so the output is the same full-vocabulary tensor.
 
+graphcap's loop takes a greedy token from that row, and the row is a fill of the whole vocabulary (262144 entries),
+a scatter of the k * T candidates and a max over the whole vocabulary again: per step at batch 64 in sglang's engine
+about 50 us of kernels for 4096 live entries per row. In the loop's own forward batches (marked `CANDIDATES_MARK`)
+the head returns the candidates instead (`HeadCandidates`: their logits and token ids, no full row), and
+`greedy_from_candidates` picks from them: the same token and logit as the max over the full row, whose other entries
+all hold the mask value (sglang's draft extend, which needs the full row, runs unmarked batches and is unchanged).
+
 Numerics: each candidate's logit is its fp32 dot rounded to the weights' dtype, as the batched product's is; the
 fp32 sums are taken in another order than cuBLAS's, so a logit can land one bf16 step away where its exact value
 sits on a rounding boundary. A greedy pick can differ only where two top candidates are that close (sglang's own
@@ -16,12 +24,24 @@ products may move the same way between batch sizes, where cuBLAS picks other ker
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from graphcap.kernels.centroid_head import centroid_logits
 
 _INSTALLED = "_graphcap_centroid_head"
+CANDIDATES_MARK = "_graphcap_head_candidates"  # on a ForwardBatch: its head returns HeadCandidates
+_NO_TOKEN = torch.iinfo(torch.int64).max  # above every token id: never the smallest of a row's picks
+
+
+class HeadCandidates(NamedTuple):
+    """What the centroid head returns for a marked forward batch: each row's candidate logits [rows, k * T] (the
+    weights' dtype) and their vocabulary ids [rows, k * T] (int64, distinct within a row), and the hidden states
+    sglang's logits processor would have stored."""
+    values: torch.Tensor
+    token_ids: torch.Tensor
+    hidden_states: torch.Tensor | None
 
 
 def has_centroid_head(model) -> bool:
@@ -29,20 +49,25 @@ def has_centroid_head(model) -> bool:
 
 
 def install(model) -> bool:
-    """Route this model instance's centroid masking through `centroid_masking` (the class and other instances are
-    untouched; the draft's other calls in the process - sglang's draft extend - use it too). False, and nothing
+    """Route this model instance's centroid masking through `centroid_masking`, and its centroid logits processor
+    through `candidates_processor` (the class and other instances are untouched; the draft's other calls in the
+    process - sglang's draft extend - use the masking too, and the processor's original path). False, and nothing
     changed, for a model without a centroid head."""
     if not has_centroid_head(model):
         return False
     if not getattr(model, _INSTALLED, False):
+        from sglang.srt.layers.logits_processor import LogitsMetadata  # here, not in a traced call
+
         model._apply_centroid_masking = functools.partial(centroid_masking, model)
+        model._centroid_logits_processor = functools.partial(candidates_processor, model,
+                                                             model._centroid_logits_processor, LogitsMetadata)
         setattr(model, _INSTALLED, True)
     return True
 
 
-def centroid_masking(model, hidden_states: torch.Tensor) -> torch.Tensor:
-    """`_apply_centroid_masking` of sglang 0.5.23 (same arguments, same output), the chosen rows read in place."""
-    prefix_shape = hidden_states.shape[:-1]
+def centroid_candidates(model, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's candidates as `_apply_centroid_masking` of sglang 0.5.23 computes them: the logits of the top
+    clusters' tokens (the chosen rows read in place) and their vocabulary ids, [rows, k * T] each."""
     flat_hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     num_tokens = flat_hidden.shape[0]
     _, top_k_indices = torch.topk(model.centroids(flat_hidden), k=model.centroid_intermediate_top_k, dim=-1)
@@ -52,8 +77,44 @@ def centroid_masking(model, hidden_states: torch.Tensor) -> torch.Tensor:
     centroid_vocab_indices = (model.token_ordering.long()
                               .view(model.num_centroids, model.vocab_size_per_centroid)[top_k_indices]
                               .view(num_tokens, -1))
+    return selected_logits, centroid_vocab_indices
+
+
+def centroid_masking(model, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`_apply_centroid_masking` of sglang 0.5.23 (same arguments, same output), the chosen rows read in place."""
+    prefix_shape = hidden_states.shape[:-1]
+    selected_logits, centroid_vocab_indices = centroid_candidates(model, hidden_states)
     mask_value = torch.finfo(selected_logits.dtype).min / 2
-    output = torch.full((num_tokens, model.vocab_size), mask_value, dtype=selected_logits.dtype,
+    output = torch.full((selected_logits.shape[0], model.vocab_size), mask_value, dtype=selected_logits.dtype,
                         device=selected_logits.device)
     output.scatter_(dim=-1, index=centroid_vocab_indices, src=selected_logits)
     return output.view(*prefix_shape, model.vocab_size)
+
+
+def candidates_processor(model, original, logits_metadata, input_ids, hidden_states, projected_states, forward_batch):
+    """`_centroid_logits_processor` of sglang 0.5.23 for a forward batch marked `CANDIDATES_MARK`: the same pruned
+    states and stored hidden states, the head's candidates (`HeadCandidates`) in place of the full-vocabulary logits.
+    Any other batch takes sglang's own processor (`original`). `logits_metadata`: sglang's LogitsMetadata class."""
+    if not getattr(forward_batch, CANDIDATES_MARK, False):
+        return original(input_ids, hidden_states, projected_states, forward_batch)
+    meta = logits_metadata.from_forward_batch(forward_batch)
+    proc = model.logits_processor
+    pruned, pruned_before_norm, aux_pruned, sample_indices, *_ = proc._get_pruned_states(
+        hidden_states, projected_states, None, meta)
+    stored = proc._get_hidden_states_to_store(hidden_states, projected_states, None, pruned, pruned_before_norm,
+                                              aux_pruned, sample_indices, meta)
+    values, token_ids = centroid_candidates(model, pruned)
+    if sample_indices is not None:
+        values, token_ids = values[sample_indices], token_ids[sample_indices]
+    return HeadCandidates(values, token_ids, stored)
+
+
+def greedy_from_candidates(values: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy token and its logit (fp32) of each row from its candidates: what `max` over the full-vocabulary
+    row `centroid_masking` builds returns - the largest logit, and on a tie the smallest token id (torch's first
+    index) - where a row's largest candidate is above the mask value (any finite logit is). A row holding a NaN
+    returns NaN and its smallest candidate id, where the full row's max gives its first NaN's id: a token of the
+    vocabulary either way. Four small kernels over [rows, k * T] instead of the full row's fill, scatter and max."""
+    top = values.max(dim=-1, keepdim=True).values  # NaN where the row has one, as torch.max
+    token = torch.where(values < top, _NO_TOKEN, token_ids).amin(dim=-1)  # < NaN is false: every candidate
+    return token, top.squeeze(-1).float()

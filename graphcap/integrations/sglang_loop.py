@@ -119,6 +119,14 @@ class GraphcapDraftAttention:
     forward_decode = forward
 
 
+def greedy_pick(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy token and its logit from one forward's output: from the centroid head's candidates where the model
+    returned them (`sglang_head.HeadCandidates`, graphcap's marked batches), else from the logits."""
+    if isinstance(out, sglang_head.HeadCandidates):
+        return sglang_head.greedy_from_candidates(out.values, out.token_ids)
+    return greedy_token(out.next_token_logits)
+
+
 def greedy_token(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """sglang's greedy draft token for topk == 1 and its logit (fp32). sglang takes `max` over `softmax(logits)`;
     softmax is monotone, so this takes `max` over the logits themselves - one reduction in their own dtype, the first
@@ -211,7 +219,7 @@ class SglangAssistantLoop:
         for _ in range(self.steps):
             fb.spec_info.hidden_states = hidden  # the assistant reads its recurrent input from here
             out = self._forward(tokens, positions, fb)
-            tokens, score = greedy_token(out.next_token_logits)
+            tokens, score = greedy_pick(out)
             hidden = out.hidden_states
             toks.append(tokens)
             scores.append(score)
@@ -233,12 +241,14 @@ class SglangAssistantLoop:
         spec_info.num_tokens_per_req = spec_info.num_tokens_for_logprob_per_req = 1
         zeros = torch.zeros(b, dtype=torch.int64, device=dev)
         spec_info.positions = zeros
-        return ForwardBatch(
+        fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=b, input_ids=zeros.clone(), req_pool_indices=zeros.clone(),
             seq_lens=zeros.clone(), seq_lens_cpu=None, out_cache_loc=None,
             seq_lens_sum=b * self.attention.max_context, return_logprob=False, positions=zeros,
             spec_algorithm=self.worker.draft_model_runner.spec_algorithm, spec_info=spec_info,
             capture_hidden_mode=CaptureHiddenMode.LAST)
+        setattr(fb, sglang_head.CANDIDATES_MARK, True)  # its centroid head returns candidates, not a vocabulary row
+        return fb
 
     def example_inputs(self, b: int):
         dev = self.window.device

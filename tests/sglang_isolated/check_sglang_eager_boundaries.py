@@ -101,7 +101,7 @@ class _Attention:
 
 def _loop(model, b):
     """SglangAssistantLoop's ForwardBatch and per-step calls, over the real model (no window buffers)."""
-    from graphcap.integrations.sglang_loop import SglangAssistantLoop, greedy_token
+    from graphcap.integrations.sglang_loop import SglangAssistantLoop, greedy_pick
 
     worker = types.SimpleNamespace(draft_model_runner=types.SimpleNamespace(model=model, spec_algorithm=None),
                                    model_config=types.SimpleNamespace(dtype=DTYPE))
@@ -117,7 +117,7 @@ def _loop(model, b):
         for _ in range(STEPS):
             fb.spec_info.hidden_states = hidden
             out = model.forward(tokens, positions, fb)
-            tokens, score = greedy_token(out.next_token_logits)
+            tokens, score = greedy_pick(out)
             hidden = out.hidden_states
             toks.append(score)
             toks.append(tokens.float())
@@ -210,3 +210,32 @@ def test_graphcap_centroid_head_is_sglangs_with_the_rows_read_in_place(assistant
     assert torch.equal(assistant._apply_centroid_masking(h), got)
     assert type(assistant)._apply_centroid_masking is Gemma4AssistantForCausalLM._apply_centroid_masking
     assert not sglang_head.install(types.SimpleNamespace(use_ordered_embeddings=False, centroids=None))
+
+
+def test_the_loops_greedy_pick_from_candidates_is_the_full_rows(assistant):
+    """In graphcap's marked forward batches the real assistant's centroid head returns its candidates (no vocabulary
+    row), and the loop's pick from them equals greedy_token over the full row that sglang's processor returns for the
+    same batch unmarked: tokens, logits and stored hidden states, step after step."""
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+    from graphcap.integrations import sglang_head
+    from graphcap.integrations.sglang_loop import greedy_pick, greedy_token
+
+    loop, _ = _loop(assistant, 3)
+    marked = loop.forward_batch(3)
+    plain = loop._new_forward_batch(3)
+    setattr(plain, sglang_head.CANDIDATES_MARK, False)  # as sglang's own batches: no mark
+    assert getattr(marked, sglang_head.CANDIDATES_MARK)
+    tokens, positions, hidden = _inputs(assistant, 3, 11)
+    with loop.context():
+        for _ in range(STEPS):
+            marked.spec_info.hidden_states = plain.spec_info.hidden_states = hidden
+            got = assistant.forward(tokens, positions, marked)
+            want = assistant.forward(tokens, positions, plain)
+            assert isinstance(got, sglang_head.HeadCandidates) and isinstance(want, LogitsProcessorOutput)
+            assert got.values.shape == (3, assistant.centroid_intermediate_top_k * assistant.vocab_size_per_centroid)
+            tok, score = greedy_pick(got)
+            want_tok, want_score = greedy_token(want.next_token_logits)
+            assert torch.equal(tok, want_tok) and torch.equal(score, want_score)
+            assert torch.equal(got.hidden_states, want.hidden_states)
+            tokens, hidden = tok, got.hidden_states
