@@ -4,8 +4,8 @@
 #   scripts/gpu-check.sh perf     capture cost (cold and warm Inductor caches, host time per call), per-kernel
 #                                 profile of an iteration, attention GPU tests + default configs vs sglang
 #   scripts/gpu-check.sh smoke    quick (the default stage): CUDA unit tests of window/attention/model + a tiny bench
-#   scripts/gpu-check.sh unit     the kernels' GPU tests (attention, plan, centroid head, small top-k, fused ops,
-#                                 layer fusions, skinny GEMM; UNIT_TESTS: other test files)
+#   scripts/gpu-check.sh unit     the kernels' GPU tests (attention, plan, centroid head, small top-k, candidate
+#                                 pick, fused ops, layer fusions, skinny GEMM; UNIT_TESTS: other test files)
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA (GPU-marked tests included), attention tuning grid
 #                                 (more than one 600 s call: TESTS_PATHS runs some files, TESTS_GRID=0 skips the grid)
 #   scripts/gpu-check.sh gemm     bench/skinny_gemm.py: the skinny GEMM's candidates and plan vs cuBLAS and Inductor
@@ -168,11 +168,11 @@ case $stage in
     step smoke-bench python3 -m graphcap.cli bench --spec tiny --batch 1,4 --context 64 --iters 5 --repeats 1 \
       --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-smoke"
     ;;
-  unit)  # the kernels' GPU tests alone (attention, its plan, the centroid head, small top-k, fused ops, layer
-    # fusions, skinny GEMM): quick (UNIT_TESTS: other test files)
+  unit)  # the kernels' GPU tests alone (attention, its plan, the centroid head, small top-k, the candidate pick,
+    # fused ops, layer fusions, skinny GEMM): quick (UNIT_TESTS: other test files)
     step unit-gpu python3 -m pytest -q -rs -m gpu ${UNIT_TESTS:-tests/test_attention.py tests/test_attention_plan.py \
-      tests/test_centroid_head.py tests/test_small_topk.py tests/test_fused_ops.py tests/test_layer_fusions.py \
-      tests/test_skinny_gemm.py}
+      tests/test_centroid_head.py tests/test_small_topk.py tests/test_candidate_pick.py tests/test_fused_ops.py \
+      tests/test_layer_fusions.py tests/test_skinny_gemm.py}
     ;;
   gemm)  # the skinny GEMM vs cuBLAS and Inductor per shape and M; Inductor's max-autotune compiles go last and stop
     # at the bench's --budget-s, and the step is cut at 560 s so that what ran comes back inside a 600 s call

@@ -11,10 +11,12 @@ scatter and the mask value stay sglang's, so the output is the same full-vocabul
 
 graphcap's loop takes a greedy token from that row, and the row is a fill of the whole vocabulary (262144 entries),
 a scatter of the k * T candidates and a max over the whole vocabulary again: per step at batch 64 in sglang's engine
-about 50 us of kernels for 4096 live entries per row. In the loop's own forward batches (marked `CANDIDATES_MARK`)
-the head returns the candidates instead (`HeadCandidates`: their logits and token ids, no full row), and
-`greedy_from_candidates` picks from them: the same token and logit as the max over the full row, whose other entries
-all hold the mask value (sglang's draft extend, which needs the full row, runs unmarked batches and is unchanged).
+about 120 us of kernels per draft call (three steps) for 4096 live entries per row. In the loop's own forward
+batches (marked `CANDIDATES_MARK`) the head returns the candidates instead (`HeadCandidates`: their logits and
+clusters, no full row), and `greedy_token` picks from them in one kernel
+(`graphcap.kernels.candidate_pick.candidate_greedy`, which looks up only the tied candidates' token ids): the same
+token and logit as the max over the full row, whose other entries all hold the mask value (sglang's draft extend,
+which needs the full row, runs unmarked batches and is unchanged).
 
 Numerics: each candidate's logit is its fp32 dot rounded to the weights' dtype, as the batched product's is; the
 fp32 sums are taken in another order than cuBLAS's, so a logit can land one bf16 step away where its exact value
@@ -28,20 +30,28 @@ from typing import NamedTuple
 
 import torch
 
+from graphcap.kernels.candidate_pick import candidate_greedy
 from graphcap.kernels.centroid_head import centroid_logits
 
 _INSTALLED = "_graphcap_centroid_head"
 CANDIDATES_MARK = "_graphcap_head_candidates"  # on a ForwardBatch: its head returns HeadCandidates
-_NO_TOKEN = torch.iinfo(torch.int64).max  # above every token id: never the smallest of a row's picks
 
 
 class HeadCandidates(NamedTuple):
     """What the centroid head returns for a marked forward batch: each row's candidate logits [rows, k * T] (the
-    weights' dtype) and their vocabulary ids [rows, k * T] (int64, distinct within a row), and the hidden states
-    sglang's logits processor would have stored."""
+    weights' dtype; entry j * T + t the t-th token of cluster clusters[:, j]), its chosen clusters [rows, k], the
+    head's token ordering [C * T] (vocabulary id of each cluster's tokens), T, and the hidden states sglang's logits
+    processor would have stored."""
     values: torch.Tensor
-    token_ids: torch.Tensor
+    clusters: torch.Tensor
+    token_ordering: torch.Tensor
+    tokens_per_cluster: int
     hidden_states: torch.Tensor | None
+
+    def greedy_token(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's greedy token (int64) and its logit (fp32): the largest candidate, the smallest token id on a
+        tie - the max over the full-vocabulary row sglang's head builds from the same candidates."""
+        return candidate_greedy(self.values, self.clusters, self.token_ordering, self.tokens_per_cluster)
 
 
 def has_centroid_head(model) -> bool:
@@ -67,23 +77,22 @@ def install(model) -> bool:
 
 def centroid_candidates(model, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's candidates as `_apply_centroid_masking` of sglang 0.5.23 computes them: the logits of the top
-    clusters' tokens (the chosen rows read in place) and their vocabulary ids, [rows, k * T] each."""
+    clusters' tokens [rows, k * T] (the chosen rows read in place) and those clusters [rows, k]."""
     flat_hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    num_tokens = flat_hidden.shape[0]
     _, top_k_indices = torch.topk(model.centroids(flat_hidden), k=model.centroid_intermediate_top_k, dim=-1)
     weight = model.lm_head.weight
     selected_logits = centroid_logits(weight, flat_hidden, top_k_indices,
                                       model.vocab_size_per_centroid).to(weight.dtype)
-    centroid_vocab_indices = (model.token_ordering.long()
-                              .view(model.num_centroids, model.vocab_size_per_centroid)[top_k_indices]
-                              .view(num_tokens, -1))
-    return selected_logits, centroid_vocab_indices
+    return selected_logits, top_k_indices
 
 
 def centroid_masking(model, hidden_states: torch.Tensor) -> torch.Tensor:
     """`_apply_centroid_masking` of sglang 0.5.23 (same arguments, same output), the chosen rows read in place."""
     prefix_shape = hidden_states.shape[:-1]
-    selected_logits, centroid_vocab_indices = centroid_candidates(model, hidden_states)
+    selected_logits, top_k_indices = centroid_candidates(model, hidden_states)
+    centroid_vocab_indices = (model.token_ordering.long()
+                              .view(model.num_centroids, model.vocab_size_per_centroid)[top_k_indices]
+                              .view(selected_logits.shape[0], -1))
     mask_value = torch.finfo(selected_logits.dtype).min / 2
     output = torch.full((selected_logits.shape[0], model.vocab_size), mask_value, dtype=selected_logits.dtype,
                         device=selected_logits.device)
@@ -103,18 +112,8 @@ def candidates_processor(model, original, logits_metadata, input_ids, hidden_sta
         hidden_states, projected_states, None, meta)
     stored = proc._get_hidden_states_to_store(hidden_states, projected_states, None, pruned, pruned_before_norm,
                                               aux_pruned, sample_indices, meta)
-    values, token_ids = centroid_candidates(model, pruned)
+    values, clusters = centroid_candidates(model, pruned)
     if sample_indices is not None:
-        values, token_ids = values[sample_indices], token_ids[sample_indices]
-    return HeadCandidates(values, token_ids, stored)
+        values, clusters = values[sample_indices], clusters[sample_indices]
+    return HeadCandidates(values, clusters, model.token_ordering.long(), model.vocab_size_per_centroid, stored)
 
-
-def greedy_from_candidates(values: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The greedy token and its logit (fp32) of each row from its candidates: what `max` over the full-vocabulary
-    row `centroid_masking` builds returns - the largest logit, and on a tie the smallest token id (torch's first
-    index) - where a row's largest candidate is above the mask value (any finite logit is). A row holding a NaN
-    returns NaN and its smallest candidate id, where the full row's max gives its first NaN's id: a token of the
-    vocabulary either way. Four small kernels over [rows, k * T] instead of the full row's fill, scatter and max."""
-    top = values.max(dim=-1, keepdim=True).values  # NaN where the row has one, as torch.max
-    token = torch.where(values < top, _NO_TOKEN, token_ids).amin(dim=-1)  # < NaN is false: every candidate
-    return token, top.squeeze(-1).float()

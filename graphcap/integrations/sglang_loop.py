@@ -123,7 +123,7 @@ def greedy_pick(out) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy token and its logit from one forward's output: from the centroid head's candidates where the model
     returned them (`sglang_head.HeadCandidates`, graphcap's marked batches), else from the logits."""
     if isinstance(out, sglang_head.HeadCandidates):
-        return sglang_head.greedy_from_candidates(out.values, out.token_ids)
+        return out.greedy_token()
     return greedy_token(out.next_token_logits)
 
 
