@@ -496,3 +496,16 @@ def test_l2_prefetch_experiment_names_what_it_needs(capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and "compute capability 9.0" in err[-1] and "Traceback" not in "\n".join(err)
     assert not (tmp_path / "x").exists()
+
+
+def test_centroid_order_experiment_names_what_it_needs(capsys, tmp_path):
+    """bench/centroid_order.py times a CUDA kernel's launch order: without CUDA it exits 2 with one line saying so,
+    before it allocates anything."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the script would run")
+    mod = load_bench_script("centroid_order")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "needs a CUDA device" in err[-1] and "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "x").exists()
