@@ -10,6 +10,8 @@ at each batch, for two choice distributions:
   as rows of one batch may where the drafts share a topic.
 Reported per batch: distinct clusters, microseconds per call each way (cluster-major includes its argsort), and
 two floors at the copy bandwidth measured in the same run: every choice's bytes, and the distinct clusters' bytes.
+`--configs` also times the kernel's other launch configurations (tokens per program, hidden columns per loop
+iteration, warps) in both orders, uniform choices only: the shipped one is BLOCK_T / BLOCK_H / 4 warps.
 
     python bench/centroid_order.py --out DIR     # CUDA only; writes centroid_order.json into DIR
 """
@@ -23,7 +25,7 @@ import torch
 
 from graphcap.bench import environment as bench_env
 from graphcap.bench.options import OneLineParser
-from graphcap.kernels.centroid_head import centroid_logits
+from graphcap.kernels.centroid_head import BLOCK_H, BLOCK_T, _launch, centroid_logits
 
 CLUSTERS, TOKENS, HIDDEN, TOP = 2048, 128, 1536, 32
 DISTRIBUTIONS = ("uniform", "shared")
@@ -47,8 +49,15 @@ def choices(batch: int, distribution: str, g: torch.Generator) -> torch.Tensor:
 def main(argv=None) -> int:
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,16,32,64")
+    ap.add_argument("--configs", default="16x256x4,32x256x4,32x128x4,16x512x8,32x256x8,64x128x8,8x256x2",
+                    help="BLOCK_TxBLOCK_HxWARPS list ('' for none)")
     ap.add_argument("--out", type=Path, default=Path("out/centroid-order"))
     a = ap.parse_args(argv)
+    try:
+        configs = [tuple(int(v) for v in c.split("x")) for c in a.configs.split(",") if c]
+        assert all(len(c) == 3 and min(c) > 0 for c in configs)
+    except (ValueError, AssertionError):
+        ap.error(f"--configs: a list of BLOCK_TxBLOCK_HxWARPS, e.g. 16x256x4; got {a.configs!r}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (the kernel's launch order is what is measured)")
     from attention_bw import copy_bandwidth
@@ -72,11 +81,18 @@ def main(argv=None) -> int:
                    "cluster_major_over_row_major": round(us["cluster_major"] / us["row_major"], 3),
                    "floor_every_choice_us": round(batch * TOP * cluster_bytes / gbs / 1e3, 2),
                    "floor_distinct_us": round(distinct * cluster_bytes / gbs / 1e3, 2)}
+            if dist == "uniform":
+                for bt, bh, w in configs:
+                    for order, cm in (("row_major", False), ("cluster_major", True)):
+                        call = lambda: _launch(lm_head, x, top, TOKENS, cm, bt, bh, w)  # noqa: E731
+                        assert torch.equal(call(), row_major)
+                        row["us"][f"{bt}x{bh}x{w}:{order}"] = round(in_graph_us(call), 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "centroid_order.json").write_text(json.dumps(
-        {"environment": bench_env.environment(), "copy_gbs": round(gbs, 1), "rows": rows}, indent=1))
+        {"environment": bench_env.environment(), "copy_gbs": round(gbs, 1), "shipped": f"{BLOCK_T}x{BLOCK_H}x4",
+         "rows": rows}, indent=1))
     return 0
 
 

@@ -136,20 +136,21 @@ def _centroid_logits_kernel(
 
 
 def _launch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int,
-            cluster_major: bool) -> torch.Tensor:
+            cluster_major: bool, block_t: int = BLOCK_T, block_h: int = BLOCK_H, num_warps: int = 4) -> torch.Tensor:
+    """The kernel's launch; the block sizes and warps are parameters for bench/centroid_order.py's sweep."""
     b, k = top.shape
     t = tokens_per_cluster
     h = lm_head.shape[1]
     out = torch.empty((b, k * t), dtype=torch.float32, device=x.device)
     if b == 0 or k == 0:
         return out
-    block_t = min(BLOCK_T, triton.next_power_of_2(t))
-    block_h = min(BLOCK_H, max(16, triton.next_power_of_2(h)))
+    block_t = min(block_t, triton.next_power_of_2(t))
+    block_h = min(block_h, max(16, triton.next_power_of_2(h)))
     order = torch.argsort(top.reshape(-1)) if cluster_major else top  # `top`: a placeholder the kernel never reads
     wrap_triton(_centroid_logits_kernel)[(b * k, triton.cdiv(t, block_t))](
         lm_head, x, top, order, out, lm_head.shape[0] // t, lm_head.stride(0), x.stride(0), top.stride(0),
         top.stride(1), out.stride(0), K=k, T=t, H=h, BLOCK_T=block_t, BLOCK_H=block_h, ORDERED=cluster_major,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out
 
