@@ -49,8 +49,8 @@
 #                                 kernel/model tests, gemma4 replay tests
 #   scripts/gpu-check.sh prefetch an experiment: a projection's weights pulled into L2 by cp.async.bulk.prefetch
 #                                 while the attention before it runs (bench/l2_prefetch.py; PREFETCH_ARGS)
-#   scripts/gpu-check.sh centroid-order  an experiment: the centroid head's kernel launched row-major against
-#                                 cluster-major at batches 1..64 (bench/centroid_order.py; CENTROID_ORDER_ARGS)
+#   scripts/gpu-check.sh centroid-config  the centroid head's kernel over its launch configurations at batches
+#                                 1..64, in-graph (bench/centroid_config.py; CENTROID_CONFIG_ARGS)
 #   scripts/gpu-check.sh engine-check  sglang's own engine with and without --enable-draft-graph-capture (per
 #                                 backend) on a tiny structured Gemma 4 pair: tokens, drafts, acceptance, manifests
 #                                 (ENGINE_RETRACT=N: every engine retracts running requests every N forwards)
@@ -73,7 +73,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
 STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic regions layers prefetch"
-STAGES+=" centroid-order"
+STAGES+=" centroid-config"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -344,8 +344,8 @@ case $stage in
   prefetch)  # experiment: a projection's weights prefetched into L2 while the attention runs (bench/l2_prefetch.py)
     step l2-prefetch python3 bench/l2_prefetch.py ${PREFETCH_ARGS:-} --out "$LOG/l2-prefetch"
     ;;
-  centroid-order)  # experiment: the centroid head's launch order (bench/centroid_order.py)
-    step centroid-order python3 bench/centroid_order.py ${CENTROID_ORDER_ARGS:-} --out "$LOG/centroid-order"
+  centroid-config)  # the centroid head's kernel over its launch configurations (bench/centroid_config.py)
+    step centroid-config python3 bench/centroid_config.py ${CENTROID_CONFIG_ARGS:-} --out "$LOG/centroid-config"
     ;;
   engine-check)  # correctness in sglang's own engine (tiny pair: starts in tens of seconds per engine)
     engine_env

@@ -498,14 +498,15 @@ def test_l2_prefetch_experiment_names_what_it_needs(capsys, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_centroid_order_experiment_names_what_it_needs(capsys, tmp_path):
-    """bench/centroid_order.py times a CUDA kernel's launch order: without CUDA it exits 2 with one line saying so,
-    before it allocates anything."""
+def test_centroid_config_bench_names_what_it_needs(capsys, tmp_path):
+    """bench/centroid_config.py times a CUDA kernel's launch configurations: without CUDA it exits 2 with one line
+    saying so, before it allocates anything; a malformed --configs exits 2 naming the option."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the script would run")
-    mod = load_bench_script("centroid_order")
-    with pytest.raises(SystemExit) as e:
-        mod.main(["--out", str(tmp_path / "x")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and "needs a CUDA device" in err[-1] and "Traceback" not in "\n".join(err)
+    mod = load_bench_script("centroid_config")
+    for args, want in (([], "needs a CUDA device"), (["--configs", "16x256"], "--configs: a list of BLOCK_Tx")):
+        with pytest.raises(SystemExit) as e:
+            mod.main([*args, "--out", str(tmp_path / "x")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and want in err[-1] and "Traceback" not in "\n".join(err)
     assert not (tmp_path / "x").exists()

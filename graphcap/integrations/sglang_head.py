@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from graphcap.kernels.candidate_pick import candidate_greedy
-from graphcap.kernels.centroid_head import centroid_logits, prefer_cluster_major
+from graphcap.kernels.centroid_head import centroid_logits
 
 _INSTALLED = "_graphcap_centroid_head"
 CANDIDATES_MARK = "_graphcap_head_candidates"  # on a ForwardBatch: its head returns HeadCandidates
@@ -81,8 +81,8 @@ def centroid_candidates(model, hidden_states: torch.Tensor) -> tuple[torch.Tenso
     flat_hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     _, top_k_indices = torch.topk(model.centroids(flat_hidden), k=model.centroid_intermediate_top_k, dim=-1)
     weight = model.lm_head.weight
-    selected_logits = centroid_logits(weight, flat_hidden, top_k_indices, model.vocab_size_per_centroid,
-                                      cluster_major=prefer_cluster_major(flat_hidden.shape[0])).to(weight.dtype)
+    selected_logits = centroid_logits(weight, flat_hidden, top_k_indices,
+                                      model.vocab_size_per_centroid).to(weight.dtype)
     return selected_logits, top_k_indices
 
 

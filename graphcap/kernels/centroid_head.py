@@ -14,13 +14,6 @@ Numerics: with fp32 weights kernel and twin agree to fp32 rounding. With bf16/fp
 to the weights' dtype (the batched product's output) before the cast to fp32; the kernel does not, so the two differ
 by up to about half an ulp of that dtype per logit (bf16: 2**-9 relative) - the kernel is the closer to exact.
 
-Launch order (`cluster_major=True`). One program per (row, chosen cluster, token block), by default row-major. Rows
-of a batch choose many of the same clusters (at batch 64, 32 of 2048 per row, about 1300 distinct of 2048 choices
-for uniform picks), and a program reading a cluster another program has just read finds its lines in L2 only while
-they are still there. Cluster-major order launches the programs in the order of their cluster id (one argsort of
-the [B * k] choices first), so the programs sharing a cluster run side by side and HBM serves each cluster's rows
-about once per batch. Each program computes exactly what it did, so the output is the same bit for bit either way.
-
 Cluster ids outside [0, C) are never dereferenced: their logits are NaN (the twin raises an index error instead).
 Grid and output depend only on static shapes, never on a GPU value, so the op captures in a CUDA graph and traces
 under torch.compile (a `torch.library.triton_op`).
@@ -38,15 +31,6 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 BLOCK_T = 16  # tokens per program: at batch 1 the Gemma 4 head still launches 32 x 8 = 256 programs
 BLOCK_H = 256  # hidden columns per loop iteration (16-byte loads per thread in bf16 at 4 warps)
-
-
-CLUSTER_MAJOR_MIN_ROWS = 16  # from this many rows up, cluster-major order reads fewer bytes than its argsort costs
-
-
-def prefer_cluster_major(rows: object) -> bool:
-    """Whether a call over `rows` rows should launch cluster-major: a concrete batch of CLUSTER_MAJOR_MIN_ROWS or
-    more. A symbolic batch (one compile for every bucket) keeps row-major: the choice must not guard on it."""
-    return isinstance(rows, int) and rows >= CLUSTER_MAJOR_MIN_ROWS
 
 
 class CentroidHeadError(ValueError):
@@ -105,15 +89,11 @@ def centroid_logits_torch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Ten
 
 @triton.jit
 def _centroid_logits_kernel(
-    lm_head, x, top, order, out, clusters, stride_w, stride_xb, stride_tb, stride_tk, stride_ob,
+    lm_head, x, top, out, clusters, stride_w, stride_xb, stride_tb, stride_tk, stride_ob,
     K: tl.constexpr, T: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    ORDERED: tl.constexpr,
 ):
-    # program (b * K + j, t-block): BLOCK_T rows of cluster top[b, j], each dotted with x[b]; ORDERED: program i
-    # takes the choice order[i] (b * K + j) instead, the launch order only
+    # program (b * K + j, t-block): BLOCK_T rows of cluster top[b, j], each dotted with x[b]
     pid = tl.program_id(0)
-    if ORDERED:
-        pid = tl.load(order + pid).to(tl.int32)
     b = (pid // K).to(tl.int64)
     j = pid % K
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -136,8 +116,8 @@ def _centroid_logits_kernel(
 
 
 def _launch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int,
-            cluster_major: bool, block_t: int = BLOCK_T, block_h: int = BLOCK_H, num_warps: int = 4) -> torch.Tensor:
-    """The kernel's launch; the block sizes and warps are parameters for bench/centroid_order.py's sweep."""
+            block_t: int = BLOCK_T, block_h: int = BLOCK_H, num_warps: int = 4) -> torch.Tensor:
+    """The kernel's launch; the block sizes and warps are parameters for bench/centroid_config.py's sweep."""
     b, k = top.shape
     t = tokens_per_cluster
     h = lm_head.shape[1]
@@ -146,11 +126,9 @@ def _launch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_pe
         return out
     block_t = min(block_t, triton.next_power_of_2(t))
     block_h = min(block_h, max(16, triton.next_power_of_2(h)))
-    order = torch.argsort(top.reshape(-1)) if cluster_major else top  # `top`: a placeholder the kernel never reads
     wrap_triton(_centroid_logits_kernel)[(b * k, triton.cdiv(t, block_t))](
-        lm_head, x, top, order, out, lm_head.shape[0] // t, lm_head.stride(0), x.stride(0), top.stride(0),
-        top.stride(1), out.stride(0), K=k, T=t, H=h, BLOCK_T=block_t, BLOCK_H=block_h, ORDERED=cluster_major,
-        num_warps=num_warps,
+        lm_head, x, top, out, lm_head.shape[0] // t, lm_head.stride(0), x.stride(0), top.stride(0), top.stride(1),
+        out.stride(0), K=k, T=t, H=h, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
     )
     return out
 
@@ -159,27 +137,23 @@ def _launch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_pe
 # the op
 
 
-def centroid_logits(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int,
-                    cluster_major: bool = False) -> torch.Tensor:
+def centroid_logits(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int) -> torch.Tensor:
     """Logits of each row's chosen clusters' tokens: [B, k * T] fp32, entry (b, j * T + t) the dot of lm_head row
-    `top[b, j] * T + t` with x[b]. `cluster_major`: the kernel's programs launched in cluster order (module
-    docstring: the same output; fewer HBM reads where rows share clusters, one argsort more).
+    `top[b, j] * T + t` with x[b].
 
     lm_head [C * T, H] cluster-major (row stride free, columns contiguous), x [B, H] in lm_head's dtype, top [B, k]
     int32/int64 cluster ids in [0, C), tokens_per_cluster T. The Triton kernel where Triton runs (CUDA; CPU under
     TRITON_INTERPRET=1), the twin elsewhere.
     """
     _check(lm_head, x, top, tokens_per_cluster)  # here too: the op's schema would reject a bad type first, unnamed
-    if not isinstance(cluster_major, bool):
-        raise CentroidHeadError(f"centroid_logits: cluster_major must be a bool, got {cluster_major!r}")
-    return _centroid_logits_op(lm_head, x, top, tokens_per_cluster, cluster_major)
+    return _centroid_logits_op(lm_head, x, top, tokens_per_cluster)
 
 
 @triton_op("graphcap::centroid_logits", mutates_args=())
-def _centroid_logits_op(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int,
-                        cluster_major: bool = False) -> torch.Tensor:
+def _centroid_logits_op(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor,
+                        tokens_per_cluster: int) -> torch.Tensor:
     """The registered op behind `centroid_logits` (traceable by torch.compile, capturable in a CUDA graph)."""
     _check(lm_head, x, top, tokens_per_cluster)
     if not use_triton(x):
         return centroid_logits_torch(lm_head, x, top, tokens_per_cluster)
-    return _launch(lm_head, x, top, tokens_per_cluster, cluster_major)
+    return _launch(lm_head, x, top, tokens_per_cluster)
