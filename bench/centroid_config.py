@@ -25,11 +25,11 @@ import torch
 
 from graphcap.bench import environment as bench_env
 from graphcap.bench.options import OneLineParser
-from graphcap.kernels.centroid_head import BLOCK_H, BLOCK_T, _launch
+from graphcap.kernels.centroid_head import BLOCK_H, BLOCK_T, NUM_WARPS, _launch
 
 CLUSTERS, TOKENS, HIDDEN, TOP = 2048, 128, 1536, 32
 DISTRIBUTIONS = ("uniform", "shared")
-SHIPPED = (BLOCK_T, BLOCK_H, 4)
+SHIPPED = (BLOCK_T, BLOCK_H, NUM_WARPS)
 
 
 def in_graph_us(fn) -> float:

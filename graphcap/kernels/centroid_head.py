@@ -30,7 +30,8 @@ from graphcap.kernels import use_triton
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 BLOCK_T = 16  # tokens per program: at batch 1 the Gemma 4 head still launches 32 x 8 = 256 programs
-BLOCK_H = 256  # hidden columns per loop iteration (16-byte loads per thread in bf16 at 4 warps)
+BLOCK_H = 256  # hidden columns per loop iteration (16-byte loads per thread in bf16: one warp covers a row's 256)
+NUM_WARPS = 4
 
 
 class CentroidHeadError(ValueError):
@@ -116,7 +117,7 @@ def _centroid_logits_kernel(
 
 
 def _launch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int,
-            block_t: int = BLOCK_T, block_h: int = BLOCK_H, num_warps: int = 4) -> torch.Tensor:
+            block_t: int = BLOCK_T, block_h: int = BLOCK_H, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """The kernel's launch; the block sizes and warps are parameters for bench/centroid_config.py's sweep."""
     b, k = top.shape
     t = tokens_per_cluster
