@@ -10,8 +10,8 @@ written and read again: in sglang's engine it was the draft's second-largest cos
 scatter and the mask value stay sglang's, so the output is the same full-vocabulary tensor.
 
 graphcap's loop takes a greedy token from that row, and the row is a fill of the whole vocabulary (262144 entries),
-a scatter of the k * T candidates and a max over the whole vocabulary again: per step at batch 64 in sglang's engine
-about 120 us of kernels per draft call (three steps) for 4096 live entries per row. In the loop's own forward
+a scatter of the k * T candidates and a max over the whole vocabulary again: in sglang's engine at batch 64 about
+120 us of kernels per draft call (three steps) for 4096 live entries per row. In the loop's own forward
 batches (marked `CANDIDATES_MARK`) the head returns the candidates instead (`HeadCandidates`: their logits and
 clusters, no full row), and `greedy_token` picks from them in one kernel
 (`graphcap.kernels.candidate_pick.candidate_greedy`, which looks up only the tied candidates' token ids): the same
@@ -116,4 +116,3 @@ def candidates_processor(model, original, logits_metadata, input_ids, hidden_sta
     if sample_indices is not None:
         values, clusters = values[sample_indices], clusters[sample_indices]
     return HeadCandidates(values, clusters, model.token_ordering.long(), model.vocab_size_per_centroid, stored)
-
