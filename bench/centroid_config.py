@@ -3,7 +3,7 @@ program (BLOCK_T), hidden columns per loop iteration (BLOCK_H) and warps, at the
 tokens, hidden 1536, top 32 per row: a row's choices read 12.6 MB of lm_head rows) and batches 1..64.
 
 Each call runs as one node sequence inside a CUDA graph, 8 times among 256 MB reads (bench/attention_bw.py's
-in-graph timing), so no launch latency and an L2 holding other data, as in the draft iteration. Choices are each
+in_graph_us), so no launch latency and an L2 holding other data, as in the draft iteration. Choices are each
 row's top 32 of random scores, in two distributions:
 - uniform: independent rows;
 - shared: a bias common to all rows added (scores = row noise + 2 x shared noise), so the rows of a batch agree more.
@@ -32,14 +32,6 @@ DISTRIBUTIONS = ("uniform", "shared")
 SHIPPED = (BLOCK_T, BLOCK_H, NUM_WARPS)
 
 
-def in_graph_us(fn) -> float:
-    """Microseconds of `fn` among 256 MB reads, over the reads alone (attention_bw.in_graph_ms), after a warm-up."""
-    from attention_bw import in_graph_ms  # bench/: the script's directory is on sys.path
-    fn()
-    torch.cuda.synchronize()
-    return in_graph_ms(fn, 200.0) * 1e3
-
-
 def choices(batch: int, distribution: str, g: torch.Generator) -> torch.Tensor:
     scores = torch.randn(batch, CLUSTERS, generator=g, device="cuda")
     if distribution == "shared":
@@ -65,7 +57,7 @@ def main(argv=None) -> int:
         ap.error(f"--configs: a list of BLOCK_TxBLOCK_HxWARPS, e.g. 16x256x4; got {a.configs!r}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (the kernel's launch configurations are what is measured)")
-    from attention_bw import copy_bandwidth
+    from attention_bw import copy_bandwidth, in_graph_us  # bench/: the script's directory is on sys.path
 
     gbs = copy_bandwidth(200.0)
     lm_head = torch.randn(CLUSTERS * TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN ** -0.5

@@ -50,16 +50,6 @@ def l2_prefetch(t: torch.Tensor, chunk: int = 16384, per_program: int = 128) -> 
     _l2_prefetch_kernel[grid](t.data_ptr(), nbytes, CHUNK=chunk, PER_PROGRAM=per_program, num_warps=4)
 
 
-def in_graph_us(seq) -> float:
-    """Microseconds per repeat of `seq` among 256 MB reads, over the reads alone: bench/attention_bw.py's in-graph
-    timing (its 8 repeats and its flush buffer), after one warm-up call (compiles, plans)."""
-    from attention_bw import in_graph_ms  # bench/: the script's directory is on sys.path
-
-    seq()
-    torch.cuda.synchronize()
-    return in_graph_ms(seq, 200.0) * 1e3
-
-
 def attention_call(batch: int, ctx: int = 2048, window: int = 1024, heads: int = 32, kv_heads: int = 16,
                    dim: int = 256):
     g = torch.Generator(device="cuda").manual_seed(batch)
@@ -87,6 +77,8 @@ def main(argv=None) -> int:
     shapes = [s for s in a.shapes.split(",") if s]
     if any(s not in SHAPES for s in shapes):
         ap.error(f"--shapes: a list of {', '.join(SHAPES)}; got {a.shapes!r}")
+    from attention_bw import in_graph_us  # bench/: the script's directory is on sys.path
+
     rows = []
     for batch in (int(x) for x in a.batches.split(",")):
         attn = attention_call(batch)

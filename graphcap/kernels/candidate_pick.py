@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from graphcap.kernels import use_triton
+from graphcap.kernels import dtype_names, use_triton
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -35,10 +35,6 @@ class CandidatePickError(ValueError):
     """A bad argument to candidate_greedy (named in the message)."""
 
 
-def _names(dtypes: tuple[torch.dtype, ...]) -> str:
-    return "/".join(str(d).replace("torch.", "") for d in dtypes)
-
-
 def _check(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tensor, tokens_per_cluster: int) -> None:
     """Static checks only (shapes, dtypes, devices, strides): nothing that reads a GPU value."""
     for name, t, ndim, dtypes in (("values", values, 2, DTYPES), ("top", top, 2, INDEX_DTYPES),
@@ -46,7 +42,7 @@ def _check(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tensor
         if not isinstance(t, torch.Tensor):
             raise CandidatePickError(f"candidate_greedy: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim != ndim or t.dtype not in dtypes:
-            raise CandidatePickError(f"candidate_greedy: {name} must be a {ndim}-D {_names(dtypes)} tensor, "
+            raise CandidatePickError(f"candidate_greedy: {name} must be a {ndim}-D {dtype_names(dtypes)} tensor, "
                                      f"got {t.ndim}-D {t.dtype} {tuple(t.shape)}")
     if isinstance(tokens_per_cluster, bool) or not isinstance(tokens_per_cluster, int) or tokens_per_cluster < 1:
         raise CandidatePickError(f"candidate_greedy: tokens_per_cluster must be an int >= 1, "

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from graphcap.kernels import use_triton
+from graphcap.kernels import dtype_names, use_triton
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -38,17 +38,13 @@ class CentroidHeadError(ValueError):
     """A bad argument to centroid_logits (named in the message)."""
 
 
-def _names(dtypes: tuple[torch.dtype, ...]) -> str:
-    return "/".join(str(d).replace("torch.", "") for d in dtypes)
-
-
 def _check(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int) -> None:
     """Static checks only (shapes, dtypes, devices, strides): nothing that reads a GPU value."""
     for name, t, dtypes in (("lm_head", lm_head, DTYPES), ("x", x, DTYPES), ("top", top, INDEX_DTYPES)):
         if not isinstance(t, torch.Tensor):
             raise CentroidHeadError(f"centroid_logits: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim != 2 or t.dtype not in dtypes:
-            raise CentroidHeadError(f"centroid_logits: {name} must be a 2-D {_names(dtypes)} tensor, "
+            raise CentroidHeadError(f"centroid_logits: {name} must be a 2-D {dtype_names(dtypes)} tensor, "
                                     f"got {t.ndim}-D {t.dtype} {tuple(t.shape)}")
     if x.dtype != lm_head.dtype:
         raise CentroidHeadError(f"centroid_logits: x ({x.dtype}) and lm_head ({lm_head.dtype}) dtypes differ")

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from graphcap.kernels import use_triton
+from graphcap.kernels import dtype_names, use_triton
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_N = 8192  # the longest row held in registers (fp32 keys: 32 per thread at 8 warps)
@@ -46,16 +46,12 @@ class SmallTopkError(ValueError):
     """A bad argument to small_topk (named in the message)."""
 
 
-def _names(dtypes: tuple[torch.dtype, ...]) -> str:
-    return "/".join(str(d).replace("torch.", "") for d in dtypes)
-
-
 def _check(x: torch.Tensor, k: int) -> None:
     """Static checks only (shape, dtype, stride, k): nothing that reads a GPU value."""
     if not isinstance(x, torch.Tensor):
         raise SmallTopkError(f"small_topk: x must be a torch.Tensor, got {type(x).__name__}")
     if x.ndim != 2 or x.dtype not in DTYPES:
-        raise SmallTopkError(f"small_topk: x must be a 2-D {_names(DTYPES)} tensor, "
+        raise SmallTopkError(f"small_topk: x must be a 2-D {dtype_names(DTYPES)} tensor, "
                              f"got {x.ndim}-D {x.dtype} {tuple(x.shape)}")
     n = x.shape[1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
