@@ -46,7 +46,7 @@ def name(config: tuple[int, int, int]) -> str:
 def main(argv=None) -> int:
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,16,32,64")
-    ap.add_argument("--configs", default="32x256x4,32x128x4,16x512x8,32x256x8,64x128x8,8x256x2,8x512x4,4x256x1",
+    ap.add_argument("--configs", default="16x256x4,32x256x4,32x128x4,16x512x8,32x256x8,64x128x8,8x512x4,4x256x1",
                     help="BLOCK_TxBLOCK_HxWARPS list besides the shipped one")
     ap.add_argument("--out", type=Path, default=Path("out/centroid-config"))
     a = ap.parse_args(argv)
