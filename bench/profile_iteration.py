@@ -25,8 +25,7 @@ from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import median_p90, time_call
 from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
-from graphcap.models.draft_ops import (DEFAULT_OPS, QNORM_KERNEL_OPS, SKINNY_OPS, TORCH_OPS, TWO_HEAD_PROJ_OPS,
-                                       UNFOLDED_OPS)
+from graphcap.models.draft_ops import DEFAULT_OPS, QNORM_KERNEL_OPS, SKINNY_OPS, TORCH_OPS, TWO_HEAD_PROJ_OPS
 from graphcap.spec import load_spec
 from graphcap.window import WindowBuffers
 
@@ -72,8 +71,6 @@ def main(argv: list[str] | None = None) -> int:
                       help="the query's norm + rotary as its own kernel before the attention (QNORM_KERNEL_OPS)")
     sets.add_argument("--two-head-proj", action="store_true",
                       help="post_proj and the centroid scores as two GEMMs (TWO_HEAD_PROJ_OPS)")
-    sets.add_argument("--unfolded", action="store_true",
-                      help="the post-attention norm chain as its own kernel before gate/up (UNFOLDED_OPS)")
     p.add_argument("--per-bucket", action="store_true",
                    help="compile for this batch alone (dynamic_batch=False) instead of the one compile for all buckets")
     p.add_argument("--inlined-layers", action="store_true",
@@ -85,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print("profile_iteration: needs CUDA", file=sys.stderr)
         return 2
     ops = next((o for flag, o in ((a.skinny_gemm, SKINNY_OPS), (a.torch_ops, TORCH_OPS),
-                                  (a.qnorm_kernel, QNORM_KERNEL_OPS), (a.two_head_proj, TWO_HEAD_PROJ_OPS),
-                                  (a.unfolded, UNFOLDED_OPS)) if flag),
+                                  (a.qnorm_kernel, QNORM_KERNEL_OPS), (a.two_head_proj, TWO_HEAD_PROJ_OPS)) if flag),
                DEFAULT_OPS)
     spec = load_spec(a.spec)
     b, n = a.batch, a.iters

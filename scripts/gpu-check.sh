@@ -172,10 +172,10 @@ case $stage in
       --modes graphcap,compile,sglang,eager-rebuild --out "$LOG/bench-smoke"
     ;;
   unit)  # the kernels' GPU tests alone (attention, its plan, the centroid head, small top-k, the candidate pick,
-    # fused ops, layer fusions, skinny GEMM, the chain in gate/up): quick (UNIT_TESTS: other test files)
+    # fused ops, layer fusions, skinny GEMM): quick (UNIT_TESTS: other test files)
     step unit-gpu python3 -m pytest -q -rs -m gpu ${UNIT_TESTS:-tests/test_attention.py tests/test_attention_plan.py \
       tests/test_centroid_head.py tests/test_small_topk.py tests/test_candidate_pick.py tests/test_fused_ops.py \
-      tests/test_layer_fusions.py tests/test_skinny_gemm.py tests/test_norm_gemm.py}
+      tests/test_layer_fusions.py tests/test_skinny_gemm.py}
     ;;
   gemm)  # the skinny GEMM vs cuBLAS and Inductor per shape and M; Inductor's max-autotune compiles go last and stop
     # at the bench's --budget-s, and the step is cut at 560 s so that what ran comes back inside a 600 s call
@@ -256,15 +256,12 @@ case $stage in
       tests/test_skinny_gemm.py
     ;;
   profile)  # graphcap's iteration kernel by kernel at batch 1 and 8, as it ships and with the skinny GEMM at every
-    # batch (PROFILE_RUNS: a subset of b1 skinny-b1 b8 skinny-b8, or qnorm-b1/-b8 / twohead-b1/-b8 / unfolded-b1/-b8:
-    # less one lever;
+    # batch (PROFILE_RUNS: a subset of b1 skinny-b1 b8 skinny-b8, or qnorm-b1/-b8 / twohead-b1/-b8: less one lever;
     # PROFILE_CODE=1: also the batch-8 iteration's generated code)
     for run in ${PROFILE_RUNS:-b1 skinny-b1 b8 skinny-b8}; do
       case $run in b1|b8) flag= ;; skinny-b1|skinny-b8) flag=--skinny-gemm ;;
         qnorm-b1|qnorm-b8) flag=--qnorm-kernel ;; twohead-b1|twohead-b8) flag=--two-head-proj ;;
-        unfolded-b1|unfolded-b8) flag=--unfolded ;;
-        *) echo "PROFILE_RUNS: b1 skinny-b1 b8 skinny-b8 qnorm-b1 qnorm-b8 twohead-b1 twohead-b8 unfolded-b1" \
-             "unfolded-b8, got $run" >&2
+        *) echo "PROFILE_RUNS: b1 skinny-b1 b8 skinny-b8 qnorm-b1 qnorm-b8 twohead-b1 twohead-b8, got $run" >&2
            exit 2 ;; esac
       step profile-$run python3 bench/profile_iteration.py --batch ${run##*b} --context 2048 $flag \
         --out "$LOG/profile-$run"

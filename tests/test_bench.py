@@ -256,12 +256,12 @@ def test_graphcap_variants_change_one_thing_each_and_run_only_by_name():
     dynamic_batch off, graphcap-skinny-gemm the same with the skinny GEMM for every shape at every batch,
     graphcap-skinny-4rows for every shape up to 4 rows, graphcap-inlined-layers the same with its layers
     inlined (no nested compile regions), graphcap-torch-ops the same with the small ops as torch ops Inductor fuses,
-    graphcap-qnorm-kernel, graphcap-two-head-proj and graphcap-unfolded the same less one kernel-count lever each -
-    there to price a choice in one run, never in the default mode set. Their compiles do not share a cache key."""
+    graphcap-qnorm-kernel and graphcap-two-head-proj the same less one kernel-count lever each - there to price a
+    choice in one run, never in the default mode set. Their compiles do not share a cache key."""
     spec = load_spec("tiny")
     cfg = _config("--spec", "tiny", "--batch", "2,3", "--iters", "1", "--modes",
                   "graphcap-per-bucket,graphcap-skinny-gemm,graphcap-skinny-4rows,graphcap-inlined-layers,"
-                  "graphcap-torch-ops,graphcap-qnorm-kernel,graphcap-two-head-proj,graphcap-unfolded,graphcap",
+                  "graphcap-torch-ops,graphcap-qnorm-kernel,graphcap-two-head-proj,graphcap",
                   "--graphcap-backend", "compile")
     st = make_target_state(spec, [5, 9, 20], [30, 30, 30], seed=1)
     modes = build_modes(cfg, FrozenKVDraft(spec, seed=2), st, spec.capture.steps, [])
@@ -274,9 +274,8 @@ def test_graphcap_variants_change_one_thing_each_and_run_only_by_name():
         ("graphcap-torch-ops", "compile", True, "torch", True),
         ("graphcap-qnorm-kernel", "compile", True, "layer-kernels-qnorm-kernel", True),
         ("graphcap-two-head-proj", "compile", True, "layer-kernels-two-head-proj", True),
-        ("graphcap-unfolded", "compile", True, "layer-kernels-unfolded", True),
         ("graphcap", "compile", True, "layer-kernels-gemm-by-shape", True)]
-    assert len({m.runner._compile.cache_key() for m in modes}) == 9
+    assert len({m.runner._compile.cache_key() for m in modes}) == 8
     # the one compile sized for the spec's largest bucket (as a server capturing them all), not the run's largest
     assert {m.runner._compile.compile_max for m in modes if m.runner.dynamic_batch} == {spec.capture.buckets[-1]}
     assert max(options.buckets_for(cfg)) < spec.capture.buckets[-1]

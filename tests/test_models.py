@@ -273,14 +273,14 @@ def test_fused_op_set_drafts_what_the_torch_ops_draft(device, sglang_post_norm):
 def test_skinny_gemm_op_set_runs_every_projection_through_the_kernel_and_drafts_the_same(device, monkeypatch):
     """SKINNY_OPS (the bench's graphcap-skinny-gemm): every projection of a bf16 model goes through
     graphcap.kernels.skinny_gemm - per step pre_proj, q / o / down of each layer, the centroid scores with post_proj
-    (one call, merge_head_proj) as skinny_linear, each layer's gate/up with its gelu-mul and the post-attention norm
-    chain before it as norm_add_norm_gate_up (graphcap.kernels.norm_gemm: the chain in gate/up's prologue) - and it
-    drafts as close to the float32 model (same seed) as the bf16 cuBLAS set does: the first step's tokens wherever
-    the float32 margin is clear, and on rows whose every token agrees, a last hidden state within 1.5x the cuBLAS
-    set's bf16 error. A float32 model keeps cuBLAS (the kernel is bf16/fp16 only). (The kernel's own accuracy: test_skinny_gemm.py.)"""
+    (one call, merge_head_proj) as skinny_linear, each layer's gate/up with its gelu-mul as skinny_gate_up_gelu - and
+    it drafts as close to the
+    float32 model (same seed) as the bf16 cuBLAS set does: the first step's tokens wherever the float32 margin is
+    clear, and on rows whose every token agrees, a last hidden state within 1.5x the cuBLAS set's bf16 error. A
+    float32 model keeps cuBLAS (the kernel is bf16/fp16 only). (The kernel's own accuracy: test_skinny_gemm.py.)"""
     import graphcap.models.draft_ops as draft_ops
 
-    calls = {"skinny_linear": 0, "skinny_gate_up_gelu": 0, "norm_add_norm_gate_up": 0}
+    calls = {"skinny_linear": 0, "skinny_gate_up_gelu": 0}
     for name in calls:
         fn = getattr(draft_ops, name)
         monkeypatch.setattr(draft_ops, name, lambda *a, _fn=fn, _n=name, **k: (calls.__setitem__(_n, calls[_n] + 1),
@@ -288,8 +288,7 @@ def test_skinny_gemm_op_set_runs_every_projection_through_the_kernel_and_drafts_
     spec = load_spec("tiny")
     lens0 = [1, 5, 16, 40, 70, 3, 9, 30]
     st = make_target_state(spec, lens0, [n + 20 for n in lens0], seed=11, device=device)
-    per_step = {"skinny_linear": 2 + 3 * len(spec.draft.layers), "skinny_gate_up_gelu": 0,
-                "norm_add_norm_gate_up": len(spec.draft.layers)}
+    per_step = {"skinny_linear": 2 + 3 * len(spec.draft.layers), "skinny_gate_up_gelu": len(spec.draft.layers)}
     outs = {}
     for dtype, ops in ((torch.float32, TORCH_OPS), (torch.float32, SKINNY_OPS), (torch.bfloat16, TORCH_OPS),
                        (torch.bfloat16, SKINNY_OPS)):
@@ -413,54 +412,6 @@ def test_query_norm_in_the_attention_or_as_its_own_kernel_drafts_the_same(device
             (len(lens0), spec.draft.heads, spec.attention(lt).head_dim) for lt in spec.draft.layers]
         assert calls == want * spec.capture.steps, ops.name
     _assert_drafts_agree(outs[True], outs[False])
-
-
-@pytest.mark.parametrize("rows", [6, 11])
-def test_chain_folded_into_gate_up_or_as_its_own_kernel_drafts_the_same(device, monkeypatch, rows):
-    """fold_chain (the default set): a bf16 loop runs each layer's post-attention norm chain in the gate/up kernel's
-    prologue (graphcap.kernels.norm_gemm) up to gate/up's KERNEL_ROWS rows, and above them (11 rows) the chain's
-    kernel and cuBLAS, as UNFOLDED_OPS (the bench's graphcap-unfolded) always does. The same math and roundings,
-    where the rms sums' order may move a bf16 rounding: against the float32 model (same seed, the torch set) both
-    bf16 loops draft the first step's tokens wherever its margin is clear, and the folded loop's last hidden state
-    is within 1.5x the unfolded one's bf16 error."""
-    import graphcap.kernels
-    import graphcap.kernels.norm_gemm as ng
-    import graphcap.kernels.skinny_gemm as sg
-    from graphcap.models.draft_ops import DEFAULT_OPS, UNFOLDED_OPS
-
-    monkeypatch.setattr(graphcap.kernels, "_twin_only", False)  # the kernels themselves, interpreted on CPU
-    folded = []
-    launch = ng.launch
-    monkeypatch.setattr(ng, "launch", lambda *a, **k: (folded.append(a[0].shape[0]), launch(*a, **k))[1])
-    spec = load_spec("tiny")
-    lens0 = [1 + (7 * i) % 70 for i in range(rows)]
-    st = make_target_state(spec, lens0, [n + 20 for n in lens0], seed=rows, device=device)
-    g = torch.Generator().manual_seed(9)
-    accepted = torch.randint(1, spec.capture.steps + 2, (rows,), generator=g).to(device)
-    tokens = torch.randint(0, spec.draft.vocab, (rows,), generator=g).to(device)
-    hidden = torch.randn(rows, spec.target.hidden, generator=g).to(device)
-    outs = {}
-    for dtype, ops in ((torch.float32, TORCH_OPS), (torch.bfloat16, DEFAULT_OPS), (torch.bfloat16, UNFOLDED_OPS)):
-        folded.clear()
-        model = FrozenKVDraft(spec, seed=4, device=device, dtype=dtype)
-        wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
-        wb.reset(st.slots.tolist(), lens0)
-        pools = (t.to(dtype) for t in (st.k_swa, st.v_swa, st.k_full, st.v_full))
-        outs[ops.name] = DraftLoop(model, wb, *pools, ops=ops)(st.slots, accepted, tokens, hidden.to(dtype))
-        fold = ops is DEFAULT_OPS and rows <= sg.KERNEL_ROWS["gated"]
-        assert folded == ([rows] * len(spec.draft.layers) * spec.capture.steps if fold else []), ops.name
-    ref = outs[TORCH_OPS.name]
-    decided = ref.margins[:, 0] > 0.05  # bf16 rounds logits of this size by ~0.01
-    assert decided.sum() >= 2
-    err = {}
-    for name in (DEFAULT_OPS.name, UNFOLDED_OPS.name):
-        out = outs[name]
-        assert torch.equal(out.tokens[decided, 0], ref.tokens[decided, 0]), name
-        same = (out.tokens == ref.tokens).all(1)
-        assert same.float().mean() >= 0.5, name
-        h, hr = out.hidden[same].float(), ref.hidden[same]
-        err[name] = float(((h - hr).norm(dim=-1) / hr.norm(dim=-1)).max())
-    assert 0 < err[DEFAULT_OPS.name] <= 1.5 * err[UNFOLDED_OPS.name], err
 
 
 def test_default_op_set_routes_each_projection_by_its_shape_class(monkeypatch):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from graphcap.spec import CaptureSpec, load_spec
 
-# Measured modes, cheapest-to-build baseline first; graphcap last. Eight variants of graphcap are asked for by name
+# Measured modes, cheapest-to-build baseline first; graphcap last. Seven variants of graphcap are asked for by name
 # only, to price a choice in one run: graphcap-per-bucket (one compile per bucket instead of one for all, the
 # default), graphcap-skinny-gemm (every projection through graphcap's skinny GEMM at every batch, instead of the
 # shape classes and batches it measured faster at), graphcap-skinny-4rows (every projection through it up to 4
@@ -17,11 +17,10 @@ from graphcap.spec import CaptureSpec, load_spec
 # graphcap-inlined-layers (every draft layer inlined into one graph instead of a nested compile region per layer:
 # DraftLoop(layer_regions=False)) and graphcap-torch-ops (the layer's norms, rotary and gelu-mul as plain torch ops
 # Inductor fuses, instead of graphcap's kernels: TORCH_OPS for LAYER_KERNEL_OPS); and graphcap less one kernel-count
-# lever each: graphcap-qnorm-kernel (the query's norm + rotary as its own kernel, not in the attention's),
-# graphcap-two-head-proj (post_proj and the centroid scores as two GEMMs, not one) and graphcap-unfolded (the
-# post-attention norm chain as its own kernel, not in the gate/up kernel's prologue).
+# lever each: graphcap-qnorm-kernel (the query's norm + rotary as its own kernel, not in the attention's) and
+# graphcap-two-head-proj (post_proj and the centroid scores as two GEMMs, not one).
 VARIANTS = ("graphcap-per-bucket", "graphcap-skinny-gemm", "graphcap-skinny-4rows", "graphcap-inlined-layers",
-            "graphcap-torch-ops", "graphcap-qnorm-kernel", "graphcap-two-head-proj", "graphcap-unfolded")
+            "graphcap-torch-ops", "graphcap-qnorm-kernel", "graphcap-two-head-proj")
 MODES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "compile-nosync", "compile-plain", *VARIANTS,
          "graphcap")
 DEFAULT_MODES = tuple(m for m in MODES if m not in VARIANTS)

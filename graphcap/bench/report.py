@@ -17,7 +17,7 @@ from graphcap.bench.rows import BenchResult, BenchRow
 COLUMNS = ("batch", "ctx", "steps", "mode", "iter/s", "ms/iter", "p90 ms", "GPU ms", "host ms", "syncs/iter",
            "kernels/iter", "x eager-rebuild", "x graph-rebuild", "x sglang", "x compile", "x compile-nosync",
            "x compile-plain", "x per-bucket", "x skinny-gemm", "x skinny-4rows", "x inlined-layers", "x torch-ops",
-           "x qnorm-kernel", "x two-head-proj", "x unfolded", "floor ms", "x floor",
+           "x qnorm-kernel", "x two-head-proj", "floor ms", "x floor",
            "util %", "power W")
 
 
@@ -33,7 +33,7 @@ def _cells(r: BenchRow) -> list[object]:
             _fmt(r.x_eager_rebuild), _fmt(r.x_graph_rebuild), _fmt(r.x_sglang), _fmt(r.x_compile),
             _fmt(r.x_compile_nosync), _fmt(r.x_compile_plain), _fmt(r.x_per_bucket), _fmt(r.x_skinny_gemm),
             _fmt(r.x_skinny_4rows), _fmt(r.x_inlined_layers), _fmt(r.x_torch_ops),
-            _fmt(r.x_qnorm_kernel), _fmt(r.x_two_head_proj), _fmt(r.x_unfolded),
+            _fmt(r.x_qnorm_kernel), _fmt(r.x_two_head_proj),
             _fmt(r.floor_ms, 3), _fmt(r.x_floor),
             _fmt(r.util_pct, 0), _fmt(r.power_w, 0)]
 

@@ -40,7 +40,6 @@ class BenchRow:
     x_skinny_4rows: float | None = None  # over graphcap with every shape's skinny GEMM up to 4 rows only
     x_qnorm_kernel: float | None = None  # over graphcap with the query's norm + rotary as its own kernel
     x_two_head_proj: float | None = None  # over graphcap with post_proj and the centroid scores as two GEMMs
-    x_unfolded: float | None = None  # over graphcap with the post-attention chain as its own kernel
     util_pct: float | None = None  # NVML, mean over the measured iterations
     power_w: float | None = None
     sm_mhz: float | None = None
@@ -55,8 +54,7 @@ SPEEDUP_FIELDS = {"eager-rebuild": "x_eager_rebuild", "graph-rebuild": "x_graph_
                   "compile-plain": "x_compile_plain", "graphcap-per-bucket": "x_per_bucket",
                   "graphcap-skinny-gemm": "x_skinny_gemm", "graphcap-inlined-layers": "x_inlined_layers",
                   "graphcap-torch-ops": "x_torch_ops", "graphcap-skinny-4rows": "x_skinny_4rows",
-                  "graphcap-qnorm-kernel": "x_qnorm_kernel", "graphcap-two-head-proj": "x_two_head_proj",
-                  "graphcap-unfolded": "x_unfolded"}
+                  "graphcap-qnorm-kernel": "x_qnorm_kernel", "graphcap-two-head-proj": "x_two_head_proj"}
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from graphcap.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
 from graphcap.models.draft_ops import (DEFAULT_OPS, PLAIN_OPS, QNORM_KERNEL_OPS, SKINNY_4ROWS_OPS, SKINNY_OPS,
-                                       TORCH_OPS, TWO_HEAD_PROJ_OPS, UNFOLDED_OPS, DraftOps)
+                                       TORCH_OPS, TWO_HEAD_PROJ_OPS, DraftOps)
 from graphcap.models.fused_op_set import fused_ops
 from graphcap.window import WindowBuffers
 
@@ -77,7 +77,7 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                            max_accepted=max(cfg.steps) + 1)
         variant_ops = {"graphcap-skinny-gemm": SKINNY_OPS, "graphcap-torch-ops": TORCH_OPS,
                        "graphcap-skinny-4rows": SKINNY_4ROWS_OPS, "graphcap-qnorm-kernel": QNORM_KERNEL_OPS,
-                       "graphcap-two-head-proj": TWO_HEAD_PROJ_OPS, "graphcap-unfolded": UNFOLDED_OPS}
+                       "graphcap-two-head-proj": TWO_HEAD_PROJ_OPS}
         loop = DraftLoop(model, wb, *pools, steps=steps, ops=variant_ops.get(name, DEFAULT_OPS),
                          layer_regions=name != "graphcap-inlined-layers")
         note = ""

@@ -49,7 +49,6 @@ from graphcap.kernels.attention import QueryNormRope
 from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torch
 from graphcap.kernels.fused_ops import gelu_tanh_and_mul, gemma_rmsnorm
 from graphcap.kernels.layer_fusions import query_positions
-from graphcap.kernels.norm_gemm import norm_add_norm_gate_up
 from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
 from graphcap.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 from graphcap.kernels.skinny_gemm import kernel_rows, skinny_gate_up_gelu, skinny_linear
@@ -124,12 +123,6 @@ class DraftOps(Protocol):
         layer's input norm (or the final norm)."""
         ...
 
-    def norm_add_norm_gate_up(self, x: torch.Tensor, residual: torch.Tensor, w_x: torch.Tensor, w_sum: torch.Tensor,
-                              w_gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up_gelu(h, w_gate_up), s) with (h, s) = norm_add_norm(x, residual, w_x, w_sum): the chain and the
-        MLP's first projection, which reads it."""
-        ...
-
 
 class ChainedOps:
     """The layer's norm chains as calls of the set's single ops, in the reference's order: what the torch set (which
@@ -147,10 +140,6 @@ class ChainedOps:
     def norm_add_scale_norm(self, x, w_x, residual, scalar, w_out):
         out = self.norm_add_scale(x, w_x, residual, scalar)
         return out, self.norm(out, w_out)
-
-    def norm_add_norm_gate_up(self, x, residual, w_x, w_sum, w_gate_up):
-        h, s = self.norm_add_norm(x, residual, w_x, w_sum)
-        return self.gate_up_gelu(h, w_gate_up), s
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -264,9 +253,6 @@ class LayerKernelOps(TorchOps):
     # the query's norm + rotary in the attention's split kernel (decode_attention's `q_norm`); False: the
     # norm_rope kernel before the attention, one launch more per layer call (bench mode graphcap-qnorm-kernel)
     q_norm_in_attention: bool = True
-    # the post-attention chain in the prologue of the gate/up kernel (graphcap.kernels.norm_gemm) at the batches that
-    # run that kernel; False: the chain's own kernel before it, one launch more per layer call (graphcap-unfolded)
-    fold_chain: bool = True
 
     def norm(self, x, weight):
         shape = x.shape
@@ -301,13 +287,6 @@ class LayerKernelOps(TorchOps):
     def norm_add_scale_norm(self, x, w_x, residual, scalar, w_out):
         return layer_fusions.norm_add_scale_norm(x, w_x, residual, scalar, w_out, EPS)
 
-    def norm_add_norm_gate_up(self, x, residual, w_x, w_sum, w_gate_up):
-        rows = self._kernel_rows(x, w_gate_up.shape[0] // 2, True) if self.fold_chain else 0
-        if not rows:
-            return super().norm_add_norm_gate_up(x, residual, w_x, w_sum, w_gate_up)
-        # one op: at most `rows` rows the folded kernel, above the chain's kernel and cuBLAS, decided per call
-        return norm_add_norm_gate_up(x, residual, w_x, w_sum, w_gate_up, EPS, fold_rows=rows, cublas_above=rows)
-
 
 # graphcap's loop (DraftLoop's default): each projection through the skinny GEMM at the batches where its shape
 # class made the iteration faster than cuBLAS on the H200 (skinny_gemm.KERNEL_ROWS: q_proj, post_proj and gate/up +
@@ -319,8 +298,6 @@ SKINNY_OPS = LayerKernelOps(name="layer-kernels-skinny-gemm", skinny_rows=SKINNY
 # the skinny GEMM for every shape up to 4 rows, cuBLAS above (bench mode graphcap-skinny-4rows)
 SKINNY_4ROWS_OPS = LayerKernelOps(name="layer-kernels", skinny_rows=4)
 # graphcap's loop less one kernel-count lever each, to price it alone (bench modes graphcap-qnorm-kernel: the
-# query's norm + rotary as its own kernel; graphcap-two-head-proj: post_proj and the centroid scores as two GEMMs;
+# query's norm + rotary as its own kernel; graphcap-two-head-proj: post_proj and the centroid scores as two GEMMs)
 QNORM_KERNEL_OPS = dataclasses.replace(LAYER_KERNEL_OPS, name="layer-kernels-qnorm-kernel", q_norm_in_attention=False)
 TWO_HEAD_PROJ_OPS = dataclasses.replace(LAYER_KERNEL_OPS, name="layer-kernels-two-head-proj", merge_head_proj=False)
-# (graphcap-unfolded: the post-attention chain as its own kernel before gate/up, not in gate/up's prologue)
-UNFOLDED_OPS = dataclasses.replace(LAYER_KERNEL_OPS, name="layer-kernels-unfolded", fold_chain=False)
