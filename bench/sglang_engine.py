@@ -13,7 +13,10 @@ a run cut at a time limit keeps what finished):
   manifest;
 - speed (`--speed`, the draft-shapes checkpoint): per batch, the draft phase's GPU time per iteration (CUDA events
   around the worker's draft call) and decode tokens/s, for the target alone, stock sglang and graphcap with each
-  backend of `--backends` (`--speed-engines`: a subset, in that order).
+  backend of `--backends` (`--speed-engines`: a subset, in that order);
+- refusals (`--refusals`, any checkpoint): each setting the plugin refuses at start-up (REFUSALS), asked of a real
+  engine start: whether `sglang.Engine` raised graphcap's DraftCaptureConfigError naming the setting before any
+  model loaded, how long that took, and the message a user sees.
 
 Usage: python bench/sglang_engine.py --ckpt DIR --check --out OUT.json [--backends ...]
 """
@@ -39,6 +42,17 @@ SPEED_BATCHES = (1, 8, 32, 64)
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 STEPS = 3
 SHORT_NEW = 32  # the short run's new tokens (speed): decode rate from the long run minus this one
+# Settings the plugin refuses at start-up (graphcap.integrations.sglang_config.validate_server_args): the graphcap
+# backend, sglang engine arguments over engine_kwargs' defaults, and a phrase the error must contain.
+REFUSALS = (
+    {"name": "reduce-overhead", "backend": "reduce-overhead", "engine": {},
+     "expect": "reduce-overhead is not supported in sglang's engine"},
+    {"name": "eagle-topk-2", "backend": "cudagraph",
+     "engine": {"speculative_eagle_topk": 2, "speculative_num_draft_tokens": 6},
+     "expect": "--speculative-eagle-topk must be 1, got 2"},
+    {"name": "cuda-graphs-off", "backend": "cudagraph", "engine": {"disable_cuda_graph": True},
+     "expect": "captures the draft into CUDA graphs, but"},
+)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -87,7 +101,33 @@ def engine_kwargs(cfg: dict) -> dict:
     if cfg["mode"] != "nospec":
         kw.update(speculative_algorithm="NEXTN", speculative_draft_model_path=os.path.join(cfg["ckpt"], "assistant"),
                   speculative_num_steps=STEPS, speculative_eagle_topk=1, speculative_num_draft_tokens=STEPS + 1)
+    kw.update(cfg.get("engine", {}))  # a refusal case's settings over these
     return kw
+
+
+def refusal_child(cfg: dict) -> dict:
+    """Start an engine with a setting graphcap refuses: the error it raised (type, message, seconds), or None where
+    the engine started (then it is shut down)."""
+    os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(
+        {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"]})
+    import sglang
+
+    t0 = time.perf_counter()
+    try:
+        engine = sglang.Engine(**engine_kwargs(cfg))
+    except Exception as e:  # what a user's engine start raises
+        return {"config": cfg, "error_type": type(e).__name__, "message": str(e),
+                "seconds": time.perf_counter() - t0}
+    engine.shutdown()
+    return {"config": cfg, "error_type": None, "message": None, "seconds": time.perf_counter() - t0}
+
+
+def refusal_row(case: dict, r: dict) -> dict:
+    """One refusal case's outcome: refused with graphcap's error naming the setting (ok), or what happened instead."""
+    msg = r.get("message") or ""
+    ok = (not r.get("crashed") and r.get("error_type") == "DraftCaptureConfigError" and case["expect"] in msg)
+    return {"name": case["name"], "ok": ok, "error_type": r.get("error_type"), "message": msg or None,
+            "seconds": r.get("seconds"), "crashed": bool(r.get("crashed")), "log_tail": r.get("log_tail")}
 
 
 def run_child(cfg: dict) -> dict:
@@ -273,6 +313,8 @@ def main(argv=None) -> int:
     ap.add_argument("--speed-engines", default="nospec,sglang,graphcap",
                     help="--speed: the engines to time, in order: nospec (the target alone), sglang (its own MTP "
                          "draft), graphcap (one engine per backend of --backends)")
+    ap.add_argument("--refusals", action="store_true",
+                    help="start an engine with each setting the plugin refuses (REFUSALS) and record the error")
     ap.add_argument("--combine", nargs=2, metavar=("CHECK_JSON", "SPEED_JSON"),
                     help="write the issue record (--out) from a --check and a --speed output")
     ap.add_argument("--child")
@@ -281,8 +323,8 @@ def main(argv=None) -> int:
     if not a.child:  # what each mode needs, named before anything starts
         if not a.out:
             ap.error("--out is required")
-        if not a.combine and not (a.ckpt and (a.check or a.speed)):
-            ap.error("give --ckpt with --check and/or --speed, or --combine CHECK_JSON SPEED_JSON")
+        if not a.combine and not (a.ckpt and (a.check or a.speed or a.refusals)):
+            ap.error("give --ckpt with --check, --speed and/or --refusals, or --combine CHECK_JSON SPEED_JSON")
         served = [b for b in GRAPH_BACKENDS if b not in UNSERVED_BACKENDS]
         given = [b for b in a.backends.split(",") if b]
         if not given or any(b not in served for b in given):
@@ -298,7 +340,8 @@ def main(argv=None) -> int:
                                                                    for e in engines):
             ap.error(f"--speed-engines: a list of nospec, sglang, graphcap, each once; got {a.speed_engines!r}")
     if a.child:
-        res = run_child(json.load(open(a.child)))
+        child_cfg = json.load(open(a.child))
+        res = (refusal_child if child_cfg["mode"] == "refusal" else run_child)(child_cfg)
         json.dump(res, open(a.child_out, "w"))
         return 0
     if a.combine:
@@ -311,12 +354,20 @@ def main(argv=None) -> int:
     backends = [b for b in a.backends.split(",") if b]
     record = {"commit": os.environ.get("GRAPHCAP_COMMIT"), "ckpt": a.ckpt, "backends": backends, "check": None,
               "speed": None}
+    if a.refusals:
+        record["refusals"] = []
 
     def cfg(tag, mode, cases, backend=None, **extra):
         d = {k: os.path.join(work, f"{k}-{tag}") for k in ("trace_dir", "manifest_dir")}
         return {"tag": tag, "mode": mode, "backend": backend, "ckpt": a.ckpt, "cases": cases, "max_running": 64,
                 **d, **extra}
 
+    if a.refusals:  # first: seconds each, and they say whether the plugin is loaded at all
+        for case in REFUSALS:
+            r = spawn(cfg("refusal-" + case["name"], "refusal", [], backend=case["backend"], engine=case["engine"]),
+                      work)
+            record["refusals"].append(refusal_row(case, r))
+            json.dump(record, open(a.out, "w"), indent=1)
     if a.check:
         cases = check_cases(vocab)
         # a small pool, meant to make the 96-request case retract (64 x 2600 tokens was not small enough to)
@@ -388,6 +439,8 @@ def summary(record: dict) -> dict:
         s["engines"] = {b: {k: v for k, v in e.items() if k != "log_tail"} for b, e in record["check"]["engines"].items()}
     if record["speed"]:
         s["speed"] = record["speed"]
+    if record.get("refusals"):
+        s["refusals"] = [{k: v for k, v in r.items() if k != "log_tail"} for r in record["refusals"]]
     return s
 
 

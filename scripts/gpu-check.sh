@@ -60,6 +60,8 @@
 #                                 ENGINE_PROFILE=8,64: kernel tables of the draft at those batches, every engine;
 #                                 ENGINE_SPEED_ENGINES=sglang,graphcap: leave the target alone out; ENGINE_REPEATS;
 #                                 ENGINE_CONTEXT: the prompts' length, default 2048)
+#   scripts/gpu-check.sh engine-refusal  a real engine start with each setting the plugin refuses (tiny pair): the
+#                                 error raised, its message and how soon
 # Several stages run in one call in order: scripts/gpu-check.sh kernels capture-all.
 # sglang's kernels are used when ./.whl holds sglang 0.5.23's wheels (for a machine without network).
 # A copied checkout's .git may be stale: `git rev-parse --short HEAD > .gpu-commit` here (ignored; carry it) records
@@ -73,7 +75,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
 STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic regions layers prefetch"
-STAGES+=" centroid-config"
+STAGES+=" centroid-config engine-refusal"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -352,6 +354,12 @@ case $stage in
     step ckpt-tiny python3 bench/sglang_checkpoint.py --size tiny --out "$WORK/ckpt-tiny" --device cuda
     STEP_LIMIT=${STEP_LIMIT:-540} step engine-check python3 bench/sglang_engine.py --ckpt "$WORK/ckpt-tiny" --check \
       --backends "${ENGINE_BACKENDS:-cudagraph}" --retract-every "${ENGINE_RETRACT:-0}" --out "$LOG/engine-check.json"
+    ;;
+  engine-refusal)  # each setting the plugin refuses, asked of a real engine start (tiny pair: the error, not a crash)
+    engine_env
+    step ckpt-tiny python3 bench/sglang_checkpoint.py --size tiny --out "$WORK/ckpt-tiny" --device cuda
+    STEP_LIMIT=${STEP_LIMIT:-300} step engine-refusal python3 bench/sglang_engine.py --ckpt "$WORK/ckpt-tiny" \
+      --refusals --out "$LOG/engine-refusal.json"
     ;;
   engine-speed)  # speed in sglang's own engine (draft-shapes pair)
     engine_env

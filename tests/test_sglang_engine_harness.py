@@ -161,3 +161,62 @@ def test_speed_arguments_are_checked_before_anything_starts(capsys):
         with pytest.raises(SystemExit) as e:
             E.main(["--ckpt", "x", "--speed", "--out", "o.json", *argv])
         assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_refusal_cases_ask_the_engine_for_their_setting_and_count_only_graphcaps_named_error(monkeypatch, tmp_path):
+    """--refusals: each REFUSALS case starts an engine with the flag on, its graphcap backend and its sglang settings
+    over the usual ones (stubbed engine here: what it was asked for, and with which environment); a case is ok only
+    where the start raised graphcap's DraftCaptureConfigError with the expected phrase - an engine that started, a
+    crashed child or another error is not."""
+    import os
+    import sys
+    import types
+
+    from graphcap.integrations.sglang_config import DraftCaptureConfigError
+
+    seen = []
+
+    class Engine:
+        def __init__(self, **kw):
+            opts = json.loads(os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"])
+            seen.append((kw, opts))
+            if kw["speculative_eagle_topk"] != 1:
+                raise DraftCaptureConfigError("--enable-draft-graph-capture captures a chain draft only: "
+                                              "--speculative-eagle-topk must be 1, got 2")
+            if kw.get("disable_cuda_graph"):
+                raise RuntimeError("Rank 0 scheduler is dead")
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=Engine))
+    monkeypatch.setenv("GRAPHCAP_SGLANG_DRAFT_CAPTURE", "")
+    rows = []
+    for case in E.REFUSALS:
+        cfg = {"tag": case["name"], "mode": "refusal", "backend": case["backend"], "engine": case["engine"],
+               "ckpt": "/ckpt", "cases": [], "max_running": 64, "manifest_dir": str(tmp_path)}
+        rows.append(E.refusal_row(case, E.refusal_child(cfg)))
+    for (kw, opts), case in zip(seen, E.REFUSALS):
+        assert opts == {"enabled": True, "backend": case["backend"], "manifest_dir": str(tmp_path)}
+        assert kw["speculative_algorithm"] == "NEXTN" and all(kw[k] == v for k, v in case["engine"].items())
+    assert {c["name"] for c in E.REFUSALS} >= {"reduce-overhead", "eagle-topk-2", "cuda-graphs-off"}
+    by = {r["name"]: r for r in rows}
+    assert by["eagle-topk-2"]["ok"] and by["eagle-topk-2"]["error_type"] == "DraftCaptureConfigError"
+    assert not by["reduce-overhead"]["ok"] and by["reduce-overhead"]["error_type"] is None  # the stub started
+    assert not by["cuda-graphs-off"]["ok"] and by["cuda-graphs-off"]["error_type"] == "RuntimeError"
+    crashed = E.refusal_row(E.REFUSALS[1], {"crashed": True, "log_tail": "Segmentation fault"})
+    assert not crashed["ok"] and crashed["crashed"] and crashed["log_tail"] == "Segmentation fault"
+
+
+def test_refusals_alone_are_a_valid_run(monkeypatch, tmp_path):
+    """--ckpt with --refusals (no --check or --speed) passes the argument check and writes a record with one row per
+    case (children stubbed)."""
+    out = tmp_path / "r.json"
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    monkeypatch.setattr(E, "spawn", lambda cfg, work: {"config": cfg, "error_type": "DraftCaptureConfigError",
+                                                      "message": "x", "seconds": 1.0})
+    assert E.main(["--ckpt", str(tmp_path), "--refusals", "--out", str(out)]) == 0
+    rec = json.load(open(out))
+    assert [r["name"] for r in rec["refusals"]] == [c["name"] for c in E.REFUSALS]
+    assert rec["check"] is None and rec["speed"] is None and not any(r["ok"] for r in rec["refusals"])
