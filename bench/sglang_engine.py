@@ -15,8 +15,8 @@ a run cut at a time limit keeps what finished):
   around the worker's draft call) and decode tokens/s, for the target alone, stock sglang and graphcap with each
   backend of `--backends` (`--speed-engines`: a subset, in that order);
 - refusals (`--refusals`, any checkpoint): each setting the plugin refuses at start-up (REFUSALS), asked of a real
-  engine start: whether `sglang.Engine` raised graphcap's DraftCaptureConfigError naming the setting before any
-  model loaded, how long that took, and the message a user sees.
+  engine start: whether `sglang.Engine` raised graphcap's DraftCaptureConfigError naming the setting (in the
+  launcher, before sglang starts its scheduler), how long that took, and the message a user sees.
 
 Usage: python bench/sglang_engine.py --ckpt DIR --check --out OUT.json [--backends ...]
 """
