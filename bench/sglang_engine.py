@@ -105,11 +105,17 @@ def engine_kwargs(cfg: dict) -> dict:
     return kw
 
 
+def enable_graphcap(cfg: dict) -> None:
+    """The flag for an engine started in this process (the variable graphcap's plugin reads, as a launcher that
+    parsed --enable-draft-graph-capture sets it), before sglang is imported."""
+    os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(
+        {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"]})
+
+
 def refusal_child(cfg: dict) -> dict:
     """Start an engine with a setting graphcap refuses: the error it raised (type, message, seconds), or None where
     the engine started (then it is shut down)."""
-    os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(
-        {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"]})
+    enable_graphcap(cfg)
     import sglang
 
     t0 = time.perf_counter()
@@ -140,8 +146,7 @@ def run_child(cfg: dict) -> dict:
         os.environ["SGLANG_TEST_RETRACT"] = "1"
         os.environ["SGLANG_TEST_RETRACT_INTERVAL"] = str(cfg["retract_every"])
     if cfg["mode"] == "graphcap":
-        os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(
-            {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"]})
+        enable_graphcap(cfg)
     os.environ["GRAPHCAP_SGLANG_TRACE"] = cfg["trace_dir"]
     if cfg.get("profile_batches"):  # kernel tables of a few draft calls per batch (graphcap.integrations.sglang_trace)
         os.environ["GRAPHCAP_SGLANG_TRACE_PROFILE"] = ",".join(map(str, cfg["profile_batches"]))
