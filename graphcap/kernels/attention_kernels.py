@@ -14,9 +14,9 @@ Kernel ("flash-decoding", split-KV):
    an online softmax in fp32 and writes a normalised partial output [B, H, S, D] fp32 and its log-sum-exp
    [B, H, S] (base 2; -inf for an empty chunk). With num_splits == 1 it writes the final output directly and the
    second kernel is skipped.
-2. `_combine_kernel`, grid (B, H): merges the splits, several per load; an all-empty row gives zeros. (Merging in
-   the split kernel instead - the last program of a row merging all partials - is slower on the H200 at nearly
-   every shape: that one program merges serially; docs/results.md#attention-kernels.)
+2. `_combine_kernel`, grid (B, H): merges the splits; an all-empty row gives zeros. (Merging in the split kernel
+   instead - the last program of a row merging all partials - is slower on the H200 at nearly every shape: that
+   one program merges serially; docs/results.md#attention-kernels.)
 
 `decode_attention_torch` is the plain-torch twin (static shapes: gathers `table[slots, :cols]` with a mask, masked
 softmax in fp32). It is the CPU path and a test reference; it materialises [B, cols, Hkv, D] in fp32, so it is meant
@@ -170,7 +170,7 @@ def _split_kernel(
 @triton.jit
 def _combine_kernel(
     part, lse, out, num_splits, stride_ob, stride_oh,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -183,17 +183,11 @@ def _combine_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     acc = tl.zeros([BLOCK_D], tl.float32)
-    # CHUNK_S splits' partials per load, the lse and the partial loads independent of each other (an empty split
-    # wrote no partial: what its slot holds is read and then dropped by the select, never multiplied), so a row
-    # costs a round trip per chunk rather than two per split
-    for s0 in range(0, num_splits, CHUNK_S):
-        offs_c = s0 + tl.arange(0, CHUNK_S)
-        in_row = offs_c < num_splits
-        l_c = tl.load(lse + row + offs_c, mask=in_row, other=float("-inf"))
-        pv = tl.load(part + (row + offs_c)[:, None] * D + offs_d[None, :], mask=in_row[:, None] & mask_d[None, :],
-                     other=0.0)
-        pv = tl.where((l_c > float("-inf"))[:, None], pv, 0.0)
-        acc += tl.sum(tl.exp2(l_c - m)[:, None] * pv, 0)
+    for s in range(0, num_splits):
+        l_s = tl.load(lse + row + s)
+        live_d = tl.where(l_s > float("-inf"), D, 0)  # an empty split wrote no partial: read none
+        pv = tl.load(part + (row + s) * D + offs_d, mask=offs_d < live_d, other=0.0)
+        acc += tl.exp2(l_s - m) * pv
     o = tl.where(denom > 0, acc / tl.where(denom > 0, denom, 1.0), 0.0)
     tl.store(out + b * stride_ob + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=mask_d)
 
@@ -206,11 +200,6 @@ class QueryNormRope(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
     eps: float = 1e-6
-
-
-def combine_chunk(block_s: int, block_d: int) -> int:
-    """Splits the combine kernel loads at once: 4096 fp32 partial elements (32 registers a thread at 4 warps)."""
-    return min(block_s, max(1, 4096 // block_d))
 
 
 def split_scratch(b: int | torch.SymInt, h: int, num_splits: int | torch.SymInt, d: int, device: torch.device
@@ -275,10 +264,9 @@ def launch(
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if not single:
-        block_s = triton.next_power_of_2(plan.num_splits)
         wrap_triton(_combine_kernel)[(b, h)](
             part, lse, out, num_splits, out.stride(0), out.stride(1),
-            H=h, D=d, BLOCK_D=block_d, BLOCK_S=block_s, CHUNK_S=combine_chunk(block_s, block_d),
+            H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(plan.num_splits),
             num_warps=plan.combine_warps, num_stages=1,
         )
     return out
