@@ -6,12 +6,7 @@ Per row b, the k largest entries of x[b, :N], largest first, and their column in
     values[b, j] = x[b, indices[b, j]],   x[b, indices[b, 0]] >= x[b, indices[b, 1]] >= ... (j < k)
 
 `topk_torch` is the plain-torch twin, `torch.topk(x, k, dim=-1)` (largest, sorted). The kernel runs one program per
-row: the row is loaded once into registers (masked past N), then one of two paths, the same results:
-- k rounds of (argmax, record, remove that entry): a cross-warp reduction and barrier per round, so its time grows
-  with k;
-- from k = BITONIC_MIN_K on, Triton's bitonic top-k (`tl.topk`, a fixed network of compare-exchange steps whose
-  depth grows with log2(N) and log2(k)) over one 64-bit key per entry: the rank key below in the high half, the
-  index's complement (BLOCK_N - 1 - i) in the low half, so the keys are distinct and their order is the ranking.
+row: the row is loaded once into registers (masked past N), then k rounds of (argmax, record, remove that entry).
 
 Order. Entries are ranked by a 32-bit key made from the fp32 value (bf16/fp16 widen to fp32 exactly): the IEEE bits
 mapped to an order-preserving signed integer, with -0.0 given +0.0's key and every NaN the largest key. So:
@@ -23,7 +18,7 @@ mapped to an order-preserving signed integer, with -0.0 given +0.0's key and eve
   entries next (values -inf, their indices ascending), as torch returns -inf values. Entries past N, and entries
   already taken, hold a key below -inf's, so they are never chosen (k <= N).
 (Triton's CPU interpreter takes the leftmost index whatever `tie_break_left` says, so only a GPU run checks the
-argmax path's own tie rule: the GPU tests do, in bf16 rows where ties occur. The bitonic path's tie rule is its key's.)
+kernel's own tie rule: the GPU tests do, in bf16 rows where ties occur.)
 Values are copied from x at the chosen indices (one gather at the end), so they are x's entries bit for bit (a NaN
 keeps its payload, -0.0 its sign); values in x's dtype, indices int64.
 
@@ -81,8 +76,7 @@ def topk_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _small_topk_kernel(x, values, indices, stride_xb, stride_vb, stride_ib,
-                       N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BITONIC: tl.constexpr):
+                       N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # program b: row b's K largest, by an order-preserving integer key (module docstring)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
@@ -94,18 +88,11 @@ def _small_topk_kernel(x, values, indices, stride_xb, stride_vb, stride_ib,
     gone = -2147483647 - 1  # below -inf's key: entries past N and entries taken are never chosen again
     key = tl.where(offs < N, key, gone)
     lanes = tl.arange(0, BLOCK_K)
-    if BITONIC:
-        # one 64-bit key per entry, the rank key above and the index's complement below it: distinct, ordered as
-        # the ranking is (a larger key, then a smaller index), so Triton's bitonic top-k gives the K first in order
-        packed = (key.to(tl.int64) << 32) | (BLOCK_N - 1 - offs).to(tl.int64)
-        top = tl.topk(packed, BLOCK_K)
-        chosen = BLOCK_N - 1 - (top & 0x7FFFFFFF).to(tl.int32)
-    else:
-        chosen = tl.zeros([BLOCK_K], tl.int32)
-        for j in range(K):
-            i = tl.argmax(key, 0, tie_break_left=True)  # the smallest index among the largest keys
-            chosen = tl.where(lanes == j, i, chosen)
-            key = tl.where(offs == i, gone, key)
+    chosen = tl.zeros([BLOCK_K], tl.int32)
+    for j in range(K):
+        i = tl.argmax(key, 0, tie_break_left=True)  # the smallest index among the largest keys
+        chosen = tl.where(lanes == j, i, chosen)
+        key = tl.where(offs == i, gone, key)
     # one gather for all K: x's own entries (NaN payloads, -0.0), in x's dtype
     out = tl.load(x + b * stride_xb + chosen, mask=lanes < K)
     tl.store(values + b * stride_vb + lanes, out, mask=lanes < K)
@@ -117,11 +104,7 @@ def _num_warps(block_n: int) -> int:
     return max(1, min(8, block_n // 512))
 
 
-BITONIC_MIN_K = 8  # from this k on, the bitonic top-k rather than k argmax rounds (`_launch`'s default)
-
-
-def _launch(x: torch.Tensor, k: int, bitonic: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`bitonic`: the path (None: by BITONIC_MIN_K); both give the same indices and values."""
+def _launch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     b, n = x.shape
     values = torch.empty((b, k), dtype=x.dtype, device=x.device)
     indices = torch.empty((b, k), dtype=torch.int64, device=x.device)
@@ -130,8 +113,7 @@ def _launch(x: torch.Tensor, k: int, bitonic: bool | None = None) -> tuple[torch
     block_n = max(16, triton.next_power_of_2(n))
     wrap_triton(_small_topk_kernel)[(b,)](
         x, values, indices, x.stride(0), values.stride(0), indices.stride(0),
-        N=n, K=k, BLOCK_N=block_n, BLOCK_K=max(2, triton.next_power_of_2(k)),
-        BITONIC=k >= BITONIC_MIN_K if bitonic is None else bitonic, num_warps=_num_warps(block_n),
+        N=n, K=k, BLOCK_N=block_n, BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=_num_warps(block_n),
     )
     return values, indices
 
