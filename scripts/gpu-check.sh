@@ -51,6 +51,8 @@
 #                                 while the attention before it runs (bench/l2_prefetch.py; PREFETCH_ARGS)
 #   scripts/gpu-check.sh centroid-config  the centroid head's kernel over its launch configurations at batches
 #                                 1..64, in-graph (bench/centroid_config.py; CENTROID_CONFIG_ARGS)
+#   scripts/gpu-check.sh row-kernels  warps per program of the one-program-per-row kernels (small top-k, the layer's
+#                                 norm chains) at the draft's sizes, in-graph (bench/row_kernels.py; ROW_KERNELS_ARGS)
 #   scripts/gpu-check.sh engine-check  sglang's own engine with and without --enable-draft-graph-capture (per
 #                                 backend) on a tiny structured Gemma 4 pair: tokens, drafts, acceptance, manifests
 #                                 (ENGINE_RETRACT=N: every engine retracts running requests every N forwards)
@@ -75,7 +77,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
 STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic regions layers prefetch"
-STAGES+=" centroid-config engine-refusal"
+STAGES+=" centroid-config engine-refusal row-kernels"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -348,6 +350,9 @@ case $stage in
     ;;
   centroid-config)  # the centroid head's kernel over its launch configurations (bench/centroid_config.py)
     step centroid-config python3 bench/centroid_config.py ${CENTROID_CONFIG_ARGS:-} --out "$LOG/centroid-config"
+    ;;
+  row-kernels)  # warps of the one-program-per-row kernels (bench/row_kernels.py)
+    step row-kernels python3 bench/row_kernels.py ${ROW_KERNELS_ARGS:-} --out "$LOG/row-kernels"
     ;;
   engine-check)  # correctness in sglang's own engine (tiny pair: starts in tens of seconds per engine)
     engine_env

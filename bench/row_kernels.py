@@ -1,0 +1,112 @@
+"""Warps per program of graphcap's one-program-per-row kernels, at the draft's sizes: the small top-k (33 of 2048 centroid
+scores, 2 of 4096 candidate logits, fp32; `graphcap/kernels/small_topk.py`) and the layer's two norm chains over a
+1536-wide bf16 row (`norm_add_norm`, `norm_add_scale_norm`; `graphcap/kernels/layer_fusions.py`), batches 1..64.
+
+Each launch runs inside a CUDA graph among 256 MB reads (bench/attention_bw.py's in_graph_us), as the draft iteration
+runs it. A warp count changes no top-k result (an argmax per round, ties to the smallest index) and may change a norm's
+fp32 sums' order: each launch's output is checked against the shipped launch's (top-k exactly, norms within one bf16
+rounding). Reported: microseconds per launch for each warp count, and the shipped count.
+
+    python bench/row_kernels.py --out DIR     # CUDA only; writes row_kernels.json into DIR
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+from graphcap.bench import environment as bench_env
+from graphcap.bench.options import OneLineParser
+from graphcap.kernels import layer_fusions as lf
+from graphcap.kernels import small_topk as st
+
+HIDDEN, EPS = 1536, 1e-6
+TOPK = ((2048, 33), (4096, 2))
+
+
+def topk_launch(x: torch.Tensor, k: int, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b, n = x.shape
+    values = torch.empty((b, k), dtype=x.dtype, device=x.device)
+    indices = torch.empty((b, k), dtype=torch.int64, device=x.device)
+    block_n = max(16, triton.next_power_of_2(n))
+    st._small_topk_kernel[(b,)](x, values, indices, x.stride(0), values.stride(0), indices.stride(0), N=n, K=k,
+                                BLOCK_N=block_n, BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=warps)
+    return values, indices
+
+
+def norm_add_norm_launch(x, res, w1, w2, warps):
+    normed, total = torch.empty_like(x), torch.empty_like(x)
+    lf._norm_add_norm_kernel[(x.shape[0],)](x, res, w1, w2, normed, total, HIDDEN, x.stride(0), res.stride(0),
+                                            normed.stride(0), total.stride(0), EPS, BLOCK=2048, num_warps=warps)
+    return normed, total
+
+
+def norm_add_scale_norm_launch(x, res, w1, w2, scalar, warps):
+    out, normed = torch.empty_like(x), torch.empty_like(x)
+    lf._norm_add_scale_norm_kernel[(x.shape[0],)](x, res, w1, scalar, w2, out, normed, HIDDEN, x.stride(0),
+                                                  res.stride(0), out.stride(0), normed.stride(0), EPS, BLOCK=2048,
+                                                  num_warps=warps)
+    return out, normed
+
+
+def main(argv=None) -> int:
+    ap = OneLineParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--warps", default="1,2,4,8,16")
+    ap.add_argument("--out", type=Path, default=Path("out/row-kernels"))
+    a = ap.parse_args(argv)
+    try:
+        batches = [int(b) for b in a.batches.split(",")]
+        warps = [int(w) for w in a.warps.split(",")]
+        assert batches and warps and min(batches) > 0 and all(w in (1, 2, 4, 8, 16, 32) for w in warps)
+    except (ValueError, AssertionError):
+        ap.error(f"--batches: positive ints, --warps: powers of two up to 32; got {a.batches!r}, {a.warps!r}")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device (launch configurations on the GPU are what is measured)")
+    from attention_bw import in_graph_us  # bench/: the script's directory is on sys.path
+
+    rows = []
+
+    def record(kernel: str, batch: int, shipped: int, timed: dict[int, float]) -> None:
+        row = {"kernel": kernel, "batch": batch, "shipped_warps": shipped,
+               "us": {str(w): round(v, 2) for w, v in timed.items()}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    for batch in batches:
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        for n, k in TOPK:
+            x = torch.randn(batch, n, generator=g, device="cuda")
+            shipped = st._num_warps(max(16, triton.next_power_of_2(n)))
+            want = topk_launch(x, k, shipped)
+            timed = {}
+            for w in warps:
+                got = topk_launch(x, k, w)
+                if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+                    raise SystemExit(f"row_kernels: top-k {k} of {n} at {w} warps differs from {shipped} warps")
+                timed[w] = in_graph_us(lambda w=w: topk_launch(x, k, w))
+            record(f"small_topk {k} of {n}", batch, shipped, timed)
+        x, res = (torch.randn(batch, HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(2))
+        w1, w2 = (0.1 * torch.randn(HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(2))
+        scalar = torch.rand(1, generator=g, device="cuda").bfloat16() + 0.5
+        shipped = lf._warps(2048)
+        for kernel, fn in (("norm_add_norm", lambda w: norm_add_norm_launch(x, res, w1, w2, w)),
+                           ("norm_add_scale_norm", lambda w: norm_add_scale_norm_launch(x, res, w1, w2, scalar, w))):
+            want = fn(shipped)
+            timed = {}
+            for w in warps:
+                for got_t, want_t in zip(fn(w), want):  # another sum order: at most one bf16 rounding apart
+                    torch.testing.assert_close(got_t.float(), want_t.float(), rtol=1e-2, atol=1e-2)
+                timed[w] = in_graph_us(lambda w=w: fn(w))
+            record(kernel, batch, shipped, timed)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "row_kernels.json").write_text(json.dumps(
+        {"environment": bench_env.environment(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
