@@ -74,27 +74,6 @@ def decode_attention_torch(
 
 
 @triton.jit
-def _tile(qv, kt, vt, mask_n, m_i, l_i, acc, scale, F32_DOT: tl.constexpr):
-    """One K/V tile into the online softmax state (m_i, l_i, acc). A tile with no key (mask_n all false: an empty
-    range's first tile) leaves the state as it was: its max stays -inf and is taken as 0 for the exponents."""
-    if F32_DOT:
-        s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(qv, tl.trans(kt))
-    s = tl.where(mask_n[None, :], s * scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if F32_DOT:
-        pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(vt.dtype), vt)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
 def _split_kernel(
     q, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin,
     sm_scale_log2, cols, num_splits, min_chunk, wave, max_chunk, rope_rows, eps,
@@ -125,18 +104,6 @@ def _split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
 
-    t_row = table + slot * stride_t  # not dereferenced unless the row has keys
-    k_base = k_pool + kvh.to(tl.int64) * stride_kh + offs_d[None, :]
-    v_base = v_pool + kvh.to(tl.int64) * stride_vh + offs_d[None, :]
-    # The first tile's table entries and K/V rows are asked for before the query is loaded and prepared, so their
-    # round trips (the table's, then the rows') overlap the query's instead of following them; the loop takes the
-    # second tile on. An empty range loads nothing and leaves the softmax state as it was.
-    mask_n0 = start + tl.arange(0, BLOCK_N) < end
-    loc0 = tl.load(t_row + start + tl.arange(0, BLOCK_N), mask=mask_n0, other=0).to(tl.int64)
-    kv_mask0 = mask_n0[:, None] & mask_d[None, :]
-    kt0 = tl.load(k_base + loc0[:, None] * stride_kp, mask=kv_mask0, other=0.0)
-    vt0 = tl.load(v_base + loc0[:, None] * stride_vp, mask=kv_mask0, other=0.0)
-
     q_mask = mask_g[:, None] & mask_d[None, :]
     q_ptr = q + b * stride_qb + heads[:, None] * stride_qh
     if NORM_ROPE:  # q is the raw projection: layer_fusions.norm_rope's math and roundings, per head of the tile
@@ -162,15 +129,31 @@ def _split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
 
-    m_i, l_i, acc = _tile(qv, kt0, vt0, mask_n0, m_i, l_i, acc, scale, F32_DOT)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+    t_row = table + slot * stride_t  # not dereferenced unless the row has keys
+    k_base = k_pool + kvh.to(tl.int64) * stride_kh + offs_d[None, :]
+    v_base = v_pool + kvh.to(tl.int64) * stride_vh + offs_d[None, :]
+    for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         loc = tl.load(t_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         kt = tl.load(k_base + loc[:, None] * stride_kp, mask=kv_mask, other=0.0)
+        if F32_DOT:
+            s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(qv, tl.trans(kt))
+        s = tl.where(mask_n[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
         vt = tl.load(v_base + loc[:, None] * stride_vp, mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _tile(qv, kt, vt, mask_n, m_i, l_i, acc, scale, F32_DOT)
+        if F32_DOT:
+            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
