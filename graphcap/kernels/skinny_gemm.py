@@ -104,8 +104,8 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
 # the draft iteration faster on the H200 (graphcap bench; docs/results.md, the skinny GEMM). Alone
 # (bench/skinny_gemm.py) the kernel beat cuBLAS on the wide and gate/up shapes (gate/up's margin includes the gelu-mul
 # kernel cuBLAS needs after it) and tied on the narrow split-K shapes. In the iteration the narrow shapes' one-kernel
-# split K won up to 4 rows (cuBLAS adds a split-K reduction kernel per call) and was not run at 8; the wide and gated
-# shapes won at 8 rows and lost at 16.
+# split K won up to 4 rows (cuBLAS adds a split-K reduction kernel per call) and lost at 8, its 27 fewer kernels
+# notwithstanding; the wide and gated shapes won at 8 rows and lost at 16.
 KERNEL_ROWS = {"wide": 8, "gated": 8, "narrow": 4}
 
 
