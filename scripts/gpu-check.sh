@@ -53,6 +53,9 @@
 #                                 1..64, in-graph (bench/centroid_config.py; CENTROID_CONFIG_ARGS)
 #   scripts/gpu-check.sh row-kernels  warps per program of the one-program-per-row kernels (small top-k, the layer's
 #                                 norm chains) at the draft's sizes, in-graph (bench/row_kernels.py; ROW_KERNELS_ARGS)
+#   scripts/gpu-check.sh ncu      Nsight Compute's speed-of-light, memory, occupancy and warp-stall sections for the
+#                                 first NCU_COUNT (14) attention and skinny-GEMM kernels of the batch-NCU_BATCH (1)
+#                                 iteration (bench/profile_iteration.py under ncu; ncu.txt)
 #   scripts/gpu-check.sh engine-check  sglang's own engine with and without --enable-draft-graph-capture (per
 #                                 backend) on a tiny structured Gemma 4 pair: tokens, drafts, acceptance, manifests
 #                                 (ENGINE_RETRACT=N: every engine retracts running requests every N forwards)
@@ -77,7 +80,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
 STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic regions layers prefetch"
-STAGES+=" centroid-config engine-refusal row-kernels"
+STAGES+=" centroid-config engine-refusal row-kernels ncu"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -353,6 +356,12 @@ case $stage in
     ;;
   row-kernels)  # warps of the one-program-per-row kernels (bench/row_kernels.py)
     step row-kernels python3 bench/row_kernels.py ${ROW_KERNELS_ARGS:-} --out "$LOG/row-kernels"
+    ;;
+  ncu)  # hardware counters of the first attention and skinny-GEMM launches (--clock-control none: clocks as they run)
+    STEP_LIMIT=${STEP_LIMIT:-400} step ncu env TORCHINDUCTOR_COMPILE_THREADS=1 ncu --clock-control none \
+      -k regex:"_split_kernel|_combine_kernel|_skinny_kernel" -c "${NCU_COUNT:-14}" --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
+      python3 bench/profile_iteration.py --batch "${NCU_BATCH:-1}" --context 2048 --out "$WORK/ncu-profile"
     ;;
   engine-check)  # correctness in sglang's own engine (tiny pair: starts in tens of seconds per engine)
     engine_env
