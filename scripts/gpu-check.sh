@@ -53,6 +53,9 @@
 #                                 1..64, in-graph (bench/centroid_config.py; CENTROID_CONFIG_ARGS)
 #   scripts/gpu-check.sh row-kernels  warps per program of the one-program-per-row kernels (small top-k, the layer's
 #                                 norm chains) at the draft's sizes, in-graph (bench/row_kernels.py; ROW_KERNELS_ARGS)
+#   scripts/gpu-check.sh persistent-mlp  an experiment: the MLP at one row as one persistent kernel (a grid-wide
+#                                 barrier between gate/up and down) against graphcap's two launches, in-graph
+#                                 (bench/persistent_mlp.py)
 #   scripts/gpu-check.sh ncu      Nsight Compute's speed-of-light, memory, occupancy and warp-stall sections for the
 #                                 first NCU_COUNT (14) attention and skinny-GEMM kernels of the batch-NCU_BATCH (1)
 #                                 iteration (bench/profile_iteration.py under ncu; ncu.txt)
@@ -80,7 +83,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
 STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic regions layers prefetch"
-STAGES+=" centroid-config engine-refusal row-kernels ncu"
+STAGES+=" centroid-config engine-refusal row-kernels ncu persistent-mlp"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -356,6 +359,9 @@ case $stage in
     ;;
   row-kernels)  # warps of the one-program-per-row kernels (bench/row_kernels.py)
     step row-kernels python3 bench/row_kernels.py ${ROW_KERNELS_ARGS:-} --out "$LOG/row-kernels"
+    ;;
+  persistent-mlp)  # the MLP at one row as one persistent kernel against two launches (bench/persistent_mlp.py)
+    STEP_LIMIT=${STEP_LIMIT:-240} step persistent-mlp python3 bench/persistent_mlp.py --out "$LOG/persistent-mlp"
     ;;
   ncu)  # hardware counters of the first attention and skinny-GEMM launches (--clock-control none: clocks as they run)
     STEP_LIMIT=${STEP_LIMIT:-400} step ncu env TORCHINDUCTOR_COMPILE_THREADS=1 ncu --clock-control none \
