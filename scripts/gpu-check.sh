@@ -58,7 +58,8 @@
 #                                 (bench/persistent_mlp.py)
 #   scripts/gpu-check.sh ncu      Nsight Compute's speed-of-light, memory, occupancy and warp-stall sections for the
 #                                 first NCU_COUNT (14) attention and skinny-GEMM kernels of the batch-NCU_BATCH (1)
-#                                 iteration (bench/profile_iteration.py under ncu; ncu.txt)
+#                                 iteration (bench/profile_iteration.py under ncu; NCU_TARGET=attention: the first 8
+#                                 attention kernels of bench/attention_bw.py at batches 1 and 8, context 2048)
 #   scripts/gpu-check.sh engine-check  sglang's own engine with and without --enable-draft-graph-capture (per
 #                                 backend) on a tiny structured Gemma 4 pair: tokens, drafts, acceptance, manifests
 #                                 (ENGINE_RETRACT=N: every engine retracts running requests every N forwards)
@@ -364,10 +365,19 @@ case $stage in
     STEP_LIMIT=${STEP_LIMIT:-240} step persistent-mlp python3 bench/persistent_mlp.py --out "$LOG/persistent-mlp"
     ;;
   ncu)  # hardware counters of the first attention and skinny-GEMM launches (--clock-control none: clocks as they run)
-    STEP_LIMIT=${STEP_LIMIT:-400} step ncu env TORCHINDUCTOR_COMPILE_THREADS=1 ncu --clock-control none \
-      -k regex:"_split_kernel|_combine_kernel|_skinny_kernel" -c "${NCU_COUNT:-14}" --section SpeedOfLight \
-      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats \
-      python3 bench/profile_iteration.py --batch "${NCU_BATCH:-1}" --context 2048 --out "$WORK/ncu-profile"
+    # of one iteration (NCU_TARGET=iteration, the default), or of the attention alone at context 2048
+    # (NCU_TARGET=attention: bench/attention_bw.py's first launches, whose rows are full)
+    sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats
+              --section WarpStateStats)
+    case ${NCU_TARGET:-iteration} in
+      iteration) STEP_LIMIT=${STEP_LIMIT:-400} step ncu env TORCHINDUCTOR_COMPILE_THREADS=1 ncu --clock-control none \
+        -k regex:"_split_kernel|_combine_kernel|_skinny_kernel" -c "${NCU_COUNT:-14}" "${sections[@]}" \
+        python3 bench/profile_iteration.py --batch "${NCU_BATCH:-1}" --context 2048 --out "$WORK/ncu-profile" ;;
+      attention) STEP_LIMIT=${STEP_LIMIT:-400} step ncu-attention ncu --clock-control none \
+        -k regex:"_split_kernel|_combine_kernel" -c "${NCU_COUNT:-8}" "${sections[@]}" python3 bench/attention_bw.py \
+        --no-tune --no-sglang --l2 in-graph --batches "${NCU_BATCH:-1,8}" --contexts 2048 --out "$WORK/ncu-attention" ;;
+      *) echo "NCU_TARGET: iteration or attention, got $NCU_TARGET" >&2; exit 2 ;;
+    esac
     ;;
   engine-check)  # correctness in sglang's own engine (tiny pair: starts in tens of seconds per engine)
     engine_env
