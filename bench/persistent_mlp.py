@@ -13,7 +13,7 @@ compute their share of the output from h. Timed as:
 - `phases as two launches`: the same two phases launched as two kernels (no barrier): what the barrier itself costs
   or saves against the launch between them, the phases' own speed aside.
 Each timed inside a CUDA graph among 256 MB reads (bench/attention_bw.py's in_graph_us); every output is checked
-against a float64 computation (bf16 tolerance). The phase-2 split: none (16 output rows per program, 96 of the 132
+against a float64 computation (bf16 tolerance), and one that is off is reported and not timed. The phase-2 split: none (16 output rows per program, 96 of the 132
 programs busy), so the down phase reads each weight row once in long runs. Not part of graphcap's draft loop.
 
     python bench/persistent_mlp.py --out DIR     # CUDA only; writes persistent_mlp.json into DIR
