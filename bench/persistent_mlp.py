@@ -8,13 +8,16 @@ per multiprocessor computes its share of the intermediate row h, all programs me
 counter every program adds itself to and then waits on; all are resident, the grid being the SM count), and then
 compute their share of the output from h. Timed as:
 - `two kernels`: graphcap's ops as the draft loop runs them (skinny_gate_up_gelu, then skinny_linear's split K);
-- `persistent`: the one kernel; `persistent, down tile first`: the same, each program loading its first down-weight
-  tile before it waits at the barrier (a weight read that does not depend on h);
+- `persistent`: the one kernel, the down phase in 16-row blocks over the whole K (96 of the 132 programs busy);
+  `persistent, down tile first`: the same, each program loading its first down-weight tile before it waits at the
+  barrier (a weight read that does not depend on h);
 - `phases as two launches`: the same two phases launched as two kernels (no barrier): what the barrier itself costs
-  or saves against the launch between them, the phases' own speed aside.
+  or saves against the launch between them, the phases' own speed aside;
+- `persistent, down split K 4` / `8`: the down phase's blocks split over K as well (384 / 768 units for the 132
+  programs), each block's last split to arrive summing the partials in order (skinny_gemm_kernels' one-kernel split K).
 Each timed inside a CUDA graph among 256 MB reads (bench/attention_bw.py's in_graph_us); every output is checked
-against a float64 computation (bf16 tolerance), and one that is off is reported and not timed. The phase-2 split: none (16 output rows per program, 96 of the 132
-programs busy), so the down phase reads each weight row once in long runs. Not part of graphcap's draft loop.
+against a float64 computation (bf16 tolerance), and one that is off is reported and not timed. Not part of graphcap's
+draft loop.
 
     python bench/persistent_mlp.py --out DIR     # CUDA only; writes persistent_mlp.json into DIR
 """
@@ -52,40 +55,60 @@ def _gate_up_block(x, w, h, blk, I, K, BN: tl.constexpr, BK: tl.constexpr, BM: t
 
 
 @triton.jit
-def _down_block(h, w, y, blk, N, K, w0, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr,
-                FIRST_LOADED: tl.constexpr):
-    # y[n] = w[n] . h for n in block blk; h written by other programs: read past L1 (.cg). With FIRST_LOADED the
-    # first K tile of w is w0, loaded by the caller.
+def _down_unit(h, w, y, part, cnt, unit, N, K, w0, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr,
+               S: tl.constexpr, FIRST_LOADED: tl.constexpr):
+    # unit = (block blk of BN output rows, K split s of S): y[n] = w[n] . h over K range s; h written by other
+    # programs: read past L1 (.cg). With FIRST_LOADED the range's first tile of w is w0, loaded by the caller. S > 1:
+    # the partial goes to part[s], and the block's last split to arrive (cnt[blk] counts them) sums part[0..S-1] in
+    # order and stores y (skinny_gemm_kernels' one-kernel split K).
+    blk = unit // S
+    s = unit % S
+    k_lo = s * (K // S)
     offs_n = blk * BN + tl.arange(0, BN)
     offs_m = tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     w_ptr = w + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     h_ptr = h + offs_m[None, :] * K + offs_k[:, None]
     acc = tl.zeros([BN, BM], tl.float32)
-    k0 = 0
+    k0 = k_lo
     if FIRST_LOADED:
-        acc = tl.dot(w0, tl.load(h_ptr, mask=offs_m[None, :] < 1, other=0.0, cache_modifier=".cg"), acc)
-        k0 = BK
-    for k in range(k0, K, BK):
+        acc = tl.dot(w0, tl.load(h_ptr + k_lo, mask=offs_m[None, :] < 1, other=0.0, cache_modifier=".cg"), acc)
+        k0 = k_lo + BK
+    for k in range(k0, k_lo + K // S, BK):
         ht = tl.load(h_ptr + k, mask=offs_m[None, :] < 1, other=0.0, cache_modifier=".cg")
         acc = tl.dot(tl.load(w_ptr + k), ht, acc)
-    tl.store(y + offs_m[None, :] * N + offs_n[:, None], acc.to(y.dtype.element_ty), mask=offs_m[None, :] < 1)
+    row0 = offs_m[None, :] < 1
+    if S == 1:
+        tl.store(y + offs_m[None, :] * N + offs_n[:, None], acc.to(y.dtype.element_ty), mask=row0)
+    else:
+        p_ptr = part + offs_m[None, :] * 0 + offs_n[:, None]
+        tl.store(p_ptr + s * N, acc, mask=row0)
+        tl.debug_barrier()
+        if tl.atomic_add(cnt + blk, 1, sem="acq_rel") == S - 1:
+            total = tl.load(p_ptr, mask=row0, other=0.0, cache_modifier=".cg")
+            for j in range(1, S):
+                total += tl.load(p_ptr + j * N, mask=row0, other=0.0, cache_modifier=".cg")
+            tl.store(y + offs_m[None, :] * N + offs_n[:, None], total.to(y.dtype.element_ty), mask=row0)
+            tl.atomic_xchg(cnt + blk, 0)
 
 
 @triton.jit
-def _mlp_kernel(x, w_gu, w_d, h, y, counters, I, H, spin_limit,
+def _mlp_kernel(x, w_gu, w_d, h, y, part, counters, I, H, spin_limit,
                 PHASES: tl.constexpr, PREFETCH: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
-                BN2: tl.constexpr, BK2: tl.constexpr, BM: tl.constexpr):
+                BN2: tl.constexpr, BK2: tl.constexpr, BM: tl.constexpr, S2: tl.constexpr):
+    # counters: [0] the barrier's arrivals, [1] programs done with the down phase, [2 + b] block b's down splits
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    units = tl.cdiv(H, BN2) * S2
     if PHASES % 2 == 1:
         for blk in range(pid, tl.cdiv(I, BN1), nprog):
             _gate_up_block(x, w_gu, h, blk, I, H, BN1, BK1, BM)
     w0 = tl.zeros([BN2, BK2], w_d.dtype.element_ty)
     if PREFETCH:
-        if pid < tl.cdiv(H, BN2):  # this program's first down tile, before the wait
-            offs_n = pid * BN2 + tl.arange(0, BN2)
-            w0 = tl.load(w_d + offs_n.to(tl.int64)[:, None] * I + tl.arange(0, BK2)[None, :])
+        if pid < units:  # this program's first down tile, before the wait
+            offs_n = (pid // S2) * BN2 + tl.arange(0, BN2)
+            k_lo = (pid % S2) * (I // S2)
+            w0 = tl.load(w_d + offs_n.to(tl.int64)[:, None] * I + k_lo + tl.arange(0, BK2)[None, :])
     if PHASES == 3:  # grid-wide barrier: every program's h stores before any program's h loads
         tl.debug_barrier()
         tl.atomic_add(counters, 1, sem="release")
@@ -94,25 +117,35 @@ def _mlp_kernel(x, w_gu, w_d, h, y, counters, I, H, spin_limit,
             spins += 1
     if PHASES >= 2:
         start = pid
-        if PREFETCH:  # this program's first block from the tile it loaded before the wait
-            if pid < tl.cdiv(H, BN2):
-                _down_block(h, w_d, y, pid, H, I, w0, BN2, BK2, BM, True)
+        if PREFETCH:  # this program's first unit from the tile it loaded before the wait
+            if pid < units:
+                _down_unit(h, w_d, y, part, counters + 2, pid, H, I, w0, BN2, BK2, BM, S2, True)
             start = pid + nprog
-        for blk in range(start, tl.cdiv(H, BN2), nprog):
-            _down_block(h, w_d, y, blk, H, I, w0, BN2, BK2, BM, False)
-    if PHASES == 3:  # the last program out resets the counters for the next launch or replay
+        for unit in range(start, units, nprog):
+            _down_unit(h, w_d, y, part, counters + 2, unit, H, I, w0, BN2, BK2, BM, S2, False)
+    if PHASES == 3:  # the last program out resets the barrier's counters for the next launch or replay
         if tl.atomic_add(counters + 1, 1, sem="acq_rel") == nprog - 1:
             tl.atomic_xchg(counters, 0)
             tl.atomic_xchg(counters + 1, 0)
 
 
+def new_counters(hidden: int, device: torch.device | str) -> torch.Tensor:
+    """The kernel's int32 counters (the barrier's two, one per 16-row down block), zero between launches."""
+    return torch.zeros(2 + triton.cdiv(hidden, 16), dtype=torch.int32, device=device)
+
+
 def launch(x: torch.Tensor, w_gu: torch.Tensor, w_d: torch.Tensor, h: torch.Tensor, y: torch.Tensor,
-           counters: torch.Tensor, programs: int, phases: int, prefetch: bool = False) -> torch.Tensor:
+           counters: torch.Tensor, programs: int, phases: int, prefetch: bool = False, split: int = 1,
+           part: torch.Tensor | None = None, bk2: int = 512) -> torch.Tensor:
     """phases: 3 = both with the barrier (CUDA only: Triton's interpreter runs programs one after another), 1 or 2 =
-    that phase alone."""
-    _mlp_kernel[(programs,)](x, w_gu, w_d, h, y, counters, w_d.shape[1], x.shape[1],
-                             SPIN_LIMIT, PHASES=phases, PREFETCH=prefetch, BN1=16, BK1=256, BN2=16, BK2=512, BM=16,
-                             num_warps=4, num_stages=4)
+    that phase alone. split: the down phase's K splits (part: their [split, hidden] fp32 partials; the intermediate
+    size a multiple of split x bk2)."""
+    if w_d.shape[1] % (split * bk2) or (split > 1 and (part is None or part.shape[0] < split)):
+        raise ValueError(f"persistent_mlp.launch: the intermediate size ({w_d.shape[1]}) must be a multiple of split x "
+                         f"bk2 ({split} x {bk2}), and a split needs part with >= {split} rows")
+    _mlp_kernel[(programs,)](x, w_gu, w_d, h, y, y if part is None else part, counters, w_d.shape[1], x.shape[1],
+                             SPIN_LIMIT, PHASES=phases, PREFETCH=prefetch, BN1=16, BK1=256, BN2=16, BK2=bk2, BM=16,
+                             S2=split, num_warps=4, num_stages=4)
     return y
 
 
@@ -149,7 +182,8 @@ def main(argv=None) -> int:
     w_d = (torch.randn(HIDDEN, INTER, generator=g, device=dev) * INTER ** -0.5).bfloat16()
     h = torch.empty(1, INTER, device=dev, dtype=torch.bfloat16)
     y = torch.empty(1, HIDDEN, device=dev, dtype=torch.bfloat16)
-    counters = torch.zeros(2, device=dev, dtype=torch.int32)
+    counters = new_counters(HIDDEN, dev)
+    part = torch.empty(8, HIDDEN, device=dev, dtype=torch.float32)
     want = reference(x, w_gu, w_d)
 
     def two_kernels():
@@ -161,7 +195,11 @@ def main(argv=None) -> int:
 
     contestants = {"two kernels": two_kernels, "persistent": lambda: launch(x, w_gu, w_d, h, y, counters, sms, 3),
                    "persistent, down tile first": lambda: launch(x, w_gu, w_d, h, y, counters, sms, 3, True),
-                   "phases as two launches": phases_apart}
+                   "phases as two launches": phases_apart,
+                   "persistent, down split K 4": lambda: launch(x, w_gu, w_d, h, y, counters, sms, 3, split=4,
+                                                                part=part),
+                   "persistent, down split K 8": lambda: launch(x, w_gu, w_d, h, y, counters, sms, 3, split=8,
+                                                                part=part, bk2=256)}
     rows = []
     for name, fn in contestants.items():
         out = fn().double()
@@ -171,7 +209,7 @@ def main(argv=None) -> int:
         if err <= 1e-2:  # a wrong result (a barrier that never filled) is reported, not timed
             row["us"] = round(in_graph_us(fn), 2)
             row["rel_err_after_replays"] = float(((fn().double() - want).norm() / want.norm()).item())
-        row["counters_after"] = counters.tolist()
+        row["counters_after_nonzero"] = int(counters.count_nonzero())
         rows.append(row)
         print(json.dumps(row), flush=True)
     mb = (w_gu.numel() + w_d.numel()) * 2 / 1e6
