@@ -8,6 +8,7 @@ import zlib
 
 import pytest
 import torch
+import triton
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -151,6 +152,32 @@ def test_random_cases(impl, device, seed, ratio, kv_heads, dim, window, lens, pa
     for i in range(q.shape[0]):
         if min(int(lens_t[int(slots[i])]), cols) == 0:
             assert (out[i] == 0).all()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**20), batch=st.integers(1, 2), heads=st.integers(1, 3), splits=st.integers(1, 40),
+       dim=st.sampled_from([16, 24, 512]), empty=st.sampled_from([0.0, 0.3, 1.0]))
+def test_combine_kernel_matches_float64(device, seed, batch, heads, splits, dim, empty):
+    """The combine kernel alone over random partials and log-sum-exps, up to 40 splits, head widths that are and are
+    not a power of two: the float64 merge of the live splits. An empty split (lse -inf) wrote no partial; its slot
+    here holds NaN, which must not reach the output. A row of empty splits gives zeros."""
+    from graphcap.kernels import attention_kernels as A
+
+    g = torch.Generator().manual_seed(seed)
+    lse = torch.randn(batch, heads, splits, generator=g) * 4
+    lse[torch.rand(batch, heads, splits, generator=g) < empty] = -math.inf
+    part = torch.randn(batch, heads, splits, dim, generator=g)
+    part[lse == -math.inf] = math.nan
+    out = torch.empty(batch, heads, dim, dtype=torch.float32)
+    args = [t.to(device) for t in (part.flatten(), lse.flatten(), out)]
+    A._combine_kernel[(batch, heads)](*args, splits, out.stride(0), out.stride(1), H=heads, D=dim,
+                                      BLOCK_D=max(16, triton.next_power_of_2(dim)),
+                                      BLOCK_S=triton.next_power_of_2(splits))
+    w = torch.exp2(lse.double() - lse.double().amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0))
+    num = (w[..., None] * part.double().nan_to_num(0.0)).sum(-2)
+    den = w.sum(-1, keepdim=True)
+    want = torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
+    torch.testing.assert_close(args[2].cpu().double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_every_argument_reaches_the_registered_op(monkeypatch):
