@@ -143,13 +143,13 @@ def in_graph_ms(fn, rep_ms: float) -> float:
         del graphs
 
 
-
 def in_graph_us(fn, rep_ms: float = 200.0) -> float:
     """Microseconds of `fn` the same way (in_graph_ms), after one warm-up call outside the graph (compiles, plans):
-    the experiments' timing (bench/l2_prefetch.py, bench/centroid_config.py)."""
+    the other bench scripts' in-graph timing."""
     fn()
     torch.cuda.synchronize()
     return in_graph_ms(fn, rep_ms) * 1e3
+
 
 bench_events = timing.events_ms
 

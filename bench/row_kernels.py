@@ -27,31 +27,6 @@ HIDDEN, EPS = 1536, 1e-6
 TOPK = ((2048, 33), (4096, 2))
 
 
-def topk_launch(x: torch.Tensor, k: int, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    b, n = x.shape
-    values = torch.empty((b, k), dtype=x.dtype, device=x.device)
-    indices = torch.empty((b, k), dtype=torch.int64, device=x.device)
-    block_n = max(16, triton.next_power_of_2(n))
-    st._small_topk_kernel[(b,)](x, values, indices, x.stride(0), values.stride(0), indices.stride(0), N=n, K=k,
-                                BLOCK_N=block_n, BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=warps)
-    return values, indices
-
-
-def norm_add_norm_launch(x, res, w1, w2, warps):
-    normed, total = torch.empty_like(x), torch.empty_like(x)
-    lf._norm_add_norm_kernel[(x.shape[0],)](x, res, w1, w2, normed, total, HIDDEN, x.stride(0), res.stride(0),
-                                            normed.stride(0), total.stride(0), EPS, BLOCK=2048, num_warps=warps)
-    return normed, total
-
-
-def norm_add_scale_norm_launch(x, res, w1, w2, scalar, warps):
-    out, normed = torch.empty_like(x), torch.empty_like(x)
-    lf._norm_add_scale_norm_kernel[(x.shape[0],)](x, res, w1, scalar, w2, out, normed, HIDDEN, x.stride(0),
-                                                  res.stride(0), out.stride(0), normed.stride(0), EPS, BLOCK=2048,
-                                                  num_warps=warps)
-    return out, normed
-
-
 def main(argv=None) -> int:
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,64")
@@ -81,21 +56,22 @@ def main(argv=None) -> int:
         for n, k in TOPK:
             x = torch.randn(batch, n, generator=g, device="cuda")
             shipped = st._num_warps(max(16, triton.next_power_of_2(n)))
-            want = topk_launch(x, k, shipped)
+            want = st._launch(x, k)
             timed = {}
             for w in warps:
-                got = topk_launch(x, k, w)
+                got = st._launch(x, k, w)
                 if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
                     raise SystemExit(f"row_kernels: top-k {k} of {n} at {w} warps differs from {shipped} warps")
-                timed[w] = in_graph_us(lambda w=w: topk_launch(x, k, w))
+                timed[w] = in_graph_us(lambda w=w: st._launch(x, k, w))
             record(f"small_topk {k} of {n}", batch, shipped, timed)
         x, res = (torch.randn(batch, HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(2))
         w1, w2 = (0.1 * torch.randn(HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(2))
         scalar = torch.rand(1, generator=g, device="cuda").bfloat16() + 0.5
-        shipped = lf._warps(2048)
-        for kernel, fn in (("norm_add_norm", lambda w: norm_add_norm_launch(x, res, w1, w2, w)),
-                           ("norm_add_scale_norm", lambda w: norm_add_scale_norm_launch(x, res, w1, w2, scalar, w))):
-            want = fn(shipped)
+        shipped = lf._warps(triton.next_power_of_2(HIDDEN))
+        for kernel, fn in (("norm_add_norm", lambda w: lf.launch_norm_add_norm(x, res, w1, w2, EPS, w)),
+                           ("norm_add_scale_norm",
+                            lambda w: lf.launch_norm_add_scale_norm(x, w1, res, scalar, w2, EPS, w))):
+            want = fn(None)
             timed = {}
             for w in warps:
                 for got_t, want_t in zip(fn(w), want):  # another sum order: at most one bf16 rounding apart

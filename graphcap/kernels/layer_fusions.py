@@ -165,11 +165,9 @@ def _norm_rope_op(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin:
     return out
 
 
-@triton_op("graphcap::norm_add_norm", mutates_args=())
-def _norm_add_norm_op(x: torch.Tensor, residual: torch.Tensor, w_x: torch.Tensor, w_sum: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if not use_triton(x):
-        return norm_add_norm_torch(x, residual, w_x, w_sum, eps)
+def launch_norm_add_norm(x: torch.Tensor, residual: torch.Tensor, w_x: torch.Tensor, w_sum: torch.Tensor, eps: float,
+                         num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm_add_norm kernel, one program per row (unchecked; num_warps: `_warps`' unless given)."""
     rows, n = x.shape
     normed = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     total = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -178,16 +176,15 @@ def _norm_add_norm_op(x: torch.Tensor, residual: torch.Tensor, w_x: torch.Tensor
     block = triton.next_power_of_2(n)
     wrap_triton(_norm_add_norm_kernel)[(rows,)](
         x, residual, w_x, w_sum, normed, total, n, x.stride(0), residual.stride(0), normed.stride(0), total.stride(0),
-        eps, BLOCK=block, num_warps=_warps(block),
+        eps, BLOCK=block, num_warps=num_warps or _warps(block),
     )
     return normed, total
 
 
-@triton_op("graphcap::norm_add_scale_norm", mutates_args=())
-def _norm_add_scale_norm_op(x: torch.Tensor, w_x: torch.Tensor, residual: torch.Tensor, scalar: torch.Tensor,
-                            w_out: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if not use_triton(x):
-        return norm_add_scale_norm_torch(x, w_x, residual, scalar, w_out, eps)
+def launch_norm_add_scale_norm(x: torch.Tensor, w_x: torch.Tensor, residual: torch.Tensor, scalar: torch.Tensor,
+                               w_out: torch.Tensor, eps: float, num_warps: int | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm_add_scale_norm kernel, one program per row (unchecked; num_warps: `_warps`' unless given)."""
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     normed = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -196,9 +193,25 @@ def _norm_add_scale_norm_op(x: torch.Tensor, w_x: torch.Tensor, residual: torch.
     block = triton.next_power_of_2(n)
     wrap_triton(_norm_add_scale_norm_kernel)[(rows,)](
         x, residual, w_x, scalar, w_out, out, normed, n, x.stride(0), residual.stride(0), out.stride(0),
-        normed.stride(0), eps, BLOCK=block, num_warps=_warps(block),
+        normed.stride(0), eps, BLOCK=block, num_warps=num_warps or _warps(block),
     )
     return out, normed
+
+
+@triton_op("graphcap::norm_add_norm", mutates_args=())
+def _norm_add_norm_op(x: torch.Tensor, residual: torch.Tensor, w_x: torch.Tensor, w_sum: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(x):
+        return norm_add_norm_torch(x, residual, w_x, w_sum, eps)
+    return launch_norm_add_norm(x, residual, w_x, w_sum, eps)
+
+
+@triton_op("graphcap::norm_add_scale_norm", mutates_args=())
+def _norm_add_scale_norm_op(x: torch.Tensor, w_x: torch.Tensor, residual: torch.Tensor, scalar: torch.Tensor,
+                            w_out: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(x):
+        return norm_add_scale_norm_torch(x, w_x, residual, scalar, w_out, eps)
+    return launch_norm_add_scale_norm(x, w_x, residual, scalar, w_out, eps)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -104,7 +104,8 @@ def _num_warps(block_n: int) -> int:
     return max(1, min(8, block_n // 512))
 
 
-def _launch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(x: torch.Tensor, k: int, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel over x's rows; num_warps: `_num_warps`'s choice unless given (bench/row_kernels.py sweeps it)."""
     b, n = x.shape
     values = torch.empty((b, k), dtype=x.dtype, device=x.device)
     indices = torch.empty((b, k), dtype=torch.int64, device=x.device)
@@ -113,7 +114,8 @@ def _launch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     block_n = max(16, triton.next_power_of_2(n))
     wrap_triton(_small_topk_kernel)[(b,)](
         x, values, indices, x.stride(0), values.stride(0), indices.stride(0),
-        N=n, K=k, BLOCK_N=block_n, BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=_num_warps(block_n),
+        N=n, K=k, BLOCK_N=block_n, BLOCK_K=max(2, triton.next_power_of_2(k)),
+        num_warps=num_warps or _num_warps(block_n),
     )
     return values, indices
 
