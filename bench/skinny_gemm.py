@@ -6,7 +6,8 @@ Contestants per (shape, M), all bf16 with fp32 accumulation:
   where cuBLAS splits K) - what the draft runs today.
 - inductor: torch.compile(mode="max-autotune-no-cudagraphs") of the same expression (gate_up: chunk, gelu-tanh, mul).
 - plan: graphcap.kernels.skinny_gemm's registered op (the config `plan` picks); <config>: each candidate of the
-  shape's class through `launch`.
+  shape's class through `launch` (with --grid: every config of `grid_configs` instead, a wider search than the
+  table's candidates - tiles, warps, pipeline depths, CUDA-core configs and, for the narrow shapes, split counts).
 Each contestant's output is checked against cublas first (max |a - b| / max |b|, printed); one above 2e-2 is
 reported and not timed.
 
@@ -16,12 +17,13 @@ H200's L2 is 50 MB), so every call reads its weights from HBM with a clean L2, b
 GB/s = (weights + x + out bytes) / time, against the device-to-device copy bandwidth measured in the same run
 (graphcap.bench.roofline, bytes read + written).
 
-    python bench/skinny_gemm.py --out DIR [--quick]    # CUDA only; writes skinny_gemm.{json,md} into DIR
+    python bench/skinny_gemm.py --out DIR [--quick] [--grid]    # CUDA only; writes skinny_gemm.{json,md} into DIR
 """
 from __future__ import annotations
 
 import json
 import math
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -63,7 +65,31 @@ def graph_us(fn: Callable[[torch.Tensor], torch.Tensor], ws: list[torch.Tensor],
     return ms * 1e3 / len(ws)
 
 
-def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool) -> dict[str, Callable]:
+def grid_configs(m: int, n: int, k: int, gated: bool) -> tuple:
+    """The --grid search for one shape: tensor-core configs over tiles x warps x pipeline depths, CUDA-core (broadcast)
+    configs up to 4 rows, and for the narrow (split-K) shapes each with 4, 8 and 16 splits summed in the kernel -
+    whatever fits the shared memory (`pipeline_smem`) and leaves no split empty. The shape class's own candidates
+    come first (the table's configs are timed in the same run), the rest in a fixed shuffled order: a run cut by its
+    budget has sampled the whole grid evenly rather than its first corner."""
+    from graphcap.kernels import skinny_gemm as sg
+
+    narrow = not gated and n < sg.NARROW_N
+    splits = (4, 8, 16) if narrow else (1,)
+    dot = [sg.Config(bn, bk, s, nw, ns, fixup=s > 1) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256),
+                                                                     (64, 64), (64, 128), (64, 256), (128, 64),
+                                                                     (128, 128))
+           for nw in (4, 8) for ns in (2, 3, 5) for s in splits]
+    bcast = [sg.Config(bn, bk, s, nw, ns, dot=False, fixup=s > 1)
+             for bn, bk in ((16, 256), (32, 128), (32, 256), (64, 128)) for nw in (4, 8) for ns in (1, 2, 3)
+             for s in splits] if m <= 4 else []
+    fits = [c for c in dot + bcast if k >= c.split_k * c.block_k
+            and not (c.dot and sg.pipeline_smem(c, m, gated) > sg.SMEM_LIMIT)]
+    random.Random(0).shuffle(fits)
+    return tuple(dict.fromkeys(sg.candidates(m, n, k, gated) + tuple(fits)))
+
+
+def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid: bool = False
+                ) -> dict[str, Callable]:
     from graphcap.kernels import skinny_gemm as sg
     from graphcap.kernels.fused_ops import gelu_tanh_and_mul
 
@@ -81,23 +107,29 @@ def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool) -> dict[st
     if inductor:
         compiled = torch.compile(expr, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=True)
         fns["inductor"] = lambda w: compiled(x, w)
-    for cfg in sg.candidates(m, n, k, gated):
+    for cfg in (grid_configs if wide_grid else sg.candidates)(m, n, k, gated):
         fns[cfg.name] = lambda w, cfg=cfg: sg.launch(x, w, x.new_empty(m, n), cfg, gated)
     return fns
 
 
 def measure(name: str, m: int, ws: list[torch.Tensor], x: torch.Tensor, gated: bool, n: int, rep_ms: float,
-            copy_gbs: float, which: set[str] | None, inductor: bool) -> list[dict]:
+            copy_gbs: float, which: set[str] | None, inductor: bool, wide_grid: bool = False,
+            deadline: float = math.inf) -> list[dict]:
     from graphcap.kernels import skinny_gemm as sg
 
     k = x.shape[1]
     moved = ws[0].numel() * 2 + x.numel() * 2 + m * n * 2  # bytes read (weights, x) + written (out)
-    fns = contestants(x, gated, n, inductor)
+    fns = contestants(x, gated, n, inductor, wide_grid)
     ref = fns["cublas"](ws[0])
     rows = []
-    for cname, fn in fns.items():
+    for i, (cname, fn) in enumerate(fns.items()):
         if which is not None and cname not in which:
             continue
+        if i >= 2 and time.time() > deadline:  # cuBLAS and the plan always; the rest while the shape's budget lasts
+            print(f"  {name} M={m}: {len(fns) - i} configs left untimed (past the shape's budget)", flush=True)
+            rows.append(dict(shape=name, n=n, k=k, m=m, contestant="untimed", failed=f"{len(fns) - i} configs "
+                             "left untimed (past the shape's budget)"))
+            break
         row = dict(shape=name, n=n, k=k, m=m, contestant=cname, mbytes=round(moved / 1e6, 2))
         if cname == "plan":
             row["config"] = sg.plan(m, n, k, gated).name
@@ -168,6 +200,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=450.0,
                     help="past this many seconds, Inductor (compiled last, shape by shape) is skipped")
     ap.add_argument("--no-inductor", action="store_true")
+    ap.add_argument("--grid", action="store_true",
+                    help="time grid_configs (a wider search) instead of the shape class's candidates; each shape "
+                         "and M gets an equal share of --budget-s")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("skinny_gemm: needs a CUDA GPU", file=sys.stderr)
@@ -205,8 +240,10 @@ def main() -> None:
             ws = [w] + [w.clone() for _ in range(math.ceil(ROTATE_BYTES / (w.numel() * 2)) - 1)]
             for m in ms:
                 x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+                share = args.budget_s / (len(shapes) * len(ms))
                 rows += measure(name, m, ws, x, gated, n, rep_ms, env["copy_gbps"],
-                                {"inductor"} if inductor else None, inductor)
+                                {"inductor"} if inductor else None, inductor, args.grid and not inductor,
+                                time.time() + share if args.grid and not inductor else math.inf)
             del w, ws
             torch.cuda.empty_cache()
             env["elapsed_s"] = round(time.time() - t0)

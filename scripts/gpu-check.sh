@@ -56,6 +56,8 @@
 #   scripts/gpu-check.sh persistent-mlp  an experiment: the MLP at one row as one persistent kernel (a grid-wide
 #                                 barrier between gate/up and down) against graphcap's two launches, in-graph
 #                                 (bench/persistent_mlp.py)
+#   scripts/gpu-check.sh attention-grid  the attention's tile configs x split counts in-graph at batch
+#                                 ATTENTION_GRID_BATCH (1), context 2048 (bench/attention_bw.py --grid)
 #   scripts/gpu-check.sh ncu      Nsight Compute's speed-of-light, memory, occupancy and warp-stall sections for the
 #                                 first NCU_COUNT (14) attention and skinny-GEMM kernels of the batch-NCU_BATCH (1)
 #                                 iteration (bench/profile_iteration.py under ncu; NCU_TARGET=attention: the first 8
@@ -84,7 +86,7 @@ tree_hash() {  # the code that runs: graphcap/, bench/, tests/, scripts/ (tracke
 [ $# -eq 0 ] && set -- smoke
 STAGES="perf smoke unit gemm tests replay kernels capture-warm host-affinity host bench capture capture-all variants"
 STAGES+=" profile bench8 check splits engine-check engine-speed dynamic replay-dynamic regions layers prefetch"
-STAGES+=" centroid-config engine-refusal row-kernels ncu persistent-mlp"
+STAGES+=" centroid-config engine-refusal row-kernels ncu persistent-mlp attention-grid"
 for stage in "$@"; do  # every name checked before anything runs
   case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -363,6 +365,11 @@ case $stage in
     ;;
   persistent-mlp)  # the MLP at one row as one persistent kernel against two launches (bench/persistent_mlp.py)
     STEP_LIMIT=${STEP_LIMIT:-240} step persistent-mlp python3 bench/persistent_mlp.py --out "$LOG/persistent-mlp"
+    ;;
+  attention-grid)  # every tile config x split count of the attention, in-graph, at one batch (ATTENTION_GRID_BATCH,
+    # default 1) and context 2048: the defaults were chosen from grids at the shapes near the 70%-of-copy line
+    STEP_LIMIT=${STEP_LIMIT:-300} step attention-grid python3 bench/attention_bw.py --grid --no-sglang --l2 in-graph \
+      --rep-ms 3 --batches "${ATTENTION_GRID_BATCH:-1}" --contexts 2048 --out "$LOG/attention-grid"
     ;;
   ncu)  # hardware counters of the first attention and skinny-GEMM launches (--clock-control none: clocks as they run)
     # of one iteration (NCU_TARGET=iteration, the default), or of the attention alone at context 2048
