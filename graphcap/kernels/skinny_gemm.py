@@ -88,9 +88,13 @@ _SMALL = {
 }
 _BCAST = {"wide": Config(16, 128, 1, 4, 2, False), "gated": Config(16, 128, 1, 4, 2, False),
           "narrow": Config(16, 128, 4, 4, 2, False)}
+# Up to 4 rows, the fastest of bench/skinny_gemm.py --grid at one row (docs/results.md, the skinny GEMM's wider
+# search): a fifth pipeline stage for gate/up, and for the narrow shapes four splits of K with five stages. Timed up
+# to 16 rows as candidates (they are not first there).
+_DEEP = {"gated": Config(64, 128, 1, 4, 5), "narrow": Config(64, 128, 4, 4, 5, fixup=True)}
 CANDIDATES: dict[str, tuple[Config, ...]] = {
-    **{f"m4-{n}": cfgs + (_BCAST[n],) for n, cfgs in _SMALL.items()},
-    **{f"m16-{n}": cfgs for n, cfgs in _SMALL.items()},
+    **{f"m4-{n}": ((_DEEP[n],) if n in _DEEP else ()) + cfgs + (_BCAST[n],) for n, cfgs in _SMALL.items()},
+    **{f"m16-{n}": cfgs + ((_DEEP[n],) if n in _DEEP else ()) for n, cfgs in _SMALL.items()},
     # up to 64 rows the x tile is as large as the weight tile at BLOCK_N = 64: wider N-blocks read x less often
     "m64-wide": (Config(64, 128, 1, 4, 4), Config(128, 128, 1, 8, 3), Config(32, 256, 1, 4, 3),
                  Config(64, 256, 1, 8, 3)),
