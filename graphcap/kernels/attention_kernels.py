@@ -132,14 +132,12 @@ def _split_kernel(
     t_row = table + slot * stride_t  # not dereferenced unless the row has keys
     k_base = k_pool + kvh.to(tl.int64) * stride_kh + offs_d[None, :]
     v_base = v_pool + kvh.to(tl.int64) * stride_vh + offs_d[None, :]
-    # evict_last: the draft reads the same K/V again at every layer of this type and every step (a frozen-KV draft);
-    # where the pools' rows fit the L2 (batch 1: 2 x 16.8 MB), the projections' weights (evict_first) pass them by
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         loc = tl.load(t_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        kt = tl.load(k_base + loc[:, None] * stride_kp, mask=kv_mask, other=0.0, eviction_policy="evict_last")
+        kt = tl.load(k_base + loc[:, None] * stride_kp, mask=kv_mask, other=0.0)
         if F32_DOT:
             s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
         else:
@@ -149,7 +147,7 @@ def _split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_base + loc[:, None] * stride_vp, mask=kv_mask, other=0.0, eviction_policy="evict_last")
+        vt = tl.load(v_base + loc[:, None] * stride_vp, mask=kv_mask, other=0.0)
         if F32_DOT:
             pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
         else:

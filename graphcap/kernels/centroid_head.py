@@ -109,8 +109,7 @@ def _centroid_logits_kernel(
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
         xv = tl.load(x_row + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-        w = tl.load(rows + offs_h[None, :], mask=mask_t[:, None] & mask_h[None, :], other=0.0,
-                    eviction_policy="evict_first")  # read once: keep the L2 for the attention's K/V (attention_kernels)
+        w = tl.load(rows + offs_h[None, :], mask=mask_t[:, None] & mask_h[None, :], other=0.0)
         acc += w.to(tl.float32) * xv[None, :]
     logits = tl.where(valid, tl.sum(acc, 1), float("nan"))
     tl.store(out + b * stride_ob + j * T + offs_t, logits, mask=offs_t < T)

@@ -57,22 +57,19 @@ def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_w
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     k0 = pid_s * k_split
-    # The weights are read once per call: evict_first keeps the L2 for what the draft reads again - the attention's
-    # K/V, the same pools at every layer of a type and every step (attention_kernels' evict_last).
     for k in range(k0, tl.minimum(k0 + k_split, K), BLOCK_K):
         mask_k = (k + offs_k) < K
         xt = tl.load(x_ptr + k, mask=mask_m[None, :] & mask_k[:, None], other=0.0)
         if EVEN_K and EVEN_N:  # the real shapes: unmasked, fully vectorised weight loads
-            wt = tl.load(w_ptr + k, eviction_policy="evict_first")
+            wt = tl.load(w_ptr + k)
         else:
-            wt = tl.load(w_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
+            wt = tl.load(w_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc = _mac(acc, wt, xt, DOT, INTERPRET)
         if GATED:
             if EVEN_K and EVEN_N:
-                ut = tl.load(u_ptr + k, eviction_policy="evict_first")
+                ut = tl.load(u_ptr + k)
             else:
-                ut = tl.load(u_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0,
-                             eviction_policy="evict_first")
+                ut = tl.load(u_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc_u = _mac(acc_u, ut, xt, DOT, INTERPRET)
     if GATED:  # gelu_tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))) = g * sigmoid(2c (g + 0.044715 g^3))
         acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)) * acc_u
