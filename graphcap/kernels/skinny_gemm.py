@@ -88,13 +88,13 @@ _SMALL = {
 }
 _BCAST = {"wide": Config(16, 128, 1, 4, 2, False), "gated": Config(16, 128, 1, 4, 2, False),
           "narrow": Config(16, 128, 4, 4, 2, False)}
-# Up to 4 rows, the fastest of bench/skinny_gemm.py --grid at one row (docs/results.md, the skinny GEMM's wider
-# search): a fifth pipeline stage for gate/up, and for the narrow shapes four splits of K with five stages. Timed up
-# to 16 rows as candidates (they are not first there).
+# Up to 16 rows, first: the fastest of bench/skinny_gemm.py --grid at one row, and of the class's candidates at 1,
+# 2, 4 and 8 rows (docs/results.md, the skinny GEMM's wider search) - a fifth pipeline stage for gate/up, and for the
+# narrow shapes four splits of K with five stages.
 _DEEP = {"gated": Config(64, 128, 1, 4, 5), "narrow": Config(64, 128, 4, 4, 5, fixup=True)}
 CANDIDATES: dict[str, tuple[Config, ...]] = {
     **{f"m4-{n}": ((_DEEP[n],) if n in _DEEP else ()) + cfgs + (_BCAST[n],) for n, cfgs in _SMALL.items()},
-    **{f"m16-{n}": cfgs + ((_DEEP[n],) if n in _DEEP else ()) for n, cfgs in _SMALL.items()},
+    **{f"m16-{n}": ((_DEEP[n],) if n in _DEEP else ()) + cfgs for n, cfgs in _SMALL.items()},
     # up to 64 rows the x tile is as large as the weight tile at BLOCK_N = 64: wider N-blocks read x less often
     "m64-wide": (Config(64, 128, 1, 4, 4), Config(128, 128, 1, 8, 3), Config(32, 256, 1, 4, 3),
                  Config(64, 256, 1, 8, 3)),
@@ -107,10 +107,10 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
 # Up to how many rows graphcap's op sets send a shape class to the kernel (its plan) rather than cuBLAS: where it made
 # the draft iteration faster on the H200 (graphcap bench; docs/results.md, the skinny GEMM). Alone
 # (bench/skinny_gemm.py) the kernel beat cuBLAS on the wide and gate/up shapes (gate/up's margin includes the gelu-mul
-# kernel cuBLAS needs after it) and tied on the narrow split-K shapes. In the iteration the narrow shapes' one-kernel
-# split K won up to 4 rows (cuBLAS adds a split-K reduction kernel per call) and lost at 8, its 27 fewer kernels
-# notwithstanding; the wide and gated shapes won at 8 rows and lost at 16.
-KERNEL_ROWS = {"wide": 8, "gated": 8, "narrow": 4}
+# kernel cuBLAS needs after it); on the narrow split-K shapes its four-split, five-stage config beat cuBLAS at 1-8
+# rows (o_proj_full: a tie at 8), where the eight-split config before it lost at 8 (0.94x in the iteration, its 27 fewer kernels - cuBLAS adds a
+# split-K reduction per call - notwithstanding). The wide and gated shapes won at 8 rows and lost at 16.
+KERNEL_ROWS = {"wide": 8, "gated": 8, "narrow": 8}
 
 
 def kernel_rows(n: int, gated: bool = False) -> int:

@@ -290,7 +290,7 @@ class LayerKernelOps(TorchOps):
 
 # graphcap's loop (DraftLoop's default): each projection through the skinny GEMM at the batches where its shape
 # class made the iteration faster than cuBLAS on the H200 (skinny_gemm.KERNEL_ROWS: q_proj, post_proj and gate/up +
-# gelu-mul up to 8 rows, the narrow split-K shapes up to 4; docs/results.md)
+# gelu-mul and the narrow split-K shapes up to 8 rows; docs/results.md)
 LAYER_KERNEL_OPS = LayerKernelOps(name="layer-kernels-gemm-by-shape", skinny_rows=SKINNY_MAX_M, skinny_by_shape=True)
 DEFAULT_OPS = LAYER_KERNEL_OPS
 # graphcap's loop with the skinny GEMM at every bucket and shape (bench mode graphcap-skinny-gemm)
