@@ -113,23 +113,13 @@ def _norm_rope_kernel(q, w, cos, sin, slots, lens, out, H, half, rows, stride_qb
 
 
 @triton.jit
-def _load_row(ptr, cols, m, PAST_L1: tl.constexpr):
-    # PAST_L1: the row was written by other programs of the running kernel (graphcap.kernels.skinny_gemm's norm tail),
-    # so it is read from the L2 (.cg), never from a stale L1 line
-    if PAST_L1:
-        return tl.load(ptr + cols, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
-    return tl.load(ptr + cols, mask=m, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def norm_add_norm_row(x, res, w_x, w_sum, normed, total, row, n, stride_x, stride_r, stride_n, stride_t, eps,
-                      BLOCK: tl.constexpr, PAST_L1: tl.constexpr):
-    """One row of norm_add_norm (its kernel's body; also the skinny GEMM's norm tail)."""
-    row = tl.cast(row, tl.int64)
+def _norm_add_norm_kernel(x, res, w_x, w_sum, normed, total, n, stride_x, stride_r, stride_n, stride_t, eps,
+                          BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n
     dt = total.dtype.element_ty
-    v = _load_row(x + row * stride_x, cols, m, PAST_L1)
+    v = tl.load(x + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
     a = _gemma_norm(v, w_x, cols, m, n, eps).to(dt).to(tl.float32)
     s = (tl.load(res + row * stride_r + cols, mask=m, other=0.0).to(tl.float32) + a).to(dt)
     tl.store(total + row * stride_t + cols, s, mask=m)
@@ -138,34 +128,19 @@ def norm_add_norm_row(x, res, w_x, w_sum, normed, total, row, n, stride_x, strid
 
 
 @triton.jit
-def norm_add_scale_norm_row(x, res, w_x, scalar, w_out, out, normed, row, n, stride_x, stride_r, stride_o, stride_n,
-                            eps, BLOCK: tl.constexpr, PAST_L1: tl.constexpr):
-    """One row of norm_add_scale_norm (its kernel's body; also the skinny GEMM's norm tail)."""
-    row = tl.cast(row, tl.int64)
+def _norm_add_scale_norm_kernel(x, res, w_x, scalar, w_out, out, normed, n, stride_x, stride_r, stride_o, stride_n,
+                                eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n
     dt = out.dtype.element_ty
-    v = _load_row(x + row * stride_x, cols, m, PAST_L1)
+    v = tl.load(x + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
     a = _gemma_norm(v, w_x, cols, m, n, eps).to(dt).to(tl.float32)
     t = (tl.load(res + row * stride_r + cols, mask=m, other=0.0).to(tl.float32) + a).to(dt).to(tl.float32)
     o = (t * tl.load(scalar).to(tl.float32)).to(dt)
     tl.store(out + row * stride_o + cols, o, mask=m)
     y = _gemma_norm(o.to(tl.float32), w_out, cols, m, n, eps)
     tl.store(normed + row * stride_n + cols, y.to(dt), mask=m)
-
-
-@triton.jit
-def _norm_add_norm_kernel(x, res, w_x, w_sum, normed, total, n, stride_x, stride_r, stride_n, stride_t, eps,
-                          BLOCK: tl.constexpr):
-    norm_add_norm_row(x, res, w_x, w_sum, normed, total, tl.program_id(0), n, stride_x, stride_r, stride_n, stride_t,
-                      eps, BLOCK, False)
-
-
-@triton.jit
-def _norm_add_scale_norm_kernel(x, res, w_x, scalar, w_out, out, normed, n, stride_x, stride_r, stride_o, stride_n,
-                                eps, BLOCK: tl.constexpr):
-    norm_add_scale_norm_row(x, res, w_x, scalar, w_out, out, normed, tl.program_id(0), n, stride_x, stride_r,
-                            stride_o, stride_n, eps, BLOCK, False)
 
 
 def _warps(block: int) -> int:

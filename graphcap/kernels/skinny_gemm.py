@@ -202,34 +202,9 @@ def skinny_gate_up_gelu_torch(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch
     return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
 
 
-class NormTail(NamedTuple):
-    """The norm chain a projection's kernel runs after it over its output rows (graphcap.kernels.projection_norm):
-    kind 1 = layer_fusions.norm_add_norm(out, residual, w_1, w_2) into (out_1 normed, out_2 the sum); kind 2 =
-    norm_add_scale_norm(out, w_1, residual, scalar, w_2) into (out_1 the scaled sum, out_2 its norm)."""
-    kind: int
-    residual: torch.Tensor
-    w_1: torch.Tensor
-    scalar: torch.Tensor | None
-    w_2: torch.Tensor
-    out_1: torch.Tensor
-    out_2: torch.Tensor
-    eps: float
-
-
-def tail_counters(device: torch.device, n: int, k: int, cfg: Config) -> torch.Tensor | None:
-    """The arrival counters a projection with a NormTail needs under `cfg` (its n-blocks' and one more), or None
-    where it cannot run one: a split without the one-kernel sum, or no counters made for the device
-    (`skinny_gemm_kernels.prepare_fixup`)."""
-    if _splits(k, cfg)[1] > 1 and not cfg.fixup:
-        return None
-    return fixup_counters(device, triton.cdiv(n, cfg.block_n) + 1)
-
-
-def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gated: bool = False,
-           tail: NormTail | None = None) -> torch.Tensor:
+def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gated: bool = False) -> torch.Tensor:
     """Run the kernel with an explicit config into `out` ([M, N] or gated [M, I]); the bench and tests time and check
-    every candidate through this. Inputs are assumed checked (`_check`); a `tail` only where `tail_counters` gives
-    counters, and not gated."""
+    every candidate through this. Inputs are assumed checked (`_check`)."""
     m, n = out.shape
     k = x.shape[1]
     if m == 0 or n == 0:
@@ -242,26 +217,14 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
     block_m = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
     n_blocks = triton.cdiv(n, cfg.block_n)
     y = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    common = (x, w, y, out)
-    strides = (m, n, k, k_split, x.stride(0), w.stride(0), y.stride(-2), y.stride(0) if splits > 1 else 0,
-               out.stride(0))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT=cfg.dot, INTERPRET=not x.is_cuda,
-                EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
-    if tail is not None:
-        counters = tail_counters(x.device, n, k, cfg)
-        if counters is None or gated:
-            raise SkinnyGemmError(f"launch: a norm tail needs an ungated projection and split-K arrival counters "
-                                  f"(tail_counters) for config {cfg.name}")
-        t = tail
-        kernels._skinny_norm_kernel[(n_blocks, splits)](
-            *common, counters, *strides, t.residual, t.w_1, t.w_1 if t.scalar is None else t.scalar, t.w_2, t.out_1,
-            t.out_2, t.residual.stride(0), t.out_1.stride(0), t.out_2.stride(0), float(t.eps),
-            FIXUP=splits > 1, TAIL=t.kind, BLOCK_ROW=triton.next_power_of_2(n), **meta)
-        return out
     counters = fixup_counters(x.device, n_blocks) if splits > 1 and cfg.fixup else None
     kernels._skinny_kernel[(n_blocks, splits)](
-        *common, counters if counters is not None else y, *strides, GATED=gated, FIXUP=counters is not None, **meta)
+        x, w, y, out, counters if counters is not None else y, m, n, k, k_split, x.stride(0), w.stride(0),
+        y.stride(-2), y.stride(0) if splits > 1 else 0, out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot, INTERPRET=not x.is_cuda,
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, FIXUP=counters is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     if splits > 1 and counters is None:
         kernels._splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](y, out, m, n, splits, out.stride(0), BLOCK=1024,
                                                                     INTERPRET=not x.is_cuda, num_warps=4)

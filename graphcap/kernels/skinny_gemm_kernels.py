@@ -4,19 +4,13 @@ ops) and the split-K arrival counters of the one-kernel split K.
 - `_skinny_kernel`: program (n-block, split) owns BLOCK_N output columns of all M rows over one K range, the product
   computed transposed (weight rows on the MMA's large side); unsplit it stores the output, split it stores an fp32
   partial, which the n-block's last split to arrive sums (FIXUP) or `_splitk_sum_kernel` does.
-- `_skinny_norm_kernel`: the same projection, then the layer's norm chain after it (graphcap.kernels.layer_fusions'
-  row bodies) over the whole output rows, run by the last n-block to finish: one kernel where there were two
-  (graphcap.kernels.projection_norm).
-- the counters: one int32 per n-block per device (and the norm tail's one after them), zero between launches (each
-  launch's last arrivals reset theirs).
+- the counters: one int32 per n-block per device, zero between launches (each launch's last splits reset theirs).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from graphcap.kernels.layer_fusions import norm_add_norm_row, norm_add_scale_norm_row
 
 
 # INTERPRET (CPU tensors, which reach a kernel only under TRITON_INTERPRET=1) works around two faults of Triton's
@@ -44,14 +38,14 @@ def _round(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     return v.to(dtype)
 
 
-@triton.jit
-def _skinny_block(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys, stride_om,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                  DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                  FIXUP: tl.constexpr):
-    """Program (n-block, split s): columns [n0, n0 + BLOCK_N) of all M rows over K range [s * k_split, +k_split).
-    Returns whether this program stored its n-block's output (unsplit: every program; FIXUP: the n-block's last split
-    to arrive; a split without FIXUP stores only its partial: never)."""
+# M is not specialised (Triton compiles a separate binary for an int argument equal to 1): batches 1..16 share one
+# binary per config, which is what a warm start loads (BLOCK_M already is the constexpr that matters).
+@triton.jit(do_not_specialize=["M"])
+def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+                   DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                   FIXUP: tl.constexpr):
+    # program (n-block, split s): columns [n0, n0 + BLOCK_N) of all M rows over K range [s * k_split, +k_split)
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -83,7 +77,6 @@ def _skinny_block(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn
     y_ptr = y + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
     if not FIXUP:  # the output, or (split K) this split's fp32 partial for the sum kernel
         tl.store(y_ptr, _round(acc, y.dtype.element_ty, INTERPRET), mask=mask)
-        stored = tl.num_programs(1) == 1
     else:
         # Split K in one kernel: store the partial, count this split in, and the n-block's last split to arrive sums
         # all partials in order 0..S-1 (the sum kernel's order and bits) and stores the output. The barrier puts the
@@ -92,8 +85,7 @@ def _skinny_block(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn
         tl.store(y_ptr, acc, mask=mask)
         tl.debug_barrier()
         arrived = tl.atomic_add(counters + pid_n, 1, sem="acq_rel")
-        stored = arrived == tl.num_programs(1) - 1
-        if stored:
+        if arrived == tl.num_programs(1) - 1:
             ws_ptr = y + offs_m[None, :] * stride_ym + offs_n[:, None]
             total = tl.load(ws_ptr, mask=mask, other=0.0, cache_modifier=".cg")
             for s in range(1, tl.num_programs(1)):
@@ -101,44 +93,6 @@ def _skinny_block(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn
             o_ptr = out + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(o_ptr, _round(total, out.dtype.element_ty, INTERPRET), mask=mask)
             tl.atomic_xchg(counters + pid_n, 0)
-    return stored
-
-
-# M is not specialised (Triton compiles a separate binary for an int argument equal to 1): batches 1..16 share one
-# binary per config, which is what a warm start loads (BLOCK_M already is the constexpr that matters).
-@triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys, stride_om,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
-                   DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                   FIXUP: tl.constexpr):
-    _skinny_block(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys, stride_om,
-                  BLOCK_M, BLOCK_N, BLOCK_K, GATED, DOT, INTERPRET, EVEN_K, EVEN_N, FIXUP)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _skinny_norm_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys,
-                        stride_om, res, w_1, scalar, w_2, out_1, out_2, stride_r, stride_o1, stride_o2, eps,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                        INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FIXUP: tl.constexpr,
-                        TAIL: tl.constexpr, BLOCK_ROW: tl.constexpr):
-    """The projection (out = x @ w.T, as _skinny_kernel), then the layer's norm chain over each of its M rows, run
-    by the last n-block to store its output: TAIL 1 = layer_fusions.norm_add_norm (out_1 normed, out_2 the sum),
-    2 = norm_add_scale_norm (out_1 the scaled sum, out_2 its norm). A second arrival count, counters[N-blocks],
-    tells the last n-block (the same release/acquire as the split count, the rows read past L1); it resets it."""
-    stored = _skinny_block(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys,
-                           stride_om, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT, INTERPRET, EVEN_K, EVEN_N, FIXUP)
-    if stored:
-        tl.debug_barrier()
-        rows_done = counters + tl.num_programs(0)
-        if tl.atomic_add(rows_done, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            for r in range(0, M):
-                if TAIL == 1:
-                    norm_add_norm_row(out, res, w_1, w_2, out_1, out_2, r, N, stride_om, stride_r, stride_o1,
-                                      stride_o2, eps, BLOCK_ROW, True)
-                else:
-                    norm_add_scale_norm_row(out, res, w_1, scalar, w_2, out_1, out_2, r, N, stride_om, stride_r,
-                                            stride_o1, stride_o2, eps, BLOCK_ROW, True)
-            tl.atomic_xchg(rows_done, 0)
 
 
 @triton.jit

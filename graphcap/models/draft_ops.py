@@ -3,10 +3,9 @@
 - `TORCH_OPS`: plain torch ops (the reference; Inductor fuses them when the loop is compiled, eagerly a Gemma
   RMSNorm is ~9 kernels).
 - `LAYER_KERNEL_OPS` (`DEFAULT_OPS`: graphcap's loop): the torch set with each of the layer's norm chains one
-  graphcap kernel (graphcap.kernels.layer_fusions; inside the skinny GEMM's o_proj and down kernels where those run
-  it, graphcap.kernels.projection_norm), the query's norm and rotary inside graphcap's attention kernel and the
-  gelu-mul one kernel (or inside the skinny GEMM's gate/up), whatever Inductor fuses; post_proj and the centroid
-  scores one projection. The same math, rounded where the reference rounds (`LayerKernelOps`).
+  graphcap kernel (graphcap.kernels.layer_fusions), the query's norm and rotary inside graphcap's attention kernel
+  and the gelu-mul one kernel (or inside the skinny GEMM's gate/up), whatever Inductor fuses; post_proj and the
+  centroid scores one projection. The same math, rounded where the reference rounds (`LayerKernelOps`).
 - `fused_ops()` (graphcap.models.fused_op_set): one kernel per op, as sglang 0.5.23's Gemma 4 layers launch them on
   CUDA.
 
@@ -45,7 +44,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from graphcap.kernels import layer_fusions, projection_norm
+from graphcap.kernels import layer_fusions
 from graphcap.kernels.attention import QueryNormRope
 from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torch
 from graphcap.kernels.fused_ops import gelu_tanh_and_mul, gemma_rmsnorm
@@ -124,18 +123,6 @@ class DraftOps(Protocol):
         layer's input norm (or the final norm)."""
         ...
 
-    # A projection and the chain after it (`ChainedOps` composes them; LAYER_KERNEL_OPS runs both in one kernel where
-    # the skinny GEMM runs, graphcap.kernels.projection_norm).
-    def linear_norm_add_norm(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, w_x: torch.Tensor,
-                             w_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm_add_norm(linear(x, w), residual, w_x, w_sum): o_proj and the chain after it."""
-        ...
-
-    def linear_norm_add_scale_norm(self, x: torch.Tensor, w: torch.Tensor, w_x: torch.Tensor, residual: torch.Tensor,
-                                   scalar: torch.Tensor, w_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm_add_scale_norm(linear(x, w), w_x, residual, scalar, w_out): down and the chain after it."""
-        ...
-
 
 class ChainedOps:
     """The layer's norm chains as calls of the set's single ops, in the reference's order: what the torch set (which
@@ -153,12 +140,6 @@ class ChainedOps:
     def norm_add_scale_norm(self, x, w_x, residual, scalar, w_out):
         out = self.norm_add_scale(x, w_x, residual, scalar)
         return out, self.norm(out, w_out)
-
-    def linear_norm_add_norm(self, x, w, residual, w_x, w_sum):
-        return self.norm_add_norm(self.linear(x, w), residual, w_x, w_sum)
-
-    def linear_norm_add_scale_norm(self, x, w, w_x, residual, scalar, w_out):
-        return self.norm_add_scale_norm(self.linear(x, w), w_x, residual, scalar, w_out)
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -272,9 +253,6 @@ class LayerKernelOps(TorchOps):
     # the query's norm + rotary in the attention's split kernel (decode_attention's `q_norm`); False: the
     # norm_rope kernel before the attention, one launch more per layer call (bench mode graphcap-qnorm-kernel)
     q_norm_in_attention: bool = True
-    # o_proj and down each with the norm chain after it in one kernel where the skinny GEMM runs them
-    # (graphcap.kernels.projection_norm); False: the chain's own kernel after each, two launches more per layer call
-    norm_in_projection: bool = True
 
     def norm(self, x, weight):
         shape = x.shape
@@ -308,18 +286,6 @@ class LayerKernelOps(TorchOps):
 
     def norm_add_scale_norm(self, x, w_x, residual, scalar, w_out):
         return layer_fusions.norm_add_scale_norm(x, w_x, residual, scalar, w_out, EPS)
-
-    def linear_norm_add_norm(self, x, w, residual, w_x, w_sum):
-        rows = self._kernel_rows(x, w.shape[0], False) if self.norm_in_projection else 0
-        if not rows:
-            return super().linear_norm_add_norm(x, w, residual, w_x, w_sum)
-        return projection_norm.linear_norm_add_norm(x, w, residual, w_x, w_sum, EPS, cublas_above=rows)
-
-    def linear_norm_add_scale_norm(self, x, w, w_x, residual, scalar, w_out):
-        rows = self._kernel_rows(x, w.shape[0], False) if self.norm_in_projection else 0
-        if not rows:
-            return super().linear_norm_add_scale_norm(x, w, w_x, residual, scalar, w_out)
-        return projection_norm.linear_norm_add_scale_norm(x, w, w_x, residual, scalar, w_out, EPS, cublas_above=rows)
 
 
 # graphcap's loop (DraftLoop's default): each projection through the skinny GEMM at the batches where its shape

@@ -123,12 +123,12 @@ class DraftLayer(nn.Module):
         else:
             attn = decode_attention(q, src.k_pool, src.v_pool, src.table, slots, lens, src.window, self.scale,
                                     plan=src.plan(b), q_norm=q_norm)
-        # x + norm(o_proj(attn)) and its norm (sglang: a norm kernel, then its residual add + norm kernel)
-        h, x = ops.linear_norm_add_norm(attn.reshape(b, -1), self.o_proj, x, self.post_attn_norm.weight,
-                                        self.pre_mlp_norm.weight)
-        # (x + norm(down(...))) * scalar, and its norm for what comes next
-        return ops.linear_norm_add_scale_norm(ops.gate_up_gelu(h, self.gate_up), self.down, self.post_mlp_norm.weight,
-                                              x, self.layer_scalar, w_next)
+        # x + norm(o) and its norm (sglang: a norm kernel, then its residual add + norm kernel)
+        h, x = ops.norm_add_norm(ops.linear(attn.reshape(b, -1), self.o_proj), x, self.post_attn_norm.weight,
+                                 self.pre_mlp_norm.weight)
+        d = ops.linear(ops.gate_up_gelu(h, self.gate_up), self.down)
+        # (x + norm(d)) * scalar, and its norm for what comes next
+        return ops.norm_add_scale_norm(d, self.post_mlp_norm.weight, x, self.layer_scalar, w_next)
 
 
 def _call_layer(layer: DraftLayer, x: torch.Tensor, h: torch.Tensor, w_next: torch.Tensor, rope: tuple,
