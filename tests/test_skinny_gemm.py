@@ -449,6 +449,38 @@ def test_bench_checks_times_and_reports_at_a_tiny_shape(tmp_path, monkeypatch, d
     assert "| lin " in (tmp_path / "skinny_gemm.md").read_text()
 
 
+def test_bench_grid_is_the_class_candidates_then_every_fitting_config():
+    """bench/skinny_gemm.py --grid: the shape class's candidates first (the table timed in the same run), then the
+    grid in one fixed shuffled order; every dot config's pipeline fits the shared memory, no split is empty, splits
+    only for the narrow shapes and CUDA-core configs only up to 4 rows."""
+    bench = load_bench_script("skinny_gemm")
+    for m in (1, 8):
+        for n, k, gated in ((8192, 1536, False), (1536, 8192, False), (6144, 1536, True), (1536, 200, False)):
+            grid = bench.grid_configs(m, n, k, gated)
+            cands = sg.candidates(m, n, k, gated)
+            assert grid[:len(cands)] == cands and len(set(grid)) == len(grid)
+            assert grid == bench.grid_configs(m, n, k, gated)
+            rest = grid[len(cands):]
+            narrow = not gated and n < sg.NARROW_N
+            assert all((c.split_k > 1) == narrow and c.fixup == narrow for c in rest)
+            assert bool(rest) == (not narrow or k >= 4 * 64)  # K = 200 has room for no split of the grid
+            assert all(k >= c.split_k * c.block_k for c in rest)
+            assert all(sg.pipeline_smem(c, m, gated) <= sg.SMEM_LIMIT for c in rest if c.dot)
+            assert any(not c.dot for c in rest) == (m <= 4 and bool(rest))
+    assert len(bench.grid_configs(1, 1536, 8192, False)) > 3 * len(sg.candidates(1, 1536, 8192))
+
+
+def test_bench_grid_stops_at_the_shapes_budget(device, monkeypatch):
+    """Past a shape's deadline cuBLAS and the plan are still timed, the rest are reported untimed (one row)."""
+    bench = load_bench_script("skinny_gemm")
+    monkeypatch.setattr(bench, "graph_us", lambda fn, ws, rep_ms: (fn(ws[0]), 1.0)[1])
+    x, w = make(1, 2, 40, 96, device=device, scale=96 ** -0.5)
+    rows = bench.measure("lin", 2, [w], x, False, 40, 1.0, 100.0, None, False, wide_grid=True, deadline=0.0)
+    assert [r["contestant"] for r in rows] == ["cublas", "plan", "untimed"]
+    left = len(bench.grid_configs(2, 40, 96, False))
+    assert rows[-1]["failed"].startswith(f"{left} configs left untimed")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: the Gemma 4 assistant's shapes (docstring of graphcap/kernels/skinny_gemm.py)
 
