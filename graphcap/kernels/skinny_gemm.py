@@ -105,11 +105,13 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
 }
 
 # Up to how many rows graphcap's op sets send a shape class to the kernel (its plan) rather than cuBLAS: where it made
-# the draft iteration faster on the H200 (graphcap bench; docs/results.md, the skinny GEMM). Alone
-# (bench/skinny_gemm.py) the kernel beat cuBLAS on the wide and gate/up shapes (gate/up's margin includes the gelu-mul
-# kernel cuBLAS needs after it); on the narrow split-K shapes its four-split, five-stage config beat cuBLAS at 1-8
-# rows (o_proj_full: a tie at 8), where the eight-split config before it lost at 8 (0.94x in the iteration, its 27 fewer kernels - cuBLAS adds a
-# split-K reduction per call - notwithstanding). The wide and gated shapes won at 8 rows and lost at 16.
+# the draft iteration faster on the H200 (graphcap bench and its kernel-time profile; docs/results.md, the skinny
+# GEMM). Alone (bench/skinny_gemm.py) the kernel beat cuBLAS on the wide and gate/up shapes (gate/up's margin includes
+# the gelu-mul kernel cuBLAS needs after it); the wide and gated shapes won in the iteration at 8 rows and lost at 16.
+# The narrow split-K shapes: the eight-split config lost at 8 rows (0.94x in the iteration, its 27 fewer kernels -
+# cuBLAS adds a split-K reduction per call - notwithstanding); the four-split, five-stage one beats cuBLAS alone at
+# 1-8 rows (o_proj_full: a tie at 8) and cut the batch-8 iteration's kernel time by 17 us, where the bench's wall
+# clock, one run each way, gave 0.98x (within its spread between runs).
 KERNEL_ROWS = {"wide": 8, "gated": 8, "narrow": 8}
 
 
