@@ -36,8 +36,10 @@ def main(argv=None) -> int:
     try:
         batches = [int(b) for b in a.batches.split(",")]
         warps = [int(w) for w in a.warps.split(",")]
-        assert batches and warps and min(batches) > 0 and all(w in (1, 2, 4, 8, 16, 32) for w in warps)
-    except (ValueError, AssertionError):
+    except ValueError:
+        batches = warps = []
+    # an explicit check, not an assert: `python -O` would drop that and launch with a bad warp count
+    if not (batches and warps and min(batches) > 0 and all(w in (1, 2, 4, 8, 16, 32) for w in warps)):
         ap.error(f"--batches: positive ints, --warps: powers of two up to 32; got {a.batches!r}, {a.warps!r}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (launch configurations on the GPU are what is measured)")

@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tabulate import tabulate
@@ -35,6 +36,9 @@ from tabulate import tabulate
 from graphcap.bench import environment as bench_env
 from graphcap.bench import timing
 from graphcap.bench.options import OneLineParser
+
+if TYPE_CHECKING:
+    from graphcap.kernels.skinny_gemm import Config
 
 # name: (N, K, gated); gated N is I, the output width (w is [2I, K]). post_proj is the draft's other matmul;
 # head_proj is post_proj and the centroids stacked, as graphcap's loop runs them (one GEMM, merge_head_proj).
@@ -65,7 +69,7 @@ def graph_us(fn: Callable[[torch.Tensor], torch.Tensor], ws: list[torch.Tensor],
     return ms * 1e3 / len(ws)
 
 
-def grid_configs(m: int, n: int, k: int, gated: bool) -> tuple:
+def grid_configs(m: int, n: int, k: int, gated: bool) -> tuple[Config, ...]:
     """The --grid search for one shape: tensor-core configs over tiles x warps x pipeline depths, CUDA-core (broadcast)
     configs up to 4 rows, and for the narrow (split-K) shapes each with 4, 8 and 16 splits summed in the kernel -
     whatever fits the shared memory (`pipeline_smem`) and leaves no split empty. The shape class's own candidates

@@ -47,3 +47,12 @@ def test_refuses_without_cuda_in_one_line(capsys):
         bench.main([])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "needs a CUDA device" in err
+
+
+@pytest.mark.parametrize("argv", [["--warps", "3"], ["--warps", "64"], ["--batches", "0"], ["--batches", "x,1"]])
+def test_bad_arguments_are_refused_in_one_line(capsys, argv):
+    """Checked before anything else (also under `python -O`, which drops asserts): exit 2, one line naming both."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--batches" in err and "--warps" in err

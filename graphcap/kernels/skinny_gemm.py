@@ -88,9 +88,10 @@ _SMALL = {
 }
 _BCAST = {"wide": Config(16, 128, 1, 4, 2, False), "gated": Config(16, 128, 1, 4, 2, False),
           "narrow": Config(16, 128, 4, 4, 2, False)}
-# Up to 16 rows, first: the fastest of bench/skinny_gemm.py --grid at one row, and of the class's candidates at 1,
+# First up to 16 rows: the fastest of bench/skinny_gemm.py --grid at one row, and of the class's candidates at 1,
 # 2, 4 and 8 rows (docs/results.md, the skinny GEMM's wider search) - a fifth pipeline stage for gate/up, and for the
-# narrow shapes four splits of K with five stages.
+# narrow shapes four splits of K with five stages. Not timed at 9-16 rows, which only SKINNY_OPS (the bench's
+# graphcap-skinny-gemm) sends to the kernel: KERNEL_ROWS stops the default op set at 8.
 _DEEP = {"gated": Config(64, 128, 1, 4, 5), "narrow": Config(64, 128, 4, 4, 5, fixup=True)}
 CANDIDATES: dict[str, tuple[Config, ...]] = {
     **{f"m4-{n}": ((_DEEP[n],) if n in _DEEP else ()) + cfgs + (_BCAST[n],) for n, cfgs in _SMALL.items()},
