@@ -8,6 +8,11 @@ Contestants per (shape, M), all bf16 with fp32 accumulation:
 - plan: graphcap.kernels.skinny_gemm's registered op (the config `plan` picks); <config>: each candidate of the
   shape's class through `launch` (with --grid: every config of `grid_configs` instead, a wider search than the
   table's candidates - tiles, warps, pipeline depths, CUDA-core configs and, for the narrow shapes, split counts).
+- with --tma, each candidate's twin with its weight tiles copied by the Tensor Memory Accelerator (Config.tma).
+- with --ceiling, two kernels that read the weights and compute nothing from them (`read`, `read-tma`: each program
+  sums its tiles), over the plan's grid and pipeline depth: what one kernel streaming these bytes takes in this
+  position (its launch, its pipeline's fill and drain included), a per-kernel floor nearer the truth than copy
+  bandwidth. They are not GEMMs: never checked against cublas, never a "best of ours".
 Each contestant's output is checked against cublas first (max |a - b| / max |b|, printed); one above 2e-2 is
 reported and not timed.
 
@@ -17,7 +22,8 @@ H200's L2 is 50 MB), so every call reads its weights from HBM with a clean L2, b
 GB/s = (weights + x + out bytes) / time, against the device-to-device copy bandwidth measured in the same run
 (graphcap.bench.roofline, bytes read + written).
 
-    python bench/skinny_gemm.py --out DIR [--quick] [--grid]    # CUDA only; writes skinny_gemm.{json,md} into DIR
+    python bench/skinny_gemm.py --out DIR [--quick] [--grid] [--tma] [--ceiling]    # CUDA only; writes
+                                                                # skinny_gemm.{json,md} into DIR
 """
 from __future__ import annotations
 
@@ -31,7 +37,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import triton
+import triton.language as tl
 from tabulate import tabulate
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from graphcap.bench import environment as bench_env
 from graphcap.bench import timing
@@ -49,6 +58,50 @@ SHAPES = {"q_proj_sliding": (8192, 1536, False), "q_proj_full": (16384, 1536, Fa
 MS = (1, 2, 4, 8, 16, 32, 64)
 ROTATE_BYTES = 256 << 20  # weight copies per graph: together >> the 50 MB L2
 MAX_ERR = 2e-2
+CEILINGS = ("read", "read-tma")
+
+
+@triton.jit
+def _read_kernel(w, out, K, k_split, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                 TMA: tl.constexpr):
+    """out[n-block, split] = the sum of program (n-block, split)'s weight tiles: the skinny GEMM's reads (its grid,
+    tiles and pipeline depth; w's N and K multiples of the tile) without its product."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    if not TMA:
+        w_ptr = (w + (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None] * stride_wn
+                 + tl.arange(0, BLOCK_K)[None, :])
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    k0 = pid_s * k_split
+    # an explicit depth: Triton pipelines a loop's loads on its own only where they feed a tl.dot
+    for k in tl.range(k0, tl.minimum(k0 + k_split, K), BLOCK_K, num_stages=STAGES):
+        acc += (w.load([n0, k]) if TMA else tl.load(w_ptr + k)).to(tl.float32)
+    tl.store(out + pid_n * tl.num_programs(1) + pid_s, tl.sum(tl.sum(acc, 1), 0))
+
+
+def read_sums(w: torch.Tensor, cfg: Config, tma: bool) -> torch.Tensor:
+    """`_read_kernel` over w [N, K] with cfg's grid: [N / block_n, splits] fp32 sums of each program's tiles."""
+    from graphcap.kernels import skinny_gemm as sg
+
+    n, k = w.shape
+    if n % cfg.block_n or k % cfg.block_k:
+        raise ValueError(f"read_sums: w {tuple(w.shape)} is not whole tiles of {cfg.block_n} x {cfg.block_k}")
+    k_split, splits = sg._splits(k, cfg)
+    out = torch.empty((n // cfg.block_n, splits), dtype=torch.float32, device=w.device)
+    w_arg = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n, cfg.block_k]) if tma else w
+    _read_kernel[out.shape](w_arg, out, k, k_split, w.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                            STAGES=cfg.num_stages, TMA=tma, num_warps=cfg.num_warps)
+    return out
+
+
+def read_sums_torch(w: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Twin of read_sums: the same blocks' sums in float64."""
+    from graphcap.kernels import skinny_gemm as sg
+
+    n, k = w.shape
+    k_split, splits = sg._splits(k, cfg)
+    blocks = w.double().reshape(n // cfg.block_n, cfg.block_n, k)
+    return torch.stack([blocks[:, :, s * k_split:(s + 1) * k_split].sum((1, 2)) for s in range(splits)], dim=1)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -92,8 +145,8 @@ def grid_configs(m: int, n: int, k: int, gated: bool) -> tuple[Config, ...]:
     return tuple(dict.fromkeys(sg.candidates(m, n, k, gated) + tuple(fits)))
 
 
-def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid: bool = False
-                ) -> dict[str, Callable]:
+def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid: bool = False, tma: bool = False,
+                ceiling: bool = False) -> dict[str, Callable]:
     from graphcap.kernels import skinny_gemm as sg
     from graphcap.kernels.fused_ops import gelu_tanh_and_mul
 
@@ -111,19 +164,26 @@ def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid:
     if inductor:
         compiled = torch.compile(expr, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=True)
         fns["inductor"] = lambda w: compiled(x, w)
-    for cfg in (grid_configs if wide_grid else sg.candidates)(m, n, k, gated):
+    cfgs = (grid_configs if wide_grid else sg.candidates)(m, n, k, gated)
+    if tma:  # each tensor-core config, then its TMA twin
+        cfgs = tuple(c for cfg in cfgs for c in ((cfg, cfg._replace(tma=True)) if cfg.dot else (cfg,)))
+    for cfg in cfgs:
         fns[cfg.name] = lambda w, cfg=cfg: sg.launch(x, w, x.new_empty(m, n), cfg, gated)
+    if ceiling:
+        plan = sg.plan(m, n, k, gated)
+        for name in CEILINGS:
+            fns[name] = lambda w, tma=name.endswith("tma"): read_sums(w, plan, tma)
     return fns
 
 
 def measure(name: str, m: int, ws: list[torch.Tensor], x: torch.Tensor, gated: bool, n: int, rep_ms: float,
             copy_gbs: float, which: set[str] | None, inductor: bool, wide_grid: bool = False,
-            deadline: float = math.inf) -> list[dict]:
+            deadline: float = math.inf, tma: bool = False, ceiling: bool = False) -> list[dict]:
     from graphcap.kernels import skinny_gemm as sg
 
     k = x.shape[1]
     moved = ws[0].numel() * 2 + x.numel() * 2 + m * n * 2  # bytes read (weights, x) + written (out)
-    fns = contestants(x, gated, n, inductor, wide_grid)
+    fns = contestants(x, gated, n, inductor, wide_grid, tma, ceiling)
     ref = fns["cublas"](ws[0])
     rows = []
     for i, (cname, fn) in enumerate(fns.items()):
@@ -135,11 +195,11 @@ def measure(name: str, m: int, ws: list[torch.Tensor], x: torch.Tensor, gated: b
                              "left untimed (past the shape's budget)"))
             break
         row = dict(shape=name, n=n, k=k, m=m, contestant=cname, mbytes=round(moved / 1e6, 2))
-        if cname == "plan":
+        if cname == "plan" or cname in CEILINGS:
             row["config"] = sg.plan(m, n, k, gated).name
         try:
-            row["err"] = rel_err(fn(ws[0]), ref)
-            if row["err"] > MAX_ERR:
+            row["err"] = None if cname in CEILINGS else rel_err(fn(ws[0]), ref)
+            if row["err"] is not None and row["err"] > MAX_ERR:
                 row["failed"] = f"error {row['err']:.2e} vs cublas"
             else:
                 us = graph_us(fn, ws, rep_ms)
@@ -147,7 +207,7 @@ def measure(name: str, m: int, ws: list[torch.Tensor], x: torch.Tensor, gated: b
                 row.update(us=round(us, 2), gbps=round(gbs, 1), pct_copy=round(100 * gbs / copy_gbs, 1))
         except Exception as e:  # noqa: BLE001 - a config that does not compile or capture is a result
             row["failed"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-        print(f"  {name} M={m} {cname:>24}: err {row.get('err', float('nan')):.1e}  "
+        print(f"  {name} M={m} {cname:>24}: err {row.get('err') or float('nan'):.1e}  "
               f"{row.get('us', '-')} us  {row.get('pct_copy', '-')} % copy  {row.get('failed', '')}", flush=True)
         rows.append(row)
     return rows
@@ -157,11 +217,12 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for key in dict.fromkeys((r["shape"], r["m"]) for r in rows):
         rs = {r["contestant"]: r for r in rows if (r["shape"], r["m"]) == key and "us" in r}
-        ours = {c: r for c, r in rs.items() if c not in ("cublas", "inductor")}
+        ours = {c: r for c, r in rs.items() if c not in ("cublas", "inductor", *CEILINGS)}
         base = min((rs[c]["us"] for c in ("cublas", "inductor") if c in rs), default=None)
         best = min(ours, key=lambda c: ours[c]["us"], default=None)
-        s = dict(shape=key[0], m=key[1], **{f"{c}_us": rs[c]["us"] for c in ("cublas", "inductor", "plan") if c in rs},
-                 **{f"{c}_pct": rs[c]["pct_copy"] for c in ("cublas", "inductor", "plan") if c in rs})
+        named = ("cublas", "inductor", "plan", *CEILINGS)
+        s = dict(shape=key[0], m=key[1], **{f"{c.replace('-', '_')}_us": rs[c]["us"] for c in named if c in rs},
+                 **{f"{c.replace('-', '_')}_pct": rs[c]["pct_copy"] for c in named if c in rs})
         if best is not None:
             s.update(best=best if best != "plan" else rs["plan"]["config"] + " (plan)", best_us=ours[best]["us"],
                      best_pct=ours[best]["pct_copy"])
@@ -180,14 +241,15 @@ def write(out: Path | None, env: dict, rows: list[dict], notes: list[str]) -> No
     summary = summarize(rows)
     (out / "skinny_gemm.json").write_text(json.dumps(dict(env=env, summary=summary, rows=rows, notes=notes), indent=1))
     head = ["shape", "M", "cuBLAS us", "% copy", "Inductor us", "% copy", "plan us", "% copy", "best of ours",
-            "us", "% copy", "best / baseline", "plan / baseline"]
+            "us", "% copy", "best / baseline", "plan / baseline", "read us", "read-tma us"]
     keys = ["shape", "m", "cublas_us", "cublas_pct", "inductor_us", "inductor_pct", "plan_us", "plan_pct", "best",
-            "best_us", "best_pct", "speedup_best", "speedup_plan"]
+            "best_us", "best_pct", "speedup_best", "speedup_plan", "read_us", "read_tma_us"]
     body = [[s.get(k, "-") for k in keys] for s in summary]
     text = [f"# skinny GEMM vs cuBLAS / Inductor ({env['device']}, {env['date']})", "",
             f"{bench_env.summary_line(env)}; copy bandwidth {env['copy_gbps']} GB/s (read + write). Time per call: "
             "a CUDA graph of calls over weight copies totalling >= 256 MB (L2 50 MB), median replay / calls. "
-            "'baseline': the faster of cuBLAS and Inductor; speedups > 1 favour ours.", "",
+            "'baseline': the faster of cuBLAS and Inductor; speedups > 1 favour ours. 'read': a kernel that only "
+            "reads the weights over the plan's grid (--ceiling).", "",
             tabulate(body, headers=head, tablefmt="github", disable_numparse=True)]
     fails = [f"- {r['shape']} M={r['m']} {r['contestant']}: {r['failed']}" for r in rows if "failed" in r]
     text += (["", "Failed:"] + fails if fails else []) + (["", "Notes:"] + [f"- {n}" for n in notes] if notes else [])
@@ -207,6 +269,9 @@ def main() -> None:
     ap.add_argument("--grid", action="store_true",
                     help="time grid_configs (a wider search) instead of the shape class's candidates; each shape "
                          "and M gets an equal share of --budget-s")
+    ap.add_argument("--tma", action="store_true", help="also time each tensor-core config's TMA twin")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also time two kernels that only read the weights over the plan's grid (read, read-tma)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("skinny_gemm: needs a CUDA GPU", file=sys.stderr)
@@ -247,7 +312,8 @@ def main() -> None:
                 share = args.budget_s / (len(shapes) * len(ms))
                 rows += measure(name, m, ws, x, gated, n, rep_ms, env["copy_gbps"],
                                 {"inductor"} if inductor else None, inductor, args.grid and not inductor,
-                                time.time() + share if args.grid and not inductor else math.inf)
+                                time.time() + share if args.grid and not inductor else math.inf,
+                                args.tma and not inductor, args.ceiling and not inductor)
             del w, ws
             torch.cuda.empty_cache()
             env["elapsed_s"] = round(time.time() - t0)
