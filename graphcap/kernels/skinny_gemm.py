@@ -98,16 +98,9 @@ _BCAST = {"wide": Config(16, 128, 1, 4, 2, False), "gated": Config(16, 128, 1, 4
 # narrow shapes four splits of K with five stages. Not timed at 9-16 rows, which only SKINNY_OPS (the bench's
 # graphcap-skinny-gemm) sends to the kernel: KERNEL_ROWS stops the default op set at 8.
 _DEEP = {"gated": Config(64, 128, 1, 4, 5), "narrow": Config(64, 128, 4, 4, 5, fixup=True)}
-# Up to 16 rows each class's first config is taken with its weight tiles through TMA, the per-thread loads second.
-
-
-def _tma_first(cfgs: tuple[Config, ...]) -> tuple[Config, ...]:
-    return (cfgs[0]._replace(tma=True),) + cfgs
-
-
 CANDIDATES: dict[str, tuple[Config, ...]] = {
-    **{f"m4-{n}": _tma_first(((_DEEP[n],) if n in _DEEP else ()) + cfgs + (_BCAST[n],)) for n, cfgs in _SMALL.items()},
-    **{f"m16-{n}": _tma_first(((_DEEP[n],) if n in _DEEP else ()) + cfgs) for n, cfgs in _SMALL.items()},
+    **{f"m4-{n}": ((_DEEP[n],) if n in _DEEP else ()) + cfgs + (_BCAST[n],) for n, cfgs in _SMALL.items()},
+    **{f"m16-{n}": ((_DEEP[n],) if n in _DEEP else ()) + cfgs for n, cfgs in _SMALL.items()},
     # up to 64 rows the x tile is as large as the weight tile at BLOCK_N = 64: wider N-blocks read x less often
     "m64-wide": (Config(64, 128, 1, 4, 4), Config(128, 128, 1, 8, 3), Config(32, 256, 1, 4, 3),
                  Config(64, 256, 1, 8, 3)),
