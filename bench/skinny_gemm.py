@@ -8,9 +8,8 @@ Contestants per (shape, M), all bf16 with fp32 accumulation:
 - plan: graphcap.kernels.skinny_gemm's registered op (the config `plan` picks); <config>: each candidate of the
   shape's class through `launch` (with --grid: every config of `grid_configs` instead, a wider search than the
   table's candidates - tiles, warps, pipeline depths, CUDA-core configs and, for the narrow shapes, split counts).
-- with --tma, each candidate's twin with its weight tiles copied by the Tensor Memory Accelerator (Config.tma).
-- with --ceiling, two kernels that read the weights and compute nothing from them (`read`, `read-tma`: each program
-  sums its tiles), over the plan's grid and pipeline depth: what one kernel streaming these bytes takes in this
+- with --ceiling, two kernels that read the weights and compute nothing from them (each program sums its tiles;
+  `read` by per-thread loads, `read-tma` by the Tensor Memory Accelerator), over the plan's grid and pipeline depth: what one kernel streaming these bytes takes in this
   position (its launch, its pipeline's fill and drain included), a per-kernel floor nearer the truth than copy
   bandwidth. They are not GEMMs: never checked against cublas, never a "best of ours".
 Each contestant's output is checked against cublas first (max |a - b| / max |b|, printed); one above 2e-2 is
@@ -22,8 +21,7 @@ H200's L2 is 50 MB), so every call reads its weights from HBM with a clean L2, b
 GB/s = (weights + x + out bytes) / time, against the device-to-device copy bandwidth measured in the same run
 (graphcap.bench.roofline, bytes read + written).
 
-    python bench/skinny_gemm.py --out DIR [--quick] [--grid] [--tma] [--ceiling]    # CUDA only; writes
-                                                                # skinny_gemm.{json,md} into DIR
+    python bench/skinny_gemm.py --out DIR [--quick] [--grid] [--ceiling]    # CUDA only; writes skinny_gemm.{json,md}
 """
 from __future__ import annotations
 
@@ -145,7 +143,7 @@ def grid_configs(m: int, n: int, k: int, gated: bool) -> tuple[Config, ...]:
     return tuple(dict.fromkeys(sg.candidates(m, n, k, gated) + tuple(fits)))
 
 
-def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid: bool = False, tma: bool = False,
+def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid: bool = False,
                 ceiling: bool = False) -> dict[str, Callable]:
     from graphcap.kernels import skinny_gemm as sg
     from graphcap.kernels.fused_ops import gelu_tanh_and_mul
@@ -164,10 +162,7 @@ def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid:
     if inductor:
         compiled = torch.compile(expr, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=True)
         fns["inductor"] = lambda w: compiled(x, w)
-    cfgs = (grid_configs if wide_grid else sg.candidates)(m, n, k, gated)
-    if tma:  # each tensor-core config, then its TMA twin
-        cfgs = tuple(c for cfg in cfgs for c in ((cfg, cfg._replace(tma=True)) if cfg.dot else (cfg,)))
-    for cfg in cfgs:
+    for cfg in (grid_configs if wide_grid else sg.candidates)(m, n, k, gated):
         fns[cfg.name] = lambda w, cfg=cfg: sg.launch(x, w, x.new_empty(m, n), cfg, gated)
     if ceiling:
         plan = sg.plan(m, n, k, gated)
@@ -178,12 +173,12 @@ def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid:
 
 def measure(name: str, m: int, ws: list[torch.Tensor], x: torch.Tensor, gated: bool, n: int, rep_ms: float,
             copy_gbs: float, which: set[str] | None, inductor: bool, wide_grid: bool = False,
-            deadline: float = math.inf, tma: bool = False, ceiling: bool = False) -> list[dict]:
+            deadline: float = math.inf, ceiling: bool = False) -> list[dict]:
     from graphcap.kernels import skinny_gemm as sg
 
     k = x.shape[1]
     moved = ws[0].numel() * 2 + x.numel() * 2 + m * n * 2  # bytes read (weights, x) + written (out)
-    fns = contestants(x, gated, n, inductor, wide_grid, tma, ceiling)
+    fns = contestants(x, gated, n, inductor, wide_grid, ceiling)
     ref = fns["cublas"](ws[0])
     rows = []
     for i, (cname, fn) in enumerate(fns.items()):
@@ -269,7 +264,6 @@ def main() -> None:
     ap.add_argument("--grid", action="store_true",
                     help="time grid_configs (a wider search) instead of the shape class's candidates; each shape "
                          "and M gets an equal share of --budget-s")
-    ap.add_argument("--tma", action="store_true", help="also time each tensor-core config's TMA twin")
     ap.add_argument("--ceiling", action="store_true",
                     help="also time two kernels that only read the weights over the plan's grid (read, read-tma)")
     args = ap.parse_args()
@@ -313,7 +307,7 @@ def main() -> None:
                 rows += measure(name, m, ws, x, gated, n, rep_ms, env["copy_gbps"],
                                 {"inductor"} if inductor else None, inductor, args.grid and not inductor,
                                 time.time() + share if args.grid and not inductor else math.inf,
-                                args.tma and not inductor, args.ceiling and not inductor)
+                                args.ceiling and not inductor)
             del w, ws
             torch.cuda.empty_cache()
             env["elapsed_s"] = round(time.time() - t0)

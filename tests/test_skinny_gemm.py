@@ -265,25 +265,6 @@ def test_fixup_equals_the_two_kernel_split_bit_for_bit(device, m, n, k, splits, 
     assert not sgk.fixup_counters(x.device, 1).any()
 
 
-@OVERFLOW_OK
-@settings(**{**SETTINGS, "max_examples": 40})
-@given(m=st.integers(1, MAX_M), n=DIMS, k=DIMS, gated=st.booleans(), data=st.data(), seed=st.integers(0, 2 ** 16))
-def test_tma_twin_equals_the_pointer_loads_bit_for_bit(device, m, n, k, gated, data, seed):
-    """A TMA config (Config.tma: the weight tiles through a tensor descriptor, zero-filled past its edges) gives the
-    per-thread loads' bits - the same tiles in the same order - split K, fixup and the gated kernel's up rows
-    included; where the descriptor cannot describe w (K * 2 bytes not a multiple of 16) the launch takes the
-    per-thread loads."""
-    cfg = data.draw(st.sampled_from([c for c in configs_for(m, gated) if c.dot]), label="config")
-    cfg = cfg._replace(block_n=min(cfg.block_n, 32), block_k=min(cfg.block_k, 64), num_stages=2,  # interpreter speed
-                       tma=False)
-    x, w = make(seed, m, 2 * n if gated else n, k, device=device, scale=k ** -0.5)
-    sgk.prepare_fixup(x.device)
-    assert sg.tma_fits(w, cfg) == (k % 8 == 0)
-    plain = run(x, w, cfg, gated)
-    assert torch.equal(run(x, w, cfg._replace(tma=True), gated), plain)
-    (check_gated if gated else check_linear)(x, w, plain)
-
-
 def test_fixup_only_with_prepared_counters_else_the_sum_kernel(device, monkeypatch):
     """A fixup config runs in one kernel only with counters `prepare_fixup` made beforehand and enough of them;
     otherwise the two-kernel split (the same bits), and a call never makes counters itself (inside a CUDA graph
@@ -393,12 +374,10 @@ ARGS = ["x", "w", "y", "out", "counters", "M", "N", "K", "k_split", "stride_xm",
 seen = set()
 for key, cfgs in sg.CANDIDATES.items():
     gated = "gated" in key
-    for cfg in cfgs:
-        if cfg.tma:  # compiled below, with a descriptor for w
-            continue
+    for i, cfg in enumerate(cfgs):
         for m in {"m4": (1, 4), "m16": (16,), "m64": (32, 64)}[key.split("-")[0]]:
             bm = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
-            for even in (True, False) if cfg == cfgs[0]._replace(tma=False) else (True,):
+            for even in (True, False) if i == 0 else (True,):
                 if (cfg, bm, gated, even) in seen:
                     continue
                 seen.add((cfg, bm, gated, even))
@@ -406,32 +385,13 @@ for key, cfgs in sg.CANDIDATES.items():
                 sig = {a: "*bf16" if a in ("x", "w", "out") else "i32" for a in ARGS}
                 sig.update(y="*fp32" if fixup else "*bf16", counters="*i32" if fixup else "*bf16")
                 consts = dict(BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot,
-                              INTERPRET=False, EVEN_K=even, EVEN_N=even, FIXUP=fixup, TMA=False)
+                              INTERPRET=False, EVEN_K=even, EVEN_N=even, FIXUP=fixup)
                 sig.update({c: "constexpr" for c in consts})
                 attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)}
                 k = triton.compile(ASTSource(sgk._skinny_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                    options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
                 assert k.metadata.shared <= 227 * 1024, (key, cfg, bm, k.metadata.shared)
                 print(key, cfg.name, bm, even, k.metadata.shared)
-# each class's first candidate with its weight tiles through TMA: the copies are the TMA engine's, the product wgmma
-for key, cfgs in sg.CANDIDATES.items():
-    cfg, gated = cfgs[0]._replace(tma=True), "gated" in key
-    if not cfg.dot:
-        continue
-    bm = {"m4": 16, "m16": 16, "m64": 64}[key.split("-")[0]]
-    fixup = cfg.fixup and cfg.split_k > 1
-    sig = {a: "*bf16" if a in ("x", "out") else "i32" for a in ARGS}
-    sig.update(w=f"tensordesc<bf16[{cfg.block_n},{cfg.block_k}]>", y="*fp32" if fixup else "*bf16",
-               counters="*i32" if fixup else "*bf16")
-    consts = dict(BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=True, INTERPRET=False,
-                  EVEN_K=True, EVEN_N=True, FIXUP=fixup, TMA=True)
-    sig.update({c: "constexpr" for c in consts})
-    attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 2, 3, 4, 6, 7, 8, 9, 10)}
-    k = triton.compile(ASTSource(sgk._skinny_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    ptx = k.asm["ptx"]
-    assert k.metadata.shared <= 227 * 1024 and "cp.async.bulk.tensor" in ptx and "wgmma" in ptx, (key, cfg)
-    seen.add((cfg, bm, gated, "tma"))
 sig = dict(ws="*fp32", out="*bf16", M="i32", N="i32", SPLITS="i32", stride_om="i32", BLOCK="constexpr",
            INTERPRET="constexpr")
 triton.compile(ASTSource(sgk._splitk_sum_kernel, sig, dict(BLOCK=1024, INTERPRET=False)),
@@ -506,9 +466,9 @@ def test_bench_read_ceiling_sums_each_programs_tiles(device, nb, kb, split, tma,
         bench.read_sums(w[:, :31], cfg, tma)
 
 
-def test_bench_tma_twins_and_read_ceilings(monkeypatch, device):
-    """--tma times each tensor-core config and then its TMA twin, --ceiling the two read kernels over the plan's
-    grid: never checked against cublas, never the best of ours, reported beside the plan in the summary."""
+def test_bench_read_ceilings(monkeypatch, device):
+    """--ceiling times the two read kernels over the plan's grid after the candidates: never checked against
+    cublas, never the best of ours, reported beside the plan in the summary."""
     bench = load_bench_script("skinny_gemm")
     monkeypatch.setattr(bench, "graph_us", lambda fn, ws, rep_ms: (fn(ws[0]), 1.0 + len(ws))[1])
     cfgs = (Config(16, 64, 2, 4, 2, fixup=True), Config(16, 64, 2, 4, 2, dot=False))
@@ -516,11 +476,10 @@ def test_bench_tma_twins_and_read_ceilings(monkeypatch, device):
     monkeypatch.setattr(sg, "plan", lambda m, n, k, gated=False: cfgs[0])
     sgk.prepare_fixup(device)
     x, w = make(3, 2, 32, 256, device=device, scale=256 ** -0.5)
-    rows = bench.measure("lin", 2, [w], x, False, 32, 1.0, 100.0, None, False, tma=True, ceiling=True)
-    assert [r["contestant"] for r in rows] == ["cublas", "plan", cfgs[0].name, cfgs[0].name + "-tma", cfgs[1].name,
-                                               "read", "read-tma"]
+    rows = bench.measure("lin", 2, [w], x, False, 32, 1.0, 100.0, None, False, ceiling=True)
+    assert [r["contestant"] for r in rows] == ["cublas", "plan", cfgs[0].name, cfgs[1].name, "read", "read-tma"]
     assert all("failed" not in r and r["us"] > 0 for r in rows), rows
-    assert [r["err"] is None for r in rows] == [False] * 5 + [True] * 2
+    assert [r["err"] is None for r in rows] == [False] * 4 + [True] * 2
     assert rows[-1]["config"] == cfgs[0].name
     (s,) = bench.summarize(rows)
     assert s["read_us"] == s["read_tma_us"] == 2.0 and s["best"] not in bench.CEILINGS
@@ -648,33 +607,6 @@ def test_fixup_on_gpu_equals_the_two_kernel_split(name, m, fp32_cublas):
             assert torch.equal(run(x, w, cfg, False), want), cfg.name
         check_linear(x, w, want)
     assert not sgk.fixup_counters(x.device, 1).any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 40])
-@pytest.mark.parametrize("name", list(GEMMA) + ["gate_up"])
-def test_tma_twins_on_gpu(name, m, fp32_cublas):
-    """At every Gemma 4 shape, each tensor-core candidate of M's class with its weight tiles through TMA gives the
-    per-thread loads' bits, within the float64 bound; captured in a CUDA graph (the descriptor is a kernel argument)
-    and replayed on new x, the same bits as an eager call."""
-    gated = name == "gate_up"
-    n, k = (2 * GATE_UP[0], GATE_UP[1]) if gated else GEMMA[name]
-    x, w = gpu_case(m + n, m, n, k)
-    sgk.prepare_fixup(x.device)
-    cfgs = sorted({c._replace(tma=False) for c in configs_for(m, gated) if c.dot and sg.tma_fits(w, c)})
-    assert cfgs
-    for cfg in cfgs:
-        plain = run(x, w, cfg, gated)
-        assert torch.equal(run(x, w, cfg._replace(tma=True), gated), plain), cfg.name
-    (check_gated if gated else check_linear)(x, w, plain)
-    tma = cfgs[0]._replace(tma=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(x, w, tma, gated)
-    x.copy_(gpu_case(m + n + 1, m, 1, k)[0])
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, run(x, w, tma, gated)) and torch.equal(out, run(x, w, cfgs[0], gated))
 
 
 @pytest.mark.gpu

@@ -21,9 +21,6 @@ split-K reduction kernel, plus (gate/up) a separate gelu-mul kernel that reads t
   n-block to arrive, which an atomic counter per n-block tells (`skinny_gemm_kernels.prepare_fixup`). Either way
   deterministic: the same bits on every call, as replay-vs-compiled equality needs (the atomics only count; they add
   nothing).
-- Config.tma: the weight tiles copied by the Tensor Memory Accelerator from a tensor descriptor of w (built on the
-  host at each launch, a kernel argument in a CUDA graph) instead of per-thread loads: the same tiles, the same bits,
-  fewer instructions per byte in flight.
 
 Launch configs come from a fixed table (CANDIDATES, keyed by shape class) through `plan`, a pure-Python function of
 the static shapes: no autotuning at call time, so a call costs nothing extra on the host and captures in a CUDA graph.
@@ -42,7 +39,6 @@ from typing import NamedTuple
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from graphcap.kernels import skinny_gemm_kernels as kernels
 from graphcap.kernels import use_triton
@@ -66,12 +62,11 @@ class Config(NamedTuple):
     num_stages: int
     dot: bool = True  # tl.dot (tensor cores) or broadcast multiply + sum (CUDA cores)
     fixup: bool = False  # split K: the last split of each n-block sums the partials (no second kernel)
-    tma: bool = False  # weight tiles by the Tensor Memory Accelerator (a tensor descriptor), not per-thread loads
 
     @property
     def name(self) -> str:
         return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}"
-                + ("" if self.dot else "-bcast") + ("-fixup" if self.fixup else "") + ("-tma" if self.tma else ""))
+                + ("" if self.dot else "-bcast") + ("-fixup" if self.fixup else ""))
 
 
 # Candidate configs per shape class "<m>-<n>" (m: M <= 4 / <= 16 / <= 64; n: gated, wide N >= NARROW_N, or narrow),
@@ -152,13 +147,6 @@ def pipeline_smem(cfg: Config, m: int, gated: bool, elem_bytes: int = 2) -> int:
     return cfg.num_stages * cfg.block_k * (block_m + (2 if gated else 1) * cfg.block_n) * elem_bytes
 
 
-def tma_fits(w: torch.Tensor, cfg: Config) -> bool:
-    """Whether a TMA config can describe w: a 16-byte-aligned base and row stride, tiles of at most 256 per side
-    (the copy engine's limits). Where not, `launch` takes the per-thread loads of the same tiles."""
-    return (w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
-            and cfg.block_n <= 256 and cfg.block_k <= 256)
-
-
 def _splits(k: int, cfg: Config) -> tuple[int, int]:
     """(K per split, a multiple of block_k; number of splits, none of them empty)."""
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -233,13 +221,11 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
     n_blocks = triton.cdiv(n, cfg.block_n)
     y = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     counters = fixup_counters(x.device, n_blocks) if splits > 1 and cfg.fixup else None
-    tma = cfg.tma and tma_fits(w, cfg)
-    w_arg = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n, cfg.block_k]) if tma else w
     kernels._skinny_kernel[(n_blocks, splits)](
-        x, w_arg, y, out, counters if counters is not None else y, m, n, k, k_split, x.stride(0), w.stride(0),
+        x, w, y, out, counters if counters is not None else y, m, n, k, k_split, x.stride(0), w.stride(0),
         y.stride(-2), y.stride(0) if splits > 1 else 0, out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot, INTERPRET=not x.is_cuda,
-        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, FIXUP=counters is not None, TMA=tma,
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, FIXUP=counters is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1 and counters is None:

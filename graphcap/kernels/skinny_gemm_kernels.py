@@ -3,8 +3,7 @@ ops) and the split-K arrival counters of the one-kernel split K.
 
 - `_skinny_kernel`: program (n-block, split) owns BLOCK_N output columns of all M rows over one K range, the product
   computed transposed (weight rows on the MMA's large side); unsplit it stores the output, split it stores an fp32
-  partial, which the n-block's last split to arrive sums (FIXUP) or `_splitk_sum_kernel` does. Its weight tiles come
-  by per-thread loads, or (TMA) by the Tensor Memory Accelerator from a tensor descriptor of w: the same tiles.
+  partial, which the n-block's last split to arrive sums (FIXUP) or `_splitk_sum_kernel` does.
 - the counters: one int32 per n-block per device, zero between launches (each launch's last splits reset theirs).
 """
 from __future__ import annotations
@@ -45,17 +44,15 @@ def _round(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                    DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                   FIXUP: tl.constexpr, TMA: tl.constexpr):
+                   FIXUP: tl.constexpr):
     # program (n-block, split s): columns [n0, n0 + BLOCK_N) of all M rows over K range [s * k_split, +k_split)
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
-    n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n, mask_m = offs_n < N, offs_m < M
-    if not TMA:  # TMA: w is a tensor descriptor of [BLOCK_N, BLOCK_K] tiles, zero past its edges
-        w_ptr = w + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-        u_ptr = w + (offs_n + N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # gated: the up rows n + I
+    w_ptr = w + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    u_ptr = w + (offs_n + N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # gated: the up rows n + I
     x_ptr = x + offs_m[None, :] * stride_xm + offs_k[:, None]  # x.T tile [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -63,17 +60,13 @@ def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_w
     for k in range(k0, tl.minimum(k0 + k_split, K), BLOCK_K):
         mask_k = (k + offs_k) < K
         xt = tl.load(x_ptr + k, mask=mask_m[None, :] & mask_k[:, None], other=0.0)
-        if TMA:  # gated: rows past N are up rows, their columns never stored; past 2N and K the copy fills zeros
-            wt = w.load([n0, k])
-        elif EVEN_K and EVEN_N:  # the real shapes: unmasked, fully vectorised weight loads
+        if EVEN_K and EVEN_N:  # the real shapes: unmasked, fully vectorised weight loads
             wt = tl.load(w_ptr + k)
         else:
             wt = tl.load(w_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc = _mac(acc, wt, xt, DOT, INTERPRET)
         if GATED:
-            if TMA:
-                ut = w.load([n0 + N, k])
-            elif EVEN_K and EVEN_N:
+            if EVEN_K and EVEN_N:
                 ut = tl.load(u_ptr + k)
             else:
                 ut = tl.load(u_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
