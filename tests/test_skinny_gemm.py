@@ -385,7 +385,8 @@ for key, cfgs in sg.CANDIDATES.items():
                 sig = {a: "*bf16" if a in ("x", "w", "out") else "i32" for a in ARGS}
                 sig.update(y="*fp32" if fixup else "*bf16", counters="*i32" if fixup else "*bf16")
                 consts = dict(BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot,
-                              INTERPRET=False, EVEN_K=even, EVEN_N=even, FIXUP=fixup)
+                              INTERPRET=False, EVEN_K=even, EVEN_N=even, FIXUP=fixup,
+                              SPLITS=cfg.split_k if fixup else 1)
                 sig.update({c: "constexpr" for c in consts})
                 attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)}
                 k = triton.compile(ASTSource(sgk._skinny_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
