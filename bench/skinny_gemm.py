@@ -7,7 +7,8 @@ Contestants per (shape, M), all bf16 with fp32 accumulation:
 - inductor: torch.compile(mode="max-autotune-no-cudagraphs") of the same expression (gate_up: chunk, gelu-tanh, mul).
 - plan: graphcap.kernels.skinny_gemm's registered op (the config `plan` picks); <config>: each candidate of the
   shape's class through `launch` (with --grid: every config of `grid_configs` instead, a wider search than the
-  table's candidates - tiles, warps, pipeline depths, CUDA-core configs and, for the narrow shapes, split counts).
+  table's candidates - tiles, warps, pipeline depths, CUDA-core configs and, for the narrow shapes, split counts;
+  with --configs: the configs named, e.g. n16k256s1w4st8,n64k128s4w4st5-fixup).
 - with --ceiling, two kernels that read the weights and compute nothing from them (each program sums its tiles;
   `read` by per-thread loads, `read-tma` by the Tensor Memory Accelerator), over the plan's grid and pipeline depth: what one kernel streaming these bytes takes in this
   position (its launch, its pipeline's fill and drain included), a per-kernel floor nearer the truth than copy
@@ -21,13 +22,14 @@ H200's L2 is 50 MB), so every call reads its weights from HBM with a clean L2, b
 GB/s = (weights + x + out bytes) / time, against the device-to-device copy bandwidth measured in the same run
 (graphcap.bench.roofline, bytes read + written).
 
-    python bench/skinny_gemm.py --out DIR [--quick] [--grid] [--ceiling]    # CUDA only; writes skinny_gemm.{json,md}
+    python bench/skinny_gemm.py --out DIR [--quick] [--grid | --configs NAMES] [--ceiling]    # CUDA only; writes skinny_gemm.{json,md}
 """
 from __future__ import annotations
 
 import json
 import math
 import random
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -143,8 +145,21 @@ def grid_configs(m: int, n: int, k: int, gated: bool) -> tuple[Config, ...]:
     return tuple(dict.fromkeys(sg.candidates(m, n, k, gated) + tuple(fits)))
 
 
+def parse_config(name: str) -> Config:
+    """The Config whose `name` is `name` (n<block_n>k<block_k>s<split_k>w<warps>st<stages>[-bcast][-fixup])."""
+    from graphcap.kernels import skinny_gemm as sg
+
+    hit = re.fullmatch(r"n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)(-bcast)?(-fixup)?", name)
+    if hit is None:
+        raise ValueError(f"not a config name: {name!r} (expected e.g. n64k128s4w4st5-fixup)")
+    bn, bk, split, warps, stages = (int(v) for v in hit.groups()[:5])
+    if min(bn, bk, split, warps, stages) < 1 or any(v & (v - 1) for v in (bn, bk, warps)):
+        raise ValueError(f"config {name!r}: tiles and warps must be powers of two, every count >= 1")
+    return sg.Config(bn, bk, split, warps, stages, dot=hit[6] is None, fixup=hit[7] is not None)
+
+
 def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid: bool = False,
-                ceiling: bool = False) -> dict[str, Callable]:
+                ceiling: bool = False, configs: tuple[Config, ...] | None = None) -> dict[str, Callable]:
     from graphcap.kernels import skinny_gemm as sg
     from graphcap.kernels.fused_ops import gelu_tanh_and_mul
 
@@ -162,7 +177,7 @@ def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid:
     if inductor:
         compiled = torch.compile(expr, mode="max-autotune-no-cudagraphs", dynamic=False, fullgraph=True)
         fns["inductor"] = lambda w: compiled(x, w)
-    for cfg in (grid_configs if wide_grid else sg.candidates)(m, n, k, gated):
+    for cfg in configs if configs is not None else (grid_configs if wide_grid else sg.candidates)(m, n, k, gated):
         fns[cfg.name] = lambda w, cfg=cfg: sg.launch(x, w, x.new_empty(m, n), cfg, gated)
     if ceiling:
         plan = sg.plan(m, n, k, gated)
@@ -173,12 +188,13 @@ def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid:
 
 def measure(name: str, m: int, ws: list[torch.Tensor], x: torch.Tensor, gated: bool, n: int, rep_ms: float,
             copy_gbs: float, which: set[str] | None, inductor: bool, wide_grid: bool = False,
-            deadline: float = math.inf, ceiling: bool = False) -> list[dict]:
+            deadline: float = math.inf, ceiling: bool = False, configs: tuple[Config, ...] | None = None
+            ) -> list[dict]:
     from graphcap.kernels import skinny_gemm as sg
 
     k = x.shape[1]
     moved = ws[0].numel() * 2 + x.numel() * 2 + m * n * 2  # bytes read (weights, x) + written (out)
-    fns = contestants(x, gated, n, inductor, wide_grid, ceiling)
+    fns = contestants(x, gated, n, inductor, wide_grid, ceiling, configs)
     ref = fns["cublas"](ws[0])
     rows = []
     for i, (cname, fn) in enumerate(fns.items()):
@@ -264,6 +280,8 @@ def main() -> None:
     ap.add_argument("--grid", action="store_true",
                     help="time grid_configs (a wider search) instead of the shape class's candidates; each shape "
                          "and M gets an equal share of --budget-s")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated config names to time instead of the shape class's candidates")
     ap.add_argument("--ceiling", action="store_true",
                     help="also time two kernels that only read the weights over the plan's grid (read, read-tma)")
     args = ap.parse_args()
@@ -279,6 +297,12 @@ def main() -> None:
         ap.error(f"--ms: expected comma-separated integers, got {args.ms!r}")
     if not all(1 <= m <= 64 for m in ms):
         ap.error("--ms: values in 1..64")
+    if args.configs is not None and args.grid:
+        ap.error("--configs and --grid: one or the other")
+    try:
+        configs = tuple(parse_config(c) for c in args.configs.split(",")) if args.configs is not None else None
+    except ValueError as e:
+        ap.error(f"--configs: {e}")
     rep_ms = args.rep_ms or (5.0 if args.quick else 20.0)
     t0 = time.time()
     torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 4096
@@ -307,7 +331,7 @@ def main() -> None:
                 rows += measure(name, m, ws, x, gated, n, rep_ms, env["copy_gbps"],
                                 {"inductor"} if inductor else None, inductor, args.grid and not inductor,
                                 time.time() + share if args.grid and not inductor else math.inf,
-                                args.ceiling and not inductor)
+                                args.ceiling and not inductor, configs)
             del w, ws
             torch.cuda.empty_cache()
             env["elapsed_s"] = round(time.time() - t0)

@@ -486,6 +486,24 @@ def test_bench_read_ceilings(monkeypatch, device):
     assert s["read_us"] == s["read_tma_us"] == 2.0 and s["best"] not in bench.CEILINGS
 
 
+def test_bench_configs_by_name(monkeypatch, device):
+    """--configs: every config's name parses back to it (the table's and the grid's), a malformed one is refused
+    naming it, and the configs named are timed instead of the class's candidates."""
+    bench = load_bench_script("skinny_gemm")
+    every = {c for cs in CANDIDATES.values() for c in cs} | set(bench.grid_configs(1, 1536, 8192, False))
+    assert all(bench.parse_config(c.name) == c for c in every)
+    for bad in ("n64k128s4w4", "n64k128s4w4st5-fixup-bcast", "n48k128s1w4st4", "n64k128s0w4st4", "x"):
+        with pytest.raises(ValueError, match=bad):
+            bench.parse_config(bad)
+    monkeypatch.setattr(bench, "graph_us", lambda fn, ws, rep_ms: (fn(ws[0]), 1.0)[1])
+    x, w = make(5, 2, 40, 96, device=device, scale=96 ** -0.5)
+    named = (bench.parse_config("n16k64s1w4st6"), bench.parse_config("n16k32s2w4st3-fixup"))
+    sgk.prepare_fixup(device)
+    rows = bench.measure("lin", 2, [w], x, False, 40, 1.0, 100.0, None, False, configs=named)
+    assert [r["contestant"] for r in rows] == ["cublas", "plan", *(c.name for c in named)]
+    assert all("failed" not in r and r["err"] < 1e-2 for r in rows), rows
+
+
 def test_bench_grid_is_the_class_candidates_then_every_fitting_config():
     """bench/skinny_gemm.py --grid: the shape class's candidates first (the table timed in the same run), then the
     grid in one fixed shuffled order; every dot config's pipeline fits the shared memory, no split is empty, splits
