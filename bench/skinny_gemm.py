@@ -10,8 +10,9 @@ Contestants per (shape, M), all bf16 with fp32 accumulation:
   table's candidates - tiles, warps, pipeline depths, CUDA-core configs and, for the narrow shapes, split counts;
   with --configs: the configs named, e.g. n16k256s1w4st8,n64k128s4w4st5-fixup).
 - with --ceiling, two kernels that read the weights and compute nothing from them (each program sums its tiles;
-  `read` by per-thread loads, `read-tma` by the Tensor Memory Accelerator), over the plan's grid and pipeline depth: what one kernel streaming these bytes takes in this
-  position (its launch, its pipeline's fill and drain included), a per-kernel floor nearer the truth than copy
+  `read` by per-thread loads, `read-tma` by the Tensor Memory Accelerator), over the plan's tiles, grid and pipeline
+  depth (gate/up: its gate and up rows in programs of their own): what one kernel streaming these bytes takes in
+  this position (its launch, its pipeline's fill and drain included), a per-kernel floor nearer the truth than copy
   bandwidth. They are not GEMMs: never checked against cublas, never a "best of ours".
 Each contestant's output is checked against cublas first (max |a - b| / max |b|, printed); one above 2e-2 is
 reported and not timed.
@@ -22,7 +23,8 @@ H200's L2 is 50 MB), so every call reads its weights from HBM with a clean L2, b
 GB/s = (weights + x + out bytes) / time, against the device-to-device copy bandwidth measured in the same run
 (graphcap.bench.roofline, bytes read + written).
 
-    python bench/skinny_gemm.py --out DIR [--quick] [--grid | --configs NAMES] [--ceiling]    # CUDA only; writes skinny_gemm.{json,md}
+    python bench/skinny_gemm.py --out DIR [--quick] [--grid | --configs NAMES] [--ceiling]
+    # CUDA only; writes skinny_gemm.{json,md} into DIR
 """
 from __future__ import annotations
 
@@ -218,7 +220,8 @@ def measure(name: str, m: int, ws: list[torch.Tensor], x: torch.Tensor, gated: b
                 row.update(us=round(us, 2), gbps=round(gbs, 1), pct_copy=round(100 * gbs / copy_gbs, 1))
         except Exception as e:  # noqa: BLE001 - a config that does not compile or capture is a result
             row["failed"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-        print(f"  {name} M={m} {cname:>24}: err {row.get('err') or float('nan'):.1e}  "
+        err = row.get("err")
+        print(f"  {name} M={m} {cname:>24}: err {float('nan') if err is None else err:.1e}  "
               f"{row.get('us', '-')} us  {row.get('pct_copy', '-')} % copy  {row.get('failed', '')}", flush=True)
         rows.append(row)
     return rows
