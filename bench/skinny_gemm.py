@@ -13,7 +13,9 @@ Contestants per (shape, M), all bf16 with fp32 accumulation:
   `read` by per-thread loads, `read-tma` by the Tensor Memory Accelerator), over the plan's tiles, grid and pipeline
   depth (gate/up: its gate and up rows in programs of their own): what one kernel streaming these bytes takes in
   this position (its launch, its pipeline's fill and drain included), a per-kernel floor nearer the truth than copy
-  bandwidth. They are not GEMMs: never checked against cublas, never a "best of ours".
+  bandwidth. They are not GEMMs: never checked against cublas, never a "best of ours". With --read-grids, `read`
+  also runs over other grids (`read@<config>`: that config's tiles, split and depth; `sweep`: `read_grid_configs`),
+  to tell a limit of this kernel's grid from one of any kernel reading these bytes.
 Each contestant's output is checked against cublas first (max |a - b| / max |b|, printed); one above 2e-2 is
 reported and not timed.
 
@@ -23,7 +25,7 @@ H200's L2 is 50 MB), so every call reads its weights from HBM with a clean L2, b
 GB/s = (weights + x + out bytes) / time, against the device-to-device copy bandwidth measured in the same run
 (graphcap.bench.roofline, bytes read + written).
 
-    python bench/skinny_gemm.py --out DIR [--quick] [--grid | --configs NAMES] [--ceiling]
+    python bench/skinny_gemm.py --out DIR [--quick] [--grid | --configs NAMES] [--ceiling] [--read-grids NAMES|sweep]
     # CUDA only; writes skinny_gemm.{json,md} into DIR
 """
 from __future__ import annotations
@@ -147,6 +149,25 @@ def grid_configs(m: int, n: int, k: int, gated: bool) -> tuple[Config, ...]:
     return tuple(dict.fromkeys(sg.candidates(m, n, k, gated) + tuple(fits)))
 
 
+def read_grid_configs(n: int, k: int, gated: bool) -> tuple[Config, ...]:
+    """--read-grids sweep for one shape: the read kernel's tiles x splits x warps x depths over whole tiles, from a
+    quarter of a wave to 16 waves of 132 programs (the read kernel ignores M, so one sweep per shape)."""
+    from graphcap.kernels import skinny_gemm as sg
+
+    rows = 2 * n if gated else n
+    out = []
+    for bn, bk in ((16, 256), (32, 128), (32, 256), (64, 64), (64, 128), (128, 64)):
+        for split in (1, 2, 4, 8, 16):
+            for nw in (4, 8):
+                for ns in (3, 5):
+                    cfg = sg.Config(bn, bk, split, nw, ns)
+                    if rows % bn or k % bk or sg._splits(k, cfg)[1] != split:
+                        continue
+                    if 33 <= rows // bn * split <= 16 * 132:
+                        out.append(cfg)
+    return tuple(out)
+
+
 def parse_config(name: str) -> Config:
     """The Config whose `name` is `name` (n<block_n>k<block_k>s<split_k>w<warps>st<stages>[-bcast][-fixup])."""
     from graphcap.kernels import skinny_gemm as sg
@@ -161,7 +182,8 @@ def parse_config(name: str) -> Config:
 
 
 def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid: bool = False,
-                ceiling: bool = False, configs: tuple[Config, ...] | None = None) -> dict[str, Callable]:
+                ceiling: bool = False, configs: tuple[Config, ...] | None = None,
+                read_grids: tuple[Config, ...] = ()) -> dict[str, Callable]:
     from graphcap.kernels import skinny_gemm as sg
     from graphcap.kernels.fused_ops import gelu_tanh_and_mul
 
@@ -185,18 +207,25 @@ def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid:
         plan = sg.plan(m, n, k, gated)
         for name in CEILINGS:
             fns[name] = lambda w, tma=name.endswith("tma"): read_sums(w, plan, tma)
+    for cfg in read_grids:
+        fns[f"read@{cfg.name}"] = lambda w, cfg=cfg: read_sums(w, cfg, False)
     return fns
+
+
+def is_read(contestant: str) -> bool:
+    """A read-only kernel (--ceiling, --read-grids): never a GEMM result."""
+    return contestant in CEILINGS or contestant.startswith("read@")
 
 
 def measure(name: str, m: int, ws: list[torch.Tensor], x: torch.Tensor, gated: bool, n: int, rep_ms: float,
             copy_gbs: float, which: set[str] | None, inductor: bool, wide_grid: bool = False,
-            deadline: float = math.inf, ceiling: bool = False, configs: tuple[Config, ...] | None = None
-            ) -> list[dict]:
+            deadline: float = math.inf, ceiling: bool = False, configs: tuple[Config, ...] | None = None,
+            read_grids: tuple[Config, ...] = ()) -> list[dict]:
     from graphcap.kernels import skinny_gemm as sg
 
     k = x.shape[1]
     moved = ws[0].numel() * 2 + x.numel() * 2 + m * n * 2  # bytes read (weights, x) + written (out)
-    fns = contestants(x, gated, n, inductor, wide_grid, ceiling, configs)
+    fns = contestants(x, gated, n, inductor, wide_grid, ceiling, configs, read_grids)
     ref = fns["cublas"](ws[0])
     rows = []
     for i, (cname, fn) in enumerate(fns.items()):
@@ -210,8 +239,10 @@ def measure(name: str, m: int, ws: list[torch.Tensor], x: torch.Tensor, gated: b
         row = dict(shape=name, n=n, k=k, m=m, contestant=cname, mbytes=round(moved / 1e6, 2))
         if cname == "plan" or cname in CEILINGS:
             row["config"] = sg.plan(m, n, k, gated).name
+        elif is_read(cname):
+            row["config"] = cname.removeprefix("read@")
         try:
-            row["err"] = None if cname in CEILINGS else rel_err(fn(ws[0]), ref)
+            row["err"] = None if is_read(cname) else rel_err(fn(ws[0]), ref)
             if row["err"] is not None and row["err"] > MAX_ERR:
                 row["failed"] = f"error {row['err']:.2e} vs cublas"
             else:
@@ -231,12 +262,17 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for key in dict.fromkeys((r["shape"], r["m"]) for r in rows):
         rs = {r["contestant"]: r for r in rows if (r["shape"], r["m"]) == key and "us" in r}
-        ours = {c: r for c, r in rs.items() if c not in ("cublas", "inductor", *CEILINGS)}
+        ours = {c: r for c, r in rs.items() if c not in ("cublas", "inductor") and not is_read(c)}
+        reads = {c: r for c, r in rs.items() if is_read(c) and c != "read-tma"}
         base = min((rs[c]["us"] for c in ("cublas", "inductor") if c in rs), default=None)
         best = min(ours, key=lambda c: ours[c]["us"], default=None)
         named = ("cublas", "inductor", "plan", *CEILINGS)
         s = dict(shape=key[0], m=key[1], **{f"{c.replace('-', '_')}_us": rs[c]["us"] for c in named if c in rs},
                  **{f"{c.replace('-', '_')}_pct": rs[c]["pct_copy"] for c in named if c in rs})
+        if len(reads) > 1:  # --read-grids: the fastest read over any grid timed
+            fastest = min(reads, key=lambda c: reads[c]["us"])
+            s.update(read_best=reads[fastest]["config"], read_best_us=reads[fastest]["us"],
+                     read_best_pct=reads[fastest]["pct_copy"])
         if best is not None:
             s.update(best=best if best != "plan" else rs["plan"]["config"] + " (plan)", best_us=ours[best]["us"],
                      best_pct=ours[best]["pct_copy"])
@@ -255,19 +291,30 @@ def write(out: Path | None, env: dict, rows: list[dict], notes: list[str]) -> No
     summary = summarize(rows)
     (out / "skinny_gemm.json").write_text(json.dumps(dict(env=env, summary=summary, rows=rows, notes=notes), indent=1))
     head = ["shape", "M", "cuBLAS us", "% copy", "Inductor us", "% copy", "plan us", "% copy", "best of ours",
-            "us", "% copy", "best / baseline", "plan / baseline", "read us", "read-tma us"]
+            "us", "% copy", "best / baseline", "plan / baseline", "read us", "read-tma us", "fastest read",
+            "us", "% copy"]
     keys = ["shape", "m", "cublas_us", "cublas_pct", "inductor_us", "inductor_pct", "plan_us", "plan_pct", "best",
-            "best_us", "best_pct", "speedup_best", "speedup_plan", "read_us", "read_tma_us"]
+            "best_us", "best_pct", "speedup_best", "speedup_plan", "read_us", "read_tma_us", "read_best",
+            "read_best_us", "read_best_pct"]
     body = [[s.get(k, "-") for k in keys] for s in summary]
     text = [f"# skinny GEMM vs cuBLAS / Inductor ({env['device']}, {env['date']})", "",
             f"{bench_env.summary_line(env)}; copy bandwidth {env['copy_gbps']} GB/s (read + write). Time per call: "
             "a CUDA graph of calls over weight copies totalling >= 256 MB (L2 50 MB), median replay / calls. "
             "'baseline': the faster of cuBLAS and Inductor; speedups > 1 favour ours. 'read': a kernel that only "
-            "reads the weights over the plan's grid (--ceiling).", "",
+            "reads the weights over the plan's grid (--ceiling); 'fastest read': the fastest of it over the grids "
+            "timed (--read-grids).", "",
             tabulate(body, headers=head, tablefmt="github", disable_numparse=True)]
     fails = [f"- {r['shape']} M={r['m']} {r['contestant']}: {r['failed']}" for r in rows if "failed" in r]
     text += (["", "Failed:"] + fails if fails else []) + (["", "Notes:"] + [f"- {n}" for n in notes] if notes else [])
     (out / "skinny_gemm.md").write_text("\n".join(text) + "\n")
+
+
+def read_grids(arg: str | None, named: tuple[Config, ...], n: int, k: int, gated: bool) -> tuple[Config, ...]:
+    """The --read-grids configs for one shape: the sweep, or the named configs that tile it whole."""
+    if arg == "sweep":
+        return read_grid_configs(n, k, gated)
+    rows = 2 * n if gated else n
+    return tuple(c for c in named if rows % c.block_n == 0 and k % c.block_k == 0)
 
 
 def main() -> None:
@@ -287,6 +334,9 @@ def main() -> None:
                     help="comma-separated config names to time instead of the shape class's candidates")
     ap.add_argument("--ceiling", action="store_true",
                     help="also time two kernels that only read the weights over the plan's grid (read, read-tma)")
+    ap.add_argument("--read-grids", default=None,
+                    help="also time the read kernel over these configs' grids (comma-separated names), or 'sweep' "
+                         "(read_grid_configs per shape)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("skinny_gemm: needs a CUDA GPU", file=sys.stderr)
@@ -306,6 +356,11 @@ def main() -> None:
         configs = tuple(parse_config(c) for c in args.configs.split(",")) if args.configs is not None else None
     except ValueError as e:
         ap.error(f"--configs: {e}")
+    try:
+        named_reads = (tuple(parse_config(c) for c in args.read_grids.split(","))
+                       if args.read_grids not in (None, "sweep") else ())
+    except ValueError as e:
+        ap.error(f"--read-grids: {e}")
     rep_ms = args.rep_ms or (5.0 if args.quick else 20.0)
     t0 = time.time()
     torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 4096
@@ -334,7 +389,9 @@ def main() -> None:
                 rows += measure(name, m, ws, x, gated, n, rep_ms, env["copy_gbps"],
                                 {"inductor"} if inductor else None, inductor, args.grid and not inductor,
                                 time.time() + share if args.grid and not inductor else math.inf,
-                                args.ceiling and not inductor, configs)
+                                args.ceiling and not inductor, configs,
+                                () if inductor or m != ms[0] else read_grids(args.read_grids, named_reads, n, k,
+                                                                             gated))  # reads ignore M: once
             del w, ws
             torch.cuda.empty_cache()
             env["elapsed_s"] = round(time.time() - t0)

@@ -192,7 +192,8 @@ case $stage in
     ;;
   gemm)  # the skinny GEMM vs cuBLAS and Inductor per shape and M; Inductor's max-autotune compiles go last and stop
     # at the bench's --budget-s, and the step is cut at 560 s so that what ran comes back inside a 600 s call
-    # GEMM_ARGS: other bench/skinny_gemm.py options (e.g. --no-inductor --ms 1,8,16; --ceiling: the read-only kernels)
+    # GEMM_ARGS: other bench/skinny_gemm.py options (e.g. --no-inductor --ms 1,8,16; --ceiling: the read-only kernels;
+    # --read-grids sweep: the read kernel over other grids)
     STEP_LIMIT=${STEP_LIMIT:-560} step skinny-gemm python3 bench/skinny_gemm.py ${GEMM_ARGS:-} --out "$LOG/skinny-gemm"
     ;;
   tests)  # the whole suite, then the attention grid at the shapes short of 70% of copy bandwidth (TESTS_ARGS: pytest's

@@ -486,6 +486,35 @@ def test_bench_read_ceilings(monkeypatch, device):
     assert s["read_us"] == s["read_tma_us"] == 2.0 and s["best"] not in bench.CEILINGS
 
 
+def test_bench_read_grids(monkeypatch, device):
+    """--read-grids: the read kernel over other configs' grids, named read@<config>, each reading whole tiles of the
+    weights (its sums against float64), never a GEMM result; the summary's fastest read is the fastest of them and
+    the plan's read. The sweep tiles every shape whole, its split counts exact, from a quarter wave to 16 waves."""
+    bench = load_bench_script("skinny_gemm")
+    for name, (n, k, gated) in bench.SHAPES.items():
+        sweep = bench.read_grid_configs(n, k, gated)
+        rows = 2 * n if gated else n
+        assert sweep and len(set(sweep)) == len(sweep), name
+        assert all(rows % c.block_n == 0 and k % c.block_k == 0 and sg._splits(k, c)[1] == c.split_k
+                   and 33 <= rows // c.block_n * c.split_k <= 16 * 132 for c in sweep), name
+    grids = (Config(32, 64, 2, 4, 2), Config(16, 32, 4, 4, 3), Config(64, 64, 1, 4, 2))
+    assert bench.read_grids("n32k64s2w4st2,n64k64s1w4st2", grids[::2], 32, 256, False) == grids[:1]
+    x, w = make(4, 2, 32, 256, device=device, scale=256 ** -0.5)
+    for cfg in grids[:2]:
+        got = bench.contestants(x, False, 32, False, read_grids=(cfg,))[f"read@{cfg.name}"](w)
+        assert torch.allclose(got.double().cpu(), bench.read_sums_torch(w, cfg).cpu(), rtol=1e-5, atol=1e-4)
+    times = iter([5.0, 4.0, 3.5, 3.0, 9.0, 2.5, 1.5])
+    monkeypatch.setattr(bench, "graph_us", lambda fn, ws, rep_ms: (fn(ws[0]), next(times))[1])
+    monkeypatch.setattr(sg, "candidates", lambda m, n, k, gated=False: (Config(16, 64, 1, 4, 2),))
+    monkeypatch.setattr(sg, "plan", lambda m, n, k, gated=False: Config(16, 64, 1, 4, 2))
+    rows = bench.measure("lin", 2, [w], x, False, 32, 1.0, 100.0, None, False, ceiling=True, read_grids=grids[:2])
+    assert [r["contestant"] for r in rows] == ["cublas", "plan", "n16k64s1w4st2", "read", "read-tma",
+                                               *(f"read@{c.name}" for c in grids[:2])]
+    assert [r["config"] for r in rows[-2:]] == [c.name for c in grids[:2]] and rows[-1]["err"] is None
+    (s,) = bench.summarize(rows)
+    assert (s["best"], s["read_us"], s["read_best"], s["read_best_us"]) == ("n16k64s1w4st2", 3.0, grids[1].name, 1.5)
+
+
 def test_bench_configs_by_name(monkeypatch, device):
     """--configs: every config's name parses back to it (the table's and the grid's), a malformed one is refused
     naming it, and the configs named are timed instead of the class's candidates."""
