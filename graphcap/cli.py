@@ -193,9 +193,11 @@ def layer_pattern(layers: Sequence[str]) -> str:
 def _bench_description() -> str:
     return ("Draft-phase iterations/s against batch (and context, steps): graphcap against eager-rebuild, "
             "graph-rebuild, sglang (what sglang 0.5.23 launches), compile (that loop under torch.compile "
-            "reduce-overhead, sglang's .item() kept), compile-nosync (without it) and compile-plain (a hand-written "
-            "loop: torch ops Inductor fuses, no sync), on one target state, modes interleaved. Without CUDA: the tiny "
-            "spec, graphs and sglang's kernels skipped with the reason, compile-plain left out unless named.")
+            "reduce-overhead, sglang's .item() kept), compile-nosync (without it), compile-plain (a hand-written "
+            "loop: torch ops Inductor fuses, no sync) and compile-tuned (that loop with gpt-fast's Inductor "
+            "setting, coordinate descent tuning), on one target state, modes interleaved. Without CUDA: the tiny "
+            "spec, graphs and sglang's kernels skipped with the reason, compile-plain and compile-tuned left out "
+            "unless named.")
 
 
 def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import time
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -57,7 +57,8 @@ def iteration_function(fn: DraftFn, tag: str, batch_range: tuple[int, int] | Non
 
 def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor], buckets: int,
                       tag: str, dynamic_batch: bool = False,
-                      batch_range: tuple[int, int] | None = None) -> tuple[DraftFn, types.CodeType]:
+                      batch_range: tuple[int, int] | None = None,
+                      inductor: Mapping[str, object] | None = None) -> tuple[DraftFn, types.CodeType]:
     """`fn` under torch.compile for `backend` (one of graphcap.backends' COMPILED_BACKENDS), and the code object Dynamo caches it under
     (`draft_iteration_<tag>`), whose entries count the recompiles. Every tensor of `static` (the persistent tensors
     and each bucket's static inputs) is marked with `mark_static_address`, so no replay copies it.
@@ -69,7 +70,10 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
 
     `dynamic_batch`: compiled with dynamic=None instead of False, so that inputs whose batch dimension the caller
     marked dynamic (`mark_batch_unbacked`) give one graph for every bucket instead of one per bucket; `batch_range`
-    (lo, hi) bounds that batch inside the function, for torch versions whose marks take no range."""
+    (lo, hi) bounds that batch inside the function, for torch versions whose marks take no range.
+
+    `inductor`: more Inductor options for this compile alone (e.g. gpt-fast's coordinate_descent_tuning); torch
+    takes a mode or options, not both, so reduce-overhead is then given as its one option, triton.cudagraphs."""
     mark_static(static)
     fresh, code = iteration_function(fn, tag, batch_range)
     breaks = bool(getattr(fn, "graph_breaks", False))
@@ -82,6 +86,9 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
         torch._dynamo.config.fail_on_recompile_limit_hit = True
     mode = "reduce-overhead" if backend == "reduce-overhead" else None
     options = None if mode else {"triton.cudagraphs": False}  # inductor-cudagraph records its own graphs
+    if inductor:
+        options = {"triton.cudagraphs": mode is not None, **(options or {}), **inductor}
+        mode = None
     dynamic = None if dynamic_batch else False
     return torch.compile(fresh, mode=mode, options=options, fullgraph=not breaks, dynamic=dynamic), code
 

@@ -245,7 +245,7 @@ case $stage in
       case $part in small) part=small:1,2,4,8 ;; large) part=large:16,32,64 ;;
         *) echo "BENCH_PARTS: small and/or large, got $part" >&2; exit 2 ;; esac
       STEP_LIMIT=${STEP_LIMIT:-420} step bench-${part%%:*} python3 -m graphcap.cli bench --batch ${part##*:} \
-        --context 2048 --steps 3 --modes ${BENCH_MODES:-graphcap,compile,compile-nosync,compile-plain,sglang,eager-rebuild} \
+        --context 2048 --steps 3 --modes ${BENCH_MODES:-graphcap,compile,compile-nosync,compile-plain,compile-tuned,sglang,eager-rebuild} \
         --out "$LOG/bench-${part%%:*}"
     done
     ;;
@@ -291,7 +291,7 @@ case $stage in
     ;;
   variants)  # graphcap against one compile per bucket and compile-plain, same run (VARIANTS_BATCH: other batches)
     step bench-variants python3 -m graphcap.cli bench --batch ${VARIANTS_BATCH:-1,8,64} --context 2048 --steps 3 \
-      --modes ${BENCH_MODES:-graphcap-per-bucket,compile-plain,graphcap} --out "$LOG/bench-variants"
+      --modes ${BENCH_MODES:-graphcap-per-bucket,compile-plain,compile-tuned,graphcap} --out "$LOG/bench-variants"
     ;;
   regions)  # each draft layer a nested compile region against the inlined layers, same machine (capture_starts
     # for each; the replay tests with regions are replay-dynamic's)

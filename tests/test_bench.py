@@ -77,6 +77,31 @@ def test_every_mode_drafts_the_reference_tokens():
     assert graph_problem(compiled) == "recompiled after capture (1 new Dynamo cache entries)"
 
 
+def test_compile_tuned_is_compile_plain_with_gpt_fasts_inductor_setting(monkeypatch):
+    """compile-tuned: compile-plain's loop and ops under reduce-overhead given as its one Inductor option
+    (triton.cudagraphs) plus gpt-fast's coordinate_descent_tuning - torch takes a mode or options, not both; every
+    other compile keeps its mode and options as before."""
+    import graphcap.recording as recording
+
+    calls = []
+    monkeypatch.setattr(recording.torch, "compile", lambda fn, **kw: (calls.append(kw), fn)[1])
+    spec = load_spec("tiny")
+    cfg = _config("--spec", "tiny", "--batch", "2", "--context", "8", "--iters", "1",
+                  "--modes", "compile-plain,compile-tuned", "--graphcap-backend", "eager")
+    st = make_target_state(spec, [3, 9], [12, 20], seed=1)
+    modes = build_modes(cfg, FrozenKVDraft(spec, seed=2), st, spec.capture.steps, [])
+    assert [m.name for m in modes] == ["compile-plain", "compile-tuned"]
+    assert modes[0].runner.loop.ops == modes[1].runner.loop.ops
+    plain, tuned = calls
+    assert (plain["mode"], plain["options"]) == ("reduce-overhead", None)
+    assert (tuned["mode"], tuned["options"]) == (None, {"triton.cudagraphs": True, "coordinate_descent_tuning": True})
+    assert {k: v for k, v in plain.items() if k not in ("mode", "options")} == \
+        {k: v for k, v in tuned.items() if k not in ("mode", "options")}
+    calls.clear()
+    recording.compile_iteration(lambda *a: a, "inductor-cudagraph", (), 1, "t", inductor={"max_autotune": True})
+    assert (calls[0]["mode"], calls[0]["options"]) == (None, {"triton.cudagraphs": False, "max_autotune": True})
+
+
 @cpu_only
 def test_sglang_and_compile_modes_with_sglangs_kernels_draft_the_reference_tokens():
     """The `sglang` and `compile` modes as they run on CUDA - sglang 0.5.23's index builder, split rule and decode

@@ -23,6 +23,10 @@
   opaque to it), the centroid head's gather and product, torch.topk, sglang's attention kernels, no sync: built to
   the description of a loop that beat graphcap at batch 1 in an earlier H200 measurement (not reproduced:
   docs/results.md).
+- `compile-tuned` (a default mode with CUDA only): `compile-plain` with gpt-fast's Inductor setting,
+  `coordinate_descent_tuning` - Inductor then tunes each generated kernel's launch config, and lowers a one-row
+  matmul to a multiply-and-sum reduction it tunes (torch/_inductor/decomposition.py, `mm`): what a user who
+  follows gpt-fast compiles.
 
 A baseline whose graphs were lost is not a baseline: `graph_problem(runner)` says why a mode's measured calls may not
 be its captured graphs - a DraftGraphs bucket that failed to capture (it runs eagerly), a call past the largest
@@ -43,6 +47,10 @@ from graphcap.kernels.window_update import window_reset
 from graphcap.models.draft_loop import DraftLoop
 from graphcap.models.draft_ops import DraftOps
 from graphcap.recording import compile_iteration
+
+
+# gpt-fast's Inductor setting that changes the kernels (its others name kernels and cache compiles)
+GPT_FAST_INDUCTOR = {"coordinate_descent_tuning": True}
 
 
 class RebuildBaseline:
@@ -107,7 +115,7 @@ class SglangBaseline:
 class CompiledBaseline:
     def __init__(self, loop: DraftLoop, ops: DraftOps, batches: Sequence[int], sglang_kernels: bool,
                  warm_slots: torch.Tensor, *, cores: int | None = None, host_sync: bool = True,
-                 name: str | None = None) -> None:
+                 name: str | None = None, inductor: dict[str, object] | None = None) -> None:
         w, m = loop.window, loop.model
         self.host_sync = host_sync
         self.name = name or ("compile" if host_sync else "compile-nosync")
@@ -127,7 +135,7 @@ class CompiledBaseline:
             static.update(self.attention.static_tensors())
         # the code object Dynamo caches the compiled iteration under: its entries count the recompiles
         self._fn, self._code = compile_iteration(self._iteration, "reduce-overhead", static.values(),
-                                                 len(self.batches), f"compile_mode_{id(self):x}")
+                                                 len(self.batches), f"compile_mode_{id(self):x}", inductor=inductor)
         self.cuda = w.device.type == "cuda"
         self._entries: int | None = None  # Dynamo cache entries after capture
         self.capture_problem = ""

@@ -21,12 +21,12 @@ from graphcap.spec import CaptureSpec, load_spec
 # graphcap-two-head-proj (post_proj and the centroid scores as two GEMMs, not one).
 VARIANTS = ("graphcap-per-bucket", "graphcap-skinny-gemm", "graphcap-skinny-4rows", "graphcap-inlined-layers",
             "graphcap-torch-ops", "graphcap-qnorm-kernel", "graphcap-two-head-proj")
-MODES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "compile-nosync", "compile-plain", *VARIANTS,
-         "graphcap")
+MODES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "compile-nosync", "compile-plain", "compile-tuned",
+         *VARIANTS, "graphcap")
 DEFAULT_MODES = tuple(m for m in MODES if m not in VARIANTS)
-# Without CUDA compile-plain is left out by default: one more Inductor C++ compile (~20 s on 2 cores) for a mode whose
-# point, the fusion Inductor finds on a GPU, a CPU run cannot show.
-CPU_MODES = tuple(m for m in DEFAULT_MODES if m != "compile-plain")
+# Without CUDA compile-plain and compile-tuned are left out by default: more Inductor C++ compiles (~20 s each on 2
+# cores) for modes whose point, the fusion and tuning Inductor does on a GPU, a CPU run cannot show.
+CPU_MODES = tuple(m for m in DEFAULT_MODES if m not in ("compile-plain", "compile-tuned"))
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXTS = (256, 1024, 2048, 4096)
 # Without CUDA: one bucket (each compiled mode pays an Inductor C++ compile per bucket, ~20-50 s on 2 cores),
@@ -86,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=ints, default=None, help="draft steps (default: the spec's)")
     p.add_argument("--modes", default=None,
                    help=f"comma-separated subset of {','.join(MODES)} (default: all but {' and '.join(VARIANTS)} "
-                        "with CUDA, also without compile-plain without CUDA)")
+                        "with CUDA, also without compile-plain and compile-tuned without CUDA)")
     p.add_argument("--iters", type=int, default=None, help=f"measured iterations per run (default 50; {CPU_ITERS} "
                                                            "without CUDA)")
     p.add_argument("--warmup", type=int, default=None, help=f"default 5; {CPU_WARMUP} without CUDA")

@@ -33,6 +33,7 @@ class BenchRow:
     x_compile: float | None = None
     x_compile_nosync: float | None = None
     x_compile_plain: float | None = None
+    x_compile_tuned: float | None = None
     x_per_bucket: float | None = None  # over graphcap itself compiled once per bucket (graphcap-per-bucket)
     x_skinny_gemm: float | None = None  # over graphcap with its skinny GEMM (graphcap-skinny-gemm): < 1, it wins
     x_inlined_layers: float | None = None  # over graphcap with its layers inlined (graphcap-inlined-layers)
@@ -51,7 +52,8 @@ class BenchRow:
 
 SPEEDUP_FIELDS = {"eager-rebuild": "x_eager_rebuild", "graph-rebuild": "x_graph_rebuild", "sglang": "x_sglang",
                   "compile": "x_compile", "compile-nosync": "x_compile_nosync",
-                  "compile-plain": "x_compile_plain", "graphcap-per-bucket": "x_per_bucket",
+                  "compile-plain": "x_compile_plain", "compile-tuned": "x_compile_tuned",
+                  "graphcap-per-bucket": "x_per_bucket",
                   "graphcap-skinny-gemm": "x_skinny_gemm", "graphcap-inlined-layers": "x_inlined_layers",
                   "graphcap-torch-ops": "x_torch_ops", "graphcap-skinny-4rows": "x_skinny_4rows",
                   "graphcap-qnorm-kernel": "x_qnorm_kernel", "graphcap-two-head-proj": "x_two_head_proj"}

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from graphcap.bench.baselines import CompiledBaseline, RebuildBaseline, SglangBaseline, graph_problem
+from graphcap.bench.baselines import (GPT_FAST_INDUCTOR, CompiledBaseline, RebuildBaseline, SglangBaseline,
+                                      graph_problem)
 from graphcap.bench.counting import Count, count_kernels, count_syncs
 from graphcap.bench.environment import environment
 from graphcap.bench.gpu_monitor import GpuMonitor
@@ -92,15 +93,17 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                 check_available(cuda)
                 runner = SglangBaseline(loop, fused_ops(), buckets)
                 note = _pdl_note(runner.attention.use_pdl)
-            elif name in ("compile", "compile-nosync", "compile-plain"):
-                ops, note = (PLAIN_OPS, "") if name == "compile-plain" else _fused_or_torch(notes, cuda)
+            elif name in ("compile", "compile-nosync", "compile-plain", "compile-tuned"):
+                plain = name in ("compile-plain", "compile-tuned")
+                ops, note = (PLAIN_OPS, "") if plain else _fused_or_torch(notes, cuda)
                 if not cuda:
                     note = "; ".join(x for x in (note, "graphcap's torch twins for rebuild and attention (sglang's "
                                                         "kernels need CUDA); Inductor C++, no graphs") if x)
                 else:
                     check_available(cuda)
                 runner = CompiledBaseline(loop, ops, cfg.batches, sglang_kernels=cuda, warm_slots=state.slots,
-                                          host_sync=name == "compile", name=name)
+                                          host_sync=name == "compile", name=name,
+                                          inductor=GPT_FAST_INDUCTOR if name == "compile-tuned" else None)
                 if runner.attention is not None:
                     note = "; ".join(x for x in (note, _pdl_note(runner.attention.use_pdl)) if x)
             else:  # graphcap and its variants: compiled per bucket (options refuse that mode for a backend that
