@@ -169,16 +169,17 @@ def read_grid_configs(n: int, k: int, gated: bool) -> tuple[Config, ...]:
 
 
 def parse_config(name: str) -> Config:
-    """The Config whose `name` is `name` (n<block_n>k<block_k>s<split_k>w<warps>st<stages>[-bcast][-fixup])."""
+    """The Config whose `name` is `name` (n<block_n>k<block_k>s<split_k>w<warps>st<stages>[-bcast|-gemv][-fixup])."""
     from graphcap.kernels import skinny_gemm as sg
 
-    hit = re.fullmatch(r"n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)(-bcast)?(-fixup)?", name)
+    hit = re.fullmatch(r"n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)(-bcast|-gemv)?(-fixup)?", name)
     if hit is None:
         raise ValueError(f"not a config name: {name!r} (expected e.g. n64k128s4w4st5-fixup)")
     bn, bk, split, warps, stages = (int(v) for v in hit.groups()[:5])
     if min(bn, bk, split, warps, stages) < 1 or any(v & (v - 1) for v in (bn, bk, warps)):
         raise ValueError(f"config {name!r}: tiles and warps must be powers of two, every count >= 1")
-    return sg.Config(bn, bk, split, warps, stages, dot=hit[6] is None, fixup=hit[7] is not None)
+    return sg.Config(bn, bk, split, warps, stages, dot=hit[6] is None, fixup=hit[7] is not None,
+                     gemv=hit[6] == "-gemv")
 
 
 def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid: bool = False,

@@ -265,6 +265,21 @@ def test_fixup_equals_the_two_kernel_split_bit_for_bit(device, m, n, k, splits, 
     assert not sgk.fixup_counters(x.device, 1).any()
 
 
+@settings(**{**SETTINGS, "max_examples": 40})  # the interpreter runs every program: few, small cases
+@given(m=st.integers(1, 3), n=st.integers(1, 48), k=DIMS, gated=st.booleans(), bn=st.sampled_from([1, 4, 16]),
+       bk=st.sampled_from([16, 32, 64]), stages=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
+def test_gemv_configs_match_float64_and_twin(device, m, n, k, gated, bn, bk, stages, seed):
+    """A gemv config (one row per program over all of K, the tile reduced once) at any tile and depth, rows above
+    one included, against float64 and the twin; a gemv config that splits K, uses tensor cores or a fixup is
+    refused naming it."""
+    cfg = Config(bn, bk, 1, 2, stages, dot=False, gemv=True)
+    x, w = make(seed, m, 2 * n if gated else n, k, device=device, scale=k ** -0.5 if gated else 1.0)
+    (check_gated if gated else check_linear)(x, w, run(x, w, cfg, gated))
+    for bad in (cfg._replace(split_k=2), cfg._replace(dot=True), cfg._replace(fixup=True)):
+        with pytest.raises(sg.SkinnyGemmError, match=bad.name):
+            sg.launch(x, w, x.new_empty(m, n), bad, gated)
+
+
 def test_fixup_only_with_prepared_counters_else_the_sum_kernel(device, monkeypatch):
     """A fixup config runs in one kernel only with counters `prepare_fixup` made beforehand and enough of them;
     otherwise the two-kernel split (the same bits), and a call never makes counters itself (inside a CUDA graph
@@ -371,10 +386,27 @@ import graphcap.kernels.skinny_gemm_kernels as sgk
 
 ARGS = ["x", "w", "y", "out", "counters", "M", "N", "K", "k_split", "stride_xm", "stride_wn", "stride_ym", "stride_ys",
         "stride_om"]
+GEMV_ARGS = ["x", "w", "out", "M", "N", "K", "stride_xm", "stride_wn", "stride_om"]
 seen = set()
 for key, cfgs in sg.CANDIDATES.items():
     gated = "gated" in key
     for i, cfg in enumerate(cfgs):
+        if cfg.gemv:  # its own kernel, the same for every M
+            for even in (True, False):
+                if (cfg, gated, even) in seen:
+                    continue
+                seen.add((cfg, gated, even))
+                sig = {a: "*bf16" if a in ("x", "w", "out") else "i32" for a in GEMV_ARGS}
+                consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, INTERPRET=False, EVEN_K=even,
+                              EVEN_N=even, STAGES=cfg.num_stages)
+                sig.update({c: "constexpr" for c in consts})
+                attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 5, 6, 7, 8)}
+                k = triton.compile(ASTSource(sgk._gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=cfg.num_warps))
+                assert k.metadata.shared <= 227 * 1024, (key, cfg, k.metadata.shared)
+                assert cfg.num_stages == 1 or "cp.async" in k.asm["ptx"], (key, cfg)  # the loads pipelined
+                print(key, cfg.name, even, k.metadata.shared)
+            continue
         for m in {"m4": (1, 4), "m16": (16,), "m64": (32, 64)}[key.split("-")[0]]:
             bm = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
             for even in (True, False) if i == 0 else (True,):

@@ -62,11 +62,13 @@ class Config(NamedTuple):
     num_stages: int
     dot: bool = True  # tl.dot (tensor cores) or broadcast multiply + sum (CUDA cores)
     fixup: bool = False  # split K: the last split of each n-block sums the partials (no second kernel)
+    gemv: bool = False  # one row per program over all of K on CUDA cores (`_gemv_kernel`; dot False, split_k 1)
 
     @property
     def name(self) -> str:
-        return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}"
-                + ("" if self.dot else "-bcast") + ("-fixup" if self.fixup else ""))
+        kind = "-gemv" if self.gemv else "" if self.dot else "-bcast"
+        return (f"n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}st{self.num_stages}" + kind
+                + ("-fixup" if self.fixup else ""))
 
 
 # Candidate configs per shape class "<m>-<n>" (m: M <= 4 / <= 16 / <= 64; n: gated, wide N >= NARROW_N, or narrow),
@@ -88,13 +90,15 @@ _SMALL = {
 }
 _BCAST = {"wide": Config(16, 128, 1, 4, 2, False), "gated": Config(16, 128, 1, 4, 2, False),
           "narrow": Config(16, 128, 4, 4, 2, False)}
+# One row per program over all of K, as Inductor's tuned one-row matmul (a multiply-and-sum reduction) runs
+_GEMV = (Config(4, 1024, 1, 4, 3, False, gemv=True), Config(2, 2048, 1, 8, 2, False, gemv=True))
 # First up to 16 rows: the fastest of bench/skinny_gemm.py --grid at one row, and of the class's candidates at 1,
 # 2, 4 and 8 rows (docs/results.md, the skinny GEMM's wider search) - a fifth pipeline stage for gate/up, and for the
 # narrow shapes four splits of K with five stages. Not timed at 9-16 rows, which only SKINNY_OPS (the bench's
 # graphcap-skinny-gemm) sends to the kernel: KERNEL_ROWS stops the default op set at 8.
 _DEEP = {"gated": Config(64, 128, 1, 4, 5), "narrow": Config(64, 128, 4, 4, 5, fixup=True)}
 CANDIDATES: dict[str, tuple[Config, ...]] = {
-    **{f"m4-{n}": ((_DEEP[n],) if n in _DEEP else ()) + cfgs + (_BCAST[n],) for n, cfgs in _SMALL.items()},
+    **{f"m4-{n}": ((_DEEP[n],) if n in _DEEP else ()) + cfgs + (_BCAST[n],) + _GEMV for n, cfgs in _SMALL.items()},
     **{f"m16-{n}": ((_DEEP[n],) if n in _DEEP else ()) + cfgs for n, cfgs in _SMALL.items()},
     # up to 64 rows the x tile is as large as the weight tile at BLOCK_N = 64: wider N-blocks read x less often
     "m64-wide": (Config(64, 128, 1, 4, 4), Config(128, 128, 1, 8, 3), Config(32, 256, 1, 4, 3),
@@ -216,6 +220,15 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
         return out.zero_()
     if gated and cfg.split_k != 1:
         raise SkinnyGemmError(f"skinny_gate_up_gelu: config {cfg.name} splits K; the gated kernel does not")
+    if cfg.gemv:
+        if cfg.split_k != 1 or cfg.dot or cfg.fixup:
+            raise SkinnyGemmError(f"config {cfg.name}: a gemv config takes all of K on CUDA cores "
+                                  "(split_k 1, dot and fixup False)")
+        kernels._gemv_kernel[(triton.cdiv(n, cfg.block_n), m)](
+            x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            GATED=gated, INTERPRET=not x.is_cuda, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
+            STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+        return out
     k_split, splits = _splits(k, cfg)
     block_m = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
     n_blocks = triton.cdiv(n, cfg.block_n)

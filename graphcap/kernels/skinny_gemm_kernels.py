@@ -4,6 +4,8 @@ ops) and the split-K arrival counters of the one-kernel split K.
 - `_skinny_kernel`: program (n-block, split) owns BLOCK_N output columns of all M rows over one K range, the product
   computed transposed (weight rows on the MMA's large side); unsplit it stores the output, split it stores an fp32
   partial, which the n-block's last split to arrive sums (FIXUP) or `_splitk_sum_kernel` does.
+- `_gemv_kernel`: program (n-block, row) owns BLOCK_N output columns of one row over all of K, on CUDA cores, its
+  tile reduced once at the end (Config.gemv).
 - the counters: one int32 per n-block per device, zero between launches (each launch's last splits reset theirs).
 """
 from __future__ import annotations
@@ -95,6 +97,44 @@ def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_w
             o_ptr = out + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(o_ptr, _round(total, out.dtype.element_ty, INTERPRET), mask=mask)
             tl.atomic_xchg(counters + pid_n, 0)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GATED: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 STAGES: tl.constexpr):
+    # program (n-block, row m): out[m, n0:n0 + BLOCK_N] over all of K on CUDA cores. Each thread keeps fp32 sums of
+    # its own elements of the [BLOCK_N, BLOCK_K] tile and the tile is reduced across threads once, after the loop
+    # (the broadcast configs of _skinny_kernel reduce every chunk); few rows per program, so a one-row call over a
+    # narrow weight still launches hundreds of programs without splitting K.
+    pid_n, m = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    w_ptr = w + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    u_ptr = w + (offs_n + N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # gated: the up rows n + I
+    x_ptr = x + m * stride_xm + offs_k
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    # an explicit depth: Triton pipelines a loop's loads on its own only where they feed a tl.dot
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        mask_k = (k + offs_k) < K
+        xv = tl.load(x_ptr + k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+        if EVEN_K and EVEN_N:
+            wt = tl.load(w_ptr + k)
+        else:
+            wt = tl.load(w_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += wt.to(tl.float32) * xv
+        if GATED:
+            if EVEN_K and EVEN_N:
+                ut = tl.load(u_ptr + k)
+            else:
+                ut = tl.load(u_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            acc_u += ut.to(tl.float32) * xv
+    g = tl.sum(acc, 1)
+    if GATED:  # as _skinny_kernel's epilogue
+        g = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g)) * tl.sum(acc_u, 1)
+    tl.store(out + m * stride_om + offs_n, _round(g, out.dtype.element_ty, INTERPRET), mask=mask_n)
 
 
 @triton.jit
