@@ -60,10 +60,13 @@ def make(seed: int, m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     return x[:, :k], w
 
 
+NARROW_N_WIDE = sg.NARROW_N  # a wide shape's N: its class's rows are M's (m4 for M = 1 as for 2-4)
+
+
 def configs_for(m: int, gated: bool) -> list[Config]:
     """Every candidate of M's class (all of its N classes; the gated kernel takes only unsplit ones, and of the other
     classes' only those whose pipeline, with its second weight tile, fits in shared memory)."""
-    rows = sg.shape_class(m, 1).split("-")[0]
+    rows = sg.shape_class(m, NARROW_N_WIDE).split("-")[0]
     return sorted({c for key, cs in CANDIDATES.items() if key.startswith(rows + "-") for c in cs
                    if not gated or (c.split_k == 1 and sg.pipeline_smem(c, m, True) <= sg.SMEM_LIMIT)})
 
@@ -73,7 +76,7 @@ def test_every_candidate_fits_in_shared_memory():
     weight tiles): a table entry that does not would fail at its first launch (OutOfResources), on the GPU only."""
     for key, cfgs in CANDIDATES.items():
         rows, kind = key.split("-")
-        m = {"m4": 4, "m16": 16, "m64": 64}[rows]
+        m = {"m1": 1, "m4": 4, "m16": 16, "m64": 64}[rows]
         for c in cfgs:
             if c.dot:
                 assert sg.pipeline_smem(c, m, kind == "gated") <= sg.SMEM_LIMIT, (key, c.name)
@@ -361,9 +364,11 @@ def test_plan_and_candidates():
     for (n, k), want in classes.items():
         assert sg.plan(8, n, k) == CANDIDATES[f"m16-{want}"][0]
     assert sg.shape_class(1, 6144, gated=True) == "m4-gated" and sg.shape_class(64, 1536) == "m64-narrow"
+    assert (sg.shape_class(1, 1536), sg.shape_class(2, 1536), sg.shape_class(1, 8192)) == ("m1-narrow", "m4-narrow", "m4-wide")
+    assert sg.plan(1, 1536, 8192).gemv and not sg.plan(2, 1536, 8192).gemv
     for key, cfgs in CANDIDATES.items():
         assert cfgs and len(set(cfgs)) == len(cfgs), key
-        max_m = {"m4": 4, "m16": 16, "m64": 64}[key.split("-")[0]]
+        max_m = {"m1": 1, "m4": 4, "m16": 16, "m64": 64}[key.split("-")[0]]
         for c in cfgs:
             assert "gated" not in key or c.split_k == 1, (key, c)
             assert c.dot or max_m <= 4, (key, c)
@@ -407,7 +412,7 @@ for key, cfgs in sg.CANDIDATES.items():
                 assert cfg.num_stages == 1 or "cp.async" in k.asm["ptx"], (key, cfg)  # the loads pipelined
                 print(key, cfg.name, even, k.metadata.shared)
             continue
-        for m in {"m4": (1, 4), "m16": (16,), "m64": (32, 64)}[key.split("-")[0]]:
+        for m in {"m1": (1,), "m4": (1, 4), "m16": (16,), "m64": (32, 64)}[key.split("-")[0]]:
             bm = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
             for even in (True, False) if i == 0 else (True,):
                 if (cfg, bm, gated, even) in seen:

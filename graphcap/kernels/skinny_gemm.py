@@ -71,7 +71,8 @@ class Config(NamedTuple):
                 + ("-fixup" if self.fixup else ""))
 
 
-# Candidate configs per shape class "<m>-<n>" (m: M <= 4 / <= 16 / <= 64; n: gated, wide N >= NARROW_N, or narrow),
+# Candidate configs per shape class "<m>-<n>" (m: M <= 4 / <= 16 / <= 64, and M = 1 of a narrow shape; n: gated,
+# wide N >= NARROW_N, or narrow),
 # the first of each the one `plan` picks. Sized for an H200 (132 SMs, ~228 KB shared memory per SM): 8-32 KB of
 # weights per pipeline stage, 3-4 stages, and at least ~2 programs per SM. Each class's first is the fastest of its
 # candidates at the draft's shapes in bench/skinny_gemm.py's sweep on the H200 (docs/results.md, the skinny GEMM).
@@ -104,6 +105,9 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
     "m64-wide": (Config(64, 128, 1, 4, 4), Config(128, 128, 1, 8, 3), Config(32, 256, 1, 4, 3),
                  Config(64, 256, 1, 8, 3)),
     "m64-gated": (Config(64, 128, 1, 4, 3), Config(32, 128, 1, 4, 4), Config(128, 64, 1, 8, 3)),
+    # one row of a narrow shape: no split K, hundreds of one-row programs instead (Inductor's tuned one-row matmul
+    # beat the split-K plan at o_proj and down on the H200: docs/results.md, the skinny GEMM's one-row form)
+    "m1-narrow": _GEMV + (_DEEP["narrow"],) + _SMALL["narrow"] + (_BCAST["narrow"],),
     "m64-narrow": (Config(64, 128, 4, 4, 4), Config(64, 128, 8, 4, 4), Config(64, 128, 4, 4, 4, fixup=True),
                    Config(64, 128, 8, 4, 4, fixup=True), Config(128, 128, 8, 8, 3), Config(32, 256, 8, 4, 3),
                    Config(64, 128, 1, 4, 4)),
@@ -126,8 +130,9 @@ def kernel_rows(n: int, gated: bool = False) -> int:
 
 
 def shape_class(m: int, n: int, gated: bool = False) -> str:
-    rows = "m4" if m <= 4 else "m16" if m <= 16 else "m64"
-    return f"{rows}-{'gated' if gated else 'wide' if n >= NARROW_N else 'narrow'}"
+    kind = "gated" if gated else "wide" if n >= NARROW_N else "narrow"
+    rows = "m1" if m == 1 and kind == "narrow" else "m4" if m <= 4 else "m16" if m <= 16 else "m64"
+    return f"{rows}-{kind}"
 
 
 def candidates(m: int, n: int, k: int, gated: bool = False) -> tuple[Config, ...]:
