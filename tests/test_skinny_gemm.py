@@ -364,7 +364,8 @@ def test_plan_and_candidates():
     for (n, k), want in classes.items():
         assert sg.plan(8, n, k) == CANDIDATES[f"m16-{want}"][0]
     assert sg.shape_class(1, 6144, gated=True) == "m4-gated" and sg.shape_class(64, 1536) == "m64-narrow"
-    assert (sg.shape_class(1, 1536), sg.shape_class(2, 1536), sg.shape_class(1, 8192)) == ("m1-narrow", "m4-narrow", "m4-wide")
+    assert (sg.shape_class(1, 1536), sg.shape_class(2, 1536), sg.shape_class(1, 8192)) == \
+        ("m1-narrow", "m4-narrow", "m4-wide")
     assert sg.plan(1, 1536, 8192).gemv and not sg.plan(2, 1536, 8192).gemv
     for key, cfgs in CANDIDATES.items():
         assert cfgs and len(set(cfgs)) == len(cfgs), key

@@ -16,7 +16,8 @@ from graphcap.bench.rows import BenchResult, BenchRow
 
 COLUMNS = ("batch", "ctx", "steps", "mode", "iter/s", "ms/iter", "p90 ms", "GPU ms", "host ms", "syncs/iter",
            "kernels/iter", "x eager-rebuild", "x graph-rebuild", "x sglang", "x compile", "x compile-nosync",
-           "x compile-plain", "x compile-tuned", "x per-bucket", "x skinny-gemm", "x skinny-4rows", "x inlined-layers", "x torch-ops",
+           "x compile-plain", "x compile-tuned", "x per-bucket", "x skinny-gemm", "x skinny-4rows", "x inlined-layers",
+           "x torch-ops",
            "x qnorm-kernel", "x two-head-proj", "floor ms", "x floor",
            "util %", "power W")
 
@@ -31,7 +32,8 @@ def _cells(r: BenchRow) -> list[object]:
     return [r.batch, r.context, r.steps, r.mode, _fmt(r.iter_per_s, 1), _fmt(r.wall_ms, 3), _fmt(r.wall_p90_ms, 3),
             _fmt(r.gpu_ms, 3), _fmt(r.host_ms, 3), _fmt(r.syncs_per_iter), _fmt(r.kernels_per_iter),
             _fmt(r.x_eager_rebuild), _fmt(r.x_graph_rebuild), _fmt(r.x_sglang), _fmt(r.x_compile),
-            _fmt(r.x_compile_nosync), _fmt(r.x_compile_plain), _fmt(r.x_compile_tuned), _fmt(r.x_per_bucket), _fmt(r.x_skinny_gemm),
+            _fmt(r.x_compile_nosync), _fmt(r.x_compile_plain), _fmt(r.x_compile_tuned), _fmt(r.x_per_bucket),
+            _fmt(r.x_skinny_gemm),
             _fmt(r.x_skinny_4rows), _fmt(r.x_inlined_layers), _fmt(r.x_torch_ops),
             _fmt(r.x_qnorm_kernel), _fmt(r.x_two_head_proj),
             _fmt(r.floor_ms, 3), _fmt(r.x_floor),

@@ -21,6 +21,10 @@ split-K reduction kernel, plus (gate/up) a separate gelu-mul kernel that reads t
   n-block to arrive, which an atomic counter per n-block tells (`skinny_gemm_kernels.prepare_fixup`). Either way
   deterministic: the same bits on every call, as replay-vs-compiled equality needs (the atomics only count; they add
   nothing).
+- One row of a narrow shape (class m1-narrow) runs as a GEMV instead (Config.gemv): a program per 4 output columns
+  over all of K on CUDA cores, each thread summing its own elements and the tile reduced once at the end - 384
+  programs for N = 1536 without a split or its tail (the form of Inductor's tuned one-row matmul, which beat the
+  split K there on the H200).
 
 Launch configs come from a fixed table (CANDIDATES, keyed by shape class) through `plan`, a pure-Python function of
 the static shapes: no autotuning at call time, so a call costs nothing extra on the host and captures in a CUDA graph.
@@ -91,7 +95,8 @@ _SMALL = {
 }
 _BCAST = {"wide": Config(16, 128, 1, 4, 2, False), "gated": Config(16, 128, 1, 4, 2, False),
           "narrow": Config(16, 128, 4, 4, 2, False)}
-# One row per program over all of K, as Inductor's tuned one-row matmul (a multiply-and-sum reduction) runs
+# One row per program over all of K, as Inductor's tuned one-row matmul (a multiply-and-sum reduction) runs; slower
+# than the plans on the wide and gated shapes, so only m1-narrow plans one
 _GEMV = (Config(4, 1024, 1, 4, 3, False, gemv=True), Config(2, 2048, 1, 8, 2, False, gemv=True))
 # First up to 16 rows: the fastest of bench/skinny_gemm.py --grid at one row, and of the class's candidates at 1,
 # 2, 4 and 8 rows (docs/results.md, the skinny GEMM's wider search) - a fifth pipeline stage for gate/up, and for the
@@ -105,8 +110,9 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
     "m64-wide": (Config(64, 128, 1, 4, 4), Config(128, 128, 1, 8, 3), Config(32, 256, 1, 4, 3),
                  Config(64, 256, 1, 8, 3)),
     "m64-gated": (Config(64, 128, 1, 4, 3), Config(32, 128, 1, 4, 4), Config(128, 64, 1, 8, 3)),
-    # one row of a narrow shape: no split K, hundreds of one-row programs instead (Inductor's tuned one-row matmul
-    # beat the split-K plan at o_proj and down on the H200: docs/results.md, the skinny GEMM's one-row form)
+    # one row of a narrow shape: no split K, hundreds of one-row programs instead (1.7-2.3 us per call faster than
+    # the split K on the H200, the first gemv config within 0.05 us of the fastest of 48: docs/results.md, one row of
+    # a narrow projection as a GEMV)
     "m1-narrow": _GEMV + (_DEEP["narrow"],) + _SMALL["narrow"] + (_BCAST["narrow"],),
     "m64-narrow": (Config(64, 128, 4, 4, 4), Config(64, 128, 8, 4, 4), Config(64, 128, 4, 4, 4, fixup=True),
                    Config(64, 128, 8, 4, 4, fixup=True), Config(128, 128, 8, 8, 3), Config(32, 256, 8, 4, 3),
