@@ -60,13 +60,13 @@ def make(seed: int, m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
     return x[:, :k], w
 
 
-NARROW_N_WIDE = sg.NARROW_N  # a wide shape's N: its class's rows are M's (m4 for M = 1 as for 2-4)
+WIDE_N = sg.NARROW_N  # the narrowest wide N: a wide class's rows are m4 at M = 1 as at 2-4 (m1 is narrow-only)
 
 
 def configs_for(m: int, gated: bool) -> list[Config]:
     """Every candidate of M's class (all of its N classes; the gated kernel takes only unsplit ones, and of the other
     classes' only those whose pipeline, with its second weight tile, fits in shared memory)."""
-    rows = sg.shape_class(m, NARROW_N_WIDE).split("-")[0]
+    rows = sg.shape_class(m, WIDE_N).split("-")[0]
     return sorted({c for key, cs in CANDIDATES.items() if key.startswith(rows + "-") for c in cs
                    if not gated or (c.split_k == 1 and sg.pipeline_smem(c, m, True) <= sg.SMEM_LIMIT)})
 
