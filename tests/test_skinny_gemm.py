@@ -536,7 +536,8 @@ def test_bench_read_grids(monkeypatch, device):
         assert all(rows % c.block_n == 0 and k % c.block_k == 0 and sg._splits(k, c)[1] == c.split_k
                    and 33 <= rows // c.block_n * c.split_k <= 16 * 132 for c in sweep), name
     grids = (Config(32, 64, 2, 4, 2), Config(16, 32, 4, 4, 3), Config(64, 64, 1, 4, 2))
-    assert bench.read_grids("n32k64s2w4st2,n64k64s1w4st2", grids[::2], 32, 256, False) == grids[:1]
+    assert bench.read_grids_for(False, grids[::2], 32, 256, False) == grids[:1]  # 32 rows: no 64-row tile
+    assert bench.read_grids_for(True, grids, 64, 256, True) == bench.read_grid_configs(64, 256, True)
     x, w = make(4, 2, 32, 256, device=device, scale=256 ** -0.5)
     for cfg in grids[:2]:
         got = bench.contestants(x, False, 32, False, read_grids=(cfg,))[f"read@{cfg.name}"](w)
