@@ -13,7 +13,8 @@ a run cut at a time limit keeps what finished):
   manifest;
 - speed (`--speed`, the draft-shapes checkpoint): per batch, the draft phase's GPU time per iteration (CUDA events
   around the worker's draft call) and decode tokens/s, for the target alone, stock sglang and graphcap with each
-  backend of `--backends` (`--speed-engines`: a subset, in that order);
+  backend of `--backends` and each value of `--projections` (the plugin's `--draft-graph-projections`: whose
+  kernels run the draft's projections) (`--speed-engines`: a subset, in that order);
 - refusals (`--refusals`, any checkpoint): each setting the plugin refuses at start-up (REFUSALS), asked of a real
   engine start: whether `sglang.Engine` raised graphcap's DraftCaptureConfigError naming the setting (in the
   launcher, before sglang starts its scheduler), how long that took, and the message a user sees.
@@ -34,7 +35,7 @@ import tempfile
 import time
 
 from graphcap.backends import GRAPH_BACKENDS
-from graphcap.integrations.sglang_config import UNSERVED_BACKENDS
+from graphcap.integrations.sglang_config import PROJECTIONS, UNSERVED_BACKENDS
 
 WINDOW = 1024
 CHECK_BATCHES = (1, 2, 8, 32, 64)
@@ -109,7 +110,8 @@ def enable_graphcap(cfg: dict) -> None:
     """The flag for an engine started in this process (the variable graphcap's plugin reads, as a launcher that
     parsed --enable-draft-graph-capture sets it), before sglang is imported."""
     os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(
-        {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"]})
+        {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"],
+         "projections": cfg.get("projections", PROJECTIONS[0])})
 
 
 def refusal_child(cfg: dict) -> dict:
@@ -317,7 +319,11 @@ def main(argv=None) -> int:
                          "bias the first pair's decode rate up a little - leave this off for decode rates")
     ap.add_argument("--speed-engines", default="nospec,sglang,graphcap",
                     help="--speed: the engines to time, in order: nospec (the target alone), sglang (its own MTP "
-                         "draft), graphcap (one engine per backend of --backends)")
+                         "draft), graphcap (one engine per backend of --backends and projections of --projections)")
+    ap.add_argument("--projections", default=PROJECTIONS[0],
+                    help=f"--speed: the plugin's --draft-graph-projections values to time graphcap with, each an "
+                         f"engine of its own (of {', '.join(PROJECTIONS)}; the first's engines are tagged "
+                         f"graphcap-BACKEND, the others' graphcap-BACKEND-PROJECTIONS-proj)")
     ap.add_argument("--refusals", action="store_true",
                     help="start an engine with each setting the plugin refuses (REFUSALS) and record the error")
     ap.add_argument("--combine", nargs=2, metavar=("CHECK_JSON", "SPEED_JSON"),
@@ -340,6 +346,10 @@ def main(argv=None) -> int:
                      f"{a.new}")
         if any(not x.strip().isdigit() or int(x) < 1 for x in a.profile_batches.split(",") if x.strip()):
             ap.error(f"--profile-batches: expected batch sizes >= 1, got {a.profile_batches!r}")
+        projections = [p for p in a.projections.split(",") if p]
+        if not projections or len(set(projections)) != len(projections) or any(p not in PROJECTIONS
+                                                                               for p in projections):
+            ap.error(f"--projections: a list of {', '.join(PROJECTIONS)}, each once; got {a.projections!r}")
         engines = [e for e in a.speed_engines.split(",") if e]
         if not engines or len(set(engines)) != len(engines) or any(e not in ("nospec", "sglang", "graphcap")
                                                                    for e in engines):
@@ -407,13 +417,17 @@ def main(argv=None) -> int:
         cases = [dict(speed_case(b, vocab, a.context, a.new), decode_rate=True, repeats=a.repeats)
                  for b in SPEED_BATCHES]
         rows = {}
-        # (tag, mode, backend) in --speed-engines' order, graphcap once per backend
-        engines = [(f"graphcap-{be}", "graphcap", be) if mode == "graphcap" else (mode, mode, None)
+        # (tag, mode, backend, projections) in --speed-engines' order, graphcap once per backend and projections
+        projections = [p for p in a.projections.split(",") if p]
+        engines = [(f"graphcap-{be}" + ("" if pr == projections[0] else f"-{pr}-proj"), "graphcap", be, pr)
+                   if mode == "graphcap" else (mode, mode, None, None)
                    for mode in a.speed_engines.split(",") if mode
-                   for be in (backends if mode == "graphcap" else [None])]
-        for tag, mode, be in engines:
+                   for be in (backends if mode == "graphcap" else [None])
+                   for pr in (projections if mode == "graphcap" else [None])]
+        for tag, mode, be, pr in engines:
             prof = [int(x) for x in a.profile_batches.split(",") if x.strip()]
-            r = spawn(cfg("speed-" + tag, mode, cases, backend=be, profile_batches=prof), work)
+            extra = {"projections": pr} if pr else {}
+            r = spawn(cfg("speed-" + tag, mode, cases, backend=be, profile_batches=prof, **extra), work)
             tr = read_trace(r["config"]["trace_dir"]) if not r.get("crashed") else []
             for c in r.get("cases", []):
                 long_run = {f"s{c['batch']}-r{i}" for i in range(c["batch"])}  # not the warm-up's or short run's

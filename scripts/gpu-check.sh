@@ -70,7 +70,8 @@
 #                                 call of its own: an engine starts in 40-150 s; ENGINE_BACKENDS picks the backends;
 #                                 ENGINE_PROFILE=8,64: kernel tables of the draft at those batches, every engine;
 #                                 ENGINE_SPEED_ENGINES=sglang,graphcap: leave the target alone out; ENGINE_REPEATS;
-#                                 ENGINE_CONTEXT: the prompts' length, default 2048)
+#                                 ENGINE_CONTEXT: the prompts' length, default 2048; ENGINE_PROJECTIONS=graphcap,sglang:
+#                                 graphcap once per --draft-graph-projections value)
 #   scripts/gpu-check.sh engine-refusal  a real engine start with each setting the plugin refuses (tiny pair): the
 #                                 error raised, its message and how soon
 # Several stages run in one call in order: scripts/gpu-check.sh kernels capture-all.
@@ -405,6 +406,7 @@ case $stage in
     STEP_LIMIT=${STEP_LIMIT:-540} step engine-speed python3 bench/sglang_engine.py --ckpt "$WORK/ckpt-ds" --speed \
       --backends "${ENGINE_BACKENDS:-cudagraph}" --context "${ENGINE_CONTEXT:-2048}" --profile-batches "${ENGINE_PROFILE:-}" \
       --speed-engines "${ENGINE_SPEED_ENGINES:-nospec,sglang,graphcap}" --repeats "${ENGINE_REPEATS:-3}" \
+      --projections "${ENGINE_PROJECTIONS:-graphcap}" \
       --out "$LOG/engine-speed.json"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

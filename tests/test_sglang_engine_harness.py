@@ -4,6 +4,7 @@ tokens per verify, the workloads straddle the window, and the record keeps timin
 from __future__ import annotations
 
 import json
+import os
 import random
 
 from hypothesis import given, settings
@@ -157,7 +158,9 @@ def test_speed_arguments_are_checked_before_anything_starts(capsys):
                         (["--speed-engines", "sglang,vllm"], "--speed-engines"),
                         (["--speed-engines", "graphcap,graphcap"], "--speed-engines"),
                         (["--speed-engines", ","], "--speed-engines"),
-                        (["--backends", "reduce-overhead"], "--backends"), (["--backends", ","], "--backends")):
+                        (["--backends", "reduce-overhead"], "--backends"), (["--backends", ","], "--backends"),
+                        (["--projections", "cublas"], "--projections"),
+                        (["--projections", "sglang,sglang"], "--projections"), (["--projections", ","], "--projections")):
         with pytest.raises(SystemExit) as e:
             E.main(["--ckpt", "x", "--speed", "--out", "o.json", *argv])
         assert e.value.code == 2 and named in capsys.readouterr().err
@@ -197,7 +200,8 @@ def test_refusal_cases_ask_the_engine_for_their_setting_and_count_only_graphcaps
                "ckpt": "/ckpt", "cases": [], "max_running": 64, "manifest_dir": str(tmp_path)}
         rows.append(E.refusal_row(case, E.refusal_child(cfg)))
     for (kw, opts), case in zip(seen, E.REFUSALS):
-        assert opts == {"enabled": True, "backend": case["backend"], "manifest_dir": str(tmp_path)}
+        assert opts == {"enabled": True, "backend": case["backend"], "manifest_dir": str(tmp_path),
+                        "projections": "graphcap"}
         assert kw["speculative_algorithm"] == "NEXTN" and all(kw[k] == v for k, v in case["engine"].items())
     assert {c["name"] for c in E.REFUSALS} >= {"reduce-overhead", "eagle-topk-2", "cuda-graphs-off"}
     by = {r["name"]: r for r in rows}
@@ -220,3 +224,31 @@ def test_refusals_alone_are_a_valid_run(monkeypatch, tmp_path):
     rec = json.load(open(out))
     assert [r["name"] for r in rec["refusals"]] == [c["name"] for c in E.REFUSALS]
     assert rec["check"] is None and rec["speed"] is None and not any(r["ok"] for r in rec["refusals"])
+
+
+def test_speed_runs_graphcap_once_per_backend_and_projections_value(monkeypatch, tmp_path):
+    """--projections graphcap,sglang: a graphcap engine per (backend, value), in order, each asking the plugin for its
+    value (the JSON the engine's child sets); the first value's engines keep the plain graphcap-BACKEND tag."""
+    out = tmp_path / "s.json"
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    spawned = []
+
+    def spawn(cfg, work):
+        if cfg["mode"] == "graphcap":  # what the child would put in the plugin's variable
+            monkeypatch.delenv("GRAPHCAP_SGLANG_DRAFT_CAPTURE", raising=False)
+            E.enable_graphcap(cfg)
+            cfg = dict(cfg, asked=json.loads(os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"]))
+        spawned.append(cfg)
+        return {"config": cfg, "cases": []}
+
+    monkeypatch.setattr(E, "spawn", spawn)
+    assert E.main(["--ckpt", str(tmp_path), "--speed", "--speed-engines", "sglang,graphcap", "--backends",
+                   "cudagraph,inductor-cudagraph", "--projections", "graphcap,sglang", "--out", str(out)]) == 0
+    assert [c["tag"] for c in spawned] == ["speed-sglang", "speed-graphcap-cudagraph",
+                                           "speed-graphcap-cudagraph-sglang-proj", "speed-graphcap-inductor-cudagraph",
+                                           "speed-graphcap-inductor-cudagraph-sglang-proj"]
+    assert [(c["asked"]["backend"], c["asked"]["projections"]) for c in spawned[1:]] == [
+        ("cudagraph", "graphcap"), ("cudagraph", "sglang"), ("inductor-cudagraph", "graphcap"),
+        ("inductor-cudagraph", "sglang")]
+    assert set(json.load(open(out))["speed"]["startup_s"]) == {c["tag"][len("speed-"):] for c in spawned}

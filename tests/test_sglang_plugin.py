@@ -85,6 +85,25 @@ def test_flag_parses_and_reaches_server_args(fresh, tmp_path):
     assert plugin.options_of(copy) == want
 
 
+def test_projections_flag_parses_and_a_bad_value_is_named(fresh, monkeypatch):
+    """--draft-graph-projections: graphcap's skinny GEMM by default, sglang's own kernels on request; a value outside
+    the two is refused by sglang's parser (command line) or by name (the Engine path's JSON)."""
+    fresh.load_plugins()
+    assert plugin.options_of(_parse(ENABLED)).projections == "graphcap"
+    sa = _parse(ENABLED + [plugin.PROJECTIONS_FLAG, "sglang"])
+    assert plugin.options_of(sa) == plugin.DraftCaptureOptions(enabled=True, projections="sglang")
+    assert json.loads(os.environ[plugin.ENV_VAR])["projections"] == "sglang"
+    with pytest.raises(SystemExit):
+        _parse(ENABLED + [plugin.PROJECTIONS_FLAG, "cublas"])
+    monkeypatch.setenv(plugin.ENV_VAR, json.dumps({"enabled": True, "projections": "cublas"}))
+    with pytest.raises(plugin.DraftCaptureConfigError, match=r"projections must be one of graphcap, sglang, "
+                                                             r"got 'cublas'"):
+        plugin.options_from_env()
+    monkeypatch.setenv(plugin.ENV_VAR, json.dumps({"enabled": True, "projection": "sglang"}))  # a misspelt key
+    with pytest.raises(plugin.DraftCaptureConfigError, match=r"keys enabled, backend, manifest_dir, projections"):
+        plugin.options_from_env()
+
+
 def test_value_survives_pickling_into_a_fresh_interpreter(fresh, tmp_path):
     """What multiprocessing's spawn does for the scheduler: unpickle the ServerArgs in a new interpreter, whose
     environment is inherited, and whose own load_plugins() then installs the runtime hooks."""
@@ -103,7 +122,8 @@ def test_value_survives_pickling_into_a_fresh_interpreter(fresh, tmp_path):
                        env=dict(os.environ))
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     out = json.loads(r.stdout.decode().strip().splitlines()[-1])
-    assert json.loads(out["opts"]) == {"enabled": True, "backend": plugin.DEFAULT_BACKEND, "manifest_dir": str(tmp_path)}
+    assert json.loads(out["opts"]) == {"enabled": True, "backend": plugin.DEFAULT_BACKEND, "manifest_dir": str(tmp_path),
+                                       "projections": "graphcap"}
     assert out["algo"] == "NEXTN"
     # Not a scheduler process (sglang.srt.managers.scheduler not imported): only the start-up check is added.
     assert plugin.CHECK_SERVER_ARGS in out["hooks"]

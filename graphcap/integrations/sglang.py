@@ -26,7 +26,8 @@ from graphcap.integrations.sglang_config import (  # noqa: F401 - the plugin's p
     DEFAULT_BACKEND, RUNTIME_HOOKS, SCHEDULER_MODULE, TESTED_SGLANG, WORKER_DRAFT, WORKER_HOOKS, DraftCaptureConfigError,
     DraftCaptureOptions, attach_options, log, options_from_env, options_from_namespace, options_of, sglang_tp_rank,
     unpatched_worker_hooks, validate_server_args, _DEST, ATTR, WORKER_INIT_GRAPHS, WORKER_EXTEND_PREFILL,
-    WORKER_EXTEND_DECODE, BATCH_RETRACT, BATCH_EVICT_SWA, SERVER_ARGS, SCHEDULE_BATCH, ARG_HOOKS, TRACE_ENV)
+    WORKER_EXTEND_DECODE, BATCH_RETRACT, BATCH_EVICT_SWA, SERVER_ARGS, SCHEDULE_BATCH, ARG_HOOKS, TRACE_ENV,
+    PROJECTIONS, PROJECTIONS_FLAG)
 from graphcap.backends import GRAPH_BACKENDS
 
 
@@ -119,6 +120,11 @@ def add_arguments(parser) -> None:
                    help="graphcap: directory for the capture manifest that `graphcap inspect DIR` lists (default: "
                         "$GRAPHCAP_MANIFEST_DIR, else $XDG_CACHE_HOME/graphcap/manifests, else "
                         "~/.cache/graphcap/manifests).")
+    g.add_argument(PROJECTIONS_FLAG, dest=_DEST["projections"], choices=PROJECTIONS, default=PROJECTIONS[0],
+                   help="graphcap: whose kernels run the draft model's unquantized projections inside the captured "
+                        "iteration: 'graphcap' = graphcap's skinny GEMM up to 8 rows (gate/up and gelu-mul in one "
+                        "kernel), sglang's own path above; 'sglang' = sglang's own path at every batch. Default: "
+                        "%(default)s.")
 
 
 def _after_add_cli_args(result, parser, *args, **kwargs):
@@ -128,8 +134,10 @@ def _after_add_cli_args(result, parser, *args, **kwargs):
 
 def _after_from_cli_args(result, cls, args, *rest, **kwargs):
     opts = options_from_namespace(args)
-    if not opts.enabled and (opts.backend != DEFAULT_BACKEND or opts.manifest_dir is not None):
-        log.warning("graphcap: %s/%s given without %s: they have no effect", BACKEND_FLAG, MANIFEST_FLAG, FLAG)
+    if not opts.enabled and (opts.backend != DEFAULT_BACKEND or opts.manifest_dir is not None
+                             or opts.projections != PROJECTIONS[0]):
+        log.warning("graphcap: %s/%s/%s given without %s: they have no effect", BACKEND_FLAG, MANIFEST_FLAG,
+                    PROJECTIONS_FLAG, FLAG)
     attach_options(result, opts)
     if opts.enabled:
         from sglang.srt.plugins.hook_registry import HookRegistry

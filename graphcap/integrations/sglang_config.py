@@ -30,11 +30,15 @@ UNSERVED_BACKENDS = ("reduce-overhead",)
 FLAG = "--enable-draft-graph-capture"
 BACKEND_FLAG = "--draft-graph-capture-backend"
 MANIFEST_FLAG = "--draft-graph-manifest-dir"
+PROJECTIONS_FLAG = "--draft-graph-projections"
+# Whose kernels run the draft model's projections inside graphcap's captured iteration: graphcap's skinny GEMM up
+# to 8 rows, sglang's above (graphcap.integrations.sglang_linear), or sglang's own at every batch.
+PROJECTIONS = ("graphcap", "sglang")
 ENV_VAR = "GRAPHCAP_SGLANG_DRAFT_CAPTURE"
 TRACE_ENV = "GRAPHCAP_SGLANG_TRACE"  # a directory: record every draft call (graphcap.integrations.sglang_trace)
 ATTR = "_graphcap_draft_capture"  # on ServerArgs: underscore names are bookkeeping, allowed even on a sealed record
 _DEST = {"enabled": "enable_draft_graph_capture", "backend": "draft_graph_capture_backend",
-         "manifest_dir": "draft_graph_manifest_dir"}
+         "manifest_dir": "draft_graph_manifest_dir", "projections": "draft_graph_projections"}
 
 # Hook targets in sglang 0.5.23 (dotted paths for sglang's HookRegistry).
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
@@ -65,14 +69,15 @@ class DraftCaptureOptions:
     enabled: bool = False
     backend: str = DEFAULT_BACKEND
     manifest_dir: str | None = None  # None: graphcap's default ($GRAPHCAP_MANIFEST_DIR or ~/.cache/graphcap/...)
+    projections: str = PROJECTIONS[0]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_mapping(cls, data: Any, source: str) -> DraftCaptureOptions:
-        if not isinstance(data, dict) or set(data) - {"enabled", "backend", "manifest_dir"}:
-            raise DraftCaptureConfigError(f"{source}: expected a JSON object with keys enabled, backend, manifest_dir; "
+        if not isinstance(data, dict) or set(data) - set(_DEST):
+            raise DraftCaptureConfigError(f"{source}: expected a JSON object with keys {', '.join(_DEST)}; "
                                           f"got {data!r}")
         opts = cls(**data)
         if not isinstance(opts.enabled, bool):
@@ -82,6 +87,9 @@ class DraftCaptureOptions:
                                           f"got {opts.backend!r}")
         if opts.manifest_dir is not None and not isinstance(opts.manifest_dir, str):
             raise DraftCaptureConfigError(f"{source}: manifest_dir must be a string, got {opts.manifest_dir!r}")
+        if opts.projections not in PROJECTIONS:
+            raise DraftCaptureConfigError(f"{source}: projections must be one of {', '.join(PROJECTIONS)}, "
+                                          f"got {opts.projections!r}")
         return opts
 
 
@@ -114,7 +122,8 @@ def sglang_tp_rank(worker=None) -> int | None:
 def options_from_namespace(args) -> DraftCaptureOptions:
     return DraftCaptureOptions(enabled=bool(getattr(args, _DEST["enabled"], False)),
                                backend=getattr(args, _DEST["backend"], None) or DEFAULT_BACKEND,
-                               manifest_dir=getattr(args, _DEST["manifest_dir"], None))
+                               manifest_dir=getattr(args, _DEST["manifest_dir"], None),
+                               projections=getattr(args, _DEST["projections"], None) or PROJECTIONS[0])
 
 
 def options_from_env() -> DraftCaptureOptions:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphcap.guards import CaptureError
-from graphcap.integrations import sglang_head
+from graphcap.integrations import sglang_head, sglang_linear
 from graphcap.iteration import DraftOutput
 from graphcap.window import WindowBuffers
 
@@ -162,8 +162,9 @@ class SglangAssistantLoop:
         self.forward_ctx = ForwardContext(attn_backend=attention)
         self._forward = self.model.forward
         self._batches: dict[int, object] = {}
+        self.projections_routed = 0  # linear layers prepare() sent through graphcap's skinny GEMM
 
-    def prepare(self, sizes, *, compiled: bool = True, compile_model: bool = False) -> None:
+    def prepare(self, sizes, *, compiled: bool = True, compile_model: bool = False, projections: bool = False) -> None:
         """Build the ForwardBatch and the attention plans of every batch size that can reach the loop (buckets, and
         the eager path's larger batches are built on demand by `forward_batch`). `compiled`: something will compile
         sglang's layers (the capture engine's Inductor backends, or `compile_model`: wrap the model's forward in
@@ -171,7 +172,8 @@ class SglangAssistantLoop:
         bookkeeping. Only then are sglang's boundary functions patched: under sglang's own fullgraph compile of the
         target a disabled function would be an error, so a plain `cudagraph` capture leaves them alone. The model's
         centroid head, if it has one, reads its LM-head rows through graphcap's kernel from here on
-        (graphcap.integrations.sglang_head)."""
+        (graphcap.integrations.sglang_head); with `projections`, its projections run graphcap's skinny GEMM at the
+        batch sizes it serves (graphcap.integrations.sglang_linear)."""
         sizes = tuple(sizes)
         for b in sizes:
             self._batches[b] = self._new_forward_batch(b)
@@ -181,6 +183,7 @@ class SglangAssistantLoop:
             layers = [m for m in self.model.modules() if isinstance(m, RadixAttention)]
             self.attention.plan_for(layers, sizes)
         sglang_head.install(self.model)  # before any capture records sglang's gather
+        self.projections_routed = sglang_linear.install(self.model) if projections else 0
         if compiled or compile_model:
             _eager_boundaries()
         for m in self.model.modules():  # sglang's fused ops pick their implementation at their first call: pick it

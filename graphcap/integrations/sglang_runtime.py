@@ -29,10 +29,12 @@ from graphcap import manifest as mf
 from graphcap.backends import COMPILED_BACKENDS
 from graphcap.capture import DraftGraphs
 from graphcap.guards import CaptureError
+from graphcap.integrations import sglang_linear
 from graphcap.integrations.sglang_config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
 from graphcap.integrations.sglang_loop import GraphcapDraftAttention, SglangAssistantLoop
 from graphcap.integrations.sglang_slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
 from graphcap.iteration import DraftOutput
+from graphcap.kernels.skinny_gemm import KERNEL_ROWS
 from graphcap.observers import LoggingProgress
 from graphcap.window import WindowBuffers
 
@@ -202,7 +204,13 @@ class GraphcapDraftRuntime:
         loop = SglangAssistantLoop(w, self.window, attention, self.steps)
         buckets = sorted(set(get_batch_sizes_to_capture(w.draft_model_runner, 1)[0]))
         # model scope: sglang's model under torch.compile inside a plain recorded graph of the iteration
-        loop.prepare(buckets, compiled=backend in COMPILED_BACKENDS, compile_model=scope == "model")
+        loop.prepare(buckets, compiled=backend in COMPILED_BACKENDS, compile_model=scope == "model",
+                     projections=self.options.projections == "graphcap")
+        if self.options.projections == "graphcap":
+            why = sglang_linear.sglang_routes_bf16_elsewhere()
+            log.info("graphcap: the draft's projections: %s", f"sglang's ({why})" if why else
+                     f"graphcap's skinny GEMM in {loop.projections_routed} linear layers up to "
+                     f"{max(KERNEL_ROWS.values())} rows, sglang's above")
         if scope == "model":
             backend = "cudagraph"
         static = {f"window.{k}": v for k, v in self.window.static_tensors().items()}

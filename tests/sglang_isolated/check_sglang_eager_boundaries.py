@@ -239,3 +239,98 @@ def test_the_loops_greedy_pick_from_candidates_is_the_full_rows(assistant):
             assert torch.equal(tok, want_tok) and torch.equal(score, want_score)
             assert torch.equal(got.hidden_states, want.hidden_states)
             tokens, hidden = tok, got.hidden_states
+
+
+def test_graphcap_projections_on_the_real_assistant(assistant, monkeypatch):
+    """`sglang_linear.install` on the real tiny assistant: every unquantized linear layer routed, each MLP's gate/up
+    and gelu-mul one kernel (Triton's interpreter here, as the suite runs). A routed layer at 1..8 rows equals a
+    float64 product within one bf16 rounding, the fused MLP a float64 MLP within bf16 error; more rows, or a bias,
+    take sglang's own `apply` exactly. The draft steps through the routed model stay within bf16 error of sglang's
+    own layers, and `restore` gives sglang's own results bit for bit again."""
+    from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    from graphcap.integrations import sglang_linear as sl
+
+    calls = {"linear": 0, "gate_up": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(sl, "skinny_linear", counted("linear", sl.skinny_linear))
+    monkeypatch.setattr(sl, "skinny_gate_up_gelu", counted("gate_up", sl.skinny_gate_up_gelu))
+    linears = [m for m in assistant.modules() if isinstance(m, LinearBase)
+               and isinstance(m.quant_method, UnquantizedLinearMethod)]
+    mlps = [m for m in assistant.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "act_fn")]
+    assert linears and len(mlps) == len(assistant.model.layers)
+    loop, steps = _loop(assistant, 3)
+    inp = _inputs(assistant, 3, 21)
+    fb = loop.forward_batch(3)
+
+    def hidden_after_one_step(tokens, positions, hidden):  # the layers' output; the head's picks can flip on a tie
+        fb.spec_info.hidden_states = hidden
+        return assistant.forward(tokens, positions, fb).hidden_states
+
+    with loop.context():
+        want, want_hidden = steps(*inp), hidden_after_one_step(*inp)
+    try:
+        assert sl.install(assistant) == len(linears) == sl.install(assistant)  # idempotent: nothing wrapped twice
+        assert all(not hasattr(getattr(vars(m.quant_method)["apply"], sl._MARK), sl._MARK) for m in linears)
+        g = torch.Generator().manual_seed(5)
+        for layer in linears:
+            w = layer.weight
+            # a KV-shared layer's qkv_proj holds k/v rows its checkpoint never wrote (torch.empty; sglang computes
+            # and drops them): only rows with loaded-looking values are compared
+            loaded = torch.isfinite(w.float()).all(1) & (w.float().abs().amax(1) < 1e3)
+            assert loaded.float().mean() > 0.2, layer
+            for rows in (1, 3, 8):
+                x = torch.randn(rows, w.shape[1], generator=g).to(DTYPE)
+                before = calls["linear"]
+                got = layer.quant_method.apply(layer, x)[:, loaded]
+                ref = x.double() @ w[loaded].double().T
+                step = torch.finfo(DTYPE).eps * ref.abs().clamp(min=2.0**-14)
+                assert calls["linear"] == before + 1 and ((got.double() - ref).abs() <= step).all(), layer
+            x = torch.randn(9, w.shape[1], generator=g).to(DTYPE)  # above kernel_rows: sglang's own path
+            before = calls["linear"]
+            assert torch.equal(layer.quant_method.apply(layer, x), torch.nn.functional.linear(x, w))
+            bias = torch.randn(w.shape[0], generator=g).to(DTYPE)  # a bias: sglang's own path too
+            assert torch.equal(layer.quant_method.apply(layer, x[:2], bias),
+                               torch.nn.functional.linear(x[:2], w, bias))
+            assert calls["linear"] == before
+        for mlp in mlps:
+            x = torch.randn(4, mlp.gate_up_proj.weight.shape[1], generator=g).to(DTYPE)
+            before = dict(calls)
+            got = mlp(x)
+            gate, up = (x.double() @ mlp.gate_up_proj.weight.double().T).chunk(2, dim=-1)
+            ref = (torch.nn.functional.gelu(gate, approximate="tanh") * up) @ mlp.down_proj.weight.double().T
+            assert calls["gate_up"] == before["gate_up"] + 1 and calls["linear"] == before["linear"] + 1
+            assert (got.double() - ref).norm() / ref.norm() < 1e-2
+        before = dict(calls)
+        with loop.context():
+            got = hidden_after_one_step(*inp)
+        assert calls["gate_up"] == before["gate_up"] + len(mlps) and calls["linear"] > before["linear"] + len(mlps)
+        assert (got.double() - want_hidden.double()).norm() / want_hidden.double().norm() < 2e-2
+    finally:
+        sl.restore(assistant)
+    assert all("apply" not in vars(m.quant_method) or not hasattr(vars(m.quant_method)["apply"], sl._MARK)
+               for m in linears) and all("forward" not in vars(m) for m in mlps)
+    with loop.context():
+        again = steps(*inp)
+    for w, o in zip(want, again):
+        assert torch.equal(o, w)
+
+
+def test_graphcap_projections_stand_down_where_sglang_routes_bf16_gemms(assistant, monkeypatch):
+    """Under sglang's batch-invariant mode (or another bf16 GEMM backend) install routes nothing and says why."""
+    import sglang.srt.batch_invariant_ops as bio
+
+    from graphcap.integrations import sglang_linear as sl
+
+    monkeypatch.setattr(bio, "is_batch_invariant_mode_enabled", lambda: True)
+    assert "batch-invariant" in sl.sglang_routes_bf16_elsewhere()
+    assert sl.install(assistant) == 0
+    assert not any(sl._shadowed(m.quant_method, "apply") for m in assistant.modules()
+                   if getattr(m, "quant_method", None) is not None)

@@ -1,0 +1,144 @@
+"""sglang's draft model with graphcap's skinny GEMM for its projections at the draft's batch sizes.
+
+sglang's unquantized linear layers run `F.linear` (cuBLAS). At the draft's one to eight rows a projection is a
+weight read, and cuBLAS reads the Gemma 4 assistant's weights at about half of copy bandwidth, plus a split-K
+reduction kernel per call, plus (the MLP) a separate gelu-mul kernel that reads the [rows, 2I] product back
+(docs/results.md, the skinny GEMM by shape class). `install(model)` routes one model instance's projections through
+graphcap's skinny GEMM where graphcap's own draft iteration measured it faster (`skinny_gemm.kernel_rows`: up to 8
+rows), and everything else through sglang's own code:
+- each unquantized linear layer without a bias: its quant method's `apply` (per layer in sglang 0.5.23) is shadowed
+  on that method object by one that sends a 2-D call of at most `kernel_rows(N)` rows to `skinny_linear` and any
+  other call to sglang's `apply`; the class, its other instances and `isinstance` checks are untouched;
+- each Gemma 3/4 MLP (gate/up, gelu-tanh * up, down): gate/up and the activation as one `skinny_gate_up_gelu` kernel
+  (no [rows, 2I] intermediate), then sglang's down projection.
+The routing is decided in Python on static shapes, so a captured graph holds one kernel per projection and a replay
+runs no routing. Nothing is installed where sglang sends bf16 GEMMs elsewhere on purpose: its batch-invariant
+(deterministic) mode, a bf16 GEMM backend other than `auto`, AMX or aiter weights.
+
+Numerics: fp32 accumulation as cuBLAS, summed in another order, so an output can land one rounding step away where
+its exact value sits on a boundary; the fused MLP applies gelu-mul to the fp32 product and rounds once, where sglang
+rounds the product to bf16 first. Draft tokens can therefore differ from stock sglang's where two candidates are
+that close; the target's verify decides what is emitted, so outputs do not depend on it.
+"""
+from __future__ import annotations
+
+import torch
+
+from graphcap.kernels import use_triton
+from graphcap.kernels.skinny_gemm import DTYPES, kernel_rows, skinny_gate_up_gelu, skinny_linear
+from graphcap.kernels.skinny_gemm_kernels import prepare_fixup
+
+_MARK = "_graphcap_skinny"  # on a routed apply / MLP forward: what its owner held there before (restore)
+_ABSENT = object()  # ... nothing of its own (the class's method)
+
+
+def sglang_routes_bf16_elsewhere() -> str | None:
+    """Why sglang's own bf16 GEMM choice must stand in this process (its reason, named), else None."""
+    from sglang.srt.batch_invariant_ops import is_batch_invariant_mode_enabled
+    from sglang.srt.layers.quantization import unquant
+
+    if is_batch_invariant_mode_enabled():
+        return "sglang's batch-invariant (deterministic) mode is on"
+    if not unquant.get_bf16_gemm_backend().is_auto():
+        return f"sglang's bf16 GEMM backend is {unquant.get_bf16_gemm_backend().value}"
+    if getattr(unquant, "_use_aiter", False):
+        return "sglang runs its GEMMs through aiter"
+    return None
+
+
+def fits(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
+    """A call the kernel takes: 2-D x of 1..rows rows with contiguous rows, w [N, K] contiguous, one dtype of DTYPES,
+    on a device where Triton runs (elsewhere sglang's own path, exactly as without graphcap)."""
+    return (x.ndim == 2 and 1 <= x.shape[0] <= rows and x.dtype == w.dtype and x.dtype in DTYPES
+            and x.stride(-1) == 1 and w.ndim == 2 and w.is_contiguous() and x.shape[1] == w.shape[1]
+            and x.device == w.device and use_triton(x))
+
+
+def _routable(layer) -> bool:
+    from sglang.srt.utils import use_intel_amx_backend
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    w = getattr(layer, "weight", None)
+    return (isinstance(getattr(layer, "quant_method", None), UnquantizedLinearMethod) and getattr(layer, "bias", None)
+            is None and isinstance(w, torch.Tensor) and w.ndim == 2 and w.dtype in DTYPES
+            and not use_intel_amx_backend(layer))
+
+
+def _shadow(obj, name: str, fn) -> None:
+    """Set `fn` as `obj`'s own attribute `name`, remembering what `obj` itself held there (restore puts it back)."""
+    setattr(fn, _MARK, vars(obj).get(name, _ABSENT))
+    setattr(obj, name, fn)
+
+
+def _shadowed(obj, name: str) -> bool:
+    return hasattr(vars(obj).get(name), _MARK)
+
+
+def _route_linear(layer) -> None:
+    original = layer.quant_method.apply  # bound (or sglang's debug wrapper of it)
+    rows = kernel_rows(layer.weight.shape[0])
+
+    def apply(lay, x, bias=None):
+        if lay is layer and bias is None and fits(x, layer.weight, rows):
+            return skinny_linear(x, layer.weight)
+        return original(lay, x, bias)
+
+    _shadow(layer.quant_method, "apply", apply)  # this layer's method object alone (sglang makes one per layer)
+
+
+def _is_gelu_tanh_mlp(module) -> bool:
+    from sglang.srt.layers.activation import GeluAndMul
+    from sglang.srt.layers.linear import MergedColumnParallelLinear
+
+    gate_up = getattr(module, "gate_up_proj", None)
+    return (isinstance(gate_up, MergedColumnParallelLinear) and not gate_up.gather_output
+            and hasattr(module, "down_proj") and isinstance(getattr(module, "act_fn", None), GeluAndMul)
+            and module.act_fn.approximate == "tanh" and gate_up.weight.shape[0] % 2 == 0)
+
+
+def _route_mlp(mlp) -> None:
+    original = mlp.forward
+    gate_up = mlp.gate_up_proj
+    rows = kernel_rows(gate_up.weight.shape[0] // 2, gated=True)
+
+    def forward(x):
+        if fits(x, gate_up.weight, rows):  # gate/up and gelu-tanh * up in one kernel (the stacked [2I, K] weight)
+            out, _ = mlp.down_proj(skinny_gate_up_gelu(x, gate_up.weight))
+            return out
+        return original(x)
+
+    _shadow(mlp, "forward", forward)
+
+
+def install(model: torch.nn.Module) -> int:
+    """Route `model`'s projections through graphcap's skinny GEMM (see the module's docstring); returns the number
+    of linear layers routed - 0, and nothing changed, where `sglang_routes_bf16_elsewhere` gives a reason.
+    Idempotent. Call it before capture: it also makes the split-K arrival counters of the kernel's one-kernel split
+    K, which must not come from a graph's private pool (`skinny_gemm_kernels.prepare_fixup`)."""
+    if sglang_routes_bf16_elsewhere() is not None:
+        return 0
+    routed = 0
+    for module in model.modules():
+        if _routable(module):
+            if not _shadowed(module.quant_method, "apply"):
+                _route_linear(module)
+            if module.weight.is_cuda:
+                prepare_fixup(module.weight.device)
+            routed += 1
+    for module in model.modules():
+        if _is_gelu_tanh_mlp(module) and _shadowed(module.gate_up_proj.quant_method, "apply") \
+                and not _shadowed(module, "forward"):
+            _route_mlp(module)
+    return routed
+
+
+def restore(model: torch.nn.Module) -> None:
+    """Undo `install` on `model`: sglang's own methods, as they were, again."""
+    for module in model.modules():
+        for obj, name in ((module, "forward"), (getattr(module, "quant_method", None), "apply")):
+            if obj is not None and _shadowed(obj, name):
+                prev = getattr(vars(obj)[name], _MARK)
+                if prev is _ABSENT:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, prev)
