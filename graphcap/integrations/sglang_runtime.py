@@ -223,6 +223,8 @@ class GraphcapDraftRuntime:
         name = "sglang-" + os.path.basename(str(w.server_args.speculative_draft_model_path or "draft").rstrip("/"))
         if scope == "model":
             name += "-model-compiled"
+        if self.options.projections != "graphcap":  # `graphcap inspect` tells the two apart by name
+            name += f"-{self.options.projections}-projections"
         self.loop = loop
         with loop.context():
             graphs = capture_graphs(self.window, loop, buckets=buckets, example_inputs=loop.example_inputs,
