@@ -40,6 +40,12 @@ def _round(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
     return v.to(dtype)
 
 
+@triton.jit
+def _gelu_tanh_mul(g, u):
+    """gelu_tanh(g) * u in fp32: 0.5 g (1 + tanh(c (g + 0.044715 g^3))) = g * sigmoid(2c (g + 0.044715 g^3))."""
+    return g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g)) * u
+
+
 # M is not specialised (Triton compiles a separate binary for an int argument equal to 1): batches 1..16 share one
 # binary per config, which is what a warm start loads (BLOCK_M already is the constexpr that matters).
 @triton.jit(do_not_specialize=["M"])
@@ -73,8 +79,8 @@ def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_w
             else:
                 ut = tl.load(u_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc_u = _mac(acc_u, ut, xt, DOT, INTERPRET)
-    if GATED:  # gelu_tanh(g) = 0.5 g (1 + tanh(c (g + 0.044715 g^3))) = g * sigmoid(2c (g + 0.044715 g^3))
-        acc = acc * tl.sigmoid(1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)) * acc_u
+    if GATED:
+        acc = _gelu_tanh_mul(acc, acc_u)
     mask = mask_n[:, None] & mask_m[None, :]
     y_ptr = y + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
     if not FIXUP:  # the output, or (split K) this split's fp32 partial for the sum kernel
@@ -132,8 +138,8 @@ def _gemv_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: t
                 ut = tl.load(u_ptr + k, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             acc_u += ut.to(tl.float32) * xv
     g = tl.sum(acc, 1)
-    if GATED:  # as _skinny_kernel's epilogue
-        g = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g)) * tl.sum(acc_u, 1)
+    if GATED:
+        g = _gelu_tanh_mul(g, tl.sum(acc_u, 1))
     tl.store(out + m * stride_om + offs_n, _round(g, out.dtype.element_ty, INTERPRET), mask=mask_n)
 
 
