@@ -6,8 +6,9 @@ LM-head rows into a [rows, k * T, H] tensor, multiplies, and scatters the produc
 Gemma 4 assistant's shapes (2048 clusters of 128 tokens, top 32, hidden 1536) the copy is 12.6 MB per row per step,
 written and read again: in sglang's engine it was the draft's second-largest cost at batch 64 (about 1.06 ms of
 8.0 per draft call). `centroid_masking` is the same function with the copy and product replaced by
-`graphcap.kernels.centroid_head.centroid_logits`, which reads each chosen row once in place; the cluster choice, the
-scatter and the mask value stay sglang's, so the output is the same full-vocabulary tensor.
+`graphcap.kernels.centroid_head.centroid_logits`, which reads each chosen row once in place, and the clusters chosen
+by graphcap's one-kernel top-k (`graphcap.kernels.small_topk`: torch.topk's clusters, a tie taking the smaller index);
+the scatter and the mask value stay sglang's, so the output is the same full-vocabulary tensor.
 
 graphcap's loop takes a greedy token from that row, and the row is a fill of the whole vocabulary (262144 entries),
 a scatter of the k * T candidates and a max over the whole vocabulary again: in sglang's engine at batch 64 about
@@ -32,6 +33,7 @@ import torch
 
 from graphcap.kernels.candidate_pick import candidate_greedy
 from graphcap.kernels.centroid_head import centroid_logits
+from graphcap.kernels.small_topk import small_topk
 
 _INSTALLED = "_graphcap_centroid_head"
 CANDIDATES_MARK = "_graphcap_head_candidates"  # on a ForwardBatch: its head returns HeadCandidates
@@ -79,7 +81,9 @@ def centroid_candidates(model, hidden_states: torch.Tensor) -> tuple[torch.Tenso
     """Each row's candidates as `_apply_centroid_masking` of sglang 0.5.23 computes them: the logits of the top
     clusters' tokens [rows, k * T] (the chosen rows read in place) and those clusters [rows, k]."""
     flat_hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    _, top_k_indices = torch.topk(model.centroids(flat_hidden), k=model.centroid_intermediate_top_k, dim=-1)
+    # graphcap's one-kernel top-k (torch.topk's result; a tie ranks the smaller index first, where torch's order is
+    # unspecified): torch's is a radix select and a sort per step
+    _, top_k_indices = small_topk(model.centroids(flat_hidden), model.centroid_intermediate_top_k)
     weight = model.lm_head.weight
     selected_logits = centroid_logits(weight, flat_hidden, top_k_indices,
                                       model.vocab_size_per_centroid).to(weight.dtype)
