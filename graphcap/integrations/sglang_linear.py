@@ -34,15 +34,19 @@ _ABSENT = object()  # ... nothing of its own (the class's method)
 
 def sglang_routes_bf16_elsewhere() -> str | None:
     """Why sglang's own bf16 GEMM choice must stand in this process (its reason, named), else None."""
-    from sglang.srt.batch_invariant_ops import is_batch_invariant_mode_enabled
-    from sglang.srt.layers.quantization import unquant
+    try:
+        from sglang.srt.batch_invariant_ops import is_batch_invariant_mode_enabled
+        from sglang.srt.layers.quantization import unquant
 
-    if is_batch_invariant_mode_enabled():
-        return "sglang's batch-invariant (deterministic) mode is on"
-    if not unquant.get_bf16_gemm_backend().is_auto():
-        return f"sglang's bf16 GEMM backend is {unquant.get_bf16_gemm_backend().value}"
-    if getattr(unquant, "_use_aiter", False):
-        return "sglang runs its GEMMs through aiter"
+        if is_batch_invariant_mode_enabled():
+            return "sglang's batch-invariant (deterministic) mode is on"
+        backend = unquant.get_bf16_gemm_backend()
+        if not backend.is_auto():
+            return f"sglang's bf16 GEMM backend is {backend.value}"
+        if getattr(unquant, "_use_aiter", False):
+            return "sglang runs its GEMMs through aiter"
+    except (ImportError, AttributeError) as e:  # another sglang layout than 0.5.23's: leave its GEMMs alone
+        return f"sglang's bf16 GEMM routing could not be read ({type(e).__name__}: {e})"
     return None
 
 
@@ -55,8 +59,8 @@ def fits(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
 
 
 def _routable(layer) -> bool:
-    from sglang.srt.utils import use_intel_amx_backend
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+    from sglang.srt.utils import use_intel_amx_backend
 
     w = getattr(layer, "weight", None)
     return (isinstance(getattr(layer, "quant_method", None), UnquantizedLinearMethod) and getattr(layer, "bias", None)

@@ -329,6 +329,14 @@ def test_graphcap_projections_stand_down_where_sglang_routes_bf16_gemms(assistan
 
     from graphcap.integrations import sglang_linear as sl
 
+    from sglang.srt.layers.quantization import unquant
+
+    assert sl.sglang_routes_bf16_elsewhere() is None
+    monkeypatch.setattr(unquant, "get_bf16_gemm_backend", lambda: unquant.Bf16GemmBackend.TORCH)
+    assert sl.sglang_routes_bf16_elsewhere() == "sglang's bf16 GEMM backend is torch"
+    monkeypatch.delattr(unquant, "get_bf16_gemm_backend")  # another sglang layout: leave its GEMMs alone
+    assert "could not be read (AttributeError" in sl.sglang_routes_bf16_elsewhere()
+    monkeypatch.undo()
     monkeypatch.setattr(bio, "is_batch_invariant_mode_enabled", lambda: True)
     assert "batch-invariant" in sl.sglang_routes_bf16_elsewhere()
     assert sl.install(assistant) == 0
