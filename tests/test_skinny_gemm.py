@@ -220,6 +220,9 @@ def test_bad_inputs_name_the_op_and_argument(device):
     for op, args, msg in bad:
         with pytest.raises(SkinnyGemmError, match=f"{op}: {msg}"):
             getattr(sg, op)(*args)
+        if len(args) == 2:  # `accepts` says no to the same (x, w), for callers that route elsewhere
+            assert not sg.accepts(*args, gated=op == "skinny_gate_up_gelu")
+    assert sg.accepts(x, w) and sg.accepts(x, w, gated=True) and not sg.accepts(x, w[:31].contiguous(), gated=True)
     with pytest.raises(SkinnyGemmError, match="skinny_gate_up_gelu: config .* splits K"):
         sg.launch(x, w, torch.empty(4, 16, dtype=x.dtype, device=device), Config(16, 16, 2, 4, 1), gated=True)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from graphcap.kernels import use_triton
-from graphcap.kernels.skinny_gemm import DTYPES, kernel_rows, skinny_gate_up_gelu, skinny_linear
+from graphcap.kernels.skinny_gemm import DTYPES, accepts, kernel_rows, skinny_gate_up_gelu, skinny_linear
 from graphcap.kernels.skinny_gemm_kernels import prepare_fixup
 
 _MARK = "_graphcap_skinny"  # on a routed apply / MLP forward: what its owner held there before (restore)
@@ -50,12 +50,10 @@ def sglang_routes_bf16_elsewhere() -> str | None:
     return None
 
 
-def fits(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
-    """A call the kernel takes: 2-D x of 1..rows rows with contiguous rows, w [N, K] contiguous, one dtype of DTYPES,
+def fits(x: torch.Tensor, w: torch.Tensor, rows: int, gated: bool = False) -> bool:
+    """A call routed to the kernel: 1..rows rows that the skinny GEMM's ops take as they are (`skinny_gemm.accepts`),
     on a device where Triton runs (elsewhere sglang's own path, exactly as without graphcap)."""
-    return (x.ndim == 2 and 1 <= x.shape[0] <= rows and x.dtype == w.dtype and x.dtype in DTYPES
-            and x.stride(-1) == 1 and w.ndim == 2 and w.is_contiguous() and x.shape[1] == w.shape[1]
-            and x.device == w.device and use_triton(x))
+    return x.ndim == 2 and 1 <= x.shape[0] <= rows and accepts(x, w, gated) and use_triton(x)
 
 
 def _routable(layer) -> bool:
@@ -106,7 +104,7 @@ def _route_mlp(mlp) -> None:
     rows = kernel_rows(gate_up.weight.shape[0] // 2, gated=True)
 
     def forward(x):
-        if fits(x, gate_up.weight, rows):  # gate/up and gelu-tanh * up in one kernel (the stacked [2I, K] weight)
+        if fits(x, gate_up.weight, rows, gated=True):  # gate/up and gelu-tanh * up in one kernel ([2I, K] stacked)
             out, _ = mlp.down_proj(skinny_gate_up_gelu(x, gate_up.weight))
             return out
         return original(x)

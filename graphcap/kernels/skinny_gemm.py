@@ -204,6 +204,15 @@ def _check(op: str, x: object, w: object, gated: bool, out: object = None) -> tu
     return shape
 
 
+def accepts(x: object, w: object, gated: bool = False) -> bool:
+    """Whether the ops take (x, w) as they are (`_check`'s rules), for callers that route elsewhere instead."""
+    try:
+        _check("accepts", x, w, gated)
+    except SkinnyGemmError:
+        return False
+    return True
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # plain-torch twins
 
