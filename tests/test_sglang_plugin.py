@@ -104,6 +104,22 @@ def test_projections_flag_parses_and_a_bad_value_is_named(fresh, monkeypatch):
         plugin.options_from_env()
 
 
+def test_verify_attention_flag_parses_and_a_bad_value_is_named(fresh, monkeypatch):
+    """--draft-graph-verify-attention: graphcap's split-KV verify kernel by default, sglang's extend kernel on
+    request; a value outside the two is refused by sglang's parser (command line) or by name (the JSON)."""
+    fresh.load_plugins()
+    assert plugin.options_of(_parse(ENABLED)).verify_attention == "graphcap"
+    sa = _parse(ENABLED + [plugin.VERIFY_ATTENTION_FLAG, "sglang"])
+    assert plugin.options_of(sa) == plugin.DraftCaptureOptions(enabled=True, verify_attention="sglang")
+    assert json.loads(os.environ[plugin.ENV_VAR])["verify_attention"] == "sglang"
+    with pytest.raises(SystemExit):
+        _parse(ENABLED + [plugin.VERIFY_ATTENTION_FLAG, "flashinfer"])
+    monkeypatch.setenv(plugin.ENV_VAR, json.dumps({"enabled": True, "verify_attention": "flashinfer"}))
+    with pytest.raises(plugin.DraftCaptureConfigError, match=r"verify_attention must be one of graphcap, sglang, "
+                                                             r"got 'flashinfer'"):
+        plugin.options_from_env()
+
+
 def test_value_survives_pickling_into_a_fresh_interpreter(fresh, tmp_path):
     """What multiprocessing's spawn does for the scheduler: unpickle the ServerArgs in a new interpreter, whose
     environment is inherited, and whose own load_plugins() then installs the runtime hooks."""
@@ -123,7 +139,7 @@ def test_value_survives_pickling_into_a_fresh_interpreter(fresh, tmp_path):
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     out = json.loads(r.stdout.decode().strip().splitlines()[-1])
     assert json.loads(out["opts"]) == {"enabled": True, "backend": plugin.DEFAULT_BACKEND, "manifest_dir": str(tmp_path),
-                                       "projections": "graphcap"}
+                                       "projections": "graphcap", "verify_attention": "graphcap"}
     assert out["algo"] == "NEXTN"
     # Not a scheduler process (sglang.srt.managers.scheduler not imported): only the start-up check is added.
     assert plugin.CHECK_SERVER_ARGS in out["hooks"]

@@ -29,6 +29,7 @@ from graphcap.integrations.sglang_config import (  # noqa: F401 - the plugin's p
     WORKER_EXTEND_DECODE, BATCH_RETRACT, BATCH_EVICT_SWA, SERVER_ARGS, SCHEDULE_BATCH, ARG_HOOKS, TRACE_ENV,
     PROJECTIONS, PROJECTIONS_FLAG)
 from graphcap.backends import GRAPH_BACKENDS
+from graphcap.integrations.sglang_config import TRITON_BACKEND_INIT, VERIFY_ATTENTION, VERIFY_ATTENTION_FLAG
 
 
 class _State:
@@ -77,6 +78,7 @@ def register_runtime_hooks(workers: bool) -> None:
             WORKER_EXTEND_DECODE: (h.after_draft_extend_for_decode, HookType.AFTER),
             BATCH_RETRACT: (h.around_retract_decode, HookType.AROUND),
             BATCH_EVICT_SWA: (h.around_evict_swa, HookType.AROUND),
+            TRITON_BACKEND_INIT: (h.after_triton_backend_init, HookType.AFTER),
         })
     for target, (hook, kind) in table.items():
         if target not in STATE.runtime_hooks:
@@ -125,6 +127,13 @@ def add_arguments(parser) -> None:
                         "iteration: 'graphcap' = graphcap's skinny GEMM up to 8 rows (gate/up and gelu-mul in one "
                         "kernel), sglang's own path above; 'sglang' = sglang's own path at every batch. Default: "
                         "%(default)s.")
+    g.add_argument(VERIFY_ATTENTION_FLAG, dest=_DEST["verify_attention"], choices=VERIFY_ATTENTION,
+                   default=VERIFY_ATTENTION[0],
+                   help="graphcap: whose kernel runs the target verify's attention (Triton backend, "
+                        "--speculative-eagle-topk 1): 'graphcap' = graphcap's split-KV verify kernel, which reads "
+                        "each K/V tile once for all query heads and verify tokens of a KV head and splits the prefix "
+                        "over the GPU; 'sglang' = sglang's extend (prefill) kernel. Cases graphcap's kernel does not "
+                        "serve exactly run sglang's. Default: %(default)s.")
 
 
 def _after_add_cli_args(result, parser, *args, **kwargs):
@@ -135,7 +144,8 @@ def _after_add_cli_args(result, parser, *args, **kwargs):
 def _after_from_cli_args(result, cls, args, *rest, **kwargs):
     opts = options_from_namespace(args)
     if not opts.enabled and (opts.backend != DEFAULT_BACKEND or opts.manifest_dir is not None
-                             or opts.projections != PROJECTIONS[0]):
+                             or opts.projections != PROJECTIONS[0]
+                             or opts.verify_attention != VERIFY_ATTENTION[0]):
         log.warning("graphcap: %s/%s/%s given without %s: they have no effect", BACKEND_FLAG, MANIFEST_FLAG,
                     PROJECTIONS_FLAG, FLAG)
     attach_options(result, opts)

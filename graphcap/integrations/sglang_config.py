@@ -34,11 +34,16 @@ PROJECTIONS_FLAG = "--draft-graph-projections"
 # Whose kernels run the draft model's projections inside graphcap's captured iteration: graphcap's skinny GEMM up
 # to 8 rows, sglang's above (graphcap.integrations.sglang_linear), or sglang's own at every batch.
 PROJECTIONS = ("graphcap", "sglang")
+VERIFY_ATTENTION_FLAG = "--draft-graph-verify-attention"
+# Whose kernel runs the target verify's attention: graphcap's split-KV verify kernel in sglang's Triton backend
+# (graphcap.integrations.sglang_verify), or sglang's extend kernel.
+VERIFY_ATTENTION = ("graphcap", "sglang")
 ENV_VAR = "GRAPHCAP_SGLANG_DRAFT_CAPTURE"
 TRACE_ENV = "GRAPHCAP_SGLANG_TRACE"  # a directory: record every draft call (graphcap.integrations.sglang_trace)
 ATTR = "_graphcap_draft_capture"  # on ServerArgs: underscore names are bookkeeping, allowed even on a sealed record
 _DEST = {"enabled": "enable_draft_graph_capture", "backend": "draft_graph_capture_backend",
-         "manifest_dir": "draft_graph_manifest_dir", "projections": "draft_graph_projections"}
+         "manifest_dir": "draft_graph_manifest_dir", "projections": "draft_graph_projections",
+         "verify_attention": "draft_graph_verify_attention"}
 
 # Hook targets in sglang 0.5.23 (dotted paths for sglang's HookRegistry).
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
@@ -53,6 +58,8 @@ WORKER_EXTEND_PREFILL = f"{DRAFT_WORKER}._draft_extend_for_prefill"  # requests 
 WORKER_EXTEND_DECODE = f"{DRAFT_WORKER}._draft_extend_for_decode"  # verify accepted accept_lens[i] tokens
 BATCH_RETRACT = f"{SCHEDULE_BATCH}.retract_decode"  # requests retracted under memory pressure
 BATCH_EVICT_SWA = f"{SCHEDULE_BATCH}._evict_swa"  # SWA pages freed behind a request's window
+# the target's verify seat (graphcap.integrations.sglang_verify); not required: unhooked, the verify is stock
+TRITON_BACKEND_INIT = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__"
 ARG_HOOKS = (ADD_CLI_ARGS, FROM_CLI_ARGS)
 WORKER_HOOKS = (WORKER_INIT_GRAPHS, WORKER_DRAFT, WORKER_EXTEND_PREFILL, WORKER_EXTEND_DECODE, BATCH_RETRACT,
                 BATCH_EVICT_SWA)
@@ -70,6 +77,7 @@ class DraftCaptureOptions:
     backend: str = DEFAULT_BACKEND
     manifest_dir: str | None = None  # None: graphcap's default ($GRAPHCAP_MANIFEST_DIR or ~/.cache/graphcap/...)
     projections: str = PROJECTIONS[0]
+    verify_attention: str = VERIFY_ATTENTION[0]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -90,6 +98,9 @@ class DraftCaptureOptions:
         if opts.projections not in PROJECTIONS:
             raise DraftCaptureConfigError(f"{source}: projections must be one of {', '.join(PROJECTIONS)}, "
                                           f"got {opts.projections!r}")
+        if opts.verify_attention not in VERIFY_ATTENTION:
+            raise DraftCaptureConfigError(f"{source}: verify_attention must be one of {', '.join(VERIFY_ATTENTION)}, "
+                                          f"got {opts.verify_attention!r}")
         return opts
 
 
@@ -123,7 +134,8 @@ def options_from_namespace(args) -> DraftCaptureOptions:
     return DraftCaptureOptions(enabled=bool(getattr(args, _DEST["enabled"], False)),
                                backend=getattr(args, _DEST["backend"], None) or DEFAULT_BACKEND,
                                manifest_dir=getattr(args, _DEST["manifest_dir"], None),
-                               projections=getattr(args, _DEST["projections"], None) or PROJECTIONS[0])
+                               projections=getattr(args, _DEST["projections"], None) or PROJECTIONS[0],
+                               verify_attention=getattr(args, _DEST["verify_attention"], None) or VERIFY_ATTENTION[0])
 
 
 def options_from_env() -> DraftCaptureOptions:

@@ -112,3 +112,14 @@ def _evicted_swa_len(req) -> int | None:
                         "it cannot read (safe, but each rebuild syncs with the GPU). Logged once per process.",
                         getattr(req, "rid", "?"), type(e).__name__, e)
         return 1 << 62
+
+
+def after_triton_backend_init(result, backend, model_runner, *args, **kwargs):
+    """A TritonAttnBackend was built: on the target's, seat graphcap's verify kernel when the options ask for it
+    (graphcap.integrations.sglang_verify decides whether this backend is one it serves)."""
+    opts = options_of(getattr(model_runner, "server_args", None))
+    if opts.enabled and opts.verify_attention == "graphcap":
+        from graphcap.integrations import sglang_verify
+
+        sglang_verify.install(backend, model_runner)
+    return None
