@@ -54,6 +54,12 @@ SIZES = {
     "draft-shapes": Shapes(vocab=262144, t_hidden=5376, t_types=(SL, FU), t_ffn=21504, q_heads=32, swa_kv=16,
                            swa_hd=256, full_kv=4, full_hd=512, d_hidden=1536, d_types=(SL, SL, SL, FU), d_ffn=6144,
                            centroids=2048, top_k=32),
+    # The user's scale: a Gemma-4-31B-shaped target (60 layers, 5 sliding : 1 full) with the draft-shapes assistant.
+    # Its layers' matrices are not written (`target_matrices=False`: 60 GB): the engine loads the target with
+    # load_format="dummy" and then this checkpoint's structure (embeddings, lm_head, norms) over it.
+    "user-scale": Shapes(vocab=262144, t_hidden=5376, t_types=(SL,) * 5 + (FU,) + ((SL,) * 5 + (FU,)) * 9,
+                         t_ffn=21504, q_heads=32, swa_kv=16, swa_hd=256, full_kv=4, full_hd=512, d_hidden=1536,
+                         d_types=(SL, SL, SL, FU), d_ffn=6144, centroids=2048, top_k=32),
 }
 
 
@@ -105,12 +111,14 @@ def _unit(n: int, d: int, gen: torch.Generator, dev: str) -> torch.Tensor:
 
 
 def _layers(prefix: str, s: Shapes, hidden: int, ffn: int, types: tuple[str, ...], with_kv: bool,
-            gen: torch.Generator, dev: str) -> dict[str, torch.Tensor]:
+            gen: torch.Generator, dev: str, matrices: bool = True) -> dict[str, torch.Tensor]:
     """HF names; sglang's load_weights stacks q/k/v into qkv_proj and gate/up into gate_up_proj. Random projections
     (the kernels run on real-looking data); the branch outputs are RMS-normalised by post_*_layernorm, so their
     weights (BRANCH_GAIN), not o_proj/down_proj's scale, set how much a layer moves the stream. Norms multiply by w
     (sglang's RMSNorm, and Gemma4RMSNorm at scale_shift 0), so ones = identity scale."""
-    def lin(o: int, i: int) -> torch.Tensor:
+    def lin(o: int, i: int) -> torch.Tensor | None:
+        if not matrices:  # the structure alone (norms, scalars): the projections come from elsewhere
+            return None
         return (torch.randn(o, i, generator=gen, device=dev) / math.sqrt(i)).to(BF16).cpu()
 
     def const(n: int, v: float) -> torch.Tensor:
@@ -134,10 +142,11 @@ def _layers(prefix: str, s: Shapes, hidden: int, ffn: int, types: tuple[str, ...
             w[f"{p}.{n}.weight"] = const(hidden, v)
         w[f"{p}.layer_scalar"] = const(1, 1.0)  # a persistent buffer sglang loads; it scales the whole stream
     w[f"{prefix}.norm.weight"] = const(hidden, 1.0)
-    return w
+    return {k: v for k, v in w.items() if v is not None}
 
 
-def build(s: Shapes, disagree: float, seed: int, dev: str) -> tuple[dict, dict, torch.Tensor]:
+def build(s: Shapes, disagree: float, seed: int, dev: str, target_matrices: bool = True
+          ) -> tuple[dict, dict, torch.Tensor]:
     """Returns (target tensors, assistant tensors, tau). Construction, with Hb = target hidden, Hd = assistant hidden:
     lm_head_d[y] = a*u[c(y)] + b*w[y] (u: per-cluster unit vectors = centroid rows; c(y) = y // (V/C));
     P: Hd x Hb, orthonormal rows (a signed coordinate selection: every quantity below is invariant under a rotation
@@ -168,7 +177,7 @@ def build(s: Shapes, disagree: float, seed: int, dev: str) -> tuple[dict, dict, 
         e[:, rest] = math.sqrt(1 - ALPHA2) * _unit(b - a, Hb - Hd, gen, dev)
         E[a:b] = e.to(BF16).cpu()
     target = {"model.embed_tokens.weight": E, "lm_head.weight": torch.roll(E, 1, 0),  # lm_head[y] = E[y-1]
-              **_layers("model", s, Hb, s.t_ffn, s.t_types, True, gen, dev)}
+              **_layers("model", s, Hb, s.t_ffn, s.t_types, True, gen, dev, matrices=target_matrices)}
     # pre_projection([E[x]*sqrt(Hb), prev_hidden]): the token half is P scaled so its output has RMS ~1; the
     # prev_hidden half (RMS ~1 input, the target's normed hidden or post_projection's) adds RMS ~PREV_GAIN
     proj = torch.zeros(Hd, Hb, device=dev)
@@ -247,12 +256,16 @@ def check(s: Shapes, tw: dict, dw: dict, tau: torch.Tensor, sample: int, seed: i
 
 def make_pair(size: str, out: str | Path, disagree: float = 0.3, seed: int = 0, device: str = "cuda",
               window: int = 1024, max_pos: int = 32768, sample: int = 2048) -> dict:
-    """Write out/target and out/assistant; returns the summary (also out/summary.json)."""
+    """Write out/target and out/assistant; returns the summary (also out/summary.json). The user-scale target holds
+    no projection matrices (`summary["target_matrices"]` is false): load it with load_format="dummy", then its
+    structure with sglang's update_weights_from_disk."""
     s, out = SIZES[size], Path(out)
     torch.manual_seed(seed)
+    matrices = size != "user-scale"
     with torch.no_grad():
-        tw, dw, tau = build(s, disagree, seed, device)
+        tw, dw, tau = build(s, disagree, seed, device, target_matrices=matrices)
         summary = {"size": size, "seed": seed, "disagree": disagree, "sliding_window_config": window,
+                   "target_matrices": matrices,
                    "sglang_window_tokens": window - 1,  # both models: get_attention_sliding_window_size = w - 1
                    **check(s, tw, dw, tau, sample, seed, device)}
     tcfg, dcfg = configs(s, window, max_pos)

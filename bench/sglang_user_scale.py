@@ -1,0 +1,304 @@
+"""The user's question at the user's scale: decode tokens/s per request at batch 8 with MTP against no speculation,
+with a Gemma-4-31B-shaped target in sglang's own engine - stock sglang, and sglang with graphcap's flag (its draft
+capture, with sglang's verify attention or graphcap's).
+
+Checkpoint: `bench/sglang_checkpoint.py --size user-scale` (the draft-shapes assistant, structured, and a 60-layer
+target config whose checkpoint holds only the structure: embeddings, lm_head, norms, layer scalars). The engine loads
+the target with load_format="dummy" (random projections) and, with `--structured`, the structure over it through
+sglang's `update_weights_from_disk`, so the target predicts "x + 1" and the assistant agrees with it at the
+checkpoint's rate (its summary.json: expected accept length by steps); without it every draft token is accepted.
+
+Per engine (each in a child process of its own), per (batch, context): decode tokens/s per request from pairs of a
+short and a long run of the same prompts (the same prefill in both), the accept length sglang reports; at
+`--profile-batch` and the first context, sglang's own profiler (`Engine.start_profile`, by stage, decode) over a few
+iterations, read back as GPU time per phase (verify, draft, draft extend; decode for no-spec), the iteration period,
+the verify's top kernels, and the host time of the draft call with the runtime calls inside it that waited on the GPU.
+
+    python bench/sglang_user_scale.py --ckpt DIR --out OUT.json [--engines nospec,sglang,graphcap,graphcap-verify]
+        [--batches 1,8,32] [--contexts 2048] [--steps 3] [--structured]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+SHORT_NEW = 16
+ENGINES = ("nospec", "sglang", "graphcap", "graphcap-verify")
+# stage annotations sglang's profiler writes (by-stage decode profile) -> phase
+PHASES = (("verify", re.compile(r"VERIFY")), ("draft_extend", re.compile(r"^draft_extend|DRAFT_EXTEND")),
+          ("draft", re.compile(r"^draft$|DRAFT_LOOP|^draft\b")), ("decode", re.compile(r"DECODE")))
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# the profiler's trace -> phases (pure: tested on CPU with a synthetic trace)
+
+
+def phase_of(name: str) -> str | None:
+    for phase, rx in PHASES:
+        if rx.search(name):
+            return phase
+    return None
+
+
+def read_trace(events: list[dict], top: int = 15) -> dict:
+    """Per phase, from a chrome trace's events: GPU spans (`gpu_user_annotation`: the span's length on the GPU
+    timeline, and the kernels inside it), their count, the iteration period (between consecutive spans of the phase
+    that starts an iteration: verify, or decode without speculation), the verify's top kernels, and the host side
+    of the draft: its `user_annotation` spans' length and the CUDA runtime calls in them that lasted over 1 ms
+    (a wait on the GPU)."""
+    kernels = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                     if e.get("cat") == "kernel" and "ts" in e)
+    spans = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "gpu_user_annotation" and "ts" in e:
+            p = phase_of(e.get("name", ""))
+            if p is not None:
+                spans[p].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+    out: dict = {"annotations": sorted({e.get("name", "") for e in events
+                                        if e.get("cat") in ("gpu_user_annotation", "user_annotation")})[:40]}
+    import bisect
+
+    starts = [k[0] for k in kernels]
+    for p, ss in spans.items():
+        ss = _outermost(sorted(ss))
+        span_ms, kern_ms, per_kernel = [], [], defaultdict(float)
+        for a, b, _ in ss:
+            i = bisect.bisect_left(starts, a)
+            t = 0.0
+            while i < len(kernels) and kernels[i][0] < b:
+                d = min(kernels[i][1], b) - kernels[i][0]
+                t += d
+                per_kernel[kernels[i][2]] += d
+                i += 1
+            span_ms.append((b - a) / 1e3)
+            kern_ms.append(t / 1e3)
+        rec = {"spans": len(ss), "gpu_span_ms": statistics.median(span_ms), "kernel_ms": statistics.median(kern_ms)}
+        if p == "verify":
+            n = len(ss)
+            rec["top_kernels"] = [{"name": k[:120], "ms_per_span": v / 1e3 / n}
+                                  for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]]
+        out[p] = rec
+    lead = "verify" if "verify" in spans else "decode" if "decode" in spans else None
+    if lead:
+        ss = _outermost(sorted(spans[lead]))
+        gaps = [(b[0] - a[0]) / 1e3 for a, b in zip(ss, ss[1:])]
+        if gaps:
+            out["iteration_ms"] = statistics.median(gaps)
+    host = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+            if e.get("cat") == "user_annotation" and e.get("name") == "draft" and "ts" in e]
+    if host:
+        waits = defaultdict(float)
+        for a, b in host:
+            for e in events:
+                if e.get("cat") == "cuda_runtime" and a <= e.get("ts", -1) < b and e.get("dur", 0) > 1000:
+                    waits[e["name"]] += e["dur"] / 1e3 / len(host)
+        out["draft_host"] = {"calls": len(host), "host_ms": statistics.median((b - a) / 1e3 for a, b in host),
+                             "runtime_waits_ms_per_call": dict(waits)}
+    return out
+
+
+def _outermost(spans: list[tuple]) -> list[tuple]:
+    """Spans not inside an earlier one (a phase's annotation can nest another of the same phase)."""
+    out, end = [], -1.0
+    for s in spans:
+        if s[0] >= end:
+            out.append(s)
+            end = s[1]
+    return out
+
+
+def load_trace(path: str) -> list[dict]:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# child: one engine
+
+
+def target_dir(ckpt: str) -> str:
+    return os.path.join(ckpt, "target")
+
+
+def engine_kwargs(cfg: dict) -> dict:
+    kw = dict(model_path=target_dir(cfg["ckpt"]), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              attention_backend="triton", page_size=64, disable_radix_cache=True, disable_prefill_cuda_graph=True,
+              cuda_graph_bs_decode=sorted(set(cfg["batches"])), max_running_requests=max(cfg["batches"]),
+              mem_fraction_static=cfg["mem_fraction"], random_seed=0, log_level="warning",
+              context_length=cfg["context_length"])
+    if cfg["engine"] != "nospec":
+        steps = cfg["steps"]
+        kw.update(speculative_algorithm="NEXTN", speculative_num_steps=steps, speculative_eagle_topk=1,
+                  speculative_num_draft_tokens=steps + 1,
+                  speculative_draft_model_path=os.path.join(cfg["ckpt"], "assistant"),
+                  speculative_draft_load_format="auto")  # the structured assistant, not dummy weights
+    return kw
+
+
+def child(cfg: dict) -> dict:
+    if cfg["engine"].startswith("graphcap"):
+        os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps({
+            "enabled": True, "backend": "cudagraph", "manifest_dir": cfg["work"],
+            "verify_attention": "graphcap" if cfg["engine"] == "graphcap-verify" else "sglang"})
+    import sglang
+
+    t0 = time.perf_counter()
+    engine = sglang.Engine(**engine_kwargs(cfg))
+    res = {"config": cfg, "startup_s": time.perf_counter() - t0, "cases": []}
+    try:
+        if cfg["structured"]:
+            ok, msg = engine.update_weights_from_disk(target_dir(cfg["ckpt"]), load_format="auto")[:2]
+            res["structure_loaded"] = {"ok": bool(ok), "message": str(msg)}
+        rng = random.Random(0)
+        for batch, context in cfg["cases"]:
+            prompts = [[rng.randrange(3, cfg["vocab"]) for _ in range(context)] for _ in range(batch)]
+
+            def gen(new):
+                t = time.perf_counter()
+                outs = engine.generate(input_ids=prompts, sampling_params=[
+                    {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}] * batch)
+                return outs, time.perf_counter() - t
+
+            gen(8)  # warm
+            rates, accepts = [], []
+            for _ in range(cfg["repeats"]):
+                _, short = gen(SHORT_NEW)
+                outs, long = gen(cfg["new"])
+                rates.append((cfg["new"] - SHORT_NEW) / (long - short))
+                vc = [o["meta_info"].get("spec_verify_ct") for o in outs]
+                if all(vc):
+                    accepts.append(sum(o["meta_info"]["completion_tokens"] for o in outs) / sum(vc))
+            case = {"batch": batch, "context": context, "decode_tok_s_per_req": statistics.median(rates),
+                    "rates": rates, "accept_len": statistics.median(accepts) if accepts else None}
+            if batch == cfg["profile_batch"] and context == cfg["cases"][0][1]:
+                pdir = os.path.join(cfg["work"], f"profile-{cfg['engine']}-b{batch}")
+                shutil.rmtree(pdir, ignore_errors=True)
+                os.makedirs(pdir)
+                engine.start_profile(output_dir=pdir, num_steps=cfg["profile_steps"], activities=["CPU", "GPU"],
+                                     profile_by_stage=True, profile_stages=["decode"])
+                gen(cfg["new"])
+                time.sleep(2)
+                traces = sorted(glob.glob(os.path.join(pdir, "**", "*.json*"), recursive=True))
+                case["profile_files"] = [os.path.basename(t) for t in traces]
+                decode = [t for t in traces if "decode" in os.path.basename(t).lower()] or traces
+                if decode:
+                    try:
+                        case["profile"] = read_trace(load_trace(decode[0]))
+                    except Exception as e:  # noqa: BLE001 - record what broke, keep the rates
+                        case["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            res["cases"].append(case)
+            print(json.dumps({k: v for k, v in case.items() if k != "profile"}), flush=True)
+    finally:
+        engine.shutdown()
+    return res
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# parent
+
+
+def spawn(cfg: dict, work: str, timeout: float) -> dict:
+    tag = cfg["engine"]
+    cfg_path, out_path = os.path.join(work, f"{tag}-config.json"), os.path.join(work, f"{tag}.json")
+    json.dump(cfg, open(cfg_path, "w"))
+    t = time.perf_counter()
+    with open(os.path.join(work, f"{tag}.log"), "w") as log:
+        try:
+            rc = subprocess.run([sys.executable, __file__, "--child", cfg_path, "--child-out", out_path],
+                                stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0 or not os.path.exists(out_path):
+        tail = open(os.path.join(work, f"{tag}.log")).read()[-2500:]
+        print(f"== {tag}: failed ({rc}) after {time.perf_counter() - t:.0f} s\n{tail}", flush=True)
+        return {"config": cfg, "crashed": True, "log_tail": tail}
+    print(f"== {tag}: ok in {time.perf_counter() - t:.0f} s", flush=True)
+    return json.load(open(out_path))
+
+
+def summarize(results: dict) -> list[dict]:
+    """One row per (engine, batch, context): the record's cases."""
+    rows = []
+    for name, r in results.items():
+        for c in r.get("cases", []):
+            p = c.get("profile") or {}
+            rows.append({"engine": name, "batch": c["batch"], "context": c["context"],
+                         "steps": r["config"]["steps"] if name != "nospec" else 0,
+                         "decode_tok_s_per_req": round(c["decode_tok_s_per_req"], 2),
+                         "accept_len": c.get("accept_len"),
+                         "verify_ms": (p.get("verify") or {}).get("gpu_span_ms"),
+                         "draft_ms": (p.get("draft") or {}).get("gpu_span_ms"),
+                         "extend_ms": (p.get("draft_extend") or {}).get("gpu_span_ms"),
+                         "decode_ms": (p.get("decode") or {}).get("gpu_span_ms"),
+                         "iteration_ms": p.get("iteration_ms")})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt")
+    ap.add_argument("--out")
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--contexts", default="2048")
+    ap.add_argument("--sweep", default="", help="contexts at --profile-batch after the first context's cases")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--new", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile-batch", type=int, default=8)
+    ap.add_argument("--profile-steps", type=int, default=6)
+    ap.add_argument("--structured", action="store_true")
+    ap.add_argument("--mem-fraction", type=float, default=0.88)
+    ap.add_argument("--context-length", type=int, default=8192)
+    ap.add_argument("--timeout", type=float, default=480)
+    ap.add_argument("--child")
+    ap.add_argument("--child-out")
+    a = ap.parse_args(argv)
+    if a.child:
+        res = child(json.load(open(a.child)))
+        json.dump(res, open(a.child_out, "w"))
+        return 0
+    if not a.ckpt or not a.out:
+        ap.error("--ckpt and --out are required")
+    engines = [e.strip() for e in a.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        ap.error(f"--engines: unknown {bad}; choose from {', '.join(ENGINES)}")
+    try:
+        batches = [int(x) for x in a.batches.split(",")]
+        contexts = [int(x) for x in a.contexts.split(",")]
+        sweep = [int(x) for x in a.sweep.split(",") if x.strip()]
+    except ValueError:
+        ap.error("--batches/--contexts/--sweep: integers separated by commas")
+    vocab = json.load(open(os.path.join(target_dir(a.ckpt), "config.json")))["vocab_size"]
+    cases = [(b, c) for c in contexts for b in batches] + [(a.profile_batch, c) for c in sweep]
+    work = os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
+    os.makedirs(work, exist_ok=True)
+    results = {}
+    for e in engines:
+        cfg = {"engine": e, "ckpt": a.ckpt, "work": work, "batches": batches, "cases": cases, "steps": a.steps,
+               "new": a.new, "repeats": a.repeats, "profile_batch": a.profile_batch, "profile_steps": a.profile_steps,
+               "structured": a.structured, "mem_fraction": a.mem_fraction, "context_length": a.context_length,
+               "vocab": vocab}
+        results[e] = spawn(cfg, work, a.timeout)
+        record = {"engines": results, "rows": summarize(results)}
+        json.dump(record, open(a.out, "w"), indent=1)
+    for r in summarize(results):
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""bench/sglang_user_scale.py's reading of sglang's profiler trace (a synthetic chrome trace with the annotation names
+sglang's by-stage profile writes) and its argument checks; the engine runs themselves need a GPU."""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import sglang_user_scale as us  # noqa: E402
+
+
+def ev(cat, name, ts, dur):
+    return {"cat": cat, "name": name, "ts": ts, "dur": dur, "ph": "X"}
+
+
+def synthetic(iterations=4, period=1000.0):
+    """Per iteration: a draft (host span 300 us holding a 250 us runtime wait; GPU span 100 with two kernels), a
+    verify (GPU span 600: kernels 500 + 50), a draft extend (GPU 40: one kernel 30); the period between verifies."""
+    e = []
+    for i in range(iterations):
+        t = i * period
+        e += [ev("user_annotation", "draft", t, 300), ev("cuda_runtime", "cudaStreamSynchronize", t + 10, 250_0),
+              ev("gpu_user_annotation", "draft", t, 100), ev("kernel", "draft_k1", t + 5, 40),
+              ev("kernel", "draft_k2", t + 50, 40),
+              ev("gpu_user_annotation", "step[VERIFY bs=8]", t + 200, 600), ev("kernel", "_fwd_kernel", t + 210, 500),
+              ev("kernel", "gemm", t + 720, 50),
+              ev("gpu_user_annotation", "draft_extend", t + 850, 40), ev("kernel", "ext", t + 855, 30)]
+    return e
+
+
+def test_phases_spans_kernels_and_the_host_wait():
+    r = us.read_trace(synthetic())
+    assert r["verify"]["spans"] == 4 and r["verify"]["gpu_span_ms"] == pytest.approx(0.6)
+    assert r["verify"]["kernel_ms"] == pytest.approx(0.55)
+    assert r["verify"]["top_kernels"][0] == {"name": "_fwd_kernel", "ms_per_span": pytest.approx(0.5)}
+    assert r["draft"]["kernel_ms"] == pytest.approx(0.08) and r["draft_extend"]["gpu_span_ms"] == pytest.approx(0.04)
+    assert r["iteration_ms"] == pytest.approx(1.0)
+    assert r["draft_host"]["calls"] == 4 and r["draft_host"]["host_ms"] == pytest.approx(0.3)
+    assert r["draft_host"]["runtime_waits_ms_per_call"] == {"cudaStreamSynchronize": pytest.approx(2.5)}
+
+
+def test_no_spec_decode_sets_the_period_and_a_gz_trace_loads(tmp_path):
+    e = [ev("gpu_user_annotation", "step[DECODE bs=8]", i * 500, 400) for i in range(3)]
+    e += [ev("kernel", "k", i * 500 + 1, 300) for i in range(3)]
+    p = tmp_path / "t.trace.json.gz"
+    with gzip.open(p, "wt") as f:
+        json.dump({"traceEvents": e}, f)
+    r = us.read_trace(us.load_trace(str(p)))
+    assert r["iteration_ms"] == pytest.approx(0.5) and r["decode"]["kernel_ms"] == pytest.approx(0.3)
+    assert "verify" not in r and "draft_host" not in r
+
+
+@pytest.mark.parametrize("args,msg", [(["--ckpt", "x", "--out", "y", "--engines", "vllm"], "unknown ['vllm']"),
+                                      (["--ckpt", "x", "--out", "y", "--batches", "a"], "integers separated")])
+def test_bad_arguments_exit_2_naming_them(args, msg):
+    r = subprocess.run([sys.executable, us.__file__, *args], capture_output=True, text=True)
+    assert r.returncode == 2 and msg in r.stderr
