@@ -9,6 +9,9 @@ Provided, with sgl_kernel's names, signatures and semantics (docs/sglang-standin
 - compute ops from `graphcap.kernels.fused_ops`, one Triton kernel per call: rmsnorm, fused_add_rmsnorm,
   gemma_rmsnorm, gemma_fused_add_rmsnorm, gelu_tanh_and_mul, gelu_and_mul, silu_and_mul,
   apply_rope_with_cos_sin_cache_inplace;
+- the speculative-decoding ops sglang 0.5.18 takes from sgl_kernel on CUDA (0.5.23 has its own), one Triton kernel
+  each: `fast_topk` (graphcap.kernels.fast_topk), `build_tree_kernel_efficient` and `verify_tree_greedy`
+  (graphcap.kernels.spec_tree_ops);
 - `weak_ref_tensor` and `utils.is_arch_support_pdl`.
 Every other name - attribute chains such as `scalar_types.uint4b8`, and submodules such as `sgl_kernel.flash_attn` -
 resolves to a stand-in that imports cleanly and raises NotImplementedError naming itself only when called. Nothing
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from graphcap.kernels.fast_topk import fast_topk  # noqa: F401 - re-exported under sgl_kernel's name
 from graphcap.kernels.fused_ops import (  # noqa: F401 - re-exported under sgl_kernel's names
     apply_rope_with_cos_sin_cache_inplace,
     fused_add_rmsnorm,
@@ -34,6 +38,10 @@ from graphcap.kernels.fused_ops import (  # noqa: F401 - re-exported under sgl_k
     gemma_rmsnorm,
     rmsnorm,
     silu_and_mul,
+)
+from graphcap.kernels.spec_tree_ops import (  # noqa: F401 - re-exported under sgl_kernel's names
+    build_tree_kernel_efficient,
+    verify_tree_greedy,
 )
 
 __version__ = "0.4.9"
