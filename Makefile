@@ -7,7 +7,7 @@ STAMP := $(VENV)/.graphcap-installed
 .PHONY: bench test venv clean
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/cpu.txt requirements/sglang-cpu.txt
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/sglang-cpu.txt requirements/sglang-0518-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first and pinned, so nothing below can pull a CUDA build onto a CPU machine.
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/cpu.txt torch
@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/sglang-cpu.txt
 	# The real sglang for the plugin's tests (marked sglang), without its CUDA stack: --no-deps, and every package
 	# its parsing/plugin/speculative/scheduler modules import pinned in the file. Then check torch was not replaced.
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -r requirements/sglang-cpu.txt
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-compile --upgrade --target $(VENV)/sglang-0518 -r requirements/sglang-0518-cpu.txt
 	$(BIN)/python -c "import torch; v = torch.__version__; assert v.startswith('2.13.0'), 'torch replaced: ' + v"
 	touch $@
 

@@ -17,17 +17,17 @@ from graphcap.guards import CaptureError
 from graphcap.integrations import sglang_hooks as hooks
 from graphcap.integrations.sglang import DraftCaptureOptions, sglang_tp_rank
 from graphcap.integrations.sglang_runtime import (CHECK_ENV, GraphcapDraftRuntime, SlotTracker, bind_window,
-                                                  capture_graphs)
+                                                  capture_graphs, slot_of)
 from graphcap.models.draft_loop import DraftOutput
 
 pytestmark = pytest.mark.usefixtures("cpu_twins")  # the plugin's bookkeeping is the point, not the kernels
 
 
-def _window(device="cpu", rows=6, width=64, window=8, seed=0):
+def _window(device="cpu", rows=6, width=64, window=8, seed=0, max_accepted=4):
     g = torch.Generator().manual_seed(seed)
     r2t = (1 + torch.randperm(rows * width, generator=g)).reshape(rows, width).to(torch.int32)
     f2s = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(rows * width, generator=g)])
-    return bind_window(r2t.to(device), window, f2s.to(device), max_accepted=4)
+    return bind_window(r2t.to(device), window, f2s.to(device), max_accepted=max_accepted)
 
 
 class _Runtime:  # what the batch hooks need of a GraphcapDraftRuntime
@@ -60,7 +60,8 @@ def test_unreadable_eviction_frontier_warns_once_and_still_resets(monkeypatch, g
         hooks._RUNTIMES.discard(rt)
     warnings = [r for r in glog.records if "eviction frontier" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
-    assert "r0" in warnings[0].getMessage() and "AttributeError" in warnings[0].getMessage()
+    msg = warnings[0].getMessage()  # names the request and both layouts it looked for
+    assert "r0" in msg and "req.kv.get_evicted_seqlen" in msg and "req.kv.swa_evicted_seqlen" in msg
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -100,23 +101,39 @@ def _graphs(window, buckets):
     return graphs
 
 
-def _runtime(device, buckets=(1, 2, 4), seed=0) -> GraphcapDraftRuntime:
-    window = _window(device, rows=8, width=96, window=8, seed=seed)
-    rt = GraphcapDraftRuntime(SimpleNamespace(speculative_num_steps=3), DraftCaptureOptions(enabled=True),
+def _runtime(device, buckets=(1, 2, 4), seed=0, steps=3) -> GraphcapDraftRuntime:
+    """A runtime at `steps` draft steps: a verify accepts 1..steps + 1 tokens, the window buffers take that many."""
+    window = _window(device, rows=8, width=96, window=8, seed=seed, max_accepted=steps + 1)
+    rt = GraphcapDraftRuntime(SimpleNamespace(speculative_num_steps=steps), DraftCaptureOptions(enabled=True),
                               window, target_pool=None)
+    assert rt.steps == steps
     rt.attach(_graphs(window, buckets))
     return rt
+
+
+def _request(layout: str, rid: str, slot: int | None, **extra) -> SimpleNamespace:
+    """A request as sglang `layout` keeps its pool row: on `req.kv` (0.5.23) or on the request (0.5.18)."""
+    if layout == "0.5.23":
+        return SimpleNamespace(rid=rid, kv=SimpleNamespace(req_pool_idx=slot), **extra)
+    return SimpleNamespace(rid=rid, req_pool_idx=slot, kv=SimpleNamespace(kv_allocated_len=0, swa_evicted_seqlen=0),
+                           **extra)
+
+
+def _set_slot(req, slot) -> None:
+    """Change a request's pool row where its layout keeps it."""
+    setattr(req.kv if hasattr(req.kv, "req_pool_idx") else req, "req_pool_idx", slot)
 
 
 class _Scheduler:
     """Requests join, are retracted, lose in-window pages and are verified with random accepted counts; `batch()` is
     what sglang hands the draft (rows, device lengths, their host mirrors, the seed tokens and hidden states). Each
     request also records what the next draft must apply to its window: `accepted` (summed over the verifies since
-    the last draft), or nothing when it is `fresh` (joined or lost in-window pages: the window is rebuilt)."""
+    the last draft), or nothing when it is `fresh` (joined or lost in-window pages: the window is rebuilt). Requests
+    are laid out as sglang `layout` keeps them."""
 
-    def __init__(self, seed, device, rows=8, width=96, steps=3):
+    def __init__(self, seed, device, rows=8, width=96, steps=3, layout="0.5.23"):
         self.g = torch.Generator().manual_seed(seed)
-        self.device, self.rows, self.width, self.steps = device, rows, width, steps
+        self.device, self.rows, self.width, self.steps, self.layout = device, rows, width, steps, layout
         self.running: dict[int, SimpleNamespace] = {}
         self.next_rid = 0
 
@@ -127,8 +144,8 @@ class _Scheduler:
         free = [s for s in range(self.rows) if s not in self.running]
         if free and (not self.running or self.randint(0, 3) == 0):
             slot = free[self.randint(0, len(free) - 1)]
-            req = SimpleNamespace(rid=f"r{self.next_rid}", kv=SimpleNamespace(req_pool_idx=slot),
-                                  length=self.randint(1, 40), accepted=0, fresh=True)
+            req = _request(self.layout, f"r{self.next_rid}", slot, length=self.randint(1, 40), accepted=0,
+                           fresh=True)
             self.next_rid += 1
             self.running[slot] = req
             for t in trackers:
@@ -152,7 +169,7 @@ class _Scheduler:
         dev = self.device
         return SimpleNamespace(
             reqs=reqs, seq_lens=torch.tensor(lens, device=dev), seq_lens_cpu=torch.tensor(lens), seq_lens_sum=sum(lens),
-            req_pool_indices=torch.tensor([r.kv.req_pool_idx for r in reqs], device=dev),
+            req_pool_indices=torch.tensor([slot_of(r) for r in reqs], device=dev),
             spec_info=SimpleNamespace(bonus_tokens=torch.randint(0, 500, (len(reqs),), generator=self.g).to(dev),
                                       hidden_states=torch.randn(len(reqs), HIDDEN, generator=self.g).to(dev)))
 
@@ -179,15 +196,17 @@ def _expected(batch) -> tuple[DraftOutput, list[int]]:
         [r.length for r in batch.reqs]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_iterate_against_the_schedulers_own_account(device, monkeypatch, seed):
+@pytest.mark.parametrize("seed, steps, layout", [(0, 3, "0.5.23"), (1, 1, "0.5.18"), (2, 2, "0.5.23"),
+                                                  (3, 1, "0.5.23"), (4, 3, "0.5.18"), (5, 2, "0.5.18")])
+def test_iterate_against_the_schedulers_own_account(device, monkeypatch, seed, steps, layout):
     """Random joins, retracts, evictions and accepts, batches from 1 to 8 rows over buckets 1, 2, 4 (padding rows,
-    shrinking batches, and oversize batches that run eagerly). Each iteration, against what the scheduler itself
-    knows: every row's window advanced by the counts accepted since its last draft (rebuilt rows by none), so the
-    outputs, each window's length and contents (against a rebuild from req_to_token), the pending counts and the
+    shrinking batches, and oversize batches that run eagerly), at 1, 2 and 3 draft steps (1..steps + 1 accepted per
+    verify), requests laid out as sglang 0.5.23 or 0.5.18 keeps them. Each iteration, against what the scheduler
+    itself knows: every row's window advanced by the counts accepted since its last draft (rebuilt rows by none), so
+    the outputs, each window's length and contents (against a rebuild from req_to_token), the pending counts and the
     manifest's counters per bucket are what they must be."""
     monkeypatch.setenv(CHECK_ENV, "1")  # and the check mode finds nothing wrong on consistent batches
-    rt, sched = _runtime(device, seed=seed), _Scheduler(seed, device)
+    rt, sched = _runtime(device, seed=seed, steps=steps), _Scheduler(seed, device, steps=steps, layout=layout)
     wb, buckets = rt.window, (1, 2, 4)
     want_counts = {b: [0, 0] for b in buckets}  # bucket -> [replays, padded rows]
     oversize = 0
@@ -205,7 +224,7 @@ def test_iterate_against_the_schedulers_own_account(device, monkeypatch, seed):
             assert torch.equal(x, y), name
         assert seq_lens_sum == sum(lengths)
         for r in batch.reqs:
-            s, n = r.kv.req_pool_idx, r.length
+            s, n = slot_of(r), r.length
             assert int(wb.seq_lens[s]) == n
             rebuilt = wb.full_to_swa[wb.req_to_token[s, max(0, n - wb.window):n].long()].cpu()
             assert torch.equal(wb.window_locs(s).cpu(), rebuilt.to(wb.window_locs(s).dtype))
@@ -230,19 +249,20 @@ def test_iterate_against_the_schedulers_own_account(device, monkeypatch, seed):
 
 @pytest.mark.parametrize("buckets", [(1, 2, 4), (1, 2)], ids=["in-bucket", "oversize"])
 @pytest.mark.parametrize("corrupt, named", [
-    (lambda b: b.reqs[1].kv.__setattr__("req_pool_idx", b.reqs[0].kv.req_pool_idx), "appears more than once"),
-    (lambda b: b.reqs[0].kv.__setattr__("req_pool_idx", 8), "slot 8 out of range"),
-    (lambda b: b.reqs[0].kv.__setattr__("req_pool_idx", None), "has no request-pool row"),
+    (lambda b: _set_slot(b.reqs[1], slot_of(b.reqs[0])), "appears more than once"),
+    (lambda b: _set_slot(b.reqs[0], 8), "slot 8 out of range"),
+    (lambda b: _set_slot(b.reqs[0], None), "has no request-pool row"),
     (lambda b: b.__setattr__("req_pool_indices", b.req_pool_indices[:1]), "3 host_slots for a batch of 1"),
     (lambda b: b.__setattr__("req_pool_indices", b.req_pool_indices.float()), "slots has dtype"),
     (lambda b: b.spec_info.__setattr__("hidden_states", b.spec_info.hidden_states.double()), "hidden has dtype"),
     (lambda b: b.spec_info.__setattr__("bonus_tokens", b.spec_info.bonus_tokens[:1]), "tokens has shape"),
 ])
-def test_iterate_refuses_a_bad_batch_before_writing(device, corrupt, named, buckets):
+@pytest.mark.parametrize("layout", ["0.5.23", "0.5.18"])
+def test_iterate_refuses_a_bad_batch_before_writing(device, corrupt, named, buckets, layout):
     """iterate checks the batch (DraftGraphs.check_batch: host ints and tensor metadata, no sync) before it writes
     anything - static inputs, windows (rebuilds), pending counts - on the zero-copy path and on run()'s path for a
-    batch above the largest bucket alike."""
-    rt, sched = _runtime(device, buckets=buckets), _Scheduler(0, device)
+    batch above the largest bucket alike, whichever layout the requests have."""
+    rt, sched = _runtime(device, buckets=buckets), _Scheduler(0, device, layout=layout)
     while len(sched.running) < 3:
         sched.events([rt.tracker])
     batch = sched.batch()

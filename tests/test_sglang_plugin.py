@@ -2,7 +2,9 @@
 `load_plugins()`, the flags through sglang's own `prepare_server_args`, the value on ServerArgs across pickling (in
 this process and in a fresh interpreter, as the scheduler subprocess gets it), start-up validation, and that without
 the flag nothing is patched. Only sglang.srt.server_args / plugins are imported here (light); the deep runtime checks
-run in a fresh interpreter (test_sglang_runtime.py)."""
+run in a fresh interpreter (test_sglang_runtime.py). Runs against the sglang installed (0.5.23 in the venv) and, in a
+subprocess, against sglang 0.5.18 (test_sglang_versions.py): where the two resolve arguments differently the helpers
+here ask the installed sglang's own functions."""
 from __future__ import annotations
 
 import json
@@ -22,8 +24,14 @@ require_sglang_plugin()
 pytestmark = pytest.mark.sglang
 
 from graphcap.integrations import sglang as plugin  # noqa: E402  (after the skip)
+from tiers import examples
 
 ENABLED = ["--model-path", "dummy", "--speculative-algorithm", "NEXTN", "--enable-draft-graph-capture"]
+# A child interpreter under sglang 0.5.18 needs what sglang_0518_pytest.py did for this one (_sglang_env.py).
+CHILD_PRELUDE = ("import os\n"
+                 "if os.environ.get('GRAPHCAP_TEST_SGLANG'):\n"
+                 "    from _sglang_env import prepare_sglang_import\n"
+                 "    prepare_sglang_import()\n")
 
 
 @pytest.fixture
@@ -125,7 +133,7 @@ def test_value_survives_pickling_into_a_fresh_interpreter(fresh, tmp_path):
     environment is inherited, and whose own load_plugins() then installs the runtime hooks."""
     fresh.load_plugins()
     sa = _parse(ENABLED + ["--draft-graph-manifest-dir", str(tmp_path)])
-    child = (
+    child = CHILD_PRELUDE + (
         "import pickle, sys, json\n"
         "sa = pickle.loads(sys.stdin.buffer.read())\n"
         "from graphcap.integrations import sglang as p\n"
@@ -213,17 +221,125 @@ def test_enabled_installs_the_start_up_check_on_server_args(fresh):
 
 
 # -----------------------------------------------------------------------------------------------------------------
+# The sglang versions served: the installed one is tested, another is refused at start-up (one error naming them)
+
+
+def test_the_installed_sglang_is_a_tested_one():
+    from graphcap.integrations import sglang_compat
+
+    assert plugin.TESTED_SGLANG == ("0.5.18", "0.5.23")
+    assert sglang_compat.sglang_version() in plugin.TESTED_SGLANG
+    assert sglang_compat.check_sglang_version() == sglang_compat.sglang_version()
+
+
+UNTESTED = r"sglang 0\.5\.99 is installed; graphcap's plugin is tested with sglang 0\.5\.18, 0\.5\.23 only"
+
+
+@pytest.mark.parametrize("version", ["0.5.99", "0.5.17", "0.6.0", None])
+def test_an_untested_sglang_is_refused_naming_the_versions_tested(monkeypatch, glog, version):
+    from graphcap.integrations import sglang_compat
+
+    monkeypatch.delenv(plugin.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(sglang_compat, "sglang_version", lambda: version)
+    what = f"sglang {version}" if version else "an sglang without package metadata"
+    with pytest.raises(plugin.DraftCaptureConfigError, match=rf"{re.escape(what)} is installed; .*tested with sglang "
+                                                             r"0\.5\.18, 0\.5\.23 only"):
+        plugin.check_sglang_version()
+    monkeypatch.setenv(plugin.ALLOW_UNTESTED_ENV, "1")  # the developers' escape hatch: a warning instead
+    assert plugin.check_sglang_version() == version
+    assert any("tested with sglang 0.5.18, 0.5.23 only" in r.getMessage() for r in glog.records)
+    monkeypatch.setenv(plugin.ALLOW_UNTESTED_ENV, "yes")
+    with pytest.raises(plugin.DraftCaptureConfigError, match=r"\$GRAPHCAP_SGLANG_ALLOW_UNTESTED: expected 0 or 1, "
+                                                             r"got 'yes'"):
+        plugin.check_sglang_version()
+
+
+def test_the_start_up_check_refuses_an_untested_sglang_first(fresh, monkeypatch):
+    """The launcher's check (BEFORE check_server_args) refuses with the flag, before reading any argument; without
+    the flag an untested sglang starts as it would without graphcap."""
+    from graphcap.integrations import sglang_compat
+
+    monkeypatch.delenv(plugin.ALLOW_UNTESTED_ENV, raising=False)
+    fresh.load_plugins()
+    sa = _parse(ENABLED + ["--speculative-eagle-topk", "4"])  # refused for its version before its top-k
+    monkeypatch.setattr(sglang_compat, "sglang_version", lambda: "0.5.99")
+    with pytest.raises(plugin.DraftCaptureConfigError, match=UNTESTED):
+        sa.check_server_args()
+    assert not plugin.validate_server_args(_parse(["--model-path", "dummy"])).enabled
+
+
+def test_register_on_an_untested_sglang_with_the_flag_installs_only_the_check(fresh, monkeypatch, glog):
+    """A child process (or an Engine user) with the flag in the environment on an untested sglang: register() raises
+    the version error (sglang's load_plugins logs it and carries on), and leaves only the flags and the start-up
+    check installed - no worker hook, so nothing of graphcap serves; the check then refuses where the arguments are
+    checked. Without the flag: the flags, and a warning."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from graphcap.integrations import sglang_compat
+
+    monkeypatch.delenv(plugin.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(sglang_compat, "sglang_version", lambda: "0.5.99")
+    monkeypatch.setitem(sys.modules, plugin.SCHEDULER_MODULE, sys.modules.get(plugin.SCHEDULER_MODULE) or object())
+    monkeypatch.setenv(plugin.ENV_VAR, plugin.DraftCaptureOptions(enabled=True).to_json())
+    with pytest.raises(plugin.DraftCaptureConfigError, match=UNTESTED):
+        plugin.register()
+    assert set(HookRegistry._hooks) == {*plugin.ARG_HOOKS, plugin.CHECK_SERVER_ARGS}
+    fresh.load_plugins()  # as sglang runs it: the error logged, the process goes on
+    assert set(HookRegistry._hooks) == {*plugin.ARG_HOOKS, plugin.CHECK_SERVER_ARGS}
+    sa = _parse(["--model-path", "dummy", "--speculative-algorithm", "NEXTN"])
+    setattr(sa, plugin.ATTR, None)  # an Engine(...)-built record: the options come from the environment
+    monkeypatch.setenv(plugin.ENV_VAR, plugin.DraftCaptureOptions(enabled=True).to_json())
+    with pytest.raises(plugin.DraftCaptureConfigError, match=UNTESTED):
+        sa.check_server_args()
+    HookRegistry.reset()
+    plugin.STATE.runtime_hooks.clear()
+    monkeypatch.setenv(plugin.ENV_VAR, "")
+    plugin.register()
+    assert set(HookRegistry._hooks) == set(plugin.ARG_HOOKS)
+    assert any("sglang 0.5.99 is installed" in r.getMessage() and "refuses to start" in r.getMessage()
+               for r in glog.records)
+
+
+# -----------------------------------------------------------------------------------------------------------------
 # Start-up validation on sglang's own parsed (and, where resolution needs a model, declared-resolved) records
 
 
 def _resolved(sa, **fields):
-    """What sglang's resolution pipeline would have declared (it needs the model's config to run for real)."""
-    from sglang.srt.arg_groups.overrides import declare_resolution
+    """What sglang's resolution pipeline would have declared (it needs the model's config to run for real), by the
+    installed sglang's own functions: 0.5.23 stashes declarations and marks the record resolved; 0.5.18 stashes them
+    and materializes them onto the fields at the end of resolution."""
+    from sglang.srt.arg_groups import overrides
 
-    if fields:
-        declare_resolution(sa, "test", **fields)
-    sa._resolution_finished = True
+    if hasattr(overrides, "declare_resolution"):  # 0.5.23
+        if fields:
+            overrides.declare_resolution(sa, "test", **fields)
+        sa._resolution_finished = True
+    else:  # 0.5.18
+        sa._resolved_overrides.append(("test", dict(fields)))
+        overrides.materialize_declarations(sa)
     return sa
+
+
+def _parse_cuda_graph_config(sa) -> None:
+    """sglang's own resolution of the CUDA-graph flags into cuda_graph_config (a hook of its own in 0.5.23, a
+    ServerArgs handler in 0.5.18)."""
+    try:
+        from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config
+    except ModuleNotFoundError:  # 0.5.18
+        sa._parse_cuda_graph_config()
+    else:
+        parse_cuda_graph_config(sa)
+
+
+def needs_field(name: str):
+    """A case about a ServerArgs field one of the tested sglang versions lacks (0.5.18 has no `attn_dp_size`: its
+    attention DP is `--enable-dp-attention` with `--dp-size` alone)."""
+    from sglang.srt.server_args import ServerArgs
+
+    from graphcap.integrations.sglang_compat import sglang_version
+
+    return pytest.mark.skipif(not hasattr(ServerArgs, name),  # a field (msgspec 0.5.23, dataclass 0.5.18) or not
+                              reason=f"sglang {sglang_version()} has no ServerArgs.{name}")
 
 
 @pytest.mark.parametrize("argv, resolved, match", [
@@ -241,12 +357,14 @@ def _resolved(sa, **fields):
      r"--draft-graph-capture-backend reduce-overhead is not supported in sglang's engine: .*crashed"),
     (["--enable-torch-compile", "--draft-graph-capture-backend", "inductor-cudagraph"], None,
      r"--draft-graph-capture-backend inductor-cudagraph with --enable-torch-compile"),
-    (["--attn-dp-size", "2"], None, r"attention data parallelism \(--attn-dp-size 2\) is not supported"),
+    pytest.param(["--attn-dp-size", "2"], None, r"attention data parallelism \(--attn-dp-size 2\) is not supported",
+                 marks=needs_field("attn_dp_size")),
     (["--dp-size", "2", "--enable-dp-attention"], None, r"\(--enable-dp-attention with --dp-size 2\)"),
-    # what sglang's handle_deprecated_dp_attention declares for the same flags (it needs the stubbed torchvision)
-    (["--dp-size", "2", "--enable-dp-attention"],
-     dict(speculative_algorithm="FROZEN_KV_MTP", attn_dp_size=2, dp_size=1, enable_dp_attention=False),
-     r"attention data parallelism \(--attn-dp-size 2\)"),
+    # what sglang 0.5.23's handle_deprecated_dp_attention declares for the same flags (it needs the stubbed
+    # torchvision); 0.5.18 keeps them as given (the case above)
+    pytest.param(["--dp-size", "2", "--enable-dp-attention"],
+                 dict(speculative_algorithm="FROZEN_KV_MTP", attn_dp_size=2, dp_size=1, enable_dp_attention=False),
+                 r"attention data parallelism \(--attn-dp-size 2\)", marks=needs_field("attn_dp_size")),
     (["--draft-graph-manifest-dir", "/proc/graphcap-cannot-exist"], None, r"--draft-graph-manifest-dir .*cannot create"),
 ])
 def test_unsupported_settings_are_named(fresh, argv, resolved, match):
@@ -279,16 +397,17 @@ def test_disabled_cuda_graphs_are_refused_at_start_up(fresh, monkeypatch, argv, 
     """Refused by the launcher's check (not after the model has loaded), on the cuda_graph_config that sglang's own
     resolution hook makes of the flags; refused exactly when sglang would capture no draft graph either
     (`cuda_graph_fully_disabled`: decode and prefill both off). sglang's prefill default depends on the host
-    (breakable graphs on CUDA, none elsewhere), so both hosts are resolved."""
+    (breakable graphs on CUDA; elsewhere none in 0.5.23, tc_piecewise in 0.5.18: sglang's own
+    `default_prefill_backend` says), so both hosts are resolved."""
     import sglang.srt.utils as sgl_utils
-    from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config
+    from sglang.srt.model_executor.cuda_graph_config import Backend, default_prefill_backend
 
     monkeypatch.setattr(sgl_utils, "is_cuda", lambda: on_cuda)
-    if named == "prefill default":  # decode off alone: refused where prefill has no graphs by default (CPU host)
-        named = None if on_cuda else "--cuda-graph-backend-decode disabled"
+    if named == "prefill default":  # decode off alone: refused where prefill has no graphs by default
+        named = None if default_prefill_backend() != Backend.DISABLED else "--cuda-graph-backend-decode disabled"
     fresh.load_plugins()
     sa = _parse(ENABLED + argv)
-    parse_cuda_graph_config(sa)
+    _parse_cuda_graph_config(sa)
     _resolved(sa, speculative_algorithm="FROZEN_KV_MTP", device="cuda")
     if named is None:
         assert plugin.validate_server_args(sa).enabled
@@ -299,11 +418,9 @@ def test_disabled_cuda_graphs_are_refused_at_start_up(fresh, monkeypatch, argv, 
 
 def test_start_up_check_on_a_cpu_device_stays_off_before_refusing_graphs(fresh):
     """Off a GPU sglang's resolution disables CUDA graphs itself: that is the safe 'stays off', not an error."""
-    from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config
-
     fresh.load_plugins()
     sa = _parse(ENABLED + ["--disable-cuda-graph"])
-    parse_cuda_graph_config(sa)
+    _parse_cuda_graph_config(sa)
     _resolved(sa, speculative_algorithm="FROZEN_KV_MTP", device="cpu")
     assert not plugin.validate_server_args(sa).enabled
 
@@ -384,7 +501,7 @@ def test_half_installed_hooks_refuse_to_serve(fresh, monkeypatch):
     assert plugin.unpatched_worker_hooks() == []
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), ties=st.integers(0, 3))
 def test_greedy_token_is_sglangs_softmax_then_fast_topk(seed, rows, ties):
     """The plugin's greedy pick (max over the logits) against sglang's own (`fast_topk(softmax(logits), 1)`) on bf16
@@ -405,7 +522,7 @@ def test_greedy_token_is_sglangs_softmax_then_fast_topk(seed, rows, ties):
     assert score.dtype == torch.float32 and torch.equal(score, logits.float().gather(1, want)[:, 0])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 6), k=st.integers(1, 6), ties=st.integers(0, 3))
 def test_greedy_pick_from_candidates_is_the_pick_from_the_full_row(seed, rows, k, ties):
     """The loop's greedy pick of a marked batch's output (the head's candidates) against its pick of the

@@ -14,7 +14,9 @@ unless asked:
 - With or without the flag, where $GRAPHCAP_SGLANG_TRACE names a directory: the draft trace
   (`graphcap.integrations.sglang_trace`) in scheduler processes - a measurement aid, off unless set.
 
-Written against sglang 0.5.23 (TESTED_SGLANG); docs/sglang.md says what was exercised against the real package.
+Serves sglang 0.5.18 and 0.5.23 (TESTED_SGLANG; what differs between them is found by feature in
+`graphcap.integrations.sglang_compat`); with the flag on, another sglang is refused at start-up, naming the versions
+tested. docs/sglang.md says what was exercised against each real package.
 """
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ from graphcap.integrations.sglang_config import (  # noqa: F401 - the plugin's p
     DraftCaptureOptions, attach_options, log, options_from_env, options_from_namespace, options_of, sglang_tp_rank,
     unpatched_worker_hooks, validate_server_args, _DEST, ATTR, WORKER_INIT_GRAPHS, WORKER_EXTEND_PREFILL,
     WORKER_EXTEND_DECODE, BATCH_RETRACT, BATCH_EVICT_SWA, SERVER_ARGS, SCHEDULE_BATCH, ARG_HOOKS, TRACE_ENV,
-    PROJECTIONS, PROJECTIONS_FLAG)
+    PROJECTIONS, PROJECTIONS_FLAG, ALLOW_UNTESTED_ENV, SglangLayoutError, check_sglang_version)
 from graphcap.backends import GRAPH_BACKENDS
 from graphcap.integrations.sglang_config import TRITON_BACKEND_INIT, VERIFY_ATTENTION, VERIFY_ATTENTION_FLAG
+from graphcap.integrations import sglang_compat
 
 
 class _State:
@@ -46,16 +49,27 @@ STATE = _State()
 
 
 def register() -> None:
-    """`sglang.srt.plugins` entry point. Runs in every sglang process, before argument parsing in the launcher."""
+    """`sglang.srt.plugins` entry point. Runs in every sglang process, before argument parsing in the launcher.
+
+    With the flag on (from the environment: a child of a launcher that parsed it, or an Engine user who set the
+    variable) on an sglang outside TESTED_SGLANG it installs only the start-up check (which refuses, naming the
+    versions tested, in the process that checks the arguments) and raises the same error here (sglang logs it and
+    carries on without graphcap's worker hooks: stock sglang). Without the flag, such an sglang gets a warning."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     STATE.registered += 1
-    _warn_untested_version()
     HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, _after_from_cli_args, HookType.AFTER)
     opts = options_from_env()
-    if opts.enabled:  # a child of a launcher that parsed the flag (or an Engine user who set the variable)
+    if opts.enabled:
+        try:
+            check_sglang_version()
+        except DraftCaptureConfigError:
+            register_runtime_hooks(workers=False)
+            raise
         register_runtime_hooks(workers=SCHEDULER_MODULE in sys.modules)
+    else:
+        _warn_untested_version()
     trace_dir = os.environ.get(TRACE_ENV)
     if trace_dir and SCHEDULER_MODULE in sys.modules and not STATE.trace:  # after graphcap's hooks: wraps them
         from graphcap.integrations.sglang_trace import install
@@ -87,15 +101,10 @@ def register_runtime_hooks(workers: bool) -> None:
 
 
 def _warn_untested_version() -> None:
-    try:
-        import importlib.metadata
-
-        v = importlib.metadata.version("sglang")
-    except Exception:
-        return
+    v = sglang_compat.sglang_version()
     if v not in TESTED_SGLANG:
-        log.warning("graphcap: sglang %s is installed; the plugin was written and tested against sglang %s. "
-                    "Hook targets that moved are reported when sglang applies them.", v, ", ".join(TESTED_SGLANG))
+        log.warning("graphcap: sglang %s is installed; graphcap's plugin is tested with sglang %s only, and "
+                    "%s refuses to start on another.", v or "(no package metadata)", ", ".join(TESTED_SGLANG), FLAG)
 
 
 # -----------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The sglang plugin's configuration layer: its flags' names and options, the hook targets, start-up validation.
 
-Imported by every other module of the plugin (runtime, hooks, entry point) and importing none of them: the plugin's
-modules depend one way, sglang_config -> sglang_slots -> sglang_runtime -> sglang_hooks -> sglang (the entry point).
+Imported by every other module of the plugin (runtime, hooks, entry point) and importing none of them but
+sglang_compat (what differs between the sglang versions served): the plugin's modules depend one way,
+sglang_compat -> sglang_config -> sglang_slots -> sglang_runtime -> sglang_hooks -> sglang (the entry point).
 """
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from graphcap.backends import COMPILED_BACKENDS, GRAPH_BACKENDS  # light: no torch
+from graphcap.integrations.sglang_compat import (  # noqa: F401 - re-exported: the plugin's public names
+    ALLOW_UNTESTED_ENV, TESTED_SGLANG, DraftCaptureConfigError, SglangLayoutError, check_sglang_version,
+    resolution_reader)
 
 log = logging.getLogger("graphcap.sglang")
 
-TESTED_SGLANG = ("0.5.23",)
 # The plugin's default backend. sglang's Gemma 4 layers already run one fused kernel per norm, activation and rotary,
 # so recording them as they are leaves Inductor little to fuse, and Dynamo breaks the graph at every layer boundary
 # (sglang 0.5.23 builds msgspec records there). Both backends it serves give sglang's tokens in its own engine;
@@ -45,7 +48,7 @@ _DEST = {"enabled": "enable_draft_graph_capture", "backend": "draft_graph_captur
          "manifest_dir": "draft_graph_manifest_dir", "projections": "draft_graph_projections",
          "verify_attention": "draft_graph_verify_attention"}
 
-# Hook targets in sglang 0.5.23 (dotted paths for sglang's HookRegistry).
+# Hook targets, the same in sglang 0.5.18 and 0.5.23 (dotted paths for sglang's HookRegistry).
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 ADD_CLI_ARGS = f"{SERVER_ARGS}.add_cli_args"
 FROM_CLI_ARGS = f"{SERVER_ARGS}.from_cli_args"
@@ -65,10 +68,6 @@ WORKER_HOOKS = (WORKER_INIT_GRAPHS, WORKER_DRAFT, WORKER_EXTEND_PREFILL, WORKER_
                 BATCH_EVICT_SWA)
 RUNTIME_HOOKS = (CHECK_SERVER_ARGS, *WORKER_HOOKS)
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"  # imported in every process that runs a scheduler
-
-
-class DraftCaptureConfigError(ValueError):
-    """--enable-draft-graph-capture was asked for in a configuration graphcap cannot serve; names the setting."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ def unpatched_worker_hooks() -> list[str]:
 
 def sglang_tp_rank(worker=None) -> int | None:
     """The TP rank sglang gives this process: the worker's own `tp_rank` where its layout keeps one, else sglang's
-    runtime context (0.5.23); None where neither says (a process sglang did not set up)."""
+    runtime context (0.5.18, 0.5.23); None where neither says (a process sglang did not set up)."""
     rank = getattr(worker, "tp_rank", None)
     if isinstance(rank, int):
         return rank
@@ -172,17 +171,13 @@ def attach_options(server_args, opts: DraftCaptureOptions) -> None:
 
 def validate_server_args(server_args) -> DraftCaptureOptions:
     """Error naming the unsupported setting, or - where leaving graphcap off is safe - a warning and disabled options
-    (stored back on the record, so the scheduler process sees them). Returns the options in force."""
-    from sglang.srt.arg_groups.overrides import resolution_result
-
+    (stored back on the record, so the scheduler process sees them). Returns the options in force. An sglang
+    outside TESTED_SGLANG is refused first (`check_sglang_version`)."""
     opts = options_of(server_args)
     if not opts.enabled:
         return opts
-
-    def get(name, default=None):
-        return resolution_result(server_args, name, default)
-
-    resolved = bool(getattr(server_args, "_resolution_finished", False))
+    check_sglang_version()
+    get, resolved = resolution_reader(server_args)
     algo = get("speculative_algorithm")
     algo = str(algo).upper() if algo else None
     if algo is None:
@@ -249,8 +244,9 @@ def validate_server_args(server_args) -> DraftCaptureOptions:
 
 
 def _attention_dp(get) -> str | None:
-    """The flag that turned attention DP on, or None. Resolution turns the deprecated `--dp-size N
-    --enable-dp-attention` into `attn_dp_size` = N; before it, that spelling has to be read as such."""
+    """The flag that turned attention DP on, or None. sglang 0.5.23's resolution turns the deprecated `--dp-size N
+    --enable-dp-attention` into `attn_dp_size` = N; before it, and in 0.5.18 (no `attn_dp_size`), that spelling has
+    to be read as such."""
     width = int(get("attn_dp_size") or 1)
     if width > 1:
         return f"--attn-dp-size {width}"

@@ -78,8 +78,9 @@ def install(model) -> bool:
 
 
 def centroid_candidates(model, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's candidates as `_apply_centroid_masking` of sglang 0.5.23 computes them: the logits of the top
-    clusters' tokens [rows, k * T] (the chosen rows read in place) and those clusters [rows, k]."""
+    """Each row's candidates as `_apply_centroid_masking` of sglang 0.5.18 and 0.5.23 (the same code) computes them:
+    the logits of the top clusters' tokens [rows, k * T] (the chosen rows read in place) and those clusters
+    [rows, k]."""
     flat_hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     # graphcap's one-kernel top-k (torch.topk's result; a tie ranks the smaller index first, where torch's order is
     # unspecified): torch's is a radix select and a sort per step
@@ -91,7 +92,8 @@ def centroid_candidates(model, hidden_states: torch.Tensor) -> tuple[torch.Tenso
 
 
 def centroid_masking(model, hidden_states: torch.Tensor) -> torch.Tensor:
-    """`_apply_centroid_masking` of sglang 0.5.23 (same arguments, same output), the chosen rows read in place."""
+    """`_apply_centroid_masking` of sglang 0.5.18 and 0.5.23 (same arguments, same output), the chosen rows read in
+    place."""
     prefix_shape = hidden_states.shape[:-1]
     selected_logits, top_k_indices = centroid_candidates(model, hidden_states)
     centroid_vocab_indices = (model.token_ordering.long()
@@ -105,9 +107,10 @@ def centroid_masking(model, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def candidates_processor(model, original, logits_metadata, input_ids, hidden_states, projected_states, forward_batch):
-    """`_centroid_logits_processor` of sglang 0.5.23 for a forward batch marked `CANDIDATES_MARK`: the same pruned
-    states and stored hidden states, the head's candidates (`HeadCandidates`) in place of the full-vocabulary logits.
-    Any other batch takes sglang's own processor (`original`). `logits_metadata`: sglang's LogitsMetadata class."""
+    """`_centroid_logits_processor` of sglang 0.5.18 and 0.5.23 for a forward batch marked `CANDIDATES_MARK`: the same
+    pruned states and stored hidden states, the head's candidates (`HeadCandidates`) in place of the full-vocabulary
+    logits. Any other batch takes sglang's own processor (`original`). `logits_metadata`: sglang's LogitsMetadata
+    class."""
     if not getattr(forward_batch, CANDIDATES_MARK, False):
         return original(input_ids, hidden_states, projected_states, forward_batch)
     meta = logits_metadata.from_forward_batch(forward_batch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import weakref
 
+from graphcap.integrations.sglang_compat import SglangLayoutError, swa_evicted_len
 from graphcap.integrations.sglang_config import (DraftCaptureConfigError, options_of, unpatched_worker_hooks,
                                                   validate_server_args)
 from graphcap.integrations.sglang_runtime import GraphcapDraftRuntime
@@ -99,18 +100,17 @@ def around_evict_swa(original, batch, req, pre_len, *args, **kwargs):
 
 
 def _evicted_swa_len(req) -> int | None:
-    """How far (absolute position) the request's SWA pages have been freed, from sglang's own bookkeeping."""
+    """How far (absolute position) the request's SWA pages have been freed, from sglang's own bookkeeping
+    (`sglang_compat.swa_evicted_len`: either layout); where neither layout is there, a position past any window, so
+    the row is rebuilt (safe), with one warning per process."""
     try:
-        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
-        return int(req.kv.get_evicted_seqlen(ComponentType.SWA))
-    except Exception as e:  # a layout this code was not written for: reset to be safe
+        return swa_evicted_len(req)
+    except SglangLayoutError as e:  # a layout this code was not written for: reset to be safe
         if "evicted_swa_len" not in _WARNED:  # runs per request and iteration: once is enough to act on
             _WARNED.add("evicted_swa_len")
-            log.warning("graphcap: cannot read sglang's SWA eviction frontier (req.kv.get_evicted_seqlen(SWA)) of "
-                        "request %s (%s: %s). graphcap rebuilds a request's window after every SWA eviction check "
-                        "it cannot read (safe, but each rebuild syncs with the GPU). Logged once per process.",
-                        getattr(req, "rid", "?"), type(e).__name__, e)
+            log.warning("graphcap: cannot read sglang's SWA eviction frontier of request %s (%s). graphcap rebuilds a "
+                        "request's window after every SWA eviction check it cannot read (safe, but each rebuild syncs "
+                        "with the GPU). Logged once per process.", getattr(req, "rid", "?"), e)
         return 1 << 62
 
 

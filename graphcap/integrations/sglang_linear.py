@@ -6,9 +6,10 @@ reduction kernel per call, plus (the MLP) a separate gelu-mul kernel that reads 
 (docs/results.md, the skinny GEMM by shape class). `install(model)` routes one model instance's projections through
 graphcap's skinny GEMM where graphcap's own draft iteration measured it faster (`skinny_gemm.kernel_rows`: up to 8
 rows), and everything else through sglang's own code:
-- each unquantized linear layer without a bias: its quant method's `apply` (per layer in sglang 0.5.23) is shadowed
-  on that method object by one that sends a 2-D call of at most `kernel_rows(N)` rows to `skinny_linear` and any
-  other call to sglang's `apply`; the class, its other instances and `isinstance` checks are untouched;
+- each unquantized linear layer without a bias: its quant method's `apply` (one method object per layer in sglang
+  0.5.18 and 0.5.23) is shadowed on that method object by one that sends a 2-D call of at most `kernel_rows(N)` rows
+  to `skinny_linear` and any other call to sglang's `apply`; the class, its other instances and `isinstance` checks
+  are untouched;
 - each Gemma 3/4 MLP (gate/up, gelu-tanh * up, down): gate/up and the activation as one `skinny_gate_up_gelu` kernel
   (no [rows, 2I] intermediate), then sglang's down projection.
 The routing is decided in Python on static shapes, so a captured graph holds one kernel per projection and a replay
@@ -45,7 +46,7 @@ def sglang_routes_bf16_elsewhere() -> str | None:
             return f"sglang's bf16 GEMM backend is {backend.value}"
         if getattr(unquant, "_use_aiter", False):
             return "sglang runs its GEMMs through aiter"
-    except (ImportError, AttributeError) as e:  # another sglang layout than 0.5.23's: leave its GEMMs alone
+    except (ImportError, AttributeError) as e:  # a layout neither 0.5.18 nor 0.5.23 has: leave its GEMMs alone
         return f"sglang's bf16 GEMM routing could not be read ({type(e).__name__}: {e})"
     return None
 

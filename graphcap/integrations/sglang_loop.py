@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphcap.guards import CaptureError
 from graphcap.integrations import sglang_head, sglang_linear
+from graphcap.integrations.sglang_compat import layer_boundary_owners
 from graphcap.iteration import DraftOutput
 from graphcap.window import WindowBuffers
 
 if TYPE_CHECKING:
     from graphcap.kernels.attention_plan import AttentionPlan
 
-# sglang's layer-boundary entry points the assistant's forward calls (Gemma4TextModel.forward and
+# sglang 0.5.23's layer-boundary entry points the assistant's forward calls (Gemma4TextModel.forward and
 # Gemma4DecoderLayer.forward/_next_stream): the residual-stream bookkeeping that builds msgspec records
 # (ResidualStream.record's Contribution / OwedOutput, DeclaredSum, ExitDecision) mid-forward, which Dynamo cannot build.
 # The norms and residual adds they run (input / post-attention / pre-FFN / final norm) run eagerly with them.
@@ -40,7 +40,9 @@ def _eager_boundaries() -> None:
     process (idempotent: an entry already wrapped is left as it is). Dynamo then graph-breaks cleanly at each call
     and runs it eagerly, and traces the rest of the assistant's forward: attention (qkv proj, q norm, rope, the
     backend call, o proj), MLP, the post-FFN norm and residual, and the logits head. Without this, torch.compile of
-    the iteration fails inside these calls (`object.__new__(Contribution) is not safe`).
+    the iteration fails inside these calls (`object.__new__(Contribution) is not safe`). An sglang without the
+    layer-boundary package (0.5.18: plain adds and norms, nothing Dynamo cannot build) has nothing to wrap
+    (`sglang_compat.layer_boundary_owners`).
 
     Patched on sglang's classes and modules, so the target model's layers get it too. Outside torch.compile a
     disabled function is a plain call (about 0.3 us, and nothing in a replayed CUDA graph), so sglang's own eager and
@@ -48,17 +50,8 @@ def _eager_boundaries() -> None:
     a disabled call is an error, which is why only a graphcap backend that compiles asks for this
     (`SglangAssistantLoop.prepare`). The residual_batch functions are looked up on their module at each call
     (gemma4_causal.py calls `residual_batch.start(...)`), so replacing the module attribute reaches them."""
-    import importlib
-
-    for module_name, cls_name, attr in _EAGER_BOUNDARY_ENTRIES:
-        owner = importlib.import_module(module_name)
-        if cls_name is not None:
-            owner = getattr(owner, cls_name)
-        fn = vars(owner).get(attr)
-        if fn is None:
-            where = ".".join(p for p in (module_name, cls_name, attr) if p)
-            raise CaptureError(f"graphcap: sglang has no {where} to run eagerly under torch.compile (written against "
-                               "sglang 0.5.23's layer boundary)")
+    for owner, attr, _ in layer_boundary_owners(_EAGER_BOUNDARY_ENTRIES):
+        fn = vars(owner)[attr]
         if getattr(fn, _EAGER_MARK, False):
             continue
         wrapped = torch._dynamo.disable(fn)

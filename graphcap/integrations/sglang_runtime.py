@@ -30,6 +30,7 @@ from graphcap.backends import COMPILED_BACKENDS
 from graphcap.capture import DraftGraphs
 from graphcap.guards import CaptureError
 from graphcap.integrations import sglang_linear
+from graphcap.integrations.sglang_compat import gathers_draft_inputs, translates_kv_locations
 from graphcap.integrations.sglang_config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
 from graphcap.integrations.sglang_loop import GraphcapDraftAttention, SglangAssistantLoop
 from graphcap.integrations.sglang_slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
@@ -160,12 +161,9 @@ class GraphcapDraftRuntime:
             raise DraftCaptureConfigError(
                 f"{FLAG}: graphcap's kernels serve sglang's Triton attention layout; the draft runs on "
                 f"{type(backend).__name__}. Use --attention-backend triton.")
-        translator = getattr(worker.draft_model_runner, "kv_index_translator", None)
-        if getattr(translator, "is_translating", False):
+        if translates_kv_locations(worker):
             raise DraftCaptureConfigError(f"{FLAG}: the unified KV pool (--enable-unified-memory) is not supported")
-        from sglang.srt.utils import require_gathered_buffer
-
-        if require_gathered_buffer():  # backstop: the start-up check already refuses attention DP by its flags
+        if gathers_draft_inputs(worker.server_args):  # backstop: the start-up check refuses attention DP by its flags
             raise DraftCaptureConfigError(
                 f"{FLAG}: sglang gathers the draft's inputs across ranks here (attention data parallelism, "
                 "--attn-dp-size > 1, or a MoE all-to-all / --moe-dense-tp-size layout); this is not supported")

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from graphcap.integrations.sglang_compat import slot_of  # noqa: F401 - re-exported (the hooks and runtime use it)
 from graphcap.window import WindowBuffers
-
-
-def slot_of(req) -> int | None:
-    """The request's row in the request pool (sglang 0.5.23 keeps it on `req.kv`)."""
-    return getattr(getattr(req, "kv", None), "req_pool_idx", None)
 
 
 def bind_window(req_to_token: torch.Tensor, window: int, full_to_swa: torch.Tensor | None,

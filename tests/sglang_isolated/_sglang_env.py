@@ -7,6 +7,11 @@ torch in, and nothing these tests run calls it, so `install_torchvision_stub()` 
 empty modules. It first pins transformers' (lru-cached) "is torchvision available?" answers to False, so transformers
 never takes the stub for the real thing. Use only in a fresh interpreter (test_sglang_runtime.py runs these checks
 in one): the stub is process-wide.
+
+sglang 0.5.18 imports `torchvision.io` at `import sglang` itself, and its transformers (5.12) hands out
+`AutoImageProcessor` as a placeholder that raises without torchvision, which sglang's multimodal configs call
+`.register` on at import. `prepare_sglang_import()` does what either version needs before sglang's runtime modules
+import (`sglang_0518_pytest.py` runs it at pytest start-up for the 0.5.18 runs).
 """
 from __future__ import annotations
 
@@ -62,3 +67,27 @@ def install_torchvision_stub() -> bool:
     assert not import_utils.is_torchvision_available() and not import_utils.is_torchvision_v2_available()
     sys.meta_path.insert(0, _Finder())
     return True
+
+
+class _ImageProcessorRegistry:
+    """transformers' AutoImageProcessor where transformers hands out a torchvision placeholder: sglang's multimodal
+    configs register their image processors at import; nothing these tests run looks one up."""
+
+    registered: list = []
+
+    @classmethod
+    def register(cls, config_class, *args, **kwargs) -> None:
+        cls.registered.append(config_class)
+
+
+def prepare_sglang_import() -> None:
+    """The torchvision stub, then `import sglang`, then transformers' AutoImageProcessor made registrable where it is
+    a torchvision placeholder (transformers 5.12; 5.19's is the real class and is left alone). After `import
+    sglang`: its transformers patches re-resolve the lazy attribute."""
+    install_torchvision_stub()
+    import sglang  # noqa: F401
+    import transformers
+
+    aip = transformers.AutoImageProcessor
+    if "torchvision" in (getattr(aip, "_backends", None) or ()):
+        transformers.AutoImageProcessor = _ImageProcessorRegistry

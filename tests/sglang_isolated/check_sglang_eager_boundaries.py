@@ -1,9 +1,11 @@
-"""graphcap's `_eager_boundaries` on sglang 0.5.23's real Gemma 4 assistant (tiny checkpoint, CPU): torch.compile
-(fullgraph=False, backend "eager" and "aot_eager") of the draft steps as SglangAssistantLoop runs them graph-breaks
-only at the disabled boundary entry points, compiles the rest (attention incl. the backend call, MLP, logits head)
-and returns exactly what the eager model returns; the patch is idempotent. Without it, Dynamo trips over the
-msgspec records sglang's residual stream builds. Also: `prepare` plans graphcap's attention for each of the real
-model's attention layers. Run in a fresh interpreter (it initialises torch.distributed):
+"""graphcap's `_eager_boundaries` on sglang's real Gemma 4 assistant (tiny checkpoint, CPU; 0.5.23 in the venv,
+0.5.18 with its directory in front of PYTHONPATH): torch.compile (fullgraph=False, backend "eager" and "aot_eager")
+of the draft steps as SglangAssistantLoop runs them graph-breaks only at the disabled boundary entry points (0.5.23;
+0.5.18 has none and compiles the three steps as one graph), compiles the rest (attention incl. the backend call, MLP,
+logits head) and returns exactly what the eager model returns; the patch is idempotent. Without it, Dynamo trips over
+the msgspec records sglang 0.5.23's residual stream builds. Also: `prepare` plans graphcap's attention for each of
+the real model's attention layers; graphcap's centroid head, greedy pick and projections on the real model. Run in
+a fresh interpreter (it initialises torch.distributed):
     pytest -o python_files='check_*.py' -o addopts= <this file>
 Makes its checkpoint with bench/sglang_checkpoint.py --size tiny --device cpu in a temporary directory."""
 from __future__ import annotations
@@ -41,7 +43,8 @@ def assistant(tmp_path_factory):
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt import runtime_context
+    from sglang.srt.runtime_context import get_parallel, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29000 + os.getpid() % 2000)), ("RANK", "0"),
@@ -52,9 +55,12 @@ def assistant(tmp_path_factory):
                     attention_backend="triton", page_size=64, disable_radix_cache=True)
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     reset_context()
-    publish(sa, role="test", ranks=SpawnRanks(world_rank=0))
-    if parallel_state._WORLD is not None:
-        get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    if hasattr(runtime_context, "SpawnRanks"):  # 0.5.23: the launcher's placement, WORLD as a lasting override
+        publish(sa, role="test", ranks=runtime_context.SpawnRanks(world_rank=0))
+        if parallel_state._WORLD is not None:
+            get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    else:  # 0.5.18: the ranks are read off sglang's parallel state
+        publish(sa, role="test")
     initialize_model_parallel(backend="gloo")
     from sglang.srt.models.gemma4_causal import Gemma4ForCausalLM
     from sglang.srt.models.gemma4_mtp import Gemma4AssistantForCausalLM
@@ -137,16 +143,16 @@ def test_compiled_assistant_matches_eager(assistant, backend):
     from torch._dynamo.utils import counters
 
     from graphcap.integrations import sglang_loop as rt
+    from graphcap.integrations.sglang_compat import layer_boundary_owners
     from graphcap.kernels import twins_on_cpu
 
     torch._dynamo.reset()
     counters.clear()
     loop, steps = _loop(assistant, 3)
     rt._eager_boundaries()  # idempotent: a second call wraps nothing twice
-    from sglang.srt.layers.layer_boundary.residual import batch
-    from sglang.srt.layers.layer_boundary.stage import StageBoundary
-
-    for fn in (StageBoundary.prepare, StageBoundary.finish, batch.start, batch.final_norm):
+    owners = layer_boundary_owners(rt._EAGER_BOUNDARY_ENTRIES)  # none in sglang 0.5.18: nothing to wrap
+    for owner, attr, _ in owners:
+        fn = vars(owner)[attr]
         assert getattr(fn, rt._EAGER_MARK)
         assert not getattr(fn._torchdynamo_orig_callable, rt._EAGER_MARK, False)
     compiled = torch.compile(steps, backend=backend, fullgraph=False, dynamic=False)
@@ -159,8 +165,11 @@ def test_compiled_assistant_matches_eager(assistant, backend):
             for w, g in zip(want, got):
                 torch.testing.assert_close(g, w, rtol=0, atol=0)
     reasons = [k.splitlines()[0] for k in counters["graph_break"]]
-    assert reasons and all("torch.compiler.disable" in r for r in reasons), reasons
-    assert counters["stats"]["unique_graphs"] >= 6  # attention / MLP / post-FFN pieces per layer type, head, ...
+    if owners:  # 0.5.23: breaks only at the disabled boundaries
+        assert reasons and all("torch.compiler.disable" in r for r in reasons), reasons
+        assert counters["stats"]["unique_graphs"] >= 6  # attention / MLP / post-FFN pieces per layer type, head, ...
+    else:  # 0.5.18: no records to build, the three steps are one graph
+        assert not reasons and counters["stats"]["unique_graphs"] == 1, (reasons, counters["stats"])
 
 
 def test_graphcap_attention_plans_every_draft_layer_per_bucket(assistant):
@@ -239,6 +248,41 @@ def test_the_loops_greedy_pick_from_candidates_is_the_full_rows(assistant):
             assert torch.equal(tok, want_tok) and torch.equal(score, want_score)
             assert torch.equal(got.hidden_states, want.hidden_states)
             tokens, hidden = tok, got.hidden_states
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_the_loop_drafts_a_chain_of_steps_tokens(assistant, steps):
+    """SglangAssistantLoop's call at 1, 2 and 3 steps (what it captures): the seed step on (bonus token, target hidden
+    state) and steps - 1 more, each on the last token and hidden state, every row at its last position
+    (seq_len - 1) - the chain sglang's draft_forward builds for topk 1 - against the real model stepped by hand with
+    sglang's unmarked forward batches (full-vocabulary logits, the first index of their max)."""
+    from graphcap.integrations import sglang_head
+    from graphcap.integrations.sglang_loop import SglangAssistantLoop
+
+    b = 3
+    lens = torch.tensor([6, 1, 9, 4])  # per pool row
+    window = types.SimpleNamespace(device=torch.device("cpu"), seq_lens=lens, advance=lambda slots, accepted: None)
+    attention = _Attention(assistant)
+    attention.max_context, attention.bind = 8, lambda slots: None
+    worker = types.SimpleNamespace(draft_model_runner=types.SimpleNamespace(model=assistant, spec_algorithm=None),
+                                   model_config=types.SimpleNamespace(dtype=DTYPE))
+    loop = SglangAssistantLoop(worker, window, attention, steps)
+    loop.prepare([b], compiled=False)
+    slots = torch.tensor([2, 0, 3])
+    tokens, _, hidden = _inputs(assistant, b, 30 + steps)
+    with loop.context():
+        out = loop(slots, torch.zeros(b, dtype=torch.int32), tokens, hidden)
+        plain = loop._new_forward_batch(b)
+        setattr(plain, sglang_head.CANDIDATES_MARK, False)
+        positions, want, t, h = lens[slots] - 1, [], tokens, hidden
+        for _ in range(steps):
+            plain.spec_info.hidden_states = h
+            o = assistant.forward(t, positions, plain)
+            t, h = o.next_token_logits.argmax(-1), o.hidden_states
+            want.append(t)
+    assert out.tokens.shape == (b, steps) and out.scores.shape == (b, steps)
+    assert torch.equal(out.tokens, torch.stack(want, 1))
+    assert torch.equal(out.hidden, h)
 
 
 def test_graphcap_projections_on_the_real_assistant(assistant, monkeypatch):

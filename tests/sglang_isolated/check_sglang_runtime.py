@@ -1,15 +1,22 @@
-"""Deep checks against the real sglang 0.5.23 runtime modules, run in a fresh interpreter by test_sglang_runtime.py
-(they import sglang's scheduler, schedule batch, Triton backend and Frozen-KV MTP worker, with torchvision stubbed:
-see _sglang_env.py). Run alone: `pytest -o python_files='check_*.py' tests/sglang_isolated`.
+"""Deep checks against the real sglang runtime modules (0.5.23 in the venv; 0.5.18 with its directory in front of
+PYTHONPATH), run in a fresh interpreter by test_sglang_runtime.py / test_sglang_versions.py (they import sglang's
+scheduler, schedule batch, Triton backend and Frozen-KV MTP worker, with torchvision stubbed: see _sglang_env.py).
+Run alone: `pytest -o python_files='check_*.py' tests/sglang_isolated`.
 
 - the runtime hooks land on the real classes in a scheduler process, and without the flag nothing does;
-- the hooked real methods still run sglang's own bodies and feed graphcap's bookkeeping (accepts, joins, evictions);
+- the hooked real methods still run sglang's own bodies and feed graphcap's bookkeeping (accepts, joins, evictions,
+  the draft graphs captured at 1, 2 and 3 steps);
 - the window graphcap keeps equals what sglang's own `update_sliding_window_buffer` (Triton backend) gathers, for
-  random requests joining, being retracted, losing in-window SWA pages and advancing by random accepted counts;
-- the chain's tree inputs equal sglang's own `select_top_k_tokens` + `organize_draft_results` for topk == 1.
+  random requests joining, being retracted, losing in-window SWA pages and advancing by random accepted counts, at
+  1, 2 and 3 steps;
+- the chain's tree inputs equal sglang's own `select_top_k_tokens` + `organize_draft_results` for topk == 1;
+- what graphcap reads of sglang where the two versions differ (graphcap.integrations.sglang_compat), on the
+  installed version's own classes and functions.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import pkgutil
 import random
@@ -29,19 +36,33 @@ install_torchvision_stub()
 
 import sglang.srt.managers.scheduler  # noqa: E402,F401  (a scheduler process has it imported)
 from sglang.srt import plugins  # noqa: E402
-from sglang.srt.layers.attention.triton_backend import update_sliding_window_buffer  # noqa: E402
 from sglang.srt.managers.schedule_batch import ReqKvInfo, ScheduleBatch  # noqa: E402
-from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator  # noqa: E402
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool  # noqa: E402
-from sglang.srt.mem_cache.unified_cache.component_type import ComponentType  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
+from sglang.srt.speculative import frozen_kv_mtp_worker_v2  # noqa: E402
 from sglang.srt.speculative.frozen_kv_mtp_worker_v2 import FrozenKVMTPDraftWorker  # noqa: E402
 
 from graphcap.integrations import sglang as plugin  # noqa: E402
+from graphcap.integrations import sglang_compat as compat  # noqa: E402
 from graphcap.integrations import sglang_hooks as hooks  # noqa: E402
 from graphcap.integrations.sglang_runtime import (  # noqa: E402
     GraphcapDraftRuntime, SlotTracker, bind_window, chain_tree_inputs)
+
+VERSION = compat.sglang_version()
+# Where the installed sglang keeps a request's pool row: on its always-present ReqKvInfo (0.5.23) or on the request,
+# beside a ReqKvInfo of two fields made when it gets KV (0.5.18).
+ROW_ON_KV = "req_pool_idx" in {f.name for f in dataclasses.fields(ReqKvInfo)}
+
+
+def _req(rid: str, slot: int | None, **extra) -> SimpleNamespace:
+    """A request as the installed sglang lays one out (its own ReqKvInfo), at pool row `slot`."""
+    if ROW_ON_KV:  # 0.5.23
+        kv = ReqKvInfo()
+        kv.req_pool_idx = slot
+        return SimpleNamespace(rid=rid, kv=kv, **extra)
+    return SimpleNamespace(rid=rid, req_pool_idx=slot, kv=ReqKvInfo(kv_allocated_len=0, swa_evicted_seqlen=0),
+                           **extra)
 
 
 def _load_plugins(env: str | None) -> None:
@@ -145,7 +166,7 @@ def test_hooked_draft_extend_for_decode_records_accepts(patched):
 def test_hooked_draft_extend_for_prefill_marks_joins(patched):
     tracker = SlotTracker(_window_buffers())
     tracker.owner.update({1: "old", 3: "x"})
-    reqs = [SimpleNamespace(rid="a", kv=SimpleNamespace(req_pool_idx=1))]
+    reqs = [_req("a", 1)]
     worker = SimpleNamespace(_graphcap_runtime=_Runtime(tracker), _select_last_extend_hidden=lambda b, h: h,
                              _build_seed_draft_input=lambda tok, hid: "seed")
     batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=reqs)
@@ -153,25 +174,40 @@ def test_hooked_draft_extend_for_prefill_marks_joins(patched):
     assert tracker.owner == {3: "x"} and tracker.stats["joins"] == 1
 
 
+def _swa_component():
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    return ComponentType.SWA
+
+
 def test_hooked_evict_swa_resets_only_when_the_window_is_touched(patched):
+    """sglang's own `_evict_swa` body moves the request's SWA frontier; graphcap's hook reads it where the installed
+    sglang keeps it and marks the row stale exactly when the frontier reaches into graphcap's window [seq_len - W,
+    seq_len). 0.5.23: the frontier set by the tree cache (a stand-in here: its eviction is a class of its own);
+    0.5.18: sglang's own free_swa_out_of_window_slots computes it from the cache's window and page size."""
     tracker = SlotTracker(_window_buffers(window=8))
     rt = _Runtime(tracker)
     hooks._RUNTIMES.add(rt)
     try:
-        kv = ReqKvInfo()
-        kv.req_pool_idx = 2
-        req = SimpleNamespace(rid="r", kv=kv)
+        req = _req("r", 2, cache_protected_len=0)
         frontier = {"upto": 0}
-        cache = SimpleNamespace(supports_swa=lambda: True,
+        freed = []
+        cache = SimpleNamespace(supports_swa=lambda: True, is_chunk_cache=lambda: False, page_size=1,
+                                sliding_window_size=8, swa_retain_floor=lambda r: None,
                                 evict_sliding_windows=lambda r, pre_len, eviction_interval=1:
-                                r.kv.set_evicted_seqlen(ComponentType.SWA, frontier["upto"]))
-        batch = SimpleNamespace(tree_cache=cache)
-        frontier["upto"] = 40  # seq_len 50, W 8: window is [42, 50): untouched
+                                r.kv.set_evicted_seqlen(_swa_component(), frontier["upto"]))
+        batch = SimpleNamespace(tree_cache=cache, req_to_token_pool=SimpleNamespace(
+            req_to_token=torch.arange(6 * 64).reshape(6, 64)), token_to_kv_pool_allocator=SimpleNamespace(
+            free_swa=lambda locs: freed.append(locs.tolist())))
+        frontier["upto"] = 40  # seq_len 50, W 8: window is [42, 50): untouched (0.5.18: 49 - 8 = 41)
         ScheduleBatch._evict_swa(batch, req, 49)
-        assert tracker.stale == set()
-        frontier["upto"] = 45  # into the window
+        assert tracker.stale == set() and compat.swa_evicted_len(req) == (40 if ROW_ON_KV else 41)
+        frontier["upto"], cache.sliding_window_size = 45, 4  # into the window (0.5.18: 49 - 4 = 45)
         ScheduleBatch._evict_swa(batch, req, 49)
         assert tracker.stale == {2} and tracker.stats["evictions_in_window"] == 1
+        assert compat.swa_evicted_len(req) == 45
+        if not ROW_ON_KV:  # sglang 0.5.18's own body freed the SWA slots of row 2 up to each frontier
+            assert freed == [list(range(128, 128 + 41)), list(range(128 + 41, 128 + 45))]
     finally:
         hooks._RUNTIMES.discard(rt)
 
@@ -181,7 +217,7 @@ def test_retract_hook_forgets_retracted_rows(patched):
     rt = _Runtime(tracker)
     hooks._RUNTIMES.add(rt)
     try:
-        reqs = [SimpleNamespace(rid=r, kv=SimpleNamespace(req_pool_idx=s)) for r, s in (("a", 0), ("b", 3), ("c", 5))]
+        reqs = [_req(r, s) for r, s in (("a", 0), ("b", 3), ("c", 5))]
         tracker.owner.update({0: "a", 3: "b", 5: "c"})
         batch = SimpleNamespace(reqs=list(reqs))
 
@@ -205,10 +241,129 @@ def test_for_worker_names_what_it_cannot_serve():
         GraphcapDraftRuntime.for_worker(SimpleNamespace(topk=2), opts)
     with pytest.raises(plugin.DraftCaptureConfigError, match=r"draft runs on FlashInferAttnBackend"):
         GraphcapDraftRuntime.for_worker(SimpleNamespace(topk=1, draft_attn_backend=type("FlashInferAttnBackend", (), {})()), opts)
-    translating = SimpleNamespace(kv_index_translator=SimpleNamespace(is_translating=True))
+    translating = SimpleNamespace(kv_index_translator=SimpleNamespace(is_translating=True))  # 0.5.23's marker
     with pytest.raises(plugin.DraftCaptureConfigError, match=r"unified KV pool"):
         GraphcapDraftRuntime.for_worker(SimpleNamespace(topk=1, draft_attn_backend=TritonAttnBackend(),
                                                         draft_model_runner=translating), opts)
+    backend = TritonAttnBackend()
+    backend._translate_kv_loc = lambda locs: locs  # 0.5.18's: the Triton backend's v2p hook
+    with pytest.raises(plugin.DraftCaptureConfigError, match=r"unified KV pool"):
+        GraphcapDraftRuntime.for_worker(SimpleNamespace(topk=1, draft_attn_backend=backend,
+                                                        draft_model_runner=SimpleNamespace()), opts)
+    with pytest.raises(compat.SglangLayoutError, match=r"kv_index_translator \(sglang 0.5.23\) nor as the Triton "
+                                                       r"backend's _translate_kv_loc \(sglang 0.5.18\)"):
+        GraphcapDraftRuntime.for_worker(SimpleNamespace(topk=1, draft_attn_backend=TritonAttnBackend(),
+                                                        draft_model_runner=SimpleNamespace()), opts)
+
+
+class _CaptureRuntime:  # what around_init_cuda_graphs needs of a GraphcapDraftRuntime (weak-referenceable)
+    def __init__(self, worker):
+        self.worker, self.captured, self.active = worker, 0, True
+
+    def capture(self):
+        self.captured += 1
+
+
+def _without_contexts(monkeypatch):
+    """The draft worker's TP/PP/MoE context managers as no-ops (their names differ between the versions), and
+    TpModelWorker.init_cuda_graphs (the target-shaped graphs) as a recorder."""
+    for name in ("draft_tp_context", "draft_pp_context", "speculative_moe_backend_context",
+                 "speculative_moe_a2a_backend_context"):
+        if hasattr(frozen_kv_mtp_worker_v2, name):
+            monkeypatch.setattr(frozen_kv_mtp_worker_v2, name, lambda *a, **k: contextlib.nullcontext())
+    calls = []
+    monkeypatch.setattr(frozen_kv_mtp_worker_v2.TpModelWorker, "init_cuda_graphs",
+                        lambda self, **kw: calls.append(kw))
+    return calls
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_hooked_init_cuda_graphs_captures_graphcaps_loop_at_every_step_count(patched, monkeypatch, steps):
+    """sglang's own `FrozenKVMTPDraftWorker.init_cuda_graphs` (hooked) runs its TP/PP/MoE contexts and the target-shaped
+    graphs, then `_capture_cuda_graphs` - which graphcap's hook points at its own capture, so graphcap captures its
+    loop at 1 step too, where sglang 0.5.18's own `_capture_cuda_graphs` returns without a graph (next test)."""
+    calls = _without_contexts(monkeypatch)
+    server_args = SimpleNamespace()
+    monkeypatch.setenv(plugin.ENV_VAR, "")  # attach_options exports it: removed again after the test
+    plugin.attach_options(server_args, plugin.DraftCaptureOptions(enabled=True))
+    worker = SimpleNamespace(server_args=server_args, speculative_num_steps=steps, parallel_layout=None,
+                             draft_model_runner=SimpleNamespace(tp_group=None),
+                             draft_tp_context=lambda group: contextlib.nullcontext())
+    made = []
+    monkeypatch.setattr(GraphcapDraftRuntime, "for_worker",
+                        classmethod(lambda cls, w, opts: made.append(_CaptureRuntime(w)) or made[-1]))
+    FrozenKVMTPDraftWorker.init_cuda_graphs(worker)
+    assert calls == [{"capture_decode_cuda_graph": False}]  # sglang's body ran
+    assert len(made) == 1 and made[0].captured == 1 and hooks.runtime_of(worker) is made[0]
+    assert "_capture_cuda_graphs" not in vars(worker)  # the shadowing attribute is gone again
+    hooks._RUNTIMES.discard(made[0])
+
+
+def test_sglangs_own_draft_graph_from_which_step_count():
+    """What stock sglang graphs at one draft step, read off its own `_capture_cuda_graphs` (CUDA graphs on): 0.5.23
+    goes on to capture (it next reads the target's device), 0.5.18 returns first (the draft then runs eagerly at 1
+    step). graphcap's capture does not depend on it (the test above)."""
+    def goes_on(steps: int) -> bool:
+        worker = SimpleNamespace(speculative_num_steps=steps)  # no target_worker: reading it means it went on
+        try:
+            FrozenKVMTPDraftWorker._capture_cuda_graphs(worker)
+        except AttributeError as e:
+            assert "target_worker" in str(e)
+            return True
+        return False
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(frozen_kv_mtp_worker_v2, "cuda_graph_fully_disabled", lambda: False)
+        assert goes_on(2) and goes_on(3)
+        assert goes_on(1) == {"0.5.18": False, "0.5.23": True}[VERSION]
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# What graphcap reads where the versions differ (sglang_compat), on the installed sglang's own objects
+
+
+def test_slot_and_frontier_on_the_installed_request_layout():
+    req = _req("a", 5)
+    assert compat.slot_of(req) == 5 and compat.swa_evicted_len(req) == 0
+    if ROW_ON_KV:  # 0.5.23: the frontier per component
+        req.kv.set_evicted_seqlen(_swa_component(), 17)
+    else:  # 0.5.18: one field; and no ReqKvInfo while the request holds no KV
+        req.kv.swa_evicted_seqlen = 17
+    assert compat.swa_evicted_len(req) == 17
+    if not ROW_ON_KV:
+        released = SimpleNamespace(rid="b", req_pool_idx=None, kv=None)
+        assert compat.slot_of(released) is None and compat.swa_evicted_len(released) is None
+    with pytest.raises(compat.SglangLayoutError, match=r"req.kv.req_pool_idx \(sglang 0.5.23\) nor as "
+                                                       r"req.req_pool_idx \(sglang 0.5.18\)"):
+        compat.slot_of(SimpleNamespace(rid="c", kv=None))
+
+
+def test_gathered_buffer_question_is_asked_the_installed_way():
+    """sglang's own require_gathered_buffer answers (False: no attention DP, no MoE all-to-all), whether it takes
+    the server arguments (0.5.18) or reads the runtime context (0.5.23)."""
+    from sglang.srt.runtime_context import publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    sa = ServerArgs(model_path="dummy")
+    reset_context()
+    publish(sa, role="test")
+    try:
+        assert compat.gathers_draft_inputs(sa) is False
+    finally:
+        reset_context()
+
+
+def test_layer_boundary_owners_of_the_installed_sglang():
+    """0.5.23's residual-stream entry points are all found (and wrapped by name); 0.5.18 has no such package."""
+    from graphcap.integrations.sglang_loop import _EAGER_BOUNDARY_ENTRIES
+
+    owners = compat.layer_boundary_owners(_EAGER_BOUNDARY_ENTRIES)
+    has_package = VERSION != "0.5.18"
+    assert len(owners) == (len(_EAGER_BOUNDARY_ENTRIES) if has_package else 0)
+    if has_package:
+        with pytest.raises(compat.SglangLayoutError, match=r"no sglang.srt.layers.layer_boundary.stage.StageBoundary"
+                                                           r".nowhere"):
+            compat.layer_boundary_owners([("sglang.srt.layers.layer_boundary.stage", "StageBoundary", "nowhere")])
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -236,8 +391,6 @@ class _Sim:
         swa = SWAKVPool.__new__(SWAKVPool)  # only the mapping is read: no KV buffers needed
         swa.full_to_swa_index_mapping = self.f2s
         self.swa = swa
-        self.translator = KVIndexTranslator(req_to_token=self.r2t, token_to_kv_pool_allocator=object(),
-                                            token_to_kv_pool=swa, page_size=page, device="cpu")
 
     def join(self):
         free = [s for s in range(self.rows) if s not in self.running]
@@ -249,8 +402,7 @@ class _Sim:
         pages = [self.free_pages.pop() for _ in range(n_pages)]
         locs = (torch.tensor(pages)[:, None] * self.page + torch.arange(self.page)).reshape(-1)[: self.width]
         self.r2t[slot] = locs.to(torch.int32)
-        req = SimpleNamespace(rid=f"r{self.next_rid}", kv=SimpleNamespace(req_pool_idx=slot), length=length,
-                              pages=pages)
+        req = _req(f"r{self.next_rid}", slot, length=length, pages=pages)
         self.next_rid += 1
         self.running[slot] = req
         self.tracker.on_join([req])
@@ -281,10 +433,7 @@ class _Sim:
         seq_lens = torch.tensor([r.length for r in reqs], dtype=torch.int64)
         slots, accepted, host = self.tracker.prepare(reqs, seq_lens)
         self.buffers.advance(slots, accepted)  # what graphcap's captured iteration does first
-        bs = len(reqs)
-        indptr = torch.zeros(self.rows + 1, dtype=torch.int32)
-        indptr, ids, lens, _ = update_sliding_window_buffer(indptr, self.translator, None, slots, self.window, seq_lens,
-                                                            bs, "cpu", self.swa)
+        indptr, ids = compat.sglang_window_indices(self.r2t, self.swa, slots, seq_lens, self.window, self.page)
         for i, req in enumerate(reqs):
             ours = self.buffers.window_locs(host[i]).long()
             theirs = ids[int(indptr[i]):int(indptr[i + 1])].long()
@@ -299,9 +448,11 @@ class _Sim:
         self.tracker.on_accept(slots, torch.tensor(acc))
 
 
-@pytest.mark.parametrize("page, window, seed", [(1, 5, 0), (4, 8, 1), (16, 33, 2), (64, 16, 3), (4, 1, 4)])
-def test_window_equals_sglang_update_sliding_window_buffer(page, window, seed):
-    sim = _Sim(seed, rows=6, width=128, page=page, window=window, steps=3)
+@pytest.mark.parametrize("page, window, seed, steps", [(1, 5, 0, 1), (4, 8, 1, 2), (16, 33, 2, 3), (64, 16, 3, 1),
+                                                       (4, 1, 4, 3), (64, 64, 5, 2)])
+def test_window_equals_sglang_update_sliding_window_buffer(page, window, seed, steps):
+    """At 1, 2 and 3 draft steps (a verify accepts 1..steps + 1 tokens, the window buffers take up to steps + 1)."""
+    sim = _Sim(seed, rows=6, width=128, page=page, window=window, steps=steps)
     compared = 0
     for it in range(40):
         r = sim.rng.random()
@@ -318,7 +469,7 @@ def test_window_equals_sglang_update_sliding_window_buffer(page, window, seed):
             if any(rq.length + sim.steps + 1 > sim.width for rq in reqs):
                 for rq in reqs:  # finished: leave, slot free for a new request
                     if rq.length + sim.steps + 1 > sim.width:
-                        sim.running.pop(rq.kv.req_pool_idx)
+                        sim.running.pop(compat.slot_of(rq))
                         sim.free_pages.extend(rq.pages)
                 continue
             sim.verify(reqs, slots)
@@ -331,7 +482,7 @@ def test_in_window_eviction_without_the_hook_would_diverge():
     sim = _Sim(7, rows=3, width=64, page=4, window=8, steps=2)
     sim.join()
     reqs, slots = sim.draft_and_compare()
-    slot = reqs[0].kv.req_pool_idx
+    slot = compat.slot_of(reqs[0])
     locs = sim.r2t[slot, max(0, reqs[0].length - 8):reqs[0].length].long()
     sim.f2s[locs] += 9_000_000
     with pytest.raises(AssertionError):
