@@ -19,7 +19,10 @@ a run cut at a time limit keeps what finished):
   engine start: whether `sglang.Engine` raised graphcap's DraftCaptureConfigError naming the setting (in the
   launcher, before sglang starts its scheduler), how long that took, and the message a user sees.
 
-Usage: python bench/sglang_engine.py --ckpt DIR --check --out OUT.json [--backends ...]
+Every engine with a draft runs `--steps` draft steps (default 3) and `steps + 1` draft tokens (sglang's chain for
+topk 1); the record names the steps and the sglang version that ran.
+
+Usage: python bench/sglang_engine.py --ckpt DIR --check --out OUT.json [--backends ...] [--steps N]
 """
 from __future__ import annotations
 
@@ -35,13 +38,14 @@ import tempfile
 import time
 
 from graphcap.backends import GRAPH_BACKENDS
+from graphcap.integrations.sglang_compat import sglang_version
 from graphcap.integrations.sglang_config import PROJECTIONS, UNSERVED_BACKENDS
 
 WINDOW = 1024
 CHECK_BATCHES = (1, 2, 8, 32, 64)
 SPEED_BATCHES = (1, 8, 32, 64)
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
-STEPS = 3
+STEPS = 3  # the default of --steps
 SHORT_NEW = 32  # the short run's new tokens (speed): decode rate from the long run minus this one
 # Settings the plugin refuses at start-up (graphcap.integrations.sglang_config.validate_server_args): the graphcap
 # backend, sglang engine arguments over engine_kwargs' defaults, and a phrase the error must contain.
@@ -101,7 +105,8 @@ def engine_kwargs(cfg: dict) -> dict:
         kw["max_total_tokens"] = cfg["max_total_tokens"]
     if cfg["mode"] != "nospec":
         kw.update(speculative_algorithm="NEXTN", speculative_draft_model_path=os.path.join(cfg["ckpt"], "assistant"),
-                  speculative_num_steps=STEPS, speculative_eagle_topk=1, speculative_num_draft_tokens=STEPS + 1)
+                  speculative_num_steps=cfg.get("steps", STEPS), speculative_eagle_topk=1,
+                  speculative_num_draft_tokens=cfg.get("steps", STEPS) + 1)
     kw.update(cfg.get("engine", {}))  # a refusal case's settings over these
     return kw
 
@@ -324,6 +329,9 @@ def main(argv=None) -> int:
                     help=f"--speed: the plugin's --draft-graph-projections values to time graphcap with, each an "
                          f"engine of its own (of {', '.join(PROJECTIONS)}; the first's engines are tagged "
                          f"graphcap-BACKEND, the others' graphcap-BACKEND-PROJECTIONS-proj)")
+    ap.add_argument("--steps", type=int, default=STEPS,
+                    help="speculative_num_steps of every engine with a draft (num_draft_tokens: steps + 1). "
+                         "Default: %(default)s")
     ap.add_argument("--refusals", action="store_true",
                     help="start an engine with each setting the plugin refuses (REFUSALS) and record the error")
     ap.add_argument("--combine", nargs=2, metavar=("CHECK_JSON", "SPEED_JSON"),
@@ -341,6 +349,8 @@ def main(argv=None) -> int:
         if not given or any(b not in served for b in given):
             ap.error(f"--backends: a list of {', '.join(served)} (the backends the plugin serves); got "
                      f"{a.backends!r}")
+        if a.steps < 1:
+            ap.error(f"--steps must be >= 1, got {a.steps}")
         if a.repeats < 1 or a.new <= SHORT_NEW:
             ap.error(f"--repeats must be >= 1 and --new > {SHORT_NEW} (the short run's tokens), got {a.repeats}, "
                      f"{a.new}")
@@ -367,15 +377,15 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="graphcap-engine-", dir=os.path.dirname(os.path.abspath(a.out)))
     vocab = a.vocab or json.load(open(os.path.join(a.ckpt, "target", "config.json")))["vocab_size"]
     backends = [b for b in a.backends.split(",") if b]
-    record = {"commit": os.environ.get("GRAPHCAP_COMMIT"), "ckpt": a.ckpt, "backends": backends, "check": None,
-              "speed": None}
+    record = {"commit": os.environ.get("GRAPHCAP_COMMIT"), "ckpt": a.ckpt, "backends": backends, "steps": a.steps,
+              "sglang": sglang_version(), "check": None, "speed": None}
     if a.refusals:
         record["refusals"] = []
 
     def cfg(tag, mode, cases, backend=None, **extra):
         d = {k: os.path.join(work, f"{k}-{tag}") for k in ("trace_dir", "manifest_dir")}
         return {"tag": tag, "mode": mode, "backend": backend, "ckpt": a.ckpt, "cases": cases, "max_running": 64,
-                **d, **extra}
+                "steps": a.steps, **d, **extra}
 
     if a.refusals:  # first: seconds each, and they say whether the plugin is loaded at all
         for case in REFUSALS:

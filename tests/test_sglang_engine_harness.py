@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench_scripts import load_bench_script
+from tiers import examples
 
 E = load_bench_script("sglang_engine")
 
@@ -19,7 +20,7 @@ def _trace(calls: list[tuple[list[str], list[list[int]]]]) -> list[dict]:
     return [{"rids": rids, "seq_lens": None, "draft": drafts, "gpu_ms": 1.0, "host_ms": 1.0} for rids, drafts in calls]
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(st.lists(st.lists(st.sampled_from("abcd"), min_size=1, max_size=4, unique=True), min_size=1, max_size=12),
        st.integers(0, 2**16))
 def test_drafts_line_up_by_each_requests_call_count_whatever_the_batching(batches, seed):
@@ -136,7 +137,7 @@ def test_profile_tables_are_read_per_batch_and_cut_to_the_top_kernels(tmp_path):
     assert E.read_profile(str(tmp_path), 64) is None
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(batch=st.integers(1, 64), pairs=st.lists(st.tuples(st.floats(0.1, 5.0), st.floats(0.01, 5.0)), min_size=1,
                                                  max_size=4))
 def test_decode_rate_is_per_pair_of_runs_extra_tokens_over_extra_time(batch, pairs):
@@ -160,7 +161,8 @@ def test_speed_arguments_are_checked_before_anything_starts(capsys):
                         (["--speed-engines", ","], "--speed-engines"),
                         (["--backends", "reduce-overhead"], "--backends"), (["--backends", ","], "--backends"),
                         (["--projections", "cublas"], "--projections"),
-                        (["--projections", "sglang,sglang"], "--projections"), (["--projections", ","], "--projections")):
+                        (["--projections", "sglang,sglang"], "--projections"), (["--projections", ","], "--projections"),
+                        (["--steps", "0"], "--steps"), (["--steps", "-1"], "--steps")):
         with pytest.raises(SystemExit) as e:
             E.main(["--ckpt", "x", "--speed", "--out", "o.json", *argv])
         assert e.value.code == 2 and named in capsys.readouterr().err
@@ -252,3 +254,28 @@ def test_speed_runs_graphcap_once_per_backend_and_projections_value(monkeypatch,
         ("cudagraph", "graphcap"), ("cudagraph", "sglang"), ("inductor-cudagraph", "graphcap"),
         ("inductor-cudagraph", "sglang")]
     assert set(json.load(open(out))["speed"]["startup_s"]) == {c["tag"][len("speed-"):] for c in spawned}
+
+
+def test_steps_reach_every_engine_with_a_draft_and_the_record(monkeypatch, tmp_path):
+    """--steps N: each engine with a draft (stock sglang's and graphcap's) asks sglang for N draft steps and N + 1
+    draft tokens (its chain for topk 1), the target alone for none; the record names N and the sglang that ran.
+    Without --steps: 3, as before."""
+    from graphcap.integrations.sglang_compat import sglang_version
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    for argv, steps in (([], 3), (["--steps", "1"], 1), (["--steps", "2"], 2)):
+        spawned = []
+        monkeypatch.setattr(E, "spawn", lambda cfg, work: spawned.append(cfg) or {"config": cfg, "cases": []})
+        out = tmp_path / f"s{steps}.json"
+        assert E.main(["--ckpt", str(tmp_path), "--speed", "--out", str(out), "--backends", "cudagraph",
+                       *argv]) == 0
+        kwargs = {c["mode"]: E.engine_kwargs(c) for c in spawned}
+        assert set(kwargs) == {"nospec", "sglang", "graphcap"}
+        for mode in ("sglang", "graphcap"):
+            kw = kwargs[mode]
+            assert (kw["speculative_num_steps"], kw["speculative_num_draft_tokens"]) == (steps, steps + 1)
+            assert kw["speculative_eagle_topk"] == 1
+        assert "speculative_num_steps" not in kwargs["nospec"]
+        rec = json.load(open(out))
+        assert rec["steps"] == steps and rec["sglang"] == sglang_version()
