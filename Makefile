@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.graphcap-installed
 
-.PHONY: bench test venv clean
+.PHONY: bench test test-thorough test-lab venv clean
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml requirements/cpu.txt requirements/sglang-cpu.txt requirements/sglang-0518-cpu.txt
@@ -22,8 +22,17 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/sglang-cpu.txt requir
 bench: venv
 	$(BIN)/graphcap bench
 
+# Two tiers (tests/tiers.py): `make test` the CI tier (what CI runs: the heavy variants left out, hypothesis at CI
+# counts); `make test-thorough` every test at full counts (before a release; scripts/gpu-check.sh tests on a GPU).
 test: venv
-	$(BIN)/python -m pytest -q
+	GRAPHCAP_TEST_TIER=ci $(BIN)/python -m pytest -q
+
+test-thorough: venv
+	GRAPHCAP_TEST_TIER=thorough $(BIN)/python -m pytest -q
+
+# The lab scripts' tests (lab/README.md): not in either tier.
+test-lab: venv
+	$(BIN)/python -m pytest -q lab/tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,12 +1,18 @@
 """Test set-up. Without CUDA, Triton kernels run on CPU tensors through Triton's interpreter, so the kernels
-themselves (not only their torch twins) are checked in CI. The variable must be set before triton is imported."""
+themselves (not only their torch twins) are checked in CI. The variable must be set before triton is imported.
+
+The tiers (tests/tiers.py): GRAPHCAP_TEST_TIER=ci (the default) leaves out the tests marked `thorough` and loads the
+`ci` hypothesis profile; GRAPHCAP_TEST_TIER=thorough runs every test under the `thorough` profile."""
 import logging
 import os
 import shutil
 import tempfile
 
 import pytest
+from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
+
+from tiers import CI_EXAMPLES, THOROUGH_EXAMPLES, TIER, TIERS
 
 try:
     import torch
@@ -23,11 +29,33 @@ _HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="graphcap-hypothesis-")
 set_hypothesis_home_dir(_HYPOTHESIS_HOME)
 
 
+# No deadline in either: an example's time under Triton's interpreter or a first compile says nothing about the code.
+settings.register_profile("ci", max_examples=CI_EXAMPLES, deadline=None, print_blob=True)
+settings.register_profile("thorough", max_examples=THOROUGH_EXAMPLES, deadline=None, print_blob=True)
+settings.load_profile(TIER if TIER in TIERS else "ci")
+
+
+def pytest_configure(config):
+    if TIER not in TIERS:
+        raise pytest.UsageError(f"GRAPHCAP_TEST_TIER={TIER!r}: expected one of {', '.join(TIERS)}")
+
+
+def pytest_report_header(config):
+    if TIER == "ci":
+        return "graphcap test tier: ci (tests marked thorough left out; GRAPHCAP_TEST_TIER=thorough runs every test)"
+    return "graphcap test tier: thorough (every test, hypothesis at each test's full count)"
+
+
 def pytest_sessionfinish():  # pytest passes only the arguments a hook names
     shutil.rmtree(_HYPOTHESIS_HOME, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
+    if TIER == "ci":  # deselected, not skipped: the summary line counts them apart from the GPU's skips
+        left_out = [item for item in items if item.get_closest_marker("thorough")]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if not item.get_closest_marker("thorough")]
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu-check.sh runs these on one)")

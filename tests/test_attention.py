@@ -3,6 +3,7 @@ computed from scratch: gather K/V by location, softmax, weighted sum. Random dat
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import zlib
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from graphcap.kernels import twins_on_cpu
 from sm90 import compile_for_sm90
 from test_layer_fusions import norm_rope64
+from tiers import examples, thorough
 from graphcap.kernels.attention import (
     AttentionError,
     choose_num_splits,
@@ -103,13 +105,26 @@ def check(out, case, dtype):
 SHAPES = [(2, 2, 16), (4, 2, 32), (16, 2, 16)]  # (query heads, kv heads, dim): ratios 1, 2, 8
 # live lengths: 1, < W, == W, > W (clipped in window mode), not multiples of the tile (16 on CPU, 32 on GPU)
 LENS = [37, 1, 24, 11, 50]
+SWEEP_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@pytest.mark.parametrize("impl", ["kernel", "twin"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [1, 3, 8])
-@pytest.mark.parametrize("window", [0, 24])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}")
+def sweep_cases():
+    """Every shape x window x split count x dtype, kernel and twin. The CI tier runs every twin case and six of the
+    interpreted kernel's: each shape at both windows, split counts and dtypes cycled so that each window meets every
+    split count and both dtypes; the rest of the kernel's are the thorough tier's."""
+    ci = {(shape, window, (1, 3, 8)[i % 3], SWEEP_DTYPES[(i // 2 + i) % 2])
+          for i, (shape, window) in enumerate(itertools.product(SHAPES, (0, 24)))}
+    for shape, window, splits, dtype, impl in itertools.product(SHAPES, (0, 24), (1, 3, 8), SWEEP_DTYPES,
+                                                                ("kernel", "twin")):
+        case_id = f"h{shape[0]}kv{shape[1]}d{shape[2]}-{window}-{splits}-{str(dtype).split('.')[1]}-{impl}"
+        if impl == "kernel" and (shape, window, splits, dtype) not in ci:
+            yield thorough(impl, dtype, splits, window, shape, id=case_id)
+        else:
+            yield pytest.param(impl, dtype, splits, window, shape, id=case_id)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("impl, dtype, splits, window, shape", list(sweep_cases()))
 def test_sweep_matches_float64_reference(impl, dtype, splits, window, shape, device):
     if impl == "twin" and device == "cuda":
         pytest.skip("the twin is the CPU path")
@@ -121,8 +136,9 @@ def test_sweep_matches_float64_reference(impl, dtype, splits, window, shape, dev
     check(out, case, dtype)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("impl", ["kernel", "twin"])
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seed=st.integers(0, 2**20),
     ratio=st.sampled_from([1, 2, 4, 8]),
@@ -154,7 +170,7 @@ def test_random_cases(impl, device, seed, ratio, kv_heads, dim, window, lens, pa
             assert (out[i] == 0).all()
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**20), batch=st.integers(1, 2), heads=st.integers(1, 3), splits=st.integers(1, 40),
        dim=st.sampled_from([16, 24, 512]), empty=st.sampled_from([0.0, 0.3, 1.0]))
 def test_combine_kernel_matches_float64(device, seed, batch, heads, splits, dim, empty):
@@ -225,7 +241,8 @@ def test_explicit_configs_agree(device):
         assert rel_err(out, ref) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.interpreter
+@pytest.mark.parametrize("seed", [0, *(thorough(s) for s in range(1, 4))])
 def test_split_adaptation_never_changes_the_answer(device, seed):
     """However the row-adaptive split count lands (enough to fill the GPU, more for long rows, capped by the static
     grid; batches of mixed lengths, empty rows), the answer is the float64 reference's."""
@@ -245,7 +262,8 @@ def test_split_adaptation_never_changes_the_answer(device, seed):
             assert rel_err(out, ref) < TOL[torch.float32], (splits, max_chunk, lens)
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3, 5, 9])
+@pytest.mark.interpreter
+@pytest.mark.parametrize("batch", [1, 2, 3, thorough(5), thorough(9)])  # 1-3: the wave's steps 4, 2, 1
 def test_wave_from_the_grid_equals_the_hosts(device, batch):
     """One compile for every bucket: with a symbolic batch the split kernel derives its wave from the launched grid
     (`wave_in_kernel`) instead of the host's `wave_splits`. Same splits used per row, so bit-identical outputs, at
@@ -305,6 +323,7 @@ def test_sliding_layer_over_window_buffers(device):
     assert (out[3] == 0).all()
 
 
+@pytest.mark.compile
 def test_traces_under_torch_compile_on_cpu():
     """The op (twin path) traces with fullgraph=True: static shapes, no graph breaks."""
     case = make_case(13, lens=[9, 30], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device="cpu")
@@ -327,6 +346,7 @@ def _write_splits(part: torch.Tensor, lse: torch.Tensor) -> None:
     lse.copy_(torch.arange(lse.numel(), dtype=lse.dtype).reshape(lse.shape).cos())
 
 
+@pytest.mark.compile
 def test_split_scratch_costs_no_fill_kernel_under_a_symbolic_batch():
     """Under one compile for every bucket the split count is an expression of the batch (`grid_splits` of a plan
     for any batch); the kernel's scratch must reach it as allocated - no kernel of Inductor's filling it first (a 4-D
@@ -365,8 +385,9 @@ def q_norm_reference(q, w, cos, sin, slots, lens, eps):
     return norm_rope64(q, w, cos, sin, pos, eps).to(q.device)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("impl", ["kernel", "twin"])
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**20), ratio=st.sampled_from([1, 2, 8]), dim=st.sampled_from([16, 32]),
        window=st.sampled_from([0, 5, 16]), lens=st.lists(st.integers(0, 45), min_size=1, max_size=4),
        splits=st.integers(1, 6), table_rows=st.integers(1, 60), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
@@ -445,6 +466,7 @@ print("compiled", n)
 """
 
 
+@pytest.mark.subprocess
 def test_kernels_compile_for_sm90(tmp_path):
     """The split kernel in every variant the op launches (one split or several, the query's norm + rotary in it or
     not, the wave from the host or the grid) and the combine kernel, at the draft's head widths, compiled for sm_90

@@ -27,6 +27,7 @@ from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec
 from graphcap.bench.state import make_target_state
 from graphcap.window import WindowBuffers
+from tiers import thorough
 
 SPEC = load_spec("tiny")
 # Every function that plans (and the device queries behind them), by module: attention.py re-exports some.
@@ -171,8 +172,9 @@ def _inputs(loop, b, seed):
     return slots, torch.zeros(b, dtype=torch.int32, device=dev), tokens, hidden
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["per-bucket", "any-batch"])
-def test_compiled_draft_steps_call_no_planner(device, monkeypatch, dynamic):
+@pytest.mark.compile
+@pytest.mark.parametrize("dynamic", [thorough(False, id="per-bucket"), pytest.param(True, id="any-batch")])
+def test_compiled_draft_steps_call_no_planner(device, monkeypatch, dynamic):  # any-batch: the default capture
     """The reference loop's steps under torch.compile (aot_eager, fullgraph) at every bucket: planned once before
     (per bucket, or for any batch with the batch symbolic), then every planner raises - the traces plan nothing and
     give what the eager loop gave; nor do the eager loop's Triton launches (interpreted on CPU)."""

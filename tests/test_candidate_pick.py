@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from graphcap.kernels import twins_on_cpu
 from graphcap.kernels.candidate_pick import (NO_TOKEN, CandidatePickError, candidate_greedy,
                                              candidate_greedy_torch)
+from tiers import examples
 
-SETTINGS = dict(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = dict(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def make_head(seed: int, *, rows: int, clusters: int, k: int, per: int, dtype: torch.dtype, ties: int = 0,

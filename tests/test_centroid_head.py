@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from graphcap.kernels import twins_on_cpu
 from graphcap.kernels.centroid_head import CentroidHeadError, centroid_logits, centroid_logits_torch
+from tiers import examples
 
-SETTINGS = dict(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = dict(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SUM_EPS = 1e-5  # fp32 summation error, relative to sum |w| |x|
 TWIN_RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # the twin's output rounding
 
@@ -143,6 +144,7 @@ def test_bad_inputs_name_the_argument(device):
             centroid_logits(*args)
 
 
+@pytest.mark.compile
 def test_traces_under_torch_compile_on_cpu():
     """The op traces with fullgraph=True: static shapes, no graph breaks. On a CPU through the twin (Triton's
     interpreter cannot run on fake tensors, twins_on_cpu); the kernel's trace is the GPU tests' (reduce-overhead)."""

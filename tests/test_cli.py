@@ -171,6 +171,7 @@ def _run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})}, timeout=120)
 
 
+@pytest.mark.subprocess
 def test_subprocess_exit_codes(tmp_path):
     bad = write_corrupt(tmp_path, "bad-status")
     r = _run("inspect", str(bad))
@@ -183,6 +184,7 @@ def test_subprocess_exit_codes(tmp_path):
     assert r.returncode == 0 and len(json.loads(r.stdout)) == 2
 
 
+@pytest.mark.subprocess
 def test_inspect_and_specs_do_not_import_torch(tmp_path):
     write_two(tmp_path)
     code = ("import sys; from graphcap.cli import main; "

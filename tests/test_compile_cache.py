@@ -111,6 +111,8 @@ def test_save_writes_0600_atomically(tmp_path, monkeypatch):
     assert cc.save(tmp_path / "d", "k") is None
 
 
+@pytest.mark.compile
+@pytest.mark.thorough  # torch's artifacts alone (precompile=False); the default, precompiled, is the CI tier's below
 def test_capture_saves_and_a_fresh_process_state_loads(tmp_path, monkeypatch, cpu_twins):
     """What this shows on a CPU: the first capture (`compile` backend, one bucket) writes the artifacts file (0600,
     directory 0700); after `torch._dynamo.reset()`, with Inductor's own local cache pointed at an empty directory
@@ -201,6 +203,7 @@ def test_nothing_is_saved_where_others_could_replace_it(tmp_path, monkeypatch, c
     assert [r for r in caplog.records if "not saving the compile cache" in r.getMessage()]
 
 
+@pytest.mark.compile
 def test_precompiled_iteration_loads_without_tracing_over_other_pools(tmp_path, monkeypatch):
     """precompile=True: the first capture compiles (AOT) and saves the iteration; a capture in a fresh Dynamo state,
     on a state with bigger pools and more slot rows, loads it - no frame traced - records every bucket and equals
@@ -242,6 +245,7 @@ def test_precompiled_iteration_loads_without_tracing_over_other_pools(tmp_path, 
         assert traced == 1 and g.manifest().compile_cache.startswith("refused: the file is writable by others")
 
 
+@pytest.mark.compile
 def test_a_failing_aot_compile_costs_the_warm_start_not_the_capture(tmp_path, monkeypatch, caplog):
     """torch's AOT compile is experimental: where it raises, the capture compiles as without precompile - every
     bucket captured, runs equal to the eager loop - warns once, notes why in the manifest and saves no .aot file."""

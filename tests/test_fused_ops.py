@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 
 from graphcap.kernels import fused_ops as F
 from graphcap.kernels import twins_on_cpu
+from tiers import examples
 
 DTYPES = [torch.float32, torch.bfloat16]
 RTOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
-SETTINGS = dict(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = dict(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def nonzero(shape, g: torch.Generator, dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -265,6 +266,7 @@ def _compile_matches_eager(device: str, backend: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.compile
 def test_torch_compile_sees_the_mutations_cpu():
     """Inductor cannot lower interpreted Triton kernels, so on CPU the traced bodies are the twins; the mutated
     arguments (input, residual, views of qkv) must come out as in eager mode."""

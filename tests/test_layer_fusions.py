@@ -24,9 +24,10 @@ from graphcap.models.draft_ops import LAYER_KERNEL_OPS, TORCH_OPS
 from graphcap.window import WindowBuffers
 from random_norms import random_norm_draft
 from sm90 import compile_for_sm90
+from tiers import examples
 
 DTYPES = [torch.float32, torch.bfloat16]
-SETTINGS = dict(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = dict(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def nonzero(shape, g: torch.Generator, dtype: torch.dtype, device: str, lo: float = 0.1) -> torch.Tensor:
@@ -206,6 +207,7 @@ def test_cpu_without_interpreter_runs_the_twin(monkeypatch):
     assert_close(total, x.double() + norm64(x, w, 1e-6), torch.float32, "twin")
 
 
+@pytest.mark.compile
 def test_torch_compile_traces_the_ops_whole_cpu():
     """Under Dynamo (fullgraph: no break) the three ops trace as ops with fake tensors and give the eager result."""
     def chain(x, r, w, s, q, cos, sin, slots, lens):
@@ -261,6 +263,7 @@ def test_gemma4_widths_under_inductor_cuda():
 # the op set on the draft model
 
 
+@pytest.mark.interpreter
 def test_layer_kernel_op_set_drafts_what_the_torch_ops_draft(device, monkeypatch):
     """LAYER_KERNEL_OPS on the reference's model (float32 tiny spec, random norm weights and layer scalars, so every
     (1 + w), residual and scalar is checked; on a CPU the kernels run in Triton's interpreter): the same scores and
@@ -329,6 +332,7 @@ print("compiled", n)
 """
 
 
+@pytest.mark.subprocess
 def test_kernels_compile_for_sm90(tmp_path):
     """The three kernels at the draft's widths, compiled for sm_90 (tests/sm90.py): what the CPU interpreter does not
     check."""

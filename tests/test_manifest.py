@@ -19,6 +19,7 @@ from graphcap.manifest import (
     list_manifests, manifest_path, read_manifest, write_manifest,
 )
 from graphcap.spec import load_spec
+from tiers import examples
 
 CREATED = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc).isoformat()  # a fixed past time
 
@@ -45,7 +46,7 @@ def random_manifest(rng: random.Random, spec_name: str = "tiny", backend: str | 
     )
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_round_trip(tmp_path_factory, seed):
     m = random_manifest(random.Random(seed))
@@ -217,6 +218,7 @@ def test_newer_format_wins_over_shape_errors(tmp_path):
         read_manifest(p)
 
 
+@pytest.mark.subprocess
 def test_manifest_module_does_not_import_torch():
     code = "import sys, graphcap.manifest, graphcap.cli; assert 'torch' not in sys.modules, 'torch imported'"
     # from the repo (python -c puts the working directory first), the environment as it is - as test_cli's own check

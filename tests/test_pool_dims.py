@@ -84,6 +84,9 @@ def test_the_compile_cache_key_leaves_pool_sizes_out():
     assert keys[0] == keys[1] != keys[2]
 
 
+@pytest.mark.compile
+@pytest.mark.thorough  # Inductor's own cache over other pools; the CI tier's precompiled load over other pools is
+# test_compile_cache's, the key without pool sizes the test above
 def test_other_pool_sizes_hit_the_on_disk_caches_and_another_model_misses(tmp_path, monkeypatch, cpu_twins,
                                                                           fx_graph_cache):
     """dynamic_batch (which compiles the pool sizes symbolically too): capture on one state; then, in a fresh Dynamo

@@ -37,6 +37,7 @@ def run_python(code: str) -> str:
     return r.stdout
 
 
+@pytest.mark.subprocess
 def test_standin_provides_the_ops_and_raises_for_the_rest():
     out = run_python(f"""
         import importlib.metadata, math
@@ -116,6 +117,7 @@ def test_standin_provides_the_ops_and_raises_for_the_rest():
     assert "standin ok" in out
 
 
+@pytest.mark.subprocess
 @pytest.mark.sglang
 @pytest.mark.skipif(not HAS_SGLANG, reason="the real sglang package is not installed (make test installs it)")
 def test_sglang_imports_and_passes_its_version_check_with_the_standin():
@@ -137,6 +139,7 @@ def test_sglang_imports_and_passes_its_version_check_with_the_standin():
     assert "imports ok" in out
 
 
+@pytest.mark.subprocess
 @pytest.mark.sglang
 @pytest.mark.skipif(not HAS_SGLANG, reason="the real sglang package is not installed (make test installs it)")
 def test_sglang_cuda_norm_paths_call_the_standin():

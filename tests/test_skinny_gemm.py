@@ -37,8 +37,9 @@ from graphcap.kernels.skinny_gemm import (
 )
 from bench_scripts import load_bench_script
 from sm90 import compile_for_sm90
+from tiers import examples
 
-SETTINGS = dict(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = dict(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SUM_EPS = 2 * 2.0 ** -24  # per term of the K-term sum (module docstring)
 ROUND = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # relative rounding of one output
 PRECISION = {torch.bfloat16: 8, torch.float16: 11}  # significant bits
@@ -149,6 +150,7 @@ def check_gated(x: torch.Tensor, w: torch.Tensor, got: torch.Tensor) -> None:
 # the kernel on CPU (interpreted) / CUDA, small shapes
 
 
+@pytest.mark.interpreter
 @settings(**SETTINGS)
 @given(m=st.integers(1, MAX_M), n=DIMS, k=DIMS, pad=st.sampled_from([0, 0, 3]), data=st.data(),
        seed=st.integers(0, 2 ** 16))
@@ -158,6 +160,7 @@ def test_linear_matches_float64_and_twin(device, m, n, k, pad, data, seed):
     check_linear(x, w, run(x, w, cfg, gated=False))
 
 
+@pytest.mark.interpreter
 @OVERFLOW_OK
 @settings(**SETTINGS)
 @given(m=st.integers(1, MAX_M), i=DIMS, k=DIMS, pad=st.sampled_from([0, 0, 3]), data=st.data(),
@@ -256,7 +259,8 @@ def test_opcheck():
             torch.library.opcheck(op, args)
 
 
-@settings(**{**SETTINGS, "max_examples": 40})
+@pytest.mark.interpreter
+@settings(**{**SETTINGS, "max_examples": examples(40)})
 @given(m=st.integers(1, MAX_M), n=DIMS, k=DIMS, splits=st.sampled_from([2, 3, 4, 8]), seed=st.integers(0, 2 ** 16))
 def test_fixup_equals_the_two_kernel_split_bit_for_bit(device, m, n, k, splits, seed):
     """Split K in one kernel (Config.fixup: the last split of each n-block sums the partials) gives the sum kernel's
@@ -271,7 +275,8 @@ def test_fixup_equals_the_two_kernel_split_bit_for_bit(device, m, n, k, splits, 
     assert not sgk.fixup_counters(x.device, 1).any()
 
 
-@settings(**{**SETTINGS, "max_examples": 40})  # the interpreter runs every program: few, small cases
+@pytest.mark.interpreter
+@settings(**{**SETTINGS, "max_examples": examples(40)})  # the interpreter runs every program: few, small cases
 @given(m=st.integers(1, 3), n=st.integers(1, 48), k=DIMS, gated=st.booleans(), bn=st.sampled_from([1, 4, 16]),
        bk=st.sampled_from([16, 32, 64]), stages=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
 def test_gemv_configs_match_float64_and_twin(device, m, n, k, gated, bn, bk, stages, seed):
@@ -338,6 +343,7 @@ def test_cublas_above_sends_larger_batches_to_cublas(device, monkeypatch):
         skinny_gate_up_gelu(x, w, cublas_above=2.5)
 
 
+@pytest.mark.compile
 @OVERFLOW_OK
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_traces_under_torch_compile_as_opaque_calls(device, backend):
@@ -442,6 +448,7 @@ print("compiled", len(seen) + 1)
 """
 
 
+@pytest.mark.subprocess
 def test_every_candidate_compiles_for_sm90(tmp_path):
     compile_for_sm90(SM90_COMPILE, tmp_path)
 
@@ -491,7 +498,7 @@ def test_bench_checks_times_and_reports_at_a_tiny_shape(tmp_path, monkeypatch, d
     assert "| lin " in (tmp_path / "skinny_gemm.md").read_text()
 
 
-@settings(**{**SETTINGS, "max_examples": 10})
+@settings(**{**SETTINGS, "max_examples": examples(10)})
 @given(nb=st.integers(1, 3), kb=st.integers(1, 6), split=st.sampled_from([1, 2, 4]), tma=st.booleans(),
        seed=st.integers(0, 2 ** 16))
 def test_bench_read_ceiling_sums_each_programs_tiles(device, nb, kb, split, tma, seed):

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 import graphcap.kernels.small_topk as small_topk_mod
 from graphcap.kernels import twins_on_cpu
 from graphcap.kernels.small_topk import MAX_K, MAX_N, SmallTopkError, small_topk, topk_torch
+from tiers import examples
 
-SETTINGS = dict(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = dict(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -207,6 +208,7 @@ def test_bad_inputs_name_the_argument(device):
             small_topk(*args)
 
 
+@pytest.mark.compile
 def test_traces_under_torch_compile_on_cpu():
     """The op traces with fullgraph=True: static shapes, no graph breaks. On a CPU through the twin (Triton's
     interpreter cannot run on fake tensors, twins_on_cpu); the kernel's trace is the GPU tests' (reduce-overhead)."""

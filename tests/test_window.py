@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from graphcap.kernels import twins_on_cpu
 from graphcap.kernels.window_update import window_advance, window_advance_torch
 from graphcap.window import WindowBuffers, WindowError, check_slots
+from tiers import examples
 
 ROW = 48  # req_to_token row length in these tests
 SLOTS = 6
@@ -53,7 +54,7 @@ def impl_ctx(impl: str, device: str):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), window=st.sampled_from([1, 2, 3, 5, 8, 16]), with_f2s=st.booleans(), seed=st.integers(0, 2**16))
 def test_random_resets_and_advances_match_rebuild(impl, device, data, window, with_f2s, seed):
     if impl == "twin" and device == "cuda":
@@ -187,7 +188,7 @@ def test_corrupt_req_to_token_is_named(wb):
         wb.advance(_t(wb, [0]), _t(wb, [1]), checked=True)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_reset_names_the_first_bad_location_or_none(device, data):
     """Random corruptions of req_to_token inside and outside the windows: reset refuses iff one lies in a rebuilt
@@ -256,7 +257,7 @@ def test_reset_syncs_once_however_many_rows():
         assert count_syncs(lambda: wb.reset(slots, lens), cuda=True).value == 1
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(slots=st.lists(st.integers(-3, 9), max_size=12), padding=st.sampled_from([None, 6]))
 def test_check_slots_fast_path_agrees_with_a_plain_loop(slots, padding):
     """check_slots' few-C-calls fast path and its slow path against a plain loop: raises exactly when a slot (the
