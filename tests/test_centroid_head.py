@@ -282,7 +282,7 @@ def test_sglang_style_head_gathers_with_a_contiguous_index_and_scores_as_the_tor
 
 @pytest.mark.parametrize("config", [(8, 256, 2), (32, 128, 4), (4, 16, 1)])
 def test_other_launch_configurations_match_float64(device, config):
-    """The kernel at the launch configurations bench/centroid_config.py sweeps (tokens per program, hidden columns
+    """The kernel at the launch configurations lab/centroid_config.py sweeps (tokens per program, hidden columns
     per iteration, warps): the same logits within fp32 summation error, tokens and hidden not multiples of them."""
     from graphcap.kernels.centroid_head import _launch
 

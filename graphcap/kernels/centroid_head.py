@@ -29,7 +29,7 @@ from graphcap.kernels import dtype_names, use_triton
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
-# The launch configuration, from bench/centroid_config.py's sweep on the H200 (docs/sglang.md, the centroid head's
+# The launch configuration, from lab/centroid_config.py's sweep on the H200 (docs/sglang.md, the centroid head's
 # kernel): 8 tokens per program at 2 warps was 17-22% faster than 16 at 4 at every batch 1-64 (more, smaller programs:
 # at batch 1 the Gemma 4 head launches 32 x 16 = 512)
 BLOCK_T = 8  # tokens per program
@@ -117,7 +117,7 @@ def _centroid_logits_kernel(
 
 def _launch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int,
             block_t: int = BLOCK_T, block_h: int = BLOCK_H, num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """The kernel's launch; the block sizes and warps are parameters for bench/centroid_config.py's sweep."""
+    """The kernel's launch; the block sizes and warps are parameters for lab/centroid_config.py's sweep."""
     b, k = top.shape
     t = tokens_per_cluster
     h = lm_head.shape[1]

@@ -105,7 +105,7 @@ def _num_warps(block_n: int) -> int:
 
 
 def _launch(x: torch.Tensor, k: int, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel over x's rows; num_warps: `_num_warps`'s choice unless given (bench/row_kernels.py sweeps it)."""
+    """The kernel over x's rows; num_warps: `_num_warps`'s choice unless given (lab/row_kernels.py sweeps it)."""
     b, n = x.shape
     values = torch.empty((b, k), dtype=x.dtype, device=x.device)
     indices = torch.empty((b, k), dtype=torch.int64, device=x.device)

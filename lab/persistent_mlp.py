@@ -15,11 +15,11 @@ compute their share of the output from h. Timed as:
   or saves against the launch between them, the phases' own speed aside;
 - `persistent, down split K 4` / `8`: the down phase's blocks split over K as well (384 / 768 units for the 132
   programs), each block's last split to arrive summing the partials in order (skinny_gemm_kernels' one-kernel split K).
-Each timed inside a CUDA graph among 256 MB reads (bench/attention_bw.py's in_graph_us); every output is checked
+Each timed inside a CUDA graph among 256 MB reads (lab/graph_timing.py's in_graph_us); every output is checked
 against a float64 computation (bf16 tolerance), and one that is off is reported and not timed. Not part of graphcap's
 draft loop.
 
-    python bench/persistent_mlp.py --out DIR     # CUDA only; writes persistent_mlp.json into DIR
+    python lab/persistent_mlp.py --out DIR     # CUDA only; writes persistent_mlp.json into DIR
 """
 from __future__ import annotations
 
@@ -167,14 +167,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (a grid-wide barrier runs only there)")
-    from attention_bw import copy_bandwidth, in_graph_us  # bench/: the script's directory is on sys.path
+    from graph_timing import copy_bandwidth, in_graph_us
 
     from graphcap.kernels.skinny_gemm import skinny_gate_up_gelu, skinny_linear
     from graphcap.kernels.skinny_gemm_kernels import prepare_fixup
 
     dev = torch.device("cuda")
     prepare_fixup(dev)
-    gbs = copy_bandwidth(200.0)
+    gbs = copy_bandwidth()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(1, HIDDEN, generator=g, device=dev).bfloat16()

@@ -5,8 +5,8 @@ whose `replay()` does nothing, with static outputs of the bucket's size: run() a
 backends' path (guards, dispatch, input copies, padding, output views, flush check) and the launch itself costs
 nothing. What a GPU adds on top - the launch of the graph and of the input copies - is not measured here.
 
-    python bench/host_overhead.py --batches 8
-    python bench/host_overhead.py --batches 5,8   # alternating in one bucket: every other call resets padding rows
+    python lab/host_overhead.py --batches 8
+    python lab/host_overhead.py --batches 5,8   # alternating in one bucket: every other call resets padding rows
 """
 from __future__ import annotations
 

@@ -2,12 +2,12 @@
 scores, 2 of 4096 candidate logits, fp32; `graphcap/kernels/small_topk.py`) and the layer's two norm chains over a
 1536-wide bf16 row (`norm_add_norm`, `norm_add_scale_norm`; `graphcap/kernels/layer_fusions.py`), batches 1..64.
 
-Each launch runs inside a CUDA graph among 256 MB reads (bench/attention_bw.py's in_graph_us), as the draft iteration
+Each launch runs inside a CUDA graph among 256 MB reads (lab/graph_timing.py's in_graph_us), as the draft iteration
 runs it. A warp count changes no top-k result (an argmax per round, ties to the smallest index) and may change a norm's
 fp32 sums' order: each launch's output is checked against the shipped launch's (top-k exactly, norms within one bf16
 rounding). Reported: microseconds per launch for each warp count, and the shipped count.
 
-    python bench/row_kernels.py --out DIR     # CUDA only; writes row_kernels.json into DIR
+    python lab/row_kernels.py --out DIR     # CUDA only; writes row_kernels.json into DIR
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         ap.error(f"--batches: positive ints, --warps: powers of two up to 32; got {a.batches!r}, {a.warps!r}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (launch configurations on the GPU are what is measured)")
-    from attention_bw import in_graph_us  # bench/: the script's directory is on sys.path
+    from graph_timing import in_graph_us
 
     rows = []
 

@@ -13,7 +13,7 @@ clean lines of other data, as in the iteration), and is reported as microseconds
 The projection's cost after the attention is (attn,gemm - attn) without the prefetch and (pf,attn,gemm - pf,attn)
 with it; what the prefetch costs the attention is (pf,attn - attn).
 
-    python bench/l2_prefetch.py --out DIR     # CUDA (sm_90) only; writes l2_prefetch.json into DIR
+    python lab/l2_prefetch.py --out DIR     # CUDA (sm_90) only; writes l2_prefetch.json into DIR
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     shapes = [s for s in a.shapes.split(",") if s]
     if any(s not in SHAPES for s in shapes):
         ap.error(f"--shapes: a list of {', '.join(SHAPES)}; got {a.shapes!r}")
-    from attention_bw import in_graph_us  # bench/: the script's directory is on sys.path
+    from graph_timing import in_graph_us
 
     rows = []
     for batch in (int(x) for x in a.batches.split(",")):

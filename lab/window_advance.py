@@ -2,7 +2,7 @@
 the same windows from req_to_token (gather + translate, what sglang's update_sliding_window_buffer does every
 iteration), and the rebuild plus sglang's `seq_lens.sum().item()` host sync. W = 1024 by default.
 
-    python bench/window_advance.py --out DIR
+    python lab/window_advance.py --out DIR
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 program (BLOCK_T), hidden columns per loop iteration (BLOCK_H) and warps, at the spec's head (2048 clusters of 128
 tokens, hidden 1536, top 32 per row: a row's choices read 12.6 MB of lm_head rows) and batches 1..64.
 
-Each call runs as one node sequence inside a CUDA graph, 8 times among 256 MB reads (bench/attention_bw.py's
+Each call runs as one node sequence inside a CUDA graph, 8 times among 256 MB reads (lab/graph_timing.py's
 in_graph_us), so no launch latency and an L2 holding other data, as in the draft iteration. Choices are each
 row's top 32 of random scores, in two distributions:
 - uniform: independent rows;
@@ -13,7 +13,7 @@ and the distinct clusters' bytes (what a kernel reading each chosen cluster once
 configuration's output is checked against the shipped one's within fp32 rounding (another block sums in another
 order).
 
-    python bench/centroid_config.py --out DIR     # CUDA only; writes centroid_config.json into DIR
+    python lab/centroid_config.py --out DIR     # CUDA only; writes centroid_config.json into DIR
 """
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ def main(argv=None) -> int:
         ap.error(f"--configs: a list of BLOCK_TxBLOCK_HxWARPS, e.g. 16x256x4; got {a.configs!r}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (the kernel's launch configurations are what is measured)")
-    from attention_bw import copy_bandwidth, in_graph_us  # bench/: the script's directory is on sys.path
+    from graph_timing import copy_bandwidth, in_graph_us
 
-    gbs = copy_bandwidth(200.0)
+    gbs = copy_bandwidth()
     lm_head = torch.randn(CLUSTERS * TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN ** -0.5
     cluster_bytes = TOKENS * HIDDEN * lm_head.element_size()
     rows = []

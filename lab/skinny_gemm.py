@@ -25,7 +25,7 @@ H200's L2 is 50 MB), so every call reads its weights from HBM with a clean L2, b
 GB/s = (weights + x + out bytes) / time, against the device-to-device copy bandwidth measured in the same run
 (graphcap.bench.roofline, bytes read + written).
 
-    python bench/skinny_gemm.py --out DIR [--quick] [--grid | --configs NAMES] [--ceiling] [--read-grids NAMES|sweep]
+    python lab/skinny_gemm.py --out DIR [--quick] [--grid | --configs NAMES] [--ceiling] [--read-grids NAMES|sweep]
     # CUDA only; writes skinny_gemm.{json,md} into DIR
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What bench/row_kernels.py sweeps: the kernels' own launches with a warp count given. The top-k's results do not
+"""What lab/row_kernels.py sweeps: the kernels' own launches with a warp count given. The top-k's results do not
 depend on it (each round an argmax, ties to the smallest index); the norm chains' stay within one bf16 rounding of the
 ops' (another order of the fp32 sums), and without one given the launches are the ops' own, bit for bit. Without CUDA
 the bench refuses in one line. Interpreted on CPU: no timing here."""
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench_scripts import load_bench_script
+from lab_scripts import load_lab_script
 from graphcap.kernels import layer_fusions as lf
 from graphcap.kernels import small_topk as st
 
-bench = load_bench_script("row_kernels")
+bench = load_lab_script("row_kernels")
 
 
 @pytest.mark.parametrize("warps", [1, 2, 8])

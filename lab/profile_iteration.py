@@ -6,7 +6,7 @@ Kernels are timed with torch.profiler (CUPTI) on the Inductor-compiled iteration
 kernels a replay runs); the graph replay is timed with CUDA events. The difference is what the graph itself adds
 (gaps between kernels).
 
-    python bench/profile_iteration.py --batch 8 --context 2048 --out DIR
+    python lab/profile_iteration.py --batch 8 --context 2048 --out DIR
 """
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     text = (f"# one draft iteration, kernel by kernel ({env['date']})\n\n"
             f"spec {spec.name} ({spec.hash}), batch {b}, context {a.context}, steps {spec.capture.steps}; "
             f"{summary_line(env)}\n"
-            f"command: `python bench/profile_iteration.py --batch {b} --context {a.context}"
+            f"command: `python lab/profile_iteration.py --batch {b} --context {a.context}"
             f"{' --skinny-gemm' if a.skinny_gemm else ''}{' --torch-ops' if a.torch_ops else ''}"
             f"{' --per-bucket' if a.per_bucket else ''}{' --inlined-layers' if a.inlined_layers else ''}`\n\n"
             f"- kernel time per iteration (sum, profiler, compiled iteration without graphs): {total_us:.1f} us\n"

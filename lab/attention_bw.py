@@ -13,10 +13,10 @@ Per shape it measures: the op as registered (its plan, `plan_attention`), a smal
 num_kv_splits 8 (its default) and the best of 8/16/32. Outputs are checked: ours vs sglang (relative error), and ours
 vs a float64 recomputation of two rows.
 
-The config search is bench/attention_tuning.py, the tables and files bench/attention_report.py.
+The config search is lab/attention_tuning.py, the tables and files lab/attention_report.py.
 
-    python bench/attention_bw.py --out DIR          # CUDA only; writes attention_bw.{md,csv,json} into DIR
-    TRITON_INTERPRET=1 python bench/attention_bw.py --cpu-smoke   # the script's logic on CPU, tiny shapes
+    python lab/attention_bw.py --out DIR          # CUDA only; writes attention_bw.{md,csv,json} into DIR
+    TRITON_INTERPRET=1 python lab/attention_bw.py --cpu-smoke   # the script's logic on CPU, tiny shapes
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 
 import torch
-from attention_report import render, write  # bench/: the script's directory is on sys.path
+from attention_report import render, write  # lab/: the script's directory is on sys.path
 from attention_tuning import GRID_TILES, TUNE, cfg_name, grid, sweep
+from graph_timing import copy_bandwidth, flush_buffer, in_graph_ms
 
 from graphcap.bench import environment as bench_env
 from graphcap.bench import timing
@@ -74,7 +75,6 @@ def environment(sglang_note: str) -> dict:
 
 
 L2_MODE = "dirty"  # --l2: how the L2 is emptied before each timed call (see bench_clean)
-_FLUSH: list = []
 
 
 def bench(fn, rep_ms: float) -> float:
@@ -90,19 +90,13 @@ def bench_clean(fn, rep_ms: float) -> float:
     """Median milliseconds with the L2 emptied by *reading* 256 MB before each call (clean lines: evicting them
     costs no write-back), CUDA events around the call alone - as in a draft iteration, where the kernels before
     attention read weights and leave little dirty data behind."""
-    return bench_events(fn, rep_ms, before=_flush_buffer().sum)
-
-
-def _flush_buffer() -> torch.Tensor:
-    if not _FLUSH:
-        _FLUSH.append(torch.empty(64 << 20, dtype=torch.float32, device=DEVICE).uniform_())
-    return _FLUSH[0]
+    return timing.events_ms(fn, rep_ms, before=flush_buffer().sum)
 
 
 def graph_ms(fn, rep_ms: float) -> float:
     """Median GPU milliseconds of `fn` replayed as a CUDA graph (how the draft runs it): no host launch overhead.
     `fn` is run once first (compiles, warms up), then captured; the graph is released afterwards.
-    `--l2 in-graph`: `in_graph_ms`."""
+    `--l2 in-graph`: graph_timing.in_graph_ms, among 256 MB reads inside one graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -117,50 +111,6 @@ def graph_ms(fn, rep_ms: float) -> float:
         return bench(g.replay, rep_ms)
     finally:
         del g
-
-
-IN_GRAPH_REPEATS = 8
-
-
-def in_graph_ms(fn, rep_ms: float) -> float:
-    """Milliseconds of `fn` as one node sequence among others in a graph, the way a draft iteration runs it: graph A
-    holds 8 x (read 256 MB, fn), graph B the 8 reads alone; (A - B) / 8. No graph-launch latency, no event around
-    the call, L2 holding clean lines of other data - what the kernels see between the draft's weight reads."""
-    buf = _flush_buffer()
-    graphs = []
-    for with_fn in (True, False):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(IN_GRAPH_REPEATS):
-                buf.sum()
-                if with_fn:
-                    fn()
-        graphs.append(g)
-    try:
-        both, reads = (bench_events(g.replay, rep_ms) for g in graphs)
-        return max(0.0, (both - reads) / IN_GRAPH_REPEATS)
-    finally:
-        del graphs
-
-
-def in_graph_us(fn, rep_ms: float = 200.0) -> float:
-    """Microseconds of `fn` the same way (in_graph_ms), after one warm-up call outside the graph (compiles, plans):
-    the other bench scripts' in-graph timing."""
-    fn()
-    torch.cuda.synchronize()
-    return in_graph_ms(fn, rep_ms) * 1e3
-
-
-bench_events = timing.events_ms
-
-
-def copy_bandwidth(rep_ms: float) -> float:
-    """GB/s, bytes read + written: the same measurement as the draft-phase bench's roofline."""
-    from graphcap.bench.roofline import measure_copy_bandwidth
-
-    gbs = measure_copy_bandwidth()
-    torch.cuda.empty_cache()
-    return gbs
 
 
 class Pools:
@@ -248,7 +198,7 @@ def cpu_smoke() -> None:
         return (time.perf_counter() - t) * 1e3
 
     bench = graph_ms = wall
-    copy_bandwidth = lambda rep_ms: 1.0  # noqa: E731
+    copy_bandwidth = lambda: 1.0  # noqa: E731
     environment = lambda note: dict(bench_env.environment(), sglang_kernel=note, device="cpu (smoke)")  # noqa: E731
 
 
@@ -287,7 +237,7 @@ def main() -> None:
     env = environment(sg_note)
     env["l2"] = args.l2
     print(json.dumps(env, indent=1), flush=True)
-    copy_gbs = copy_bandwidth(args.rep_ms)
+    copy_gbs = copy_bandwidth()
     env["copy_gbps"] = round(copy_gbs, 1)
     print(f"copy bandwidth (read + write, 2 GiB): {copy_gbs:.0f} GB/s  [{time.time() - t0:.0f}s]", flush=True)
 

@@ -1,4 +1,4 @@
-"""bench/persistent_mlp.py's kernel computes the MLP: each phase alone (Triton's interpreter runs programs one after
+"""lab/persistent_mlp.py's kernel computes the MLP: each phase alone (Triton's interpreter runs programs one after
 another, so the grid-wide barrier is the GPU's to run) against float64, the down phase unsplit and split over K (its
 arrival counts back at zero), from a first tile loaded before the wait the same bits as without, and the barrier's
 form compiled for sm_90 (tests/sm90.py)."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench_scripts import BENCH_DIR, load_bench_script
+from lab_scripts import LAB_DIR, load_lab_script
 from sm90 import compile_for_sm90
 
-pm = load_bench_script("persistent_mlp")
+pm = load_lab_script("persistent_mlp")
 
 
 def test_phases_match_float64_and_the_first_tile_changes_no_bit(device):
@@ -46,7 +46,7 @@ def test_bad_split_is_refused(device):
 
 SM90 = f"""
 import sys
-sys.path.insert(0, {str(BENCH_DIR)!r})
+sys.path.insert(0, {str(LAB_DIR)!r})
 import persistent_mlp as pm
 types = dict(x="*bf16", w_gu="*bf16", w_d="*bf16", h="*bf16", y="*bf16", counters="*i32")
 types["part"] = "*fp32"
@@ -57,5 +57,6 @@ print("compiled")
 """
 
 
+@pytest.mark.subprocess
 def test_barrier_form_compiles_for_sm90(tmp_path):
     compile_for_sm90(SM90, tmp_path)

@@ -1,0 +1,70 @@
+"""The lab scripts' pure parts and their refusals: host_overhead.py runs the graph path and names every call it
+times, profile_iteration.py groups kernels by name, and the CUDA-only experiments exit 2 in one line elsewhere."""
+from __future__ import annotations
+
+import pytest
+import torch
+from lab_scripts import load_lab_script
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check: a GPU host runs the graph path itself")
+@pytest.mark.subprocess
+def test_host_overhead_bench_runs_the_graph_path_and_prints_its_table():
+    """lab/host_overhead.py (a script, run as the docs say) measures run() and replay() on the graph path with a
+    launch that does nothing; here only that it runs and reports every call it names (no timing is judged)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (str(root), os.environ.get("PYTHONPATH")) if x)}
+    r = subprocess.run([sys.executable, str(root / "lab" / "host_overhead.py"), "--batches", "5,8", "--iters", "50"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr
+    for call in ("run(host_slots=...)", "run()", "replay()", "static address guard", "the no-op launch"):
+        assert call in r.stdout
+
+
+def test_profile_groups_kernels_by_name():
+    """lab/profile_iteration.py's kernel groups: Inductor's fused kernels by their prefix, whatever ops their names
+    list (the embedding gather fused into the pre-projection's input is named ..._skinny_linear_0 and is no matmul)."""
+    mod = load_lab_script("profile_iteration")
+    matmul = "matmul (cuBLAS/CUTLASS, graphcap's skinny GEMM)"
+    want = {"triton_poi_fused_cat_index_mul_skinny_linear_0": mod.INDUCTOR,
+            "triton_red_fused__to_copy_add_mean_pow_0": mod.INDUCTOR,
+            "_skinny_kernel": matmul, "_splitk_sum_kernel": matmul,
+            "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT": matmul,
+            "void cublasLt::splitKreduce_kernel<32, 16, int, float>": matmul,
+            "_split_kernel": "attention split-KV", "_combine_kernel": "attention combine",
+            "_norm_rope_kernel": "layer small ops (graphcap's kernels)", "_small_topk_kernel": "topk / sort",
+            "_centroid_logits_kernel": "centroid head (graphcap's kernel)", "_window_advance_kernel": "window advance",
+            "void at::native::multi_tensor_apply_kernel<Copy>": "other"}
+    assert {name: mod.group_of(name) for name in want} == want
+
+
+def test_l2_prefetch_experiment_names_what_it_needs(capsys, tmp_path):
+    """lab/l2_prefetch.py issues sm_90's cp.async.bulk.prefetch: elsewhere it exits 2 with one line saying so,
+    before it allocates anything."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        pytest.skip("an sm_90 GPU is here: the script would run")
+    mod = load_lab_script("l2_prefetch")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "compute capability 9.0" in err[-1] and "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "x").exists()
+
+
+def test_centroid_config_bench_names_what_it_needs(capsys, tmp_path):
+    """lab/centroid_config.py times a CUDA kernel's launch configurations: without CUDA it exits 2 with one line
+    saying so, before it allocates anything; a malformed --configs exits 2 naming the option."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the script would run")
+    mod = load_lab_script("centroid_config")
+    for args, want in (([], "needs a CUDA device"), (["--configs", "16x256"], "--configs: a list of BLOCK_Tx")):
+        with pytest.raises(SystemExit) as e:
+            mod.main([*args, "--out", str(tmp_path / "x")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and want in err[-1] and "Traceback" not in "\n".join(err)
+    assert not (tmp_path / "x").exists()
