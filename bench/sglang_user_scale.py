@@ -262,8 +262,7 @@ def main(argv=None) -> int:
     ap.add_argument("--structured", action="store_true")
     ap.add_argument("--mem-fraction", type=float, default=0.88)
     ap.add_argument("--context-length", type=int, default=8192)
-    ap.add_argument("--timeout", type=float, default=480, help="seconds per engine")
-    ap.add_argument("--work", help="logs, configs and profiler traces (default: beside --out)")
+    ap.add_argument("--timeout", type=float, default=480)
     ap.add_argument("--child")
     ap.add_argument("--child-out")
     a = ap.parse_args(argv)
@@ -285,7 +284,7 @@ def main(argv=None) -> int:
         ap.error("--batches/--contexts/--sweep: integers separated by commas")
     vocab = json.load(open(os.path.join(target_dir(a.ckpt), "config.json")))["vocab_size"]
     cases = [(b, c) for c in contexts for b in batches] + [(a.profile_batch, c) for c in sweep]
-    work = a.work or os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
+    work = os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
     os.makedirs(work, exist_ok=True)
     results = {}
     for e in engines:
