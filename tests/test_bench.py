@@ -16,6 +16,7 @@ from tiers import thorough
 from graphcap.bench import options
 from graphcap.bench.baselines import CompiledBaseline, RebuildBaseline, SglangBaseline, graph_problem
 from graphcap.bench.counting import count_kernels, count_syncs
+from graphcap.bench.report import CPU_SCOPE
 from graphcap.bench.rows import BenchRow
 from graphcap.bench.runner import build_modes
 from graphcap.bench.state import make_target_state
@@ -249,7 +250,13 @@ def test_cpu_run_rows_carry_every_field_and_say_why_a_value_is_missing(tmp_path,
     text = capsys.readouterr().out
     assert "graph-rebuild skipped: CUDA graphs need CUDA" in text
     assert "sglang skipped: sglang's Triton kernels need CUDA" in text
-    assert "says nothing about GPU speed" in text  # what a CPU run shows, said plainly
+    lines = text.splitlines()
+    assert lines[0] == CPU_SCOPE and "says nothing about GPU speed" in lines[0]  # first, and once
+    assert text.count(CPU_SCOPE) == 1
+    # only the columns these modes fill on a CPU: no GPU time, kernels, floor or speed-up over a mode not run
+    assert [h.strip() for h in lines[1].strip("|").split("|")] == [
+        "batch", "ctx", "steps", "mode", "iter/s", "ms/iter", "p90 ms", "host ms", "syncs/iter", "x eager-rebuild"]
+    assert "note: syncs/iter:" in text and "kernels/iter" not in text
     data = json.loads((out / "bench.json").read_text())
     rows = [BenchRow(**r) for r in data["rows"]]  # exactly the record's fields, no more, no fewer
     assert {(r.batch, r.context, r.mode) for r in rows} == {
@@ -263,10 +270,30 @@ def test_cpu_run_rows_carry_every_field_and_say_why_a_value_is_missing(tmp_path,
     with open(out / "bench.csv") as f:
         reader = csv.DictReader(f)
         assert reader.fieldnames == [x.name for x in dataclasses.fields(BenchRow)] and len(list(reader)) == len(rows)
-    assert (out / "bench.md").read_text().startswith("# graphcap bench")
+    md = (out / "bench.md").read_text().splitlines()
+    assert md[0].startswith("# graphcap bench") and md[2] == CPU_SCOPE and "copy bandwidth" not in "\n".join(md)
     env = data["environment"]
     assert env["spec_hash"] == load_spec("tiny").hash and data["config"]["spec"] == "tiny"
     assert env["torch_threads"] == 1 and "commit" in env
+
+
+@cpu_only
+@pytest.mark.subprocess
+def test_a_cpu_run_prints_no_profiler_lines(tmp_path):
+    """The host-read count's torch.profiler makes Kineto log every start and stop on stderr (`USDT: ...
+    profiler_start`), between the table's lines: a CPU run turns that log off. A process of its own, as a user's run
+    (Kineto reads the setting once per process), without Triton's interpreter, as outside the tests."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KINETO_LOG_LEVEL")}
+    r = subprocess.run([sys.executable, "-m", "graphcap.cli", "bench", "--spec", "tiny", "--batch", "1", "--context",
+                        "8", "--iters", "1", "--warmup", "0", "--repeats", "1", "--modes", "eager-rebuild,graphcap"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[0] == CPU_SCOPE and "| eager-rebuild" in r.stdout
+    assert "profiler_start" not in r.stdout + r.stderr and "USDT" not in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("argv, message", [

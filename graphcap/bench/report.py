@@ -40,17 +40,39 @@ def _cells(r: BenchRow) -> list[object]:
             _fmt(r.util_pct, 0), _fmt(r.power_w, 0)]
 
 
+# What a run without CUDA can and cannot show: the first line it prints, and a note of its record.
+CPU_SCOPE = ("CPU run: graphcap's loop runs eagerly, without CUDA graphs, so its ratio against compile says nothing "
+             "about GPU speed; this run checks that every mode runs the same draft, counts host reads of tensor "
+             "values (syncs on CUDA) and times host-side work at tiny sizes (GPU numbers: scripts/gpu-check.sh bench)")
+
+
 def format_table(rows: tuple[BenchRow, ...] | list[BenchRow]) -> str:
-    return tabulate([_cells(r) for r in rows], headers=COLUMNS, tablefmt="github", disable_numparse=True)
+    """The rows as a table, with only the columns that hold a value in some row: a speed-up over a mode not run, or a
+    GPU's measure on a CPU, is no column."""
+    cells = [_cells(r) for r in rows]
+    keep = _shown(cells)
+    return tabulate([[c[i] for i in keep] for c in cells], headers=[COLUMNS[i] for i in keep], tablefmt="github",
+                    disable_numparse=True)
+
+
+def _shown(cells: list[list[object]]) -> list[int]:
+    return [i for i in range(len(COLUMNS)) if not cells or any(c[i] != "-" for c in cells)]
+
+
+def headline(result: BenchResult) -> str | None:
+    """The line printed above everything else: what this run can show, where that is limited (a CPU run)."""
+    return CPU_SCOPE if CPU_SCOPE in result.notes else None
 
 
 def footnotes(result: BenchResult) -> list[str]:
-    """The notes, then what each column means where a row could not measure it, once per distinct reason."""
-    lines = [f"note: {n}" for n in result.notes]
+    """The notes (but the headline), then how each count shown was made, once per distinct way."""
+    lines = [f"note: {n}" for n in result.notes if n != headline(result)]
+    shown = {COLUMNS[i] for i in _shown([_cells(r) for r in result.rows])}
     seen: set[str] = set()
     for r in result.rows:
-        for text in (f"{r.mode}: {r.note}" if r.note else "", f"syncs/iter: {r.syncs_how}",
-                     f"kernels/iter: {r.kernels_how}"):
+        for text in (f"{r.mode}: {r.note}" if r.note else "",
+                     f"syncs/iter: {r.syncs_how}" if "syncs/iter" in shown else "",
+                     f"kernels/iter: {r.kernels_how}" if "kernels/iter" in shown else ""):
             if text and text not in seen:
                 seen.add(text)
                 lines.append(f"note: {text}")
@@ -69,9 +91,12 @@ def write_outputs(out: Path, result: BenchResult, table: str) -> list[str]:
         w.writeheader()
         w.writerows(r.as_dict() for r in result.rows)
     env = result.environment
-    head = [f"# graphcap bench, {env['date']}", "", f"- command: `{env['command']}`", f"- {summary_line(env)}",
+    scope = headline(result)
+    head = [f"# graphcap bench, {env['date']}", "", *([scope, ""] if scope else []), f"- command: `{env['command']}`",
+            f"- {summary_line(env)}",
             f"- spec: {env['spec']} ({env['spec_hash']})",
-            f"- copy bandwidth (roofline ceiling, measured in this run): {_fmt(result.copy_gb_s, 0)} GB/s", ""]
+            *([f"- copy bandwidth (roofline ceiling, measured in this run): {result.copy_gb_s:.0f} GB/s"]
+              if result.copy_gb_s else []), ""]
     (out / "bench.md").write_text("\n".join(head + [table, ""] + footnotes(result)) + "\n")
     names = ["bench.json", "bench.csv", "bench.md"]
     if _plot(out / "bench.png", result.rows):

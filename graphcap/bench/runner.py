@@ -8,6 +8,7 @@ locations are already allocated in req_to_token, as after a verify), so windows 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ from graphcap.bench.counting import Count, count_kernels, count_syncs
 from graphcap.bench.environment import environment
 from graphcap.bench.gpu_monitor import GpuMonitor
 from graphcap.bench.options import BenchConfig, buckets_for, growth_tokens, server_compile
+from graphcap.bench.report import CPU_SCOPE
 from graphcap.bench.roofline import floor_ms, measure_copy_bandwidth
 from graphcap.bench.rows import SPEEDUP_FIELDS, BenchResult, BenchRow
 from graphcap.bench.sglang_ops import check_available
@@ -35,9 +37,6 @@ from graphcap.models.draft_ops import (DEFAULT_OPS, PLAIN_OPS, QNORM_KERNEL_OPS,
 from graphcap.models.fused_op_set import fused_ops
 from graphcap.window import WindowBuffers
 
-CPU_SHOWS = ("A CPU run checks that every mode runs the same draft, counts host reads of tensor values (syncs on "
-             "CUDA) and times the host-side work at tiny sizes; it says nothing about GPU speed. CUDA graphs, "
-             "sglang's kernels, kernel counts and the bandwidth floor need CUDA (scripts/gpu-check.sh bench).")
 
 
 @dataclass
@@ -148,7 +147,10 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     if not cuda:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        notes.append(CPU_SHOWS)
+        # Kineto logs every profiler start and stop to stderr (the host-read count's profiler), between the table's
+        # lines; read when the first profile starts. With CUDA its warnings say why kernels went uncounted: kept.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        notes.append(CPU_SCOPE)
     growth = growth_tokens(cfg.warmup, cfg.iters, cfg.steps)
     bmax, cmax = max(cfg.batches), max(cfg.contexts)
     state = make_target_state(spec, [cmax] * bmax, cmax + growth, seed=cfg.seed, device=device)
@@ -267,6 +269,8 @@ def main(cfg: BenchConfig) -> int:
     """`graphcap bench`: run, print the table and its notes, write the files."""
     from graphcap.bench.report import footnotes, format_table, write_outputs
 
+    if not torch.cuda.is_available():
+        print(CPU_SCOPE, flush=True)  # before the run's minute of compiles: what it will and will not show
     result = run_bench(cfg)
     table = format_table(result.rows)
     print(table)
