@@ -3,7 +3,7 @@
 this process and in a fresh interpreter, as the scheduler subprocess gets it), start-up validation, and that without
 the flag nothing is patched. Only sglang.srt.server_args / plugins are imported here (light); the deep runtime checks
 run in a fresh interpreter (test_sglang_runtime.py). Runs against the sglang installed (0.5.23 in the venv) and, in a
-subprocess, against sglang 0.5.18 (test_sglang_versions.py): where the two resolve arguments differently the helpers
+subprocess, against sglang 0.5.18 (test_sglang_runtime.py): where the two resolve arguments differently the helpers
 here ask the installed sglang's own functions."""
 from __future__ import annotations
 

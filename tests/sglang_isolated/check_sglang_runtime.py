@@ -1,5 +1,5 @@
 """Deep checks against the real sglang runtime modules (0.5.23 in the venv; 0.5.18 with its directory in front of
-PYTHONPATH), run in a fresh interpreter by test_sglang_runtime.py / test_sglang_versions.py (they import sglang's
+PYTHONPATH), run in a fresh interpreter by test_sglang_runtime.py (they import sglang's
 scheduler, schedule batch, Triton backend and Frozen-KV MTP worker, with torchvision stubbed: see _sglang_env.py).
 Run alone: `pytest -o python_files='check_*.py' tests/sglang_isolated`.
 
