@@ -8,8 +8,8 @@ not load (corrupt, another torch) is one warning line and a normal compile too; 
 logged) and overwritten by the next successful capture's artifacts.
 
 The key (`cache_key`) is a hex digest of everything whose change must miss: the spec hash (or a caller's string),
-backend, buckets, dynamic_batch, graphcap/torch/triton versions and the device (name and capability; CPU: the
-machine architecture).
+backend, buckets, dynamic_batch, graphcap/torch/triton versions and the device (name, capability and any forced
+kernel paths, GRAPHCAP_KERNEL_PATHS; CPU: the machine architecture).
 """
 from __future__ import annotations
 
@@ -45,11 +45,15 @@ def _version(dist: str, fallback: str | None = None) -> str | None:
 def _device_id(device) -> str:
     import torch
 
+    from graphcap.kernels.arch import kernel_paths
+
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
         cap = torch.cuda.get_device_capability(idx)
-        return f"cuda:{torch.cuda.get_device_name(idx)}:sm{cap[0]}{cap[1]}"
+        forced = kernel_paths()  # GRAPHCAP_KERNEL_PATHS: other kernels (Triton lowers for another capability)
+        paths = f":paths={forced.name}" if forced is not None else ""
+        return f"cuda:{torch.cuda.get_device_name(idx)}:sm{cap[0]}{cap[1]}{paths}"
     return f"{device.type}:{platform.machine()}"
 
 

@@ -2,6 +2,9 @@
 
 A kernel runs where Triton can run it: on CUDA tensors, or on CPU tensors under `TRITON_INTERPRET=1` (how CI checks
 the kernels themselves). Elsewhere the op falls back to its twin, which is also the tests' reference.
+
+The GPU the planners plan for, and the switch forcing an A100's paths (`GRAPHCAP_KERNEL_PATHS=sm80`), are
+`graphcap.kernels.arch`'s; the switch's Triton side is applied here, on import, before any kernel compiles.
 """
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ from collections.abc import Iterator
 
 import torch
 
+from graphcap.kernels.arch import apply_triton_arch
+
+apply_triton_arch()
 _twin_only = False
 
 

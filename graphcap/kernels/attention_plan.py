@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from graphcap.kernels.arch import SM90, GpuArch, device_arch
+
 
 class AttentionError(ValueError):
     """Bad input to decode_attention; the message names the argument and what was wrong."""
@@ -37,14 +39,15 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: 
     GPU values: the best or near-best configuration of the H200 sweeps (docs/results.md#attention-kernels): BLOCK_N 32, 3 stages,
     4 warps for head dims 256 and 512 (4 warps are 4-14% faster than 8 at D = 512).
     Three stages of K and V tiles need 3 x 2 x BLOCK_N x D x 2 bytes of shared memory (192 KiB at D = 512): where
-    the device has less (`smem_bytes`, read from the current device when None), stages and then tile size step down.
+    the device has less (`smem_bytes`, the current device's `arch.device_arch` when None; an A100's 163 KiB at
+    D = 512), stages and then tile size step down.
     On CPU (Triton's interpreter) small tiles keep the tests fast.
     """
     if not on_gpu:
         return KernelConfig(block_n=16, num_warps=1, num_stages=1, min_chunk=16, combine_warps=1, max_chunk=64)
     warps = 4
     if smem_bytes is None:
-        smem_bytes = _device_smem()
+        smem_bytes = device_arch().smem_per_block
     for block_n, stages in ((32, 3), (32, 2), (16, 2), (16, 1)):
         # at least two tiles per program: one-tile programs (32 keys) are up to 23% slower in the in-graph H200 sweep
         cfg = KernelConfig(block_n=block_n, num_warps=warps, num_stages=stages, min_chunk=2 * block_n)
@@ -53,35 +56,32 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: 
     return cfg
 
 
-_H200_SMEM = 232448  # shared memory one block may opt into on an H100/H200 (227 KiB)
-_H200_SMEM_PER_SM = 233472  # and per multiprocessor (228 KiB)
+# An H100/H200's shared memory per block (227 KiB) and per SM (228 KiB): what a CPU plans for (arch.SM90)
+_H200_SMEM = SM90.smem_per_block
+_H200_SMEM_PER_SM = SM90.smem_per_sm
 
 
-@functools.lru_cache(maxsize=None)
+def _arch(device: torch.device | None, arch: GpuArch | None) -> GpuArch:
+    """`arch` where the caller describes the GPU (a CPU test of another GPU's plan), else `device`'s."""
+    return arch if arch is not None else device_arch(device)
+
+
 def _device_smem_of(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or _H200_SMEM)
+    return device_arch(torch.device("cuda", index)).smem_per_block
 
 
-@functools.lru_cache(maxsize=None)
 def _device_smem_per_sm(device: torch.device) -> int:
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "shared_memory_per_multiprocessor", 0) or _H200_SMEM_PER_SM)
+    return device_arch(device).smem_per_sm
 
 
-@functools.lru_cache(maxsize=None)
 def device_sm_count(device: torch.device) -> int:
-    """Multiprocessors of `device` (132 on an H200; the same for a CPU, so CPU runs choose the GPU's splits)."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """Multiprocessors of `device` (132 on an H200; a CPU plans as an H200, so CPU runs choose the GPU's splits;
+    under GRAPHCAP_KERNEL_PATHS=sm80 an A100's 108)."""
+    return device_arch(device).sm_count
 
 
 def _device_smem(device: torch.device | None = None) -> int:
-    if not torch.cuda.is_available():
-        return _H200_SMEM
-    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    return _device_smem_of(index)
+    return device_arch(device).smem_per_block
 
 
 def program_smem(config: KernelConfig, head_dim: int, elem_bytes: int) -> int:
@@ -90,22 +90,26 @@ def program_smem(config: KernelConfig, head_dim: int, elem_bytes: int) -> int:
     return config.num_stages * 2 * config.block_n * block_d * elem_bytes + 8192
 
 
-def plan_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> KernelConfig:
-    """The GPU launch configuration the split plan assumes for `device` (an H200's on a CPU, so CPU runs plan what
-    the H200 would)."""
-    return default_config(head_dim, dtype, True, _device_smem(device) if device.type == "cuda" else _H200_SMEM)
+def plan_config(head_dim: int, dtype: torch.dtype, device: torch.device, arch: GpuArch | None = None) -> KernelConfig:
+    """The GPU launch configuration the split plan assumes for `device` (described by `arch` where given; an H200's
+    on a CPU, so CPU runs plan what the H200 would)."""
+    return default_config(head_dim, dtype, True, _arch(device, arch).smem_per_block)
 
 
-@functools.lru_cache(maxsize=None)
-def target_programs(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+def target_programs(head_dim: int, dtype: torch.dtype, device: torch.device, arch: GpuArch | None = None) -> int:
     """Programs one attention call should launch to fill the GPU: two waves of the programs it holds at once
     (SMs x programs per SM, bounded by `program_smem`'s estimate of shared memory and by threads). Fitted to the
     in-graph grids on the H200 (docs/results.md#attention-kernels): at D = 512 (one 3-stage program per SM) 256 programs are best
-    (288: +2%, 384: +19%); at D = 256 (two per SM) 512 programs, not 256 (40.0 vs 45.5 us at batch 8 / W = 1024)."""
-    cfg = plan_config(head_dim, dtype, device)
-    smem = _device_smem_per_sm(device) if device.type == "cuda" else _H200_SMEM_PER_SM
-    per_sm = max(1, min(smem // program_smem(cfg, head_dim, dtype.itemsize), 2048 // (32 * cfg.num_warps)))
-    return 2 * per_sm * device_sm_count(device)
+    (288: +2%, 384: +19%); at D = 256 (two per SM) 512 programs, not 256 (40.0 vs 45.5 us at batch 8 / W = 1024).
+    `arch` describes the GPU where given (else `device`'s: an H200's on a CPU)."""
+    return _target_programs(head_dim, dtype, _arch(device, arch))
+
+
+@functools.lru_cache(maxsize=None)
+def _target_programs(head_dim: int, dtype: torch.dtype, arch: GpuArch) -> int:
+    cfg = default_config(head_dim, dtype, True, arch.smem_per_block)
+    per_sm = max(1, min(arch.smem_per_sm // program_smem(cfg, head_dim, dtype.itemsize), 2048 // (32 * cfg.num_warps)))
+    return 2 * per_sm * arch.sm_count
 
 
 def wave_splits(batch: int, kv_heads: int, programs: int = 264) -> int:
@@ -181,7 +185,8 @@ class AttentionPlan:
 
 
 def plan_attention(batch: int | None, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                   max_len: int, *, num_splits: int | None = None, config: KernelConfig | None = None) -> AttentionPlan:
+                   max_len: int, *, num_splits: int | None = None, config: KernelConfig | None = None,
+                   arch: GpuArch | None = None) -> AttentionPlan:
     """The plan of a decode-attention call over `batch` rows (None: any batch - num_splits is batch 1's, the most any
     batch needs, the grid's split count is then derived from the batch (`AttentionPlan.grid_splits`) and the wave
     left to the kernel) of `kv_heads` KV heads of `head_dim`, rows at most
@@ -189,14 +194,17 @@ def plan_attention(batch: int | None, kv_heads: int, head_dim: int, dtype: torch
     launch configuration and wave are decided: call it per bucket, outside anything traced.
 
     `num_splits` overrides the split rule (`choose_num_splits`, sized by the H200's configuration on a CPU), `config`
-    the launch configuration (`default_config` of the device: small tiles on a CPU, where Triton interprets)."""
+    the launch configuration (`default_config` of the device: small tiles on a CPU, where Triton interprets).
+    `arch` describes the GPU (`graphcap.kernels.arch`; default: `device`'s, an H200's on a CPU): with a "cuda"
+    device and `arch` given nothing queries a GPU, so a CPU can plan for any GPU."""
     device = torch.device(device)
     on_gpu = device.type == "cuda"
+    arch = _arch(device, arch)
     if config is None:
-        config = default_config(head_dim, dtype, on_gpu, _device_smem(device) if on_gpu else None)
-    programs = config.wave or target_programs(head_dim, dtype, device)
+        config = default_config(head_dim, dtype, on_gpu, arch.smem_per_block if on_gpu else None)
+    programs = config.wave or target_programs(head_dim, dtype, device, arch)
     if num_splits is None:
-        split_cfg = plan_config(head_dim, dtype, device)
+        split_cfg = plan_config(head_dim, dtype, device, arch)
         num_splits = choose_num_splits(batch or 1, kv_heads, max_len, programs, split_cfg.max_chunk,
                                        split_cfg.min_chunk)
         # a batch of `programs` rows fills the GPU alone: the rule's count where the batch asks for no more

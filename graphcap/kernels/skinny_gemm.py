@@ -38,6 +38,7 @@ an fp32 gelu-mul): the tests' reference and the fallback where Triton does not r
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -46,6 +47,7 @@ import triton
 
 from graphcap.kernels import skinny_gemm_kernels as kernels
 from graphcap.kernels import use_triton
+from graphcap.kernels.arch import SM90, GpuArch, device_arch
 from graphcap.kernels.fused_ops import gelu_tanh_and_mul
 from graphcap.kernels.skinny_gemm_kernels import fixup_counters
 
@@ -80,6 +82,8 @@ class Config(NamedTuple):
 # the first of each the one `plan` picks. Sized for an H200 (132 SMs, ~228 KB shared memory per SM): 8-32 KB of
 # weights per pipeline stage, 3-4 stages, and at least ~2 programs per SM. Each class's first is the fastest of its
 # candidates at the draft's shapes in bench/skinny_gemm.py's sweep on the H200 (docs/results.md, the skinny GEMM).
+# Every candidate fits an A100's 163 KiB per block too (Triton stages one copy fewer there: `pipeline_smem`); none
+# was timed on one.
 _FIXUP = (Config(64, 128, 8, 4, 4, fixup=True), Config(32, 256, 4, 4, 4, fixup=True),
           Config(32, 256, 8, 4, 4, fixup=True), Config(16, 256, 8, 4, 4, fixup=True))
 _SMALL = {
@@ -146,20 +150,40 @@ def candidates(m: int, n: int, k: int, gated: bool = False) -> tuple[Config, ...
     return CANDIDATES[shape_class(m, n, gated)]
 
 
-def plan(m: int, n: int, k: int, gated: bool = False) -> Config:
-    """The config a call uses: its shape class's first candidate. Pure Python on static shapes."""
-    return candidates(m, n, k, gated)[0]
+def plan(m: int, n: int, k: int, gated: bool = False, arch: GpuArch | None = None) -> Config:
+    """The config a call uses: its shape class's first candidate, its pipeline made shallower where `arch` (default:
+    the current device's, an H200's on a CPU) has too little shared memory for it (`fit`; no class's first needs that
+    on an H100/H200 or an A100). Pure Python on static shapes."""
+    return _plan(m, n, k, gated, arch if arch is not None else device_arch())
 
 
-SMEM_LIMIT = 232448  # shared memory one block may opt into on an H100/H200 (227 KiB)
+@functools.lru_cache(maxsize=4096)
+def _plan(m: int, n: int, k: int, gated: bool, arch: GpuArch) -> Config:
+    return fit(candidates(m, n, k, gated)[0], m, gated, arch)
 
 
-def pipeline_smem(cfg: Config, m: int, gated: bool, elem_bytes: int = 2) -> int:
-    """Shared memory the dot kernel's software pipeline takes: num_stages copies of the x tile and the weight tile
-    (two of them, gate and up, when gated). Triton's own count for these kernels on the H200; over SMEM_LIMIT a
-    launch fails with OutOfResources."""
+def fit(cfg: Config, m: int, gated: bool, arch: GpuArch) -> Config:
+    """`cfg` with num_stages lowered until its pipeline fits `arch`'s shared memory per block (`pipeline_smem`);
+    configs without tl.dot stage no tiles and are returned as they are."""
+    while cfg.dot and cfg.num_stages > 1 and pipeline_smem(cfg, m, gated, arch=arch) > arch.smem_per_block:
+        cfg = cfg._replace(num_stages=cfg.num_stages - 1)
+    return cfg
+
+
+SMEM_LIMIT = SM90.smem_per_block  # shared memory one block may opt into on an H100/H200 (227 KiB)
+
+
+def pipeline_smem(cfg: Config, m: int, gated: bool, elem_bytes: int = 2, arch: GpuArch = SM90) -> int:
+    """Shared memory the dot kernel's software pipeline takes: copies of the x tile and the weight tile (two of
+    them, gate and up, when gated) - num_stages copies where Triton makes the tl.dot a wgmma (sm_90 with at least 64
+    weight rows, a warp group's tile: it reads its operands from shared memory while the next loads land),
+    num_stages - 1 where it is an mma.sync (the tile in use is in registers). Triton's own count for these kernels
+    (tests/test_sm80.py compiles every candidate for sm_80 and sm_90), exact from two stages up, above it at one;
+    over the device's limit a launch fails with OutOfResources."""
     block_m = max(16, triton.next_power_of_2(m))
-    return cfg.num_stages * cfg.block_k * (block_m + (2 if gated else 1) * cfg.block_n) * elem_bytes
+    wgmma = arch.hopper and cfg.block_n >= 64
+    copies = cfg.num_stages if wgmma else max(1, cfg.num_stages - 1)
+    return copies * cfg.block_k * (block_m + (2 if gated else 1) * cfg.block_n) * elem_bytes
 
 
 def _splits(k: int, cfg: Config) -> tuple[int, int]:
@@ -275,7 +299,7 @@ def _run(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, gated: bool, cubla
             gelu_tanh_and_mul(torch.mm(x, w.t()), out=out)
         else:
             torch.mm(x, w.t(), out=out)
-    else:
+    else:  # planned for the current device, where Triton launches
         launch(x, w, out, plan(out.shape[0], out.shape[1], x.shape[1], gated), gated)
 
 
