@@ -24,11 +24,14 @@ bench: venv
 
 # Two tiers (tests/tiers.py): `make test` the CI tier (what CI runs: the heavy variants left out, hypothesis at CI
 # counts); `make test-thorough` every test at full counts (before a release; scripts/gpu-check.sh tests on a GPU).
+# Both on every core (pytest-xdist; at most 4 workers, each a process with torch and sglang loaded), a test to
+# whichever worker is free: the tests' times range from milliseconds to a minute.
+WORKERS := -n auto --maxprocesses 4 --dist worksteal
 test: venv
-	GRAPHCAP_TEST_TIER=ci $(BIN)/python -m pytest -q
+	GRAPHCAP_TEST_TIER=ci $(BIN)/python -m pytest -q $(WORKERS)
 
 test-thorough: venv
-	GRAPHCAP_TEST_TIER=thorough $(BIN)/python -m pytest -q
+	GRAPHCAP_TEST_TIER=thorough $(BIN)/python -m pytest -q $(WORKERS)
 
 # The lab scripts' tests (lab/README.md): not in either tier.
 test-lab: venv
