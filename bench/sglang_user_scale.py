@@ -142,8 +142,9 @@ def engine_kwargs(cfg: dict) -> dict:
         steps = cfg["steps"]
         kw.update(speculative_algorithm="NEXTN", speculative_num_steps=steps, speculative_eagle_topk=1,
                   speculative_num_draft_tokens=steps + 1,
-                  speculative_draft_model_path=os.path.join(cfg["ckpt"], "assistant"),
-                  speculative_draft_load_format="auto")  # the structured assistant, not dummy weights
+                  speculative_draft_model_path=os.path.join(cfg["ckpt"], "assistant"))
+        if cfg["structured"]:  # the structured assistant beside the structured target; else both dummy (they agree)
+            kw["speculative_draft_load_format"] = "auto"
     return kw
 
 
@@ -181,7 +182,8 @@ def child(cfg: dict) -> dict:
                 if all(vc):
                     accepts.append(sum(o["meta_info"]["completion_tokens"] for o in outs) / sum(vc))
             case = {"batch": batch, "context": context, "decode_tok_s_per_req": statistics.median(rates),
-                    "rates": rates, "accept_len": statistics.median(accepts) if accepts else None}
+                    "rates": rates, "accept_len": statistics.median(accepts) if accepts else None,
+                    "tokens": [o["output_ids"] for o in outs]}
             if batch == cfg["profile_batch"] and context == cfg["cases"][0][1]:
                 pdir = os.path.join(cfg["work"], f"profile-{cfg['engine']}-b{batch}")
                 shutil.rmtree(pdir, ignore_errors=True)
@@ -199,7 +201,7 @@ def child(cfg: dict) -> dict:
                     except Exception as e:  # noqa: BLE001 - record what broke, keep the rates
                         case["profile"] = {"error": f"{type(e).__name__}: {e}"}
             res["cases"].append(case)
-            print(json.dumps({k: v for k, v in case.items() if k != "profile"}), flush=True)
+            print(json.dumps({k: v for k, v in case.items() if k not in ("profile", "tokens")}), flush=True)
     finally:
         engine.shutdown()
     return res
@@ -229,11 +231,14 @@ def spawn(cfg: dict, work: str, timeout: float) -> dict:
 
 
 def summarize(results: dict) -> list[dict]:
-    """One row per (engine, batch, context): the record's cases."""
+    """One row per (engine, batch, context): the record's cases; a graphcap engine's output tokens against stock
+    sglang's for the same case (greedy, the same dummy weights: equal unless a kernel differs)."""
     rows = []
+    stock = {(c["batch"], c["context"]): c.get("tokens") for c in results.get("sglang", {}).get("cases", [])}
     for name, r in results.items():
         for c in r.get("cases", []):
             p = c.get("profile") or {}
+            theirs = stock.get((c["batch"], c["context"])) if name.startswith("graphcap") else None
             rows.append({"engine": name, "batch": c["batch"], "context": c["context"],
                          "steps": r["config"]["steps"] if name != "nospec" else 0,
                          "decode_tok_s_per_req": round(c["decode_tok_s_per_req"], 2),
@@ -242,7 +247,8 @@ def summarize(results: dict) -> list[dict]:
                          "draft_ms": (p.get("draft") or {}).get("gpu_span_ms"),
                          "extend_ms": (p.get("draft_extend") or {}).get("gpu_span_ms"),
                          "decode_ms": (p.get("decode") or {}).get("gpu_span_ms"),
-                         "iteration_ms": p.get("iteration_ms")})
+                         "iteration_ms": p.get("iteration_ms"),
+                         "tokens_equal_sglang": None if theirs is None else c.get("tokens") == theirs})
     return rows
 
 
@@ -262,7 +268,8 @@ def main(argv=None) -> int:
     ap.add_argument("--structured", action="store_true")
     ap.add_argument("--mem-fraction", type=float, default=0.88)
     ap.add_argument("--context-length", type=int, default=8192)
-    ap.add_argument("--timeout", type=float, default=480)
+    ap.add_argument("--timeout", type=float, default=480, help="seconds per engine")
+    ap.add_argument("--work", help="logs, configs and profiler traces (default: beside --out)")
     ap.add_argument("--child")
     ap.add_argument("--child-out")
     a = ap.parse_args(argv)
@@ -276,6 +283,10 @@ def main(argv=None) -> int:
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         ap.error(f"--engines: unknown {bad}; choose from {', '.join(ENGINES)}")
+    if a.structured and engines != ["nospec"]:  # sglang's disk update loads every runner, the draft included, and
+        # the draft's load fails on the target's embeddings (then sglang's roll-back fails the same way)
+        ap.error("--structured works for --engines nospec alone: sglang's update_weights_from_disk also loads the "
+                 "target's structure into the draft model, which fails")
     try:
         batches = [int(x) for x in a.batches.split(",")]
         contexts = [int(x) for x in a.contexts.split(",")]
@@ -284,7 +295,7 @@ def main(argv=None) -> int:
         ap.error("--batches/--contexts/--sweep: integers separated by commas")
     vocab = json.load(open(os.path.join(target_dir(a.ckpt), "config.json")))["vocab_size"]
     cases = [(b, c) for c in contexts for b in batches] + [(a.profile_batch, c) for c in sweep]
-    work = os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
+    work = a.work or os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
     os.makedirs(work, exist_ok=True)
     results = {}
     for e in engines:

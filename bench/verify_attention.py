@@ -97,7 +97,7 @@ def sglang_callables(x: dict, batch: int, n_q: int, window: int, scale: float):
 
     def decode():
         decode_attention_fwd(qd, x["k_pool"], x["v_pool"], od, x["indptr"], x["indices"], logits, lse, num, splits,
-                             scale, 1.0)
+                             scale, 1.0, 1.0)
         return od
 
     return extend, (splitkv if served else None), decode

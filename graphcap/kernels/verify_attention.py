@@ -58,8 +58,8 @@ def verify_attention_torch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Te
         k = torch.cat([k_pool[locs], k_new[rows]]).float().repeat_interleave(g, dim=1)  # [n + n_q, H, D]
         v = torch.cat([v_pool[locs], v_new[rows]]).float().repeat_interleave(g, dim=1)
         s = torch.einsum("ihd,jhd->hij", q[rows].float(), k) * sm_scale  # [H, n_q, n + n_q]
-        i = torch.arange(n_q)[:, None]
-        j = torch.arange(n + n_q)[None, :]
+        i = torch.arange(n_q, device=q.device)[:, None]
+        j = torch.arange(n + n_q, device=q.device)[None, :]
         visible = torch.where(j < n, (n + i <= j + window) if window > 0 else torch.ones_like(j, dtype=torch.bool),
                               j - n <= i)
         s = s.masked_fill(~visible[None], float("-inf"))
