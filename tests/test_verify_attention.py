@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from graphcap.kernels.attention_plan import AttentionError
 from graphcap.kernels.verify_attention import (MAX_QUERY_TOKENS, plan_verify, verify_attention,
                                                verify_attention_torch)
-from verify_cases import make_case, rel_err
+from tiers import examples
+from verify_cases import chain_mask, make_case, rel_err
 
 GPU = pytest.mark.gpu
 
@@ -52,7 +53,7 @@ cases = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(c=cases, data=st.data())
 def test_kernel_matches_float64_positions(c, data):
     lens = data.draw(st.lists(st.integers(0, 80), min_size=c["batch"], max_size=c["batch"]), label="lens")
@@ -94,24 +95,19 @@ def sglang_verify(fwd, x, lens, n_q, sm_scale, window):
     """sglang's extend kernel as its Triton backend calls it for a topk-1 verify: the chain's tree mask (every prefix
     key, causal among the new tokens), per request rows of prefix + n_q entries, the window in the list's indices."""
     dev = x["q"].device
-    masks, mptr = [], [0]
-    for n in lens:
-        m = torch.ones(n_q, n + n_q, dtype=torch.bool)
-        m[:, n:] = torch.tril(torch.ones(n_q, n_q, dtype=torch.bool))
-        masks.append(m.flatten())
-        mptr.append(mptr[-1] + m.numel())
+    mask, mptr = chain_mask(lens, n_q)
     batch = len(lens)
     o = torch.empty_like(x["q"])
     fwd(x["q"], x["k_new"], x["v_new"], o, x["k_pool"], x["v_pool"],
         torch.arange(0, (batch + 1) * n_q, n_q, dtype=torch.int32, device=dev), x["indptr"], x["indices"],
-        torch.cat(masks).to(torch.uint8).to(dev), True, torch.tensor(mptr, dtype=torch.int64, device=dev), n_q,
+        mask.to(dev), True, mptr.to(dev), n_q,
         1.0, 1.0, sm_scale, sliding_window_size=window if window > 0 else -1,
         window_kv_offsets=torch.zeros(batch, dtype=torch.int64, device=dev))
     return o
 
 
 @pytest.mark.sglang
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(c=cases, data=st.data())
 def test_kernel_matches_sglang_extend_kernel(c, data):
     fwd = _sglang_extend()
@@ -146,7 +142,7 @@ def test_bad_inputs_are_named():
 
 @given(n_q=st.integers(1, MAX_QUERY_TOKENS), hkv=st.integers(1, 16), group=st.integers(1, 16),
        d=st.sampled_from([64, 128, 256, 512]), batch=st.integers(1, 64))
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_plan_tiles_cover_every_query_head_and_token(n_q, hkv, group, d, batch):
     p = plan_verify(batch, hkv, hkv * group, d, n_q, torch.bfloat16, "cpu", 2048)
     assert p.heads * p.head_tiles >= group > (p.head_tiles - 1) * p.heads  # every head, no empty tile

@@ -22,3 +22,15 @@ def make_case(batch, n_q, hkv, group, d, lens, pool, dtype=torch.float32, device
 
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def chain_mask(lens, n_q):
+    """A topk-1 verify's tree mask as sglang builds it (every prefix key; causal among the n_q new tokens), rows of
+    prefix + n_q entries per request, and its per-request offsets: (uint8 mask, int64 mask_indptr), on the CPU."""
+    masks, mptr = [], [0]
+    for n in lens:
+        m = torch.ones(n_q, n + n_q, dtype=torch.bool)
+        m[:, n:] = torch.tril(torch.ones(n_q, n_q, dtype=torch.bool))
+        masks.append(m.flatten())
+        mptr.append(mptr[-1] + m.numel())
+    return torch.cat(masks).to(torch.uint8), torch.tensor(mptr, dtype=torch.int64)

@@ -30,7 +30,7 @@ from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd  
 from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 
 from graphcap.integrations.sglang_verify import SEAT_ATTR, VerifyAttentionSeat, install, serves  # noqa: E402
-from verify_cases import make_case, rel_err  # noqa: E402
+from verify_cases import chain_mask, make_case, rel_err  # noqa: E402
 
 
 class Mode:
@@ -48,17 +48,12 @@ def fake_backend(x, lens, n_q, window, seat):
     """The attributes forward_extend reads on a target verify, with the verify's metadata as sglang's backend
     builds it for a topk-1 chain (qo_indptr by n_q, the chain's mask, the window lists' offsets)."""
     batch = len(lens)
-    masks, mptr = [], [0]
-    for n in lens:
-        m = torch.ones(n_q, n + n_q, dtype=torch.bool)
-        m[:, n:] = torch.tril(torch.ones(n_q, n_q, dtype=torch.bool))
-        masks.append(m.flatten())
-        mptr.append(mptr[-1] + m.numel())
+    mask, mptr = chain_mask(lens, n_q)
     md = SimpleNamespace(
         qo_indptr=torch.arange(0, (batch + 1) * n_q, n_q, dtype=torch.int32), kv_indptr=x["indptr"],
         kv_indices=x["indices"], window_kv_indptr=x["indptr"], window_kv_indices=x["indices"],
-        window_kv_offsets=torch.zeros(batch, dtype=torch.int64), custom_mask=torch.cat(masks).to(torch.uint8),
-        mask_indptr=torch.tensor(mptr, dtype=torch.int64), max_extend_len=n_q, swa_out_cache_loc=None)
+        window_kv_offsets=torch.zeros(batch, dtype=torch.int64), custom_mask=mask,
+        mask_indptr=mptr, max_extend_len=n_q, swa_out_cache_loc=None)
     pool = SimpleNamespace(get_key_buffer=lambda i: x["k_pool"], get_value_buffer=lambda i: x["v_pool"])
     self = SimpleNamespace(
         _can_run_dense_fp8_chunked_mha=lambda *a: False, dcp_size=1, enable_deterministic=False, forward_metadata=md,
