@@ -21,6 +21,8 @@
 #                                 (ENGINE_RETRACT=N: every engine retracts running requests every N forwards;
 #                                 ENGINE_REFUSALS=1: then a real engine start with each setting the plugin refuses -
 #                                 the error raised, its message and how soon)
+#   scripts/gpu-check.sh user-scale  a Gemma-4-31B-shaped target: the verify attention against sglang's kernels, then
+#                                 decode tok/s and sglang's per-phase profile for no-spec, stock MTP and graphcap MTP
 #   scripts/gpu-check.sh engine-speed  the same on the draft-shapes pair: draft-phase GPU time and decode tok/s per
 #                                 batch, stock sglang vs graphcap vs the target alone (each engine stage wants a
 #                                 call of its own: an engine starts in 40-150 s; ENGINE_BACKENDS picks the backends;
@@ -30,7 +32,7 @@
 #                                 graphcap once per --draft-graph-projections value)
 # Several stages run in one call in order: scripts/gpu-check.sh unit bench. Logs: $GPU_WORK/logs (default
 # /tmp/graphcap-gpu), packed into $OUT/gpu-<stages joined by ->.tar.gz (default OUT=out/gpu).
-STAGES="unit tests bench capture engine-check engine-speed"
+STAGES="unit tests bench capture engine-check engine-speed user-scale"
 DEFAULT_STAGE=unit
 PACK_NAME=gpu
 source "$(dirname "$0")/gpu-lib.sh"
@@ -83,6 +85,18 @@ case $1 in
       --speed-engines "${ENGINE_SPEED_ENGINES:-nospec,sglang,graphcap}" --repeats "${ENGINE_REPEATS:-3}" \
       --projections "${ENGINE_PROJECTIONS:-graphcap}" \
       --out "$LOG/engine-speed.json"
+    ;;
+  user-scale)  # the user's question at a Gemma-4-31B-shaped target (dummy weights): no-spec, stock MTP, graphcap MTP;
+    # the verify attention alone against sglang's kernels first (an engine starts in 30-120 s: one call fits three
+    # engines at one or two batch sizes; USER_BATCHES, USER_ENGINES, USER_SWEEP: contexts at batch 8, USER_STEPS)
+    engine_env
+    STEP_LIMIT=${STEP_LIMIT:-120} step verify-attention python3 bench/verify_attention.py --batches 1,8,32 --n-q 4 \
+      --rep-ms 30 --out "$LOG/verify-attention"
+    step ckpt-user-scale python3 bench/sglang_checkpoint.py --size user-scale --out "$WORK/ckpt-us" --device cuda
+    STEP_LIMIT=${STEP_LIMIT:-480} step user-scale python3 bench/sglang_user_scale.py --ckpt "$WORK/ckpt-us" \
+      --engines "${USER_ENGINES:-nospec,graphcap-verify,sglang}" --batches "${USER_BATCHES:-8}" --contexts 2048 \
+      ${USER_SWEEP:+--sweep "$USER_SWEEP"} --steps "${USER_STEPS:-3}" --repeats 1 --new 96 --timeout 215 \
+      --work "$WORK/user-scale" --out "$LOG/user-scale.json"
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
