@@ -202,3 +202,15 @@ def test_gpu_replays_in_a_cuda_graph_with_new_prefixes():
         graph.replay()
         eager = verify_attention(**x, n_q=n_q, sm_scale=0.06, window=window, plan=plan)
         torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+def test_plan_without_wgmma_keeps_the_wide_tiles_in_registers():
+    """An sm_80 plan of the full layer (D = 512) takes 8 warps and 16-key tiles, where ptxas spills ~670 bytes per
+    thread at the H200's 4 warps (tests/test_sm80.py compiles both); the H200's plan is the one measured there."""
+    from graphcap.kernels.arch import SM80, SM90
+
+    a = plan_verify(8, 4, 32, 512, 4, torch.bfloat16, "cuda", 8192, arch=SM80).attention
+    h = plan_verify(8, 4, 32, 512, 4, torch.bfloat16, "cuda", 8192, arch=SM90).attention
+    assert (a.num_warps, a.block_n) == (8, 16) and (h.num_warps, h.block_n) == (4, 32)
+    s = plan_verify(8, 16, 32, 256, 4, torch.bfloat16, "cuda", 1023, arch=SM80).attention
+    assert s.num_warps == 4  # the sliding layer's tiles fit

@@ -24,7 +24,7 @@ values: the call is captured into the verify's CUDA graph as it is.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -32,6 +32,7 @@ import triton.language as tl
 
 from graphcap.kernels import use_triton
 from graphcap.kernels.attention_kernels import LOG2E, _combine_kernel, split_scratch
+from graphcap.kernels.arch import GpuArch, device_arch
 from graphcap.kernels.attention_plan import AttentionError, AttentionPlan, plan_attention
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -199,11 +200,12 @@ def max_rows(head_dim: int) -> int:
 
 
 def plan_verify(batch: int, kv_heads: int, q_heads: int, head_dim: int, n_q: int, dtype: torch.dtype,
-                device: torch.device | str, max_len: int, rows: int | None = None, num_splits: int | None = None
-                ) -> VerifyPlan:
+                device: torch.device | str, max_len: int, rows: int | None = None, num_splits: int | None = None,
+                arch: GpuArch | None = None) -> VerifyPlan:
     """The plan of a verify over `batch` requests of `n_q` tokens each, prefixes at most `max_len` keys long (the
     window for sliding layers, the context bound for full ones). Per capture bucket, on the host. `rows` overrides
-    the query rows per program (`max_rows`), `num_splits` the split rule (tuning and tests)."""
+    the query rows per program (`max_rows`), `num_splits` the split rule (tuning and tests); `arch` the GPU planned
+    for (`graphcap.kernels.arch`, default the device's)."""
     if not 1 <= n_q <= MAX_QUERY_TOKENS:
         raise AttentionError(f"verify_attention: {n_q} query tokens per request; 1..{MAX_QUERY_TOKENS} supported")
     if kv_heads < 1 or q_heads % kv_heads:
@@ -212,7 +214,12 @@ def plan_verify(batch: int, kv_heads: int, q_heads: int, head_dim: int, n_q: int
     heads = max(1, min(group, (rows or max_rows(head_dim)) // n_q))
     head_tiles = triton.cdiv(group, heads)
     attention = plan_attention(max(1, batch) * head_tiles, kv_heads, head_dim, dtype, device, max_len,
-                               num_splits=num_splits)
+                               num_splits=num_splits, arch=arch)
+    if torch.device(device).type == "cuda" and head_dim >= 512 and not (arch or device_arch(device)).hopper:
+        # Without wgmma (which reads its operands from shared memory) the [rows, 512] tiles of q, the accumulator
+        # and K/V live in registers: at 4 warps ptxas spills ~670 bytes per thread on sm_80; 8 warps hold them
+        # (compiled in tests/test_sm80.py; not timed on an A100)
+        attention = replace(attention, num_warps=8, block_n=16, min_chunk=32)
     return VerifyPlan(attention, n_q, heads, head_tiles, max(16, triton.next_power_of_2(heads * n_q)))
 
 
