@@ -4,9 +4,10 @@ capture, with sglang's verify attention or graphcap's).
 
 Checkpoint: `bench/sglang_checkpoint.py --size user-scale` (the draft-shapes assistant, structured, and a 60-layer
 target config whose checkpoint holds only the structure: embeddings, lm_head, norms, layer scalars). The engine loads
-the target with load_format="dummy" (random projections) and, with `--structured`, the structure over it through
-sglang's `update_weights_from_disk`, so the target predicts "x + 1" and the assistant agrees with it at the
-checkpoint's rate (its summary.json: expected accept length by steps); without it every draft token is accepted.
+both models with load_format="dummy": the same random init, so every draft token is accepted and only the
+iteration's time is measured. `--structured` (no-spec only) loads the target's structure over it through sglang's
+`update_weights_from_disk`; sglang's update also loads the draft runner, which fails on the target's embeddings, so
+a real acceptance at this scale is still to be measured.
 
 Per engine (each in a child process of its own), per (batch, context): decode tokens/s per request from pairs of a
 short and a long run of the same prompts (the same prefill in both), the accept length sglang reports; at
