@@ -16,8 +16,9 @@ Prefix layout: sglang's ragged lists - request b's prefix locations are `indices
 first (the full layers' `kv_indices`; the sliding layers' `window_kv_indices`, already the last `min(len, W)`
 tokens, in the SWA pool). Sliding window (`window` > 0, sglang's `sliding_window_size`): query token i of a request
 whose prefix list holds `n` keys sees prefix key `j` when `n + i <= j + window` (the query's and the key's absolute
-positions at most `window` apart - sglang's extend kernel's rule, in the list's own indices); the new tokens are
-always within the window of each other. `window` <= 0: every prefix key.
+positions at most `window` apart - sglang's extend kernel's rule, in the list's own indices), and new token `e`
+when `e <= i` and `i - e <= window` (all of them once the window spans the verify, as in every real model).
+`window` <= 0: every prefix key, new tokens causal.
 
 Everything the launch decides (grid, split count, tiles) comes from static numbers (`plan_verify`), never from GPU
 values: the call is captured into the verify's CUDA graph as it is.
@@ -61,8 +62,9 @@ def verify_attention_torch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Te
         s = torch.einsum("ihd,jhd->hij", q[rows].float(), k) * sm_scale  # [H, n_q, n + n_q]
         i = torch.arange(n_q, device=q.device)[:, None]
         j = torch.arange(n + n_q, device=q.device)[None, :]
-        visible = torch.where(j < n, (n + i <= j + window) if window > 0 else torch.ones_like(j, dtype=torch.bool),
-                              j - n <= i)
+        visible = j <= n + i  # list index j: prefix keys, then the new tokens at n + e
+        if window > 0:
+            visible &= n + i <= j + window
         s = s.masked_fill(~visible[None], float("-inf"))
         out[rows] = torch.einsum("hij,jhd->ihd", torch.softmax(s, dim=-1), v).to(q.dtype)
     return out
@@ -142,7 +144,7 @@ def _verify_split_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    if split == 0:  # the request's own new tokens, causal: token i sees new tokens 0..i
+    if split == 0:  # the request's own new tokens, causal: token i sees new tokens e <= i with i - e <= window
         offs_e = tl.arange(0, BLOCK_E)
         mask_e = offs_e < NQ
         e_rows = (b * NQ + offs_e).to(tl.int64)
@@ -153,7 +155,8 @@ def _verify_split_kernel(
             s = tl.dot(qv.to(tl.float32), tl.trans(ke.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(qv, tl.trans(ke))
-        s = tl.where(mask_e[None, :] & (offs_e[None, :] <= i[:, None]), s * scale, float("-inf"))
+        near = (offs_e[None, :] <= i[:, None]) & ((window <= 0) | (i[:, None] <= offs_e[None, :] + window))
+        s = tl.where(mask_e[None, :] & near, s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
