@@ -218,11 +218,12 @@ def test_iterate_against_the_schedulers_own_account(device, monkeypatch, seed, s
         batch = sched.batch()
         b = len(batch.reqs)
         sizes.add(b)
-        want, lengths = _expected(batch)
-        ours, seq_lens_sum = rt.iterate(batch)
+        if sched.randint(0, 1):  # the overlap scheduler's batches under the Triton backend: no host lengths
+            batch.seq_lens_sum = batch.seq_lens_cpu = None
+        want, _ = _expected(batch)
+        ours = rt.iterate(batch)
         for name, x, y in zip(DraftOutput._fields, ours, want):
             assert torch.equal(x, y), name
-        assert seq_lens_sum == sum(lengths)
         for r in batch.reqs:
             s, n = slot_of(r), r.length
             assert int(wb.seq_lens[s]) == n
@@ -244,7 +245,7 @@ def test_iterate_against_the_schedulers_own_account(device, monkeypatch, seed, s
     assert all(r.fallbacks == 0 for r in rt.graphs.buckets)
     assert {1, 3}.issubset(sizes) and max(sizes) > 4 and oversize > 0
     st = rt.tracker.stats
-    assert st["resets"] >= 3 and st["retracts"] and st["evictions_in_window"] and rt.host_syncs == 0
+    assert st["resets"] >= 3 and st["retracts"] and st["evictions_in_window"]
 
 
 @pytest.mark.parametrize("buckets", [(1, 2, 4), (1, 2)], ids=["in-bucket", "oversize"])
@@ -309,16 +310,17 @@ def _steady(device, seed=3):
 @pytest.mark.gpu
 def test_iterations_without_a_rebuild_do_not_sync():
     """On CUDA, under torch's sync debug mode (which raises on a synchronizing call): an iteration with no row to
-    rebuild and host lengths given issues no host sync."""
+    rebuild issues no host sync, with no host lengths given (the overlap scheduler's batches under the Triton
+    backend)."""
     rt, sched = _steady("cuda")
     batch = sched.batch()  # built outside: the scheduler's own host-to-device copies are not graphcap's
+    batch.seq_lens_sum = batch.seq_lens_cpu = None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         rt.iterate(batch)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert rt.host_syncs == 0
 
 def _plus_one(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
@@ -328,9 +330,9 @@ def _plus_one(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("corrupt, named", [
     (lambda b: setattr(b, "seq_lens_sum", b.seq_lens_sum + 1),
-     [r"seq_lens_sum (\d+) \(from batch\.seq_lens_sum\) != sum\(batch\.seq_lens\) = (\d+)"]),
+     [r"batch\.seq_lens_sum (\d+) != sum\(batch\.seq_lens\) = (\d+)"]),
     (lambda b: (setattr(b, "seq_lens_sum", None), setattr(b, "seq_lens_cpu", _plus_one(b.seq_lens_cpu))),
-     [r"batch\.seq_lens_cpu \[.*\] != batch\.seq_lens \[", r"\(from batch\.seq_lens_cpu\) != sum\(batch\.seq_lens\)"]),
+     [r"batch\.seq_lens_cpu \[.*\] != batch\.seq_lens \["]),
     (lambda b: setattr(b, "req_pool_indices", b.req_pool_indices.flip(0)),
      [r"batch\.req_pool_indices \[.*\] != the requests' req_pool_idx \[", r"graphcap's window lengths"]),
     (lambda b: setattr(b, "seq_lens", _plus_one(b.seq_lens)),  # sglang's lengths ahead of what the verify reported
@@ -349,16 +351,16 @@ def test_check_mode_names_what_disagrees(device, monkeypatch, corrupt, named):
         assert re.search(pattern, str(e.value)), (pattern, str(e.value))
 
 
-def test_check_mode_passes_consistent_host_lengths_and_counts_the_fallback_sync(device, monkeypatch):
+@pytest.mark.parametrize("given", ["both", "seq_lens_cpu", "none"])
+def test_check_mode_passes_whatever_host_lengths_sglang_gives(device, monkeypatch, given):
     monkeypatch.setenv(CHECK_ENV, "1")
     rt, sched = _steady(device)
     batch = sched.batch()
-    batch.seq_lens_sum = None
-    assert rt.iterate(batch)[1] == int(batch.seq_lens_cpu.sum()) and rt.host_syncs == 0
-    sched.verify(batch, [rt.tracker])
-    batch = sched.batch()
-    batch.seq_lens_sum = batch.seq_lens_cpu = None  # no host lengths: sglang's own device sum, counted
-    assert rt.iterate(batch)[1] == sum(r.length for r in batch.reqs) and rt.host_syncs == 1
+    if given != "both":
+        batch.seq_lens_sum = None
+    if given == "none":
+        batch.seq_lens_cpu = None
+    rt.iterate(batch)  # consistent: the check finds nothing (the outputs: test_iterate_against_the_schedulers_...)
 
 
 def test_check_mode_off_trusts_sglang(device, monkeypatch):
@@ -366,7 +368,7 @@ def test_check_mode_off_trusts_sglang(device, monkeypatch):
     rt, sched = _steady(device)
     batch = sched.batch()
     batch.seq_lens_sum += 1
-    assert rt.iterate(batch)[1] == batch.seq_lens_sum  # used as given: the check is a debugging aid (it syncs)
+    rt.iterate(batch)  # not checked: the check is a debugging aid (it syncs)
 
 
 # -----------------------------------------------------------------------------------------------------------------

@@ -11,8 +11,11 @@ Per iteration, instead of sglang's `FrozenKVMTPDraftWorker.draft` (`GraphcapDraf
 3. one replay of graphcap's captured iteration: `window.advance(slots, accepted)`, then the seed step and the other
    steps of sglang's own assistant model, its attention reading graphcap's ring (sliding layers) and `req_to_token`
    (full layers) through graphcap's decode kernel;
-4. the chain's tree inputs go to sglang's own `build_tree_kernel_efficient` and `FrozenKVMTPVerifyInput`, with the
-   scheduler's host lengths (`seq_lens_sum` / `seq_lens_cpu`) instead of a `seq_lens.sum().item()` sync.
+4. the chain's tree inputs go to sglang's own `build_tree_kernel_efficient` and `FrozenKVMTPVerifyInput`. The tree
+   mask is written into the target backend's preallocated verify mask (or sized from an upper bound), as sglang's
+   EAGLE v2 worker does, instead of sizing it from a `seq_lens.sum().item()` sync (`verify_tree_mask`): with the
+   triton backend the overlap scheduler hands the draft no host lengths, and that sync made every draft call wait
+   for the verify before it.
 """
 from __future__ import annotations
 
@@ -86,10 +89,10 @@ def _flush_at_exit(ref: weakref.ref) -> None:
             log.warning("graphcap: could not write manifest %s at exit: %s", graphs.manifest_path, e)
 
 
-def check_lengths(window: WindowBuffers, batch, host_slots: list[int], seq_lens_sum: int, source: str) -> None:
-    """GRAPHCAP_SGLANG_CHECK=1, after the replay: graphcap's window lengths and every length that goes on to sglang
-    (`seq_lens_sum`, `seq_lens_cpu`), and the rows replayed, must agree with `batch.seq_lens`. One sync (plus the
-    host mirror's read); raises naming each field that disagreed."""
+def check_lengths(window: WindowBuffers, batch, host_slots: list[int]) -> None:
+    """GRAPHCAP_SGLANG_CHECK=1, after the replay: graphcap's window lengths and every host length that goes on to
+    sglang (`batch.seq_lens_sum`, `batch.seq_lens_cpu`, where the scheduler set them), and the rows replayed, must
+    agree with `batch.seq_lens`. One sync (plus the host mirror's read); raises naming each field that disagreed."""
     seq_lens, rows_dev = batch.seq_lens, batch.req_pool_indices
     ours = window.seq_lens.index_select(0, rows_dev.to(window.device)).to(seq_lens.device, seq_lens.dtype)
     theirs, lens, rows = torch.stack([seq_lens, ours, rows_dev.to(seq_lens.device, seq_lens.dtype)]).tolist()
@@ -101,8 +104,9 @@ def check_lengths(window: WindowBuffers, batch, host_slots: list[int], seq_lens_
     cpu = getattr(batch, "seq_lens_cpu", None)
     if cpu is not None and cpu.tolist() != theirs:
         bad.append(f"batch.seq_lens_cpu {cpu.tolist()} != batch.seq_lens {theirs}")
-    if seq_lens_sum != sum(theirs):
-        bad.append(f"seq_lens_sum {seq_lens_sum} (from {source}) != sum(batch.seq_lens) = {sum(theirs)}")
+    host_sum = getattr(batch, "seq_lens_sum", None)
+    if host_sum is not None and host_sum != sum(theirs):
+        bad.append(f"batch.seq_lens_sum {host_sum} != sum(batch.seq_lens) = {sum(theirs)}")
     if bad:
         raise RuntimeError(f"graphcap ({CHECK_ENV}=1), rows {list(host_slots)}: " + "; ".join(bad))
 
@@ -126,6 +130,27 @@ def chain_tree_inputs(draft_tokens: torch.Tensor):
     return const[0], const[1], draft_tokens.contiguous()
 
 
+def verify_tree_mask(target_backend, bs: int, host_seq_lens_sum: int | None, default_mode):
+    """(tree_mask_buf, mode, fill_prefix_mask, seq_lens_sum) for sglang's `build_tree_kernel_efficient`, without a
+    device-to-host sync - sglang's EAGLE v2 draft tail (`eagle_worker_common`), which sglang's FROZEN_KV_MTP worker
+    does not use: it sums `seq_lens` with `.item()` every iteration. The tree kernel writes each request's rows at
+    offsets it computes on the GPU from `seq_lens`, and every reader (the target verify's mask_indptr, its graph's
+    copy) does the same, so the mask may be larger than the batch needs: it goes straight into the target backend's
+    preallocated verify mask where the batch fits it (`seq_lens_sum` then only 0), else it is allocated from the
+    host's exact sum when the scheduler has one, or from `bs * max_context_len`."""
+    verify_mask = getattr(target_backend, "verify_mask", None)
+    if verify_mask is None:
+        buf, mode, fill = None, default_mode, True
+    else:
+        mode, fill = verify_mask.mode, verify_mask.is_read
+        buf = verify_mask.buffer if verify_mask.fits(bs) else None
+    if host_seq_lens_sum is not None:
+        return buf, mode, fill, int(host_seq_lens_sum)
+    if buf is not None or mode.name == "QLEN_ONLY":  # preallocated, or sized from bs alone
+        return buf, mode, fill, 0
+    return buf, mode, fill, bs * int(target_backend.max_context_len)
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # Per draft worker
 
@@ -142,7 +167,6 @@ class GraphcapDraftRuntime:
         self.graphs: DraftGraphs | None = None
         self.max_bucket = 0
         self.active = False
-        self.host_syncs = 0  # draft iterations that had to sum seq_lens on the device (no host lengths given)
         self.loop: SglangAssistantLoop | None = None  # set by capture(); tests attach graphs over other functions
 
     @classmethod
@@ -238,10 +262,10 @@ class GraphcapDraftRuntime:
         """Serve the draft phase from `graphs` (captured)."""
         self.graphs, self.max_bucket, self.active = graphs, graphs.buckets[-1].batch_size, True
 
-    def iterate(self, batch) -> tuple[DraftOutput, int]:
+    def iterate(self, batch) -> DraftOutput:
         """graphcap's half of a draft: rebuilds, then one replay, its inputs written straight into the bucket's
         static inputs (the rows from sglang's device `req_pool_indices`, the accepted counts gathered there from the
-        pending buffer). Returns the outputs and the seq_lens_sum that goes on to sglang."""
+        pending buffer). No host sync (GRAPHCAP_SGLANG_CHECK=1 adds one, checking every length)."""
         spec_info = batch.spec_info
         tokens, hidden = spec_info.bonus_tokens, spec_info.hidden_states
         slots = batch.req_pool_indices  # the rows, on the device already: nothing rebuilt from host ints
@@ -265,39 +289,32 @@ class GraphcapDraftRuntime:
             else:  # above the largest bucket: run() copies and runs eagerly (counted in the manifest)
                 out = self.graphs.run(slots, self.tracker.take_accepted(slots), tokens, hidden,
                                       host_slots=host_slots)
-        seq_lens_sum, source = self._seq_lens_sum(batch)
         if self.check:
-            check_lengths(self.window, batch, host_slots, seq_lens_sum, source)
-        return out, seq_lens_sum
-
-    def _seq_lens_sum(self, batch) -> tuple[int, str]:
-        """sum(seq_lens) for sglang's tree, from the scheduler's host lengths where it has them; with the field it
-        came from (GRAPHCAP_SGLANG_CHECK names it)."""
-        if isinstance(getattr(batch, "seq_lens_sum", None), int):
-            return batch.seq_lens_sum, "batch.seq_lens_sum"
-        if getattr(batch, "seq_lens_cpu", None) is not None:
-            return int(batch.seq_lens_cpu.sum()), "batch.seq_lens_cpu"
-        self.host_syncs += 1  # what sglang does every iteration; counted
-        return int(torch.sum(batch.seq_lens).item()), "a device sum of batch.seq_lens"
+            check_lengths(self.window, batch, host_slots)
+        return out
 
     def draft(self, batch, fallback):
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-        from sglang.srt.speculative.eagle_utils import build_tree_kernel_efficient
+        from sglang.srt.speculative.eagle_utils import build_tree_kernel_efficient, default_tree_mask_mode
         from sglang.srt.speculative.frozen_kv_mtp_info import FrozenKVMTPVerifyInput
 
         if self.graphs is None:  # defensive: around_draft calls this only after a successful capture
             return fallback()
-        out, seq_lens_sum = self.iterate(batch)
+        out = self.iterate(batch)
         parent_list, top_scores_index, draft_tokens = chain_tree_inputs(out.tokens)
-        batch.seq_lens_sum = seq_lens_sum
         batch.return_hidden_states = False
         w = self.worker
+        host_sum, host_lens = getattr(batch, "seq_lens_sum", None), getattr(batch, "seq_lens_cpu", None)
+        if host_sum is None and host_lens is not None:
+            host_sum = int(host_lens.sum())
+        buf, mode, fill, seq_lens_sum = verify_tree_mask(w.target_worker.model_runner.attn_backend,
+                                                         batch.seq_lens.shape[0], host_sum, default_tree_mask_mode())
         (tree_mask, position, retrieve_index, retrieve_next_token, retrieve_next_sibling,
          draft_tokens) = build_tree_kernel_efficient(
             batch.spec_info.bonus_tokens, parent_list, top_scores_index, draft_tokens, batch.seq_lens, seq_lens_sum,
-            1, self.steps, w.speculative_num_draft_tokens)
+            1, self.steps, w.speculative_num_draft_tokens, mode, buf, fill_prefix_mask=fill)
         return FrozenKVMTPVerifyInput(
             draft_token=draft_tokens, custom_mask=tree_mask, positions=position, retrieve_index=retrieve_index,
             retrieve_next_token=retrieve_next_token, retrieve_next_sibling=retrieve_next_sibling,
             retrieve_cum_len=None, spec_steps=self.steps, topk=1, draft_token_num=w.speculative_num_draft_tokens,
-            capture_hidden_mode=CaptureHiddenMode.FULL, seq_lens_sum=seq_lens_sum, seq_lens_cpu=batch.seq_lens_cpu)
+            capture_hidden_mode=CaptureHiddenMode.FULL, seq_lens_sum=host_sum, seq_lens_cpu=host_lens)

@@ -525,3 +525,99 @@ def test_chain_tree_inputs_match_sglang(steps):
         assert all(x == y for x, y, n in zip(a.stride(), t.contiguous().stride(), a.shape) if n > 1), \
             (a.stride(), a.shape)
         assert a.is_contiguous()
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The draft's tail: sglang's tree and verify input, with no host read of the device lengths
+
+
+class _DeviceOnly(torch.Tensor):
+    """A device tensor's stand-in on CPU: reading a value on the host (what is a device-to-host sync on a GPU)
+    raises, and so does any tensor computed from it."""
+    HOST_READS = {"item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in cls.HOST_READS:
+            raise AssertionError(f"host read of the device lengths: Tensor.{func.__name__}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _plain(t):
+    return t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t
+
+
+def _tree_twin(*args):
+    """sglang's tree kernel (it runs on the GPU, reading the lengths there), here graphcap's twin of sgl_kernel's op
+    (tests/test_spec_tree_ops.py holds it to sglang's own Triton version)."""
+    from graphcap.kernels.spec_tree_ops import build_tree_kernel_efficient_torch
+
+    build_tree_kernel_efficient_torch(*[_plain(a) for a in args[:8]], *[int(a) for a in args[8:]])
+
+
+def _read_cells(mask, mode, lens, n):
+    """The cells the target verify reads: FULL_MASK rows of `seq_len + n` at the offsets sglang's Triton backend
+    computes from the device lengths (mask_indptr = cumsum(n * (seq_len + n))); QLEN_ONLY n x n per request."""
+    m = mask.view(torch.uint8)
+    if mode.name == "QLEN_ONLY":
+        return m[:len(lens) * n * n].clone()
+    return torch.cat([m[o:o + n * (L + n)] for o, L in zip(
+        [0] + torch.cumsum(torch.tensor([n * (L + n) for L in lens]), 0).tolist()[:-1], lens)])
+
+
+@pytest.mark.parametrize("case", ["gpu-only", "gpu-only-oversize", "host-lengths", "no-verify-mask"])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_draft_tail_builds_sglangs_tree_without_reading_device_lengths(monkeypatch, case, steps):
+    """graphcap's draft hands sglang's verify what sglang's own FROZEN_KV_MTP draft does - the tree from sglang's
+    `build_tree_kernel_efficient` with the exact `seq_lens.sum().item()` - cell for cell where the verify reads,
+    without reading `batch.seq_lens` on the host: written into the target backend's preallocated verify mask (sglang's
+    own, as its EAGLE v2 worker does), else sized from the host's lengths or `bs * max_context_len`."""
+    from sglang.srt.layers.attention.verify_mask import maybe_create_verify_mask
+    from sglang.srt.speculative import eagle_utils
+    from sglang.srt.speculative.frozen_kv_mtp_info import FrozenKVMTPVerifyInput
+
+    from graphcap.iteration import DraftOutput
+
+    # the name the installed eagle_utils calls its CUDA op by (0.5.23: a dispatcher; 0.5.18: sgl_kernel's, imported
+    # on CUDA only)
+    op = "build_tree_kernel_efficient_func" if hasattr(eagle_utils, "build_tree_kernel_efficient_func") else \
+        "sgl_build_tree_kernel_efficient"
+    monkeypatch.setattr(eagle_utils, op, _tree_twin, raising=False)
+    g = torch.Generator().manual_seed(steps)
+    n, max_bs, ctx = steps + 1, 4, 64
+    bs = max_bs + 2 if case == "gpu-only-oversize" else 3
+    lens = torch.randint(1, ctx - n, (bs,), generator=g).tolist()
+    verify_mask = None if case == "no-verify-mask" else maybe_create_verify_mask(
+        is_draft_runner=False, skip_prefill=False, max_bs=max_bs, max_context_len=ctx, num_draft_tokens=n,
+        device="cpu", is_read=True, dtype=torch.uint8)
+    backend = SimpleNamespace(verify_mask=verify_mask, max_context_len=ctx)
+    worker = SimpleNamespace(speculative_num_steps=steps, speculative_num_draft_tokens=n,
+                             target_worker=SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend)))
+    rt = GraphcapDraftRuntime(worker, plugin.DraftCaptureOptions(enabled=True), _window_buffers(), target_pool=None)
+    tokens = torch.randint(0, 1000, (bs, steps), generator=g)
+    rt.graphs = object()  # captured (iterate is replaced below: the replay is tested elsewhere)
+    monkeypatch.setattr(rt, "iterate", lambda batch: DraftOutput(tokens, None, None, None))
+    host = case == "host-lengths"
+    batch = SimpleNamespace(seq_lens=torch.tensor(lens).as_subclass(_DeviceOnly),
+                            seq_lens_sum=sum(lens) if host else None,
+                            seq_lens_cpu=torch.tensor(lens) if host else None, return_hidden_states=True,
+                            spec_info=SimpleNamespace(bonus_tokens=torch.randint(0, 1000, (bs,), generator=g)))
+    ours = rt.draft(batch, fallback=lambda: pytest.fail("graphcap's draft fell back"))
+    assert isinstance(ours, FrozenKVMTPVerifyInput) and batch.return_hidden_states is False
+    if case in ("gpu-only", "host-lengths"):  # the backend's own buffer, in place
+        assert _plain(ours.custom_mask).data_ptr() == verify_mask.buffer.data_ptr()
+    assert (ours.seq_lens_sum is None) == (not host) and (ours.seq_lens_cpu is None) == (not host)
+
+    # stock sglang's tail (FrozenKVMTPDraftWorker.draft) on the same draft: the exact sum, a fresh mask
+    parents, top, drafts = chain_tree_inputs(tokens)
+    mode = verify_mask.mode if verify_mask is not None else eagle_utils.default_tree_mask_mode()
+    stock = eagle_utils.build_tree_kernel_efficient(batch.spec_info.bonus_tokens, parents, top, drafts,
+                                                    torch.tensor(lens), sum(lens), 1, steps, n, mode)
+    names = ("custom_mask", "positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling",
+             "draft_token")
+    for name, theirs in zip(names, stock):
+        mine = _plain(getattr(ours, name))
+        if name == "custom_mask":
+            assert torch.equal(_read_cells(mine, mode, lens, n), _read_cells(theirs, mode, lens, n))
+        else:
+            assert torch.equal(mine, theirs), name
