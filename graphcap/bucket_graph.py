@@ -40,7 +40,7 @@ class BucketGraph:
     used_rows: int = 0  # live rows written since the last replay's reset (rows past it are padding)
     views: dict[int, tuple[Inputs, DraftOutput | None]] = field(default_factory=dict)  # first-B-row views, by B
     tails: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # slots, accepted rows [B:]
-    word_views: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # first-B-row inputs as one word, by B
+    word_views: dict[tuple[int, bool], list[torch.Tensor]] = field(default_factory=dict)  # as one word, by B
 
     @property
     def captured(self) -> bool:
@@ -76,28 +76,34 @@ class BucketGraph:
         self.used_rows = max(self.used_rows, b)
         return self.rows(b)[0]
 
-    def word_rows(self, b: int) -> list[torch.Tensor]:
-        """The first b rows' static inputs viewed as one integer word (`common_word`, made once per b), for
-        `write`'s one-dtype copy."""
-        v = self.word_views.get(b)
+    def word_rows(self, b: int, with_accepted: bool = True) -> list[torch.Tensor]:
+        """The first b rows' static inputs (without the accepted counts: `with_accepted` False) viewed as one integer
+        word (`common_word`, made once per b), for `write`'s one-dtype copy."""
+        v = self.word_views.get((b, with_accepted))
         if v is None:
             rows = self.rows(b)[0]
+            rows = rows if with_accepted else (rows[0], *rows[2:])
             word = common_word(rows)
-            v = self.word_views[b] = [x.view(word) for x in rows]
+            v = self.word_views[(b, with_accepted)] = [x.view(word) for x in rows]
         return v
 
-    def write(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Copy a live batch of B rows into the first B static rows (`run`'s path)."""
+    def write(self, slots: torch.Tensor, accepted: torch.Tensor | None, tokens: torch.Tensor,
+              hidden: torch.Tensor) -> None:
+        """Copy a live batch of B rows into the first B static rows (`run`'s path; `accepted` None: those rows are
+        left as they are)."""
         b = slots.shape[0]
-        src = (slots, accepted, tokens, hidden)
-        dst = self.claim(b)
+        rows = self.claim(b)
+        if accepted is None:
+            src, dst = (slots, tokens, hidden), (rows[0], *rows[2:])
+        else:
+            src, dst = (slots, accepted, tokens, hidden), rows
         if self.inputs[0].is_cuda and all(s.dtype == d.dtype and s.is_contiguous() for s, d in zip(src, dst)):
             # Same dtypes, both dense: the same bytes. As views of one integer word the four pairs share a dtype,
             # which puts torch._foreach_copy_ on its multi-tensor path: one kernel launch instead of four copies.
             # The widest word both sides allow: the multi-tensor kernel gives each chunk one block, whose threads
             # then make a load per word - as bytes, eight times as many as int64 (docs/results.md, run()'s input
             # copy). (CUDA only: on a CPU the views would cost more than they save.)
-            dst_words = self.word_rows(b)
+            dst_words = self.word_rows(b, accepted is not None)
             try:
                 src_words = [s.view(dst_words[0].dtype) for s in src]
             except RuntimeError:  # a source less aligned than the static rows: a word both allow

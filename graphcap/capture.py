@@ -13,7 +13,14 @@ until the next `run` (a replay overwrites them); pass `copy=True` to keep them l
 or a bucket whose capture failed, runs the same function eagerly: logged once per cause and counted.
 
 Zero-copy: an engine that can write its batch straight into the bucket's static inputs takes them from
-`static_inputs(B)`, fills them, and calls `replay(B)` - no input copies at all.
+`static_inputs(B)`, fills them, and calls `replay(B)` - no input copies at all. An engine's hot path dispatches once
+per call instead: `prepare(B)` hands back the bucket's `Replay` for B rows (made once per B), which writes the batch
+in one copy, says whether its replay runs any of the function's Python (`pure`: a recorded graph, nothing else), and
+replays.
+
+The address guard (every persistent tensor where it was at capture) runs before every replay by default. With
+`replay_checks=False` it runs at each flush interval instead, as vLLM checks addresses only in its debug mode: a
+tensor that moved is then named up to one interval late, after replays that read its old memory.
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ from graphcap.recording import CompiledIteration
 from graphcap.shared_compile import SharedCompile
 from graphcap.static_buffers import PoolDims, StaticBuffers
 
-__all__ = ["DraftGraphs"]  # CaptureError is graphcap.guards'
+__all__ = ["DraftGraphs", "Replay"]  # CaptureError is graphcap.guards'
 
 log = logging.getLogger("graphcap")
 
@@ -65,6 +72,7 @@ class DraftGraphs:
         pool_dims: PoolDims | None = None,
         precompile: bool = False,
         compile_max_batch: int | None = None,
+        replay_checks: bool = True,
     ) -> None:
         """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
         file). `progress=True` adds a `StderrProgress`; `observers` (graphcap.observers) and `add_observer` more.
@@ -93,7 +101,10 @@ class DraftGraphs:
 
         `compile_max_batch` (with `dynamic_batch`): the largest batch the one compile is sized for - its batch range
         and Inductor's size hints, which choose its kernels - instead of the largest bucket. A bench that captures
-        only some of a server's buckets passes the server's largest, so that it measures the code the server runs."""
+        only some of a server's buckets passes the server's largest, so that it measures the code the server runs.
+
+        `replay_checks=False`: the address guard at each flush interval instead of before every replay (module
+        docstring); an attribute, so an engine may switch it later."""
         if backend not in ALL_BACKENDS:
             raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
         self._dispatch = BucketDispatcher(buckets)
@@ -147,6 +158,8 @@ class DraftGraphs:
         for o in [*builtin, *observers]:
             self.add_observer(o)
         self._flush_every_s, self._last_flush = flush_every_s, 0.0
+        self.replay_checks = replay_checks
+        self._replays: dict[int, Replay] = {}  # prepare()'s handles, by batch size (dropped at recapture)
         self._created = None
         self._env: dict | None = None  # device, driver, versions: read once (NVML), not at every flush
 
@@ -257,6 +270,7 @@ class DraftGraphs:
         read *new* tensor objects needs a new `DraftLoop` and `DraftGraphs` (the graphs cannot know what the function
         reads). Until the capture finishes nothing replays (run() raises)."""
         self.captured = False
+        self._replays.clear()
         self._buckets = [self._new_bucket(b.size) for b in self._buckets]
         self._compiled = None
         self._notes.clear()
@@ -283,7 +297,7 @@ class DraftGraphs:
                                         f"{self._dispatch.largest}; running eagerly (counted in the manifest)")
             return self._finish(self.fn(slots, accepted, tokens, hidden), b=b, copy=copy)
         bucket = self._buckets[j]
-        if bucket.captured:
+        if bucket.captured and self.replay_checks:
             self._static.check()  # before anything is written
         bucket.write(slots, accepted, tokens, hidden)  # written rows: padding again at the next smaller batch
         return self._finish(*bucket.replay(b, self.fn, self._compiled, self.padding_slot), b=b, copy=copy)
@@ -298,9 +312,21 @@ class DraftGraphs:
         """One draft iteration over the batch already written into `static_inputs(b)`: the zero-copy `run`. No
         input checks (shapes are the static buffers'; the engine checks its batch first with `check_batch`)."""
         bucket = self._bucket_for("replay", b)
-        if bucket.captured:
+        if bucket.captured and self.replay_checks:
             self._static.check()
         return self._finish(*bucket.replay(b, self.fn, self._compiled, self.padding_slot), b=b, copy=copy)
+
+    def prepare(self, b: int) -> Replay | None:
+        """The `Replay` of the bucket that serves `b` rows (one dispatch, its handle made once per `b`), or None above
+        the largest bucket (then `run` runs the batch eagerly and counts it)."""
+        r = self._replays.get(b)
+        if r is None:
+            if not self.captured:
+                raise CaptureError("prepare() before capture()")
+            if type(b) is int and b > self._dispatch.largest:
+                return None
+            r = self._replays[b] = Replay(self, self._bucket_for("prepare", b), b)
+        return r
 
     def _bucket_for(self, caller: str, b: int) -> BucketGraph:
         if not self.captured:
@@ -308,14 +334,22 @@ class DraftGraphs:
         return self._buckets[self._dispatch.captured_index(caller, b)]
 
     def _finish(self, out: DraftOutput, sliced: bool = False, *, b: int, copy: bool) -> DraftOutput:
-        if self._flushers and time.monotonic() - self._last_flush > self._flush_every_s:
+        if time.monotonic() - self._last_flush > self._flush_every_s:
+            self._interval()
+        rows = out if sliced else DraftOutput(*(x[:b] for x in out))
+        return DraftOutput(*(x.clone() for x in rows)) if copy else rows
+
+    def _interval(self) -> None:
+        """Once per flush interval, after a replay: the address guard where it does not run before every replay,
+        and the manifest's flush."""
+        self._last_flush = time.monotonic()  # first: a failing check or flush is tried again an interval later
+        if not self.replay_checks:
+            self._static.check()
+        if self._flushers:
             try:
                 self.flush()
             except OSError as e:  # the iteration ran: return its outputs, retry at the next interval
-                self._last_flush = time.monotonic()
                 self._warn_once("flush", f"graphcap: could not write manifest {self.manifest_path}: {e}")
-        rows = out if sliced else DraftOutput(*(x[:b] for x in out))
-        return DraftOutput(*(x.clone() for x in rows)) if copy else rows
 
     def check_batch(self, slots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, *,
                     accepted: torch.Tensor | None = None, host_slots: Sequence[int] | None = None,
@@ -359,3 +393,32 @@ class DraftGraphs:
             for o in self._flushers:
                 o.on_flush(m)
         self._last_flush = time.monotonic()
+
+
+class Replay:
+    """One batch size's bucket, dispatched once (`DraftGraphs.prepare`): write the batch into its static rows, then
+    call it to replay. `pure`: the replay is a recorded graph alone - none of the function's Python runs, so an engine
+    need not set up what that Python reads (sglang's forward context, say); false for the compiled backends that
+    replay through Python (reduce-overhead, compile), the eager one and a bucket whose capture failed."""
+
+    __slots__ = ("_graphs", "_bucket", "_b", "pure")
+
+    def __init__(self, graphs: DraftGraphs, bucket: BucketGraph, b: int) -> None:
+        self._graphs, self._bucket, self._b = graphs, bucket, b
+        self.pure = bucket.captured and bucket.graph is not None
+
+    def inputs(self) -> Inputs:
+        """The first b rows of the static inputs (slots, accepted, tokens, hidden), to be written before the call."""
+        return self._bucket.claim(self._b)
+
+    def write(self, slots: torch.Tensor, accepted: torch.Tensor | None, tokens: torch.Tensor,
+              hidden: torch.Tensor) -> None:
+        """Copy the batch into the static rows, one launch on CUDA where the dtypes allow (BucketGraph.write).
+        `accepted` None: its rows are left as they are (0, for a function that takes the counts itself)."""
+        self._bucket.write(slots, accepted, tokens, hidden)
+
+    def __call__(self, *, copy: bool = False) -> DraftOutput:
+        g, bucket, b = self._graphs, self._bucket, self._b
+        if g.replay_checks and bucket.captured:
+            g._static.check()
+        return g._finish(*bucket.replay(b, g.fn, g._compiled, g.padding_slot), b=b, copy=copy)

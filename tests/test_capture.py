@@ -282,6 +282,65 @@ def test_common_word_is_the_widest_view_torch_allows():
                                                                       for x in ts], word)
 
 
+def test_prepared_replay_equals_run_with_one_dispatch_per_batch_size(device):
+    """prepare(b) - an engine's one dispatch per call - gives what run() gives: the batch written in one copy (or
+    its accepted counts left at 0 for a function that takes them itself), padding rows reset after a larger batch,
+    the same handle for the same b, None above the largest bucket (counted there by run(), not by prepare())."""
+    _, wb_ref, loop_ref = build(device)
+    _, wb, loop = build(device)
+    ref = DraftGraphs.for_loop(loop_ref, backend="eager", buckets=(2, 8), manifest_path=None, progress=False)
+    ours = DraftGraphs.for_loop(loop, backend="eager", buckets=(2, 8), manifest_path=None, progress=False)
+    with pytest.raises(CaptureError, match="prepare.. before capture"):
+        ours.prepare(2)
+    ref.capture()
+    ours.capture()
+    g = torch.Generator().manual_seed(13)
+    for b in (7, 3, 8, 1, 5, 2, 6):
+        batch = random_batch(g, wb, device, b)
+        want = ref.run(*batch, copy=True)
+        replay = ours.prepare(b)
+        assert replay is ours.prepare(b) and not replay.pure  # eager backend: the function's Python runs
+        if b % 2:
+            replay.write(*batch)
+        else:  # accepted left as it is: write the counts through inputs() as an engine's own copy would
+            replay.write(batch[0], None, batch[2], batch[3])
+            replay.inputs()[1].copy_(batch[1])
+        got = replay()
+        for x, y, name in zip(got, want, got._fields):
+            assert torch.equal(x, y), f"batch {b}: {name}"
+        assert torch.equal(wb.ring, wb_ref.ring) and torch.equal(wb.seq_lens, wb_ref.seq_lens)
+    assert [r.replays for r in ours.buckets] == [r.replays for r in ref.buckets]
+    assert ours.prepare(9) is None and ours.oversize_fallbacks == 0
+    with pytest.raises(CaptureError, match=r"batch 0 is not an int in the captured buckets' range 1..8"):
+        ours.prepare(0)
+    old = ours.prepare(2)
+    ours.recapture()
+    assert ours.prepare(2) is not old  # a handle never outlives the buckets it replays
+
+
+@pytest.mark.parametrize("replay_checks", [True, False])
+def test_address_guard_every_replay_or_every_interval(device, replay_checks):
+    """replay_checks (default): a moved static tensor is refused before the replay. Off (an engine's lean hot path):
+    replays go on until the flush interval ends, then the same error names the tensor."""
+    st, wb, loop = build(device)
+    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False,
+                                  flush_every_s=3600.0, replay_checks=replay_checks)
+    graphs.capture()
+    g = torch.Generator().manual_seed(3)
+    st.k_swa.set_(st.k_swa.clone())
+    moved = r"static tensor 'sliding.k_pool' moved since capture"
+    if replay_checks:
+        with pytest.raises(CaptureError, match=moved):
+            graphs.run(*random_batch(g, wb, device, 2))
+        return
+    graphs.run(*random_batch(g, wb, device, 2))  # within the interval: not checked
+    graphs.prepare(3)()
+    graphs._last_flush -= 3601.0  # the interval is over
+    with pytest.raises(CaptureError, match=moved):
+        graphs.prepare(2)()
+    graphs.run(*random_batch(g, wb, device, 2))  # the next check is an interval later again
+
+
 def test_moved_static_tensor_is_caught_and_recapture_recovers(device):
     st, wb, loop = build(device)
     graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)

@@ -93,10 +93,14 @@ def _example_inputs(window):
     return example_inputs
 
 
-def _graphs(window, buckets):
-    graphs = DraftGraphs(_iteration(window), buckets=list(buckets), padding_slot=window.padding_slot,
-                         example_inputs=_example_inputs(window), static_tensors=window.static_tensors(),
-                         backend="eager", manifest_path=None, progress=False)
+def _graphs(window, buckets, tracker: SlotTracker):
+    """Captured as the plugin captures: the iteration takes the pending counts itself (`tracker.in_iteration`), and on
+    a GPU is recorded as the plugin's default backend records it (a replay runs no Python: `Replay.pure`)."""
+    static = {**window.static_tensors(), "pending_accepts": tracker.pending}
+    graphs = DraftGraphs(tracker.in_iteration(_iteration(window)), buckets=list(buckets),
+                         padding_slot=window.padding_slot, example_inputs=_example_inputs(window),
+                         static_tensors=static, backend="cudagraph" if window.device.type == "cuda" else "eager",
+                         manifest_path=None, progress=False)
     graphs.capture()
     return graphs
 
@@ -107,7 +111,7 @@ def _runtime(device, buckets=(1, 2, 4), seed=0, steps=3) -> GraphcapDraftRuntime
     rt = GraphcapDraftRuntime(SimpleNamespace(speculative_num_steps=steps), DraftCaptureOptions(enabled=True),
                               window, target_pool=None)
     assert rt.steps == steps
-    rt.attach(_graphs(window, buckets))
+    rt.attach(_graphs(window, buckets, rt.tracker))
     return rt
 
 
@@ -534,3 +538,42 @@ def test_a_bad_check_switch_is_named_when_the_runtime_is_made(device, monkeypatc
     monkeypatch.setenv(CHECK_ENV, raw)
     with pytest.raises(DraftCaptureConfigError, match=rf"\${CHECK_ENV}: expected 0 or 1, got '{raw}'"):
         _steady(device)
+
+
+class _NoLaunch:
+    """A recorded graph's stand-in on CPU: a replay that runs no Python of the iteration."""
+
+    def replay(self) -> None:
+        pass
+
+
+def test_forward_context_only_where_the_replay_runs_python(device):
+    """sglang's forward context (what the iteration's Python reads) is entered around a replay that runs the
+    function - a bucket without a recorded graph, a batch above the largest bucket - and not around a recorded
+    graph's replay, which runs none of it."""
+    rt, sched = _steady(device)
+    entered = []
+
+    @contextlib.contextmanager
+    def context():
+        entered.append(1)
+        yield
+
+    rt.loop = SimpleNamespace(context=context)
+    batch = sched.batch()
+    rt.iterate(batch)
+    assert len(entered) == (0 if device == "cuda" else 1)  # cudagraph on a GPU, the eager backend on a CPU
+    for b in rt.graphs.buckets:
+        bucket = rt.graphs.bucket_graph(b.batch_size)
+        bucket.graph, bucket.outputs = _NoLaunch(), bucket.outputs or _iteration(rt.window)(*bucket.inputs)
+        bucket.views.clear()
+    rt.graphs._replays.clear()  # handles are made after capture: these buckets now replay a graph
+    entered.clear()
+    rt.iterate(batch)
+    assert entered == []
+    while len(sched.running) < 5:
+        sched.events([rt.tracker])
+    big = sched.batch()
+    assert len(big.reqs) > rt.max_bucket
+    rt.iterate(big)
+    assert entered == [1]

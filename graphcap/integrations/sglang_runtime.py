@@ -6,11 +6,12 @@ with the assistant's model (docs/sglang.md, "Measured in sglang's own engine").
 Per iteration, instead of sglang's `FrozenKVMTPDraftWorker.draft` (`GraphcapDraftRuntime.iterate`):
 1. host: rows whose request is new to the row, was retracted, or lost in-window SWA pages are rebuilt
    (`WindowBuffers.reset`: one sync, rebuild iterations only);
-2. device: the rows (sglang's `req_pool_indices`) and the accepted counts the last verify left per row (scattered by
-   `on_accept`) go straight into the bucket's static inputs - no host-to-device copy, no temporary, no sync;
-3. one replay of graphcap's captured iteration: `window.advance(slots, accepted)`, then the seed step and the other
-   steps of sglang's own assistant model, its attention reading graphcap's ring (sliding layers) and `req_to_token`
-   (full layers) through graphcap's decode kernel;
+2. device: the rows (sglang's `req_pool_indices`), seed tokens and hidden states go straight into the bucket's static
+   inputs in one copy - no host-to-device copy, no temporary, no sync;
+3. one replay of graphcap's captured iteration: the accepted counts the verifies left per row (scattered by
+   `on_accept`) taken and cleared, `window.advance(slots, accepted)`, then the seed step and the other steps of
+   sglang's own assistant model, its attention reading graphcap's ring (sliding layers) and `req_to_token` (full
+   layers) through graphcap's decode kernel;
 4. the chain's tree inputs go to sglang's own `build_tree_kernel_efficient` and `FrozenKVMTPVerifyInput`. The tree
    mask is written into the target backend's preallocated verify mask (or sized from an upper bound), as sglang's
    EAGLE v2 worker does, instead of sizing it from a `seq_lens.sum().item()` sync (`verify_tree_mask`): with the
@@ -249,7 +250,8 @@ class GraphcapDraftRuntime:
             name += f"-{self.options.projections}-projections"
         self.loop = loop
         with loop.context():
-            graphs = capture_graphs(self.window, loop, buckets=buckets, example_inputs=loop.example_inputs,
+            graphs = capture_graphs(self.window, self.tracker.in_iteration(loop), buckets=buckets,
+                                    example_inputs=loop.example_inputs,
                                     static_tensors=static, backend=backend, manifest_dir=self.options.manifest_dir,
                                     name=name, steps=self.steps, tp_rank=sglang_tp_rank(w))
         self.attach(graphs)
@@ -259,35 +261,43 @@ class GraphcapDraftRuntime:
         return self.loop.context() if self.loop is not None else contextlib.nullcontext()
 
     def attach(self, graphs: DraftGraphs) -> None:
-        """Serve the draft phase from `graphs` (captured)."""
+        """Serve the draft phase from `graphs` (captured over `tracker.in_iteration(...)`: the iteration takes the
+        accepted counts itself). The address guard before every replay only in the check mode (else at each manifest
+        flush: graphcap.capture)."""
         self.graphs, self.max_bucket, self.active = graphs, graphs.buckets[-1].batch_size, True
+        graphs.replay_checks = self.check
 
     def iterate(self, batch) -> DraftOutput:
-        """graphcap's half of a draft: rebuilds, then one replay, its inputs written straight into the bucket's
-        static inputs (the rows from sglang's device `req_pool_indices`, the accepted counts gathered there from the
-        pending buffer). No host sync (GRAPHCAP_SGLANG_CHECK=1 adds one, checking every length)."""
+        """graphcap's half of a draft: rebuilds, then one dispatch and one replay, the rows (sglang's device
+        `req_pool_indices`), seed tokens and hidden states written into the bucket's static inputs in one copy; the
+        captured iteration takes the accepted counts from the pending buffer itself. No host sync. sglang's forward
+        context is set only where the replay runs Python (a compiled backend that replays through it, an eager
+        fallback). Checked every call, on the host: the inputs' shapes, dtypes and devices (a set lookup after the
+        first batch of each kind) and the rows distinct and in range (~1-2 us at batch 8-32). GRAPHCAP_SGLANG_CHECK=1
+        adds the device rows against the requests' own and every length (with a sync), and the address guard before
+        every replay (else at each manifest flush)."""
         spec_info = batch.spec_info
         tokens, hidden = spec_info.bonus_tokens, spec_info.hidden_states
         slots = batch.req_pool_indices  # the rows, on the device already: nothing rebuilt from host ints
         host_slots = [slot_of(r) for r in batch.reqs]
         if None in host_slots:
             raise CaptureError(f"graphcap draft: a request of the batch has no request-pool row ({host_slots})")
-        # Everything checked before anything is written, rebuilds and the pending counts included: a clashing row
-        # would otherwise reset another request's window. The replayed rows are `slots`; that they equal
-        # `host_slots` is sglang's invariant, checked (with a sync) under GRAPHCAP_SGLANG_CHECK.
+        # Before anything is written, rebuilds and the pending counts included: a clashing row would otherwise reset
+        # another request's window. The replayed rows are `slots`; that they equal `host_slots` is sglang's
+        # invariant, checked (with a sync) under GRAPHCAP_SGLANG_CHECK.
         self.graphs.check_batch(slots, tokens, hidden, host_slots=host_slots, call="graphcap draft")
         self.tracker.rebuild(batch.reqs, batch.seq_lens, host_slots)
-        b = len(host_slots)
-        with self._context():
-            if b <= self.max_bucket:
-                s, a, t, h = self.graphs.static_inputs(b)
-                s.copy_(slots)
-                self.tracker.take_accepted(s, out=a)
-                t.copy_(tokens)
-                h.copy_(hidden)
-                out = self.graphs.replay(b)
-            else:  # above the largest bucket: run() copies and runs eagerly (counted in the manifest)
-                out = self.graphs.run(slots, self.tracker.take_accepted(slots), tokens, hidden,
+        replay = self.graphs.prepare(len(host_slots))
+        if replay is not None:
+            replay.write(slots, None, tokens, hidden)
+            if replay.pure:
+                out = replay()
+            else:
+                with self._context():
+                    out = replay()
+        else:  # above the largest bucket: run() runs it eagerly (counted in the manifest)
+            with self._context():
+                out = self.graphs.run(slots, torch.zeros_like(slots, dtype=torch.int32), tokens, hidden,
                                       host_slots=host_slots)
         if self.check:
             check_lengths(self.window, batch, host_slots)

@@ -21,8 +21,9 @@ class SlotTracker:
     - `on_join(reqs)` (after a prefill), `on_retract(slots)`, `on_evict(slot, ...)`: host bookkeeping only; the rows
       are rebuilt at the next draft, from req_to_token as it is then.
     - `on_accept(req_pool_indices, accept_lens)` (after each verify): device scatter into `pending[slot]`, no sync.
-    - each draft: `rebuild(reqs, seq_lens)` (host rows; syncs only when a row is rebuilt), then
-      `take_accepted(slots, out)` (device gather straight into the captured graph's input, no sync).
+    - each draft: `rebuild(reqs, seq_lens)` (host rows; syncs only when a row is rebuilt); the iteration
+      `in_iteration` wraps gathers and clears the rows' counts inside its captured graph (no launch outside it), or
+      `take_accepted(slots, out)` gathers them on the device for an iteration that takes them as its input.
       `prepare(reqs, seq_lens)` does both for a caller that has no device copy of the rows.
     """
 
@@ -84,8 +85,29 @@ class SlotTracker:
         self.pending.index_fill_(0, slots, 0)
         return accepted
 
+    def in_iteration(self, fn) -> TakesPending:
+        """`fn` taking the counts waiting for its rows itself (`TakesPending`), for the capture."""
+        return TakesPending(fn, self.pending)
+
     def prepare(self, reqs, seq_lens: torch.Tensor):
         """`rebuild` + `take_accepted` with the rows copied from the host: (slots, accepted, host_slots)."""
         host_slots = self.rebuild(reqs, seq_lens)
         slots = torch.tensor(host_slots, dtype=torch.int64).to(self.window.device, non_blocking=True)
         return slots, self.take_accepted(slots), host_slots
+
+
+class TakesPending:
+    """A draft iteration fn(slots, accepted, tokens, hidden) that adds the counts waiting in `pending` for its rows to
+    `accepted` and clears them, inside the call - so inside its captured graph, where an engine would otherwise gather
+    and clear them with two launches before each replay. The engine leaves the static accepted rows at 0; padding
+    rows read and clear the padding slot's count, which nothing ever adds to. Keeps the iteration's `graph_breaks`
+    (graphcap.recording reads it)."""
+
+    def __init__(self, fn, pending: torch.Tensor) -> None:
+        self.fn, self.pending = fn, pending
+        self.graph_breaks = bool(getattr(fn, "graph_breaks", False))
+
+    def __call__(self, slots: torch.Tensor, accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor):
+        accepted = accepted + self.pending.index_select(0, slots)
+        self.pending.index_fill_(0, slots, 0)
+        return self.fn(slots, accepted, tokens, hidden)
