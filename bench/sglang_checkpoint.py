@@ -258,7 +258,7 @@ def make_pair(size: str, out: str | Path, disagree: float = 0.3, seed: int = 0, 
               window: int = 1024, max_pos: int = 32768, sample: int = 2048) -> dict:
     """Write out/target and out/assistant; returns the summary (also out/summary.json). The user-scale target holds
     no projection matrices (`summary["target_matrices"]` is false): load it with load_format="dummy", then its
-    structure with sglang's update_weights_from_disk."""
+    structure over them (sglang_user_scale.load_target_structure)."""
     s, out = SIZES[size], Path(out)
     torch.manual_seed(seed)
     matrices = size != "user-scale"

@@ -5,9 +5,10 @@ capture, with sglang's verify attention or graphcap's).
 Checkpoint: `bench/sglang_checkpoint.py --size user-scale` (the draft-shapes assistant, structured, and a 60-layer
 target config whose checkpoint holds only the structure: embeddings, lm_head, norms, layer scalars). The engine loads
 both models with load_format="dummy": the same random init, so every draft token is accepted and only the
-iteration's time is measured. `--structured` (no-spec only) loads the target's structure over it through sglang's
-`update_weights_from_disk`; sglang's update also loads the draft runner, which fails on the target's embeddings, so
-a real acceptance at this scale is still to be measured.
+iteration's time is measured. `--structured` loads the structured assistant from disk and the target's structure
+over its dummy weights (`load_target_structure`: sglang's `update_weights_from_tensor` on the target runner alone -
+its `update_weights_from_disk` also loads the draft runner, which fails on the target's embeddings), so the draft's
+acceptance is the structured pair's: real, and what the record's `accept_len` measures.
 
 Per engine (each in a child process of its own), per (batch, context): decode tokens/s per request from pairs of a
 short and a long run of the same prompts (the same prefill in both), the accept length sglang reports; at
@@ -149,6 +150,40 @@ def engine_kwargs(cfg: dict) -> dict:
     return kw
 
 
+def structure_tensors(target: str, device: str) -> list[tuple[str, "object"]]:
+    """(name, tensor) of every tensor in the target checkpoint's safetensors files (sglang_checkpoint.py writes the
+    structure alone at this size), as sglang's loader reads them from disk."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(target, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {target}")
+    return [item for f in files for item in load_file(f, device=device).items()]
+
+
+def load_target_structure(engine, target: str, device: str = "cuda", request_cls=None) -> dict:
+    """Load the target checkpoint's structure over the target runner's dummy weights, in place (the captured graphs
+    keep their addresses), and not into the draft runner: one weight-update session on selector "target",
+    `update_weights_from_tensor` inside it. `request_cls`: sglang's UpdateWeightsFromTensorReqInput (its `selector`
+    field is what Engine.update_weights_from_tensor does not expose)."""
+    if request_cls is None:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput as request_cls
+    named = structure_tensors(target, device)
+    out = {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
+    ok, msg = engine.begin_weight_update(selector="target")[:2]
+    if not ok:
+        return {**out, "ok": False, "message": f"begin_weight_update: {msg}"}
+    try:
+        req = request_cls(serialized_named_tensors=engine._serialize_tensors_per_rank(named, None), load_format=None,
+                          flush_cache=True, selector="target")
+        ok, msg = engine.loop.run_until_complete(engine.tokenizer_manager.update_weights_from_tensor(req, None))[:2]
+    finally:
+        end_ok, end_msg = engine.end_weight_update()[:2]
+    if ok and not end_ok:
+        ok, msg = False, f"end_weight_update: {end_msg}"
+    return {**out, "ok": bool(ok), "message": str(msg)}
+
+
 def child(cfg: dict) -> dict:
     if cfg["engine"].startswith("graphcap"):
         os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps({
@@ -161,8 +196,9 @@ def child(cfg: dict) -> dict:
     res = {"config": cfg, "startup_s": time.perf_counter() - t0, "cases": []}
     try:
         if cfg["structured"]:
-            ok, msg = engine.update_weights_from_disk(target_dir(cfg["ckpt"]), load_format="auto")[:2]
-            res["structure_loaded"] = {"ok": bool(ok), "message": str(msg)}
+            res["structure_loaded"] = load_target_structure(engine, target_dir(cfg["ckpt"]))
+            if not res["structure_loaded"]["ok"]:
+                raise RuntimeError(f"the target's structure did not load: {res['structure_loaded']['message']}")
         rng = random.Random(0)
         for batch, context in cfg["cases"]:
             prompts = [[rng.randrange(3, cfg["vocab"]) for _ in range(context)] for _ in range(batch)]
@@ -284,10 +320,6 @@ def main(argv=None) -> int:
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         ap.error(f"--engines: unknown {bad}; choose from {', '.join(ENGINES)}")
-    if a.structured and engines != ["nospec"]:  # sglang's disk update loads every runner, the draft included, and
-        # the draft's load fails on the target's embeddings (then sglang's roll-back fails the same way)
-        ap.error("--structured works for --engines nospec alone: sglang's update_weights_from_disk also loads the "
-                 "target's structure into the draft model, which fails")
     try:
         batches = [int(x) for x in a.batches.split(",")]
         contexts = [int(x) for x in a.contexts.split(",")]

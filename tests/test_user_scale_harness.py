@@ -60,3 +60,68 @@ def test_no_spec_decode_sets_the_period_and_a_gz_trace_loads(tmp_path):
 def test_bad_arguments_exit_2_naming_them(args, msg):
     r = subprocess.run([sys.executable, us.__file__, *args], capture_output=True, text=True)
     assert r.returncode == 2 and msg in r.stderr
+
+
+class _Engine:
+    """sglang's Engine as load_target_structure uses it, recording the calls (the real one needs a GPU)."""
+
+    def __init__(self, update_ok=True, begin_ok=True):
+        self.calls, self.update_ok, self.begin_ok = [], update_ok, begin_ok
+        self.loop = self
+        self.tokenizer_manager = self
+
+    def begin_weight_update(self, selector):
+        self.calls.append(("begin", selector))
+        return self.begin_ok, "b"
+
+    def _serialize_tensors_per_rank(self, named, load_format):
+        self.calls.append(("serialize", [n for n, _ in named], load_format))
+        return ["payload"]
+
+    def update_weights_from_tensor(self, req, request):
+        self.calls.append(("update", req))
+        return self.update_ok, "u"
+
+    def run_until_complete(self, x):
+        return x
+
+    def end_weight_update(self):
+        self.calls.append(("end",))
+        return True, "e"
+
+
+class _Req:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+@pytest.mark.parametrize("update_ok", [True, False])
+def test_target_structure_goes_to_the_target_runner_alone(tmp_path, update_ok):
+    """--structured: every tensor of the target checkpoint, as written by sglang_checkpoint.py, reaches sglang's
+    update_weights_from_tensor with selector "target" inside one weight-update session (closed also when the update
+    fails), so the draft runner - whose load of the target's embeddings fails - is never asked."""
+    sys.path.insert(0, str(Path(us.__file__).parent))
+    import sglang_checkpoint as ck
+    from safetensors.torch import load_file
+
+    ck.make_pair("tiny", tmp_path, device="cpu", sample=64)
+    want = sorted(load_file(str(tmp_path / "target" / "model.safetensors")))
+    eng = _Engine(update_ok=update_ok)
+    r = us.load_target_structure(eng, str(tmp_path / "target"), device="cpu", request_cls=_Req)
+    assert [c[0] for c in eng.calls] == ["begin", "serialize", "update", "end"]
+    assert eng.calls[0] == ("begin", "target") and sorted(eng.calls[1][1]) == want and len(want) == r["tensors"]
+    req = eng.calls[2][1]
+    assert req.selector == "target" and req.serialized_named_tensors == ["payload"] and req.flush_cache
+    assert r["ok"] is update_ok
+
+
+def test_a_refused_session_loads_nothing(tmp_path):
+    sys.path.insert(0, str(Path(us.__file__).parent))
+    import sglang_checkpoint as ck
+
+    ck.make_pair("tiny", tmp_path, device="cpu", sample=64)
+    eng = _Engine(begin_ok=False)
+    r = us.load_target_structure(eng, str(tmp_path / "target"), device="cpu", request_cls=_Req)
+    assert not r["ok"] and "begin_weight_update" in r["message"] and [c[0] for c in eng.calls] == ["begin"]
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        us.load_target_structure(eng, str(tmp_path), device="cpu", request_cls=_Req)
