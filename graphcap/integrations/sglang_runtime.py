@@ -131,14 +131,15 @@ def chain_tree_inputs(draft_tokens: torch.Tensor):
     return const[0], const[1], draft_tokens.contiguous()
 
 
-def verify_tree_mask(target_backend, bs: int, host_seq_lens_sum: int | None, default_mode):
+def verify_tree_mask(target_backend, bs: int, host_seq_lens_sum: int | None, default_mode, context_len: int):
     """(tree_mask_buf, mode, fill_prefix_mask, seq_lens_sum) for sglang's `build_tree_kernel_efficient`, without a
     device-to-host sync - sglang's EAGLE v2 draft tail (`eagle_worker_common`), which sglang's FROZEN_KV_MTP worker
     does not use: it sums `seq_lens` with `.item()` every iteration. The tree kernel writes each request's rows at
     offsets it computes on the GPU from `seq_lens`, and every reader (the target verify's mask_indptr, its graph's
     copy) does the same, so the mask may be larger than the batch needs: it goes straight into the target backend's
     preallocated verify mask where the batch fits it (`seq_lens_sum` then only 0), else it is allocated from the
-    host's exact sum when the scheduler has one, or from `bs * max_context_len`."""
+    host's exact sum when the scheduler has one, or from `bs * context_len` (the backend's own bound where it has
+    one, as sglang's EAGLE v2 takes it)."""
     verify_mask = getattr(target_backend, "verify_mask", None)
     if verify_mask is None:
         buf, mode, fill = None, default_mode, True
@@ -149,7 +150,7 @@ def verify_tree_mask(target_backend, bs: int, host_seq_lens_sum: int | None, def
         return buf, mode, fill, int(host_seq_lens_sum)
     if buf is not None or mode.name == "QLEN_ONLY":  # preallocated, or sized from bs alone
         return buf, mode, fill, 0
-    return buf, mode, fill, bs * int(target_backend.max_context_len)
+    return buf, mode, fill, bs * int(getattr(target_backend, "max_context_len", None) or context_len)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -317,8 +318,9 @@ class GraphcapDraftRuntime:
         host_sum, host_lens = getattr(batch, "seq_lens_sum", None), getattr(batch, "seq_lens_cpu", None)
         if host_sum is None and host_lens is not None:
             host_sum = int(host_lens.sum())
-        buf, mode, fill, seq_lens_sum = verify_tree_mask(w.target_worker.model_runner.attn_backend,
-                                                         batch.seq_lens.shape[0], host_sum, default_tree_mask_mode())
+        runner = w.target_worker.model_runner
+        buf, mode, fill, seq_lens_sum = verify_tree_mask(runner.attn_backend, batch.seq_lens.shape[0], host_sum,
+                                                         default_tree_mask_mode(), runner.model_config.context_len)
         (tree_mask, position, retrieve_index, retrieve_next_token, retrieve_next_sibling,
          draft_tokens) = build_tree_kernel_efficient(
             batch.spec_info.bonus_tokens, parent_list, top_scores_index, draft_tokens, batch.seq_lens, seq_lens_sum,

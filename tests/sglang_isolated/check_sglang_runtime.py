@@ -590,9 +590,12 @@ def test_draft_tail_builds_sglangs_tree_without_reading_device_lengths(monkeypat
     verify_mask = None if case == "no-verify-mask" else maybe_create_verify_mask(
         is_draft_runner=False, skip_prefill=False, max_bs=max_bs, max_context_len=ctx, num_draft_tokens=n,
         device="cpu", is_read=True, dtype=torch.uint8)
-    backend = SimpleNamespace(verify_mask=verify_mask, max_context_len=ctx)
+    # a backend without a verify mask may also lack sglang's max_context_len: the model's context length bounds it
+    backend = SimpleNamespace(verify_mask=verify_mask) if case == "no-verify-mask" else \
+        SimpleNamespace(verify_mask=verify_mask, max_context_len=ctx)
+    runner = SimpleNamespace(attn_backend=backend, model_config=SimpleNamespace(context_len=ctx))
     worker = SimpleNamespace(speculative_num_steps=steps, speculative_num_draft_tokens=n,
-                             target_worker=SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend)))
+                             target_worker=SimpleNamespace(model_runner=runner))
     rt = GraphcapDraftRuntime(worker, plugin.DraftCaptureOptions(enabled=True), _window_buffers(), target_pool=None)
     tokens = torch.randint(0, 1000, (bs, steps), generator=g)
     rt.graphs = object()  # captured (iterate is replaced below: the replay is tested elsewhere)
