@@ -6,17 +6,20 @@ is one line on stderr, `graphcap: error: ...`, and exit status 2 - never a trace
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 
 from graphcap.bench import options as bench_options
 from graphcap.bench.options import OptionError
 from graphcap.bench.options import add_arguments as add_bench_arguments
 from graphcap.errors import GraphcapInputError
-from graphcap.manifest import Manifest, ManifestError, default_manifest_dir, list_manifests, read_manifest
+from graphcap.manifest import (Manifest, ManifestError, Parallel, default_manifest_dir, list_manifests,
+                               manifest_path, read_manifest)
 
 PROG = "graphcap"
 
@@ -39,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="show capture manifests", description=(
         "Show what was captured: per batch bucket, status, capture time, graph pool memory, replays, eager "
-        f"fallbacks and padding waste. PATH is a manifest or a directory of them (default: {_default_dir_help()})."))
+        "fallbacks and padding waste. The manifests of one server's ranks (tensor, pipeline or data parallel) are "
+        "shown together, with where they disagree. PATH is a manifest or a directory of them (default: "
+        f"{_default_dir_help()})."))
     i.add_argument("path", nargs="?", metavar="MANIFEST_OR_DIR")
     i.add_argument("--json", action="store_true", help="print a JSON list of manifests (padding_waste included)")
 
@@ -127,16 +132,94 @@ def cmd_inspect(path: str | None, as_json: bool = False) -> int:
     if manifests and as_json:
         print(json.dumps([m.to_dict(derived=True) for _, m in manifests], indent=2))
     elif manifests:
-        print("\n\n".join(format_manifest(m, f) for f, m in manifests))
+        seen: dict[Path, Manifest | None] = {**{Path(e.source): None for e in errors}, **dict(manifests)}
+        print("\n\n".join(format_manifest(group[0][1], group[0][0]) if len(group) == 1 and _single(group[0][1])
+                           else format_ranks(group, seen) for group in group_ranks(manifests)))
     for e in errors:
         _error(str(e))
     return 2 if errors else 0
 
 
+def _single(m: Manifest) -> bool:
+    return m.parallel is None or m.parallel.single
+
+
+def group_ranks(manifests: Sequence[tuple[Path, Manifest]]) -> list[list[tuple[Path, Manifest]]]:
+    """The manifests by server - same spec name, hash and backend, and the same world (parallel sizes) - in the
+    order read; a single process's manifest is a group of its own."""
+    groups: dict[object, list[tuple[Path, Manifest]]] = {}
+    for i, (f, m) in enumerate(manifests):
+        key = i if _single(m) else (m.spec_name, m.spec_hash, m.backend, m.parallel.world)
+        groups.setdefault(key, []).append((f, m))
+    return list(groups.values())
+
+
+def rank_disagreements(group: Sequence[tuple[Path, Manifest]],
+                       seen: Mapping[Path, Manifest | None] = MappingProxyType({})) -> list[str]:
+    """What the ranks of one server disagree on, one line each: a bucket's status (or presence) that differs, a rank
+    of the world with no manifest in the group (`seen`: every file read, None where unreadable, to say why), a rank
+    with two. [] when every rank is there with the same buckets."""
+    world = group[0][1].parallel
+    labels = [m.parallel.label for _, m in group]
+    lines = [f"{label}: {labels.count(label)} manifests" for label in dict.fromkeys(labels) if labels.count(label) > 1]
+    status = {label: {b.batch_size: b.status for b in m.buckets} for label, (_, m) in zip(labels, group)}
+    for size in sorted({b for s in status.values() for b in s}):
+        on: dict[str, list[str]] = {}  # status -> ranks
+        for label, s in status.items():
+            on.setdefault(s.get(size, "absent"), []).append(label)
+        if len(on) > 1:
+            lines.append(f"bucket {size}: " + "; ".join(f"{st} on {', '.join(ls)}" for st, ls in on.items()))
+    dims = [("dp", world.dp_size), ("pp", world.pp_size), ("tp", world.tp_size)]
+    if all(m.parallel.dp_rank is not None for _, m in group) or world.dp_size == 1:  # replicas numbered: expected
+        directory = group[0][0].parent
+        for ranks in itertools.product(*(range(n) for _, n in dims)):
+            want = Parallel(**{f"{d}_{k}": v for (d, n), r in zip(dims, ranks) for k, v in (("rank", r), ("size", n))})
+            if want.label in labels:
+                continue
+            m = group[0][1]
+            path = manifest_path(directory, m.spec_name, m.spec_hash, m.backend, want)
+            if path in seen:
+                other = seen[path]
+                world_of = other.parallel.describe_world() if other and other.parallel else "one process"
+                why = ("unreadable, see the error below" if other is None else
+                       f"{path.name} is another run's: {world_of}")
+            else:
+                why = "not read: inspect the directory to compare it" if path.exists() else f"{path} does not exist"
+            lines.append(f"{want.label}: no manifest ({why})")
+    return lines
+
+
+def format_ranks(group: Sequence[tuple[Path, Manifest]],
+                 seen: Mapping[Path, Manifest | None] = MappingProxyType({})) -> str:
+    """One server's ranks: a bucket-by-rank status table, what they disagree on (or that they agree), then each
+    rank's manifest as `format_manifest` shows one."""
+    from tabulate import tabulate
+
+    group = sorted(group, key=lambda fm: tuple(getattr(fm[1].parallel, f"{d}_rank") or 0 for d in ("dp", "pp", "tp")))
+    m0 = group[0][1]
+    labels = [m.parallel.label for _, m in group]
+    sizes = sorted({b.batch_size for _, m in group for b in m.buckets})
+    rows = [[size, *(next((b.status for b in m.buckets if b.batch_size == size), "-") for _, m in group)]
+            for size in sizes]
+    w = m0.parallel
+    lines = [f"{m0.spec_name} (spec {m0.spec_hash}), backend {m0.backend}: {w.describe_world()}, manifests of "
+             f"{len(group)} of {w.dp_size * w.pp_size * w.tp_size} ranks", ""]
+    lines.append(tabulate(rows, headers=["bucket", *labels], disable_numparse=True,
+                          colalign=("right",) + ("left",) * len(labels)) if rows else "(no buckets)")
+    disagree = rank_disagreements(group, seen)
+    if disagree:
+        lines += ["", "ranks disagree:", *(f"  {d}" for d in disagree)]
+    else:
+        lines += ["", f"ranks agree: every rank has buckets {', '.join(map(str, sizes)) or '(none)'}, each with the "
+                  "same status"]
+    return "\n\n".join(["\n".join(lines), *(format_manifest(m, f) for f, m in group)])
+
+
 def format_manifest(m: Manifest, path: str | Path | None = None) -> str:
     from tabulate import tabulate
 
-    lines = [f"{m.spec_name} (spec {m.spec_hash}), backend {m.backend}"
+    rank = m.parallel.label if m.parallel is not None else ""
+    lines = [f"{m.spec_name} (spec {m.spec_hash}), backend {m.backend}" + (f", rank {rank}" if rank else "")
              + (", one compile for every bucket (dynamic batch)" if m.dynamic_batch else "")]
     if path is not None:
         lines.append(f"  file:     {path}")

@@ -1,6 +1,8 @@
 """Capture manifests: what the capture engine captured, per batch bucket, written as JSON for `graphcap inspect`.
 
-One manifest per (spec, spec hash, backend), at `manifest_path(default_manifest_dir(), ...)`. The capture engine
+One manifest per (spec, spec hash, backend) and process, at `manifest_path(default_manifest_dir(), ...)`: a process
+of a server split over GPUs (tensor, pipeline or data parallel: `Parallel`) writes a file of its own, the rank in its
+name (`...-tp1.json`); a single process keeps the plain name. The capture engine
 keeps the run-time counters (replays, fallbacks, padded rows) in plain ints on the `BucketRecord`s and calls
 `write_manifest` now and then (never per iteration); the write is atomic, so a reader never sees half a file.
 
@@ -69,6 +71,52 @@ class BucketRecord:
         return self.padded_rows / (self.replays * self.batch_size) if self.replays else 0.0
 
 
+Size = Annotated[int, Strict(), Field(ge=1)]
+PARALLEL_DIMS = ("dp", "pp", "tp")  # the order of a rank's label and file suffix: replica, stage, TP rank
+_DIM_WORDS = {"dp": "data parallel", "pp": "pipeline parallel", "tp": "tensor parallel"}
+
+
+@with_config(_FORBID)
+@dataclass(frozen=True)
+class Parallel:
+    """Where the process that wrote a manifest sits in its server's parallel layout, in sglang's terms: TP rank and
+    size, pipeline stage and count, data-parallel replica and count. Every size 1: one process (`single`)."""
+
+    tp_rank: Count
+    tp_size: Size
+    pp_rank: Count = 0
+    pp_size: Size = 1
+    dp_rank: Count | None = None  # the replica; None where sglang runs no data-parallel controller
+    dp_size: Size = 1
+
+    def __post_init__(self) -> None:
+        for dim in PARALLEL_DIMS:
+            rank, size = getattr(self, f"{dim}_rank"), getattr(self, f"{dim}_size")
+            if rank is not None and rank >= size:
+                raise ValueError(f"{dim}_rank {rank} is not below {dim}_size {size}")
+
+    @property
+    def world(self) -> tuple[int, int, int]:
+        """(dp_size, pp_size, tp_size): the processes of one server are those of one world."""
+        return self.dp_size, self.pp_size, self.tp_size
+
+    @property
+    def single(self) -> bool:
+        return self.world == (1, 1, 1)
+
+    @property
+    def label(self) -> str:
+        """The rank along each dimension wider than one, `dp1-tp0`; "" for a single process. A replica sglang does
+        not number (`dp_rank` None) is left out: its files cannot be told apart."""
+        return "-".join(f"{d}{getattr(self, f'{d}_rank')}" for d in PARALLEL_DIMS
+                        if getattr(self, f"{d}_size") > 1 and getattr(self, f"{d}_rank") is not None)
+
+    def describe_world(self) -> str:
+        """`tensor parallel 2`, `data parallel 2, tensor parallel 2`; `one process`."""
+        return ", ".join(f"{_DIM_WORDS[d]} {getattr(self, f'{d}_size')}" for d in PARALLEL_DIMS
+                         if getattr(self, f"{d}_size") > 1) or "one process"
+
+
 @with_config(_FORBID)
 @dataclass
 class Manifest:
@@ -91,12 +139,14 @@ class Manifest:
     dynamic_batch: Annotated[bool, Strict()] = False  # one compile for every bucket (else one per bucket)
     notes: list[Text] = field(default_factory=list)
     compile_cache: Text | None = None  # DraftGraphs(compile_cache=...): "hit", "miss" or "refused: <why>"; else None
+    parallel: Parallel | None = None  # the writing process's ranks (the sglang plugin); None: not recorded
 
     @classmethod
     def for_spec(cls, spec: Any, backend: str | None = None, env: dict[str, Any] | None = None, *,
                  buckets: list[BucketRecord] | None = None, created: str | None = None) -> Manifest:
-        """A manifest for a `CaptureSpec` (or a stand-in with its name, hash, source, window and capture.steps; None
-        for a function captured without one, which then needs `backend` and `buckets`). Fresh by default: the spec's
+        """A manifest for a `CaptureSpec` (or a stand-in with its name, hash, source, window and capture.steps, and
+        optionally `parallel`, the process's ranks; None for a function captured without one, which then needs
+        `backend` and `buckets`). Fresh by default: the spec's
         buckets all "pending", created now, the environment from `environment()`; a running capture
         (`DraftGraphs.manifest()`) passes its own `buckets`, `created` and (read once) `env`."""
         if spec is None and (backend is None or buckets is None):
@@ -115,7 +165,7 @@ class Manifest:
         return cls(
             format_version=FORMAT_VERSION, spec_name=name, spec_hash=spec_hash, spec_source=source, backend=backend,
             **(environment() if env is None else env), created=created or now, updated=now, steps=steps,
-            window=window, buckets=buckets,
+            window=window, buckets=buckets, parallel=getattr(spec, "parallel", None),
         )
 
     def bucket(self, batch_size: int) -> BucketRecord:
@@ -187,19 +237,29 @@ def default_manifest_dir() -> Path:
     return base / "graphcap" / "manifests"
 
 
-def manifest_path(directory: str | Path, spec_name: str, spec_hash: str, backend: str) -> Path:
-    """`{directory}/{spec_name}-{spec_hash}-{backend}.json`, characters unsafe in file names replaced by `_`."""
+def manifest_path(directory: str | Path, spec_name: str, spec_hash: str, backend: str,
+                  parallel: Parallel | None = None) -> Path:
+    """`{directory}/{spec_name}-{spec_hash}-{backend}.json`, characters unsafe in file names replaced by `_`; a
+    process of a parallel server adds its rank, `...-{backend}-tp1.json` (`Parallel.label`: `-dp1-tp0` with
+    replicas too), so that every process writes a file of its own."""
     stem = "-".join(re.sub(r"[^A-Za-z0-9._-]", "_", part) for part in (spec_name, spec_hash, backend))
-    return Path(directory) / f"{stem.lstrip('.')}.json"
+    label = parallel.label if parallel is not None else ""
+    return Path(directory) / f"{stem.lstrip('.')}{'-' + label if label else ''}.json"
+
+
+# `*-{backend}.json`, or with a rank: `*-{backend}-tp1.json`, `*-{backend}-dp0-tp1.json` (manifest_path's names)
+_MANIFEST_NAME = re.compile(rf"-(?:{'|'.join(map(re.escape, ALL_BACKENDS))})"
+                            + "".join(rf"(?:-{d}\d+)?" for d in PARALLEL_DIMS) + r"\.json$")
 
 
 def list_manifests(directory: str | Path) -> list[Path]:
-    """The manifests in `directory` by name (`*-{backend}.json`, as `manifest_path` writes them), sorted; [] if it
-    does not exist. Other JSON files beside them (a bench's results, say) are not manifests and are left alone."""
+    """The manifests in `directory` by name (`*-{backend}.json` and its ranks' `*-{backend}-tp1.json`, as
+    `manifest_path` writes them), sorted; [] if it does not exist. Other JSON files beside them (a bench's results,
+    say) are not manifests and are left alone."""
     d = Path(directory)
     if not d.is_dir():
         return []
-    return sorted(p for p in d.glob("*.json") if p.is_file() and any(p.stem.endswith(f"-{b}") for b in ALL_BACKENDS))
+    return sorted(p for p in d.glob("*.json") if p.is_file() and _MANIFEST_NAME.search(p.name))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -265,7 +325,7 @@ _MANIFEST = TypeAdapter(Manifest)
 
 
 # Fields added after format 1's first files: absent in those, so absence means the default, not a cut file.
-_ADDED_FIELDS = frozenset({"dynamic_batch", "compile_cache"})
+_ADDED_FIELDS = frozenset({"dynamic_batch", "compile_cache", "parallel"})
 
 
 def _first_missing(raw: dict[str, Any], cls: type, prefix: str, optional: frozenset[str] = frozenset()) -> str | None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from graphcap.backends import ALL_BACKENDS
 from graphcap.manifest import (
-    FORMAT_VERSION, STATUSES, BucketRecord, Manifest, ManifestError, default_manifest_dir, environment,
+    FORMAT_VERSION, STATUSES, BucketRecord, Manifest, ManifestError, Parallel, default_manifest_dir, environment,
     list_manifests, manifest_path, read_manifest, write_manifest,
 )
 from graphcap.spec import load_spec
@@ -242,3 +242,79 @@ def test_dynamic_batch_field_is_optional_in_older_files_and_strict_when_present(
     d.pop("window")
     with pytest.raises(ManifestError, match="window: missing"):  # other fields are still required
         parse_manifest(d)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ranks of a parallel server: one file per process, the ranks in the file and its name
+
+
+def _ranks(tp_rank: int, tp_size: int, dp_rank: int | None = None, dp_size: int = 1) -> dict:
+    return dict(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, dp_rank=dp_rank, dp_size=dp_size)
+
+
+@settings(max_examples=examples(50), deadline=None)
+@given(dp=st.integers(1, 3), pp=st.integers(1, 2), tp=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
+def test_every_rank_of_a_world_has_a_file_of_its_own(tmp_path_factory, dp, pp, tp, seed):
+    """Every process of a dp x pp x tp world writes its own file - the names differ, each lists as a manifest, and each
+    file holds its process's ranks as written - and a world of one process keeps the plain name."""
+    d = tmp_path_factory.mktemp("ranks")
+    base = random_manifest(random.Random(seed), backend="cudagraph")
+    written = {}
+    for r_dp in range(dp):
+        for r_pp in range(pp):
+            for r_tp in range(tp):
+                ranks = dict(tp_rank=r_tp, tp_size=tp, pp_rank=r_pp, pp_size=pp, dp_rank=r_dp if dp > 1 else None,
+                             dp_size=dp)
+                m = random_manifest(random.Random(seed), backend="cudagraph")
+                m.parallel = Parallel(**ranks)
+                path = write_manifest(m, manifest_path(d, m.spec_name, m.spec_hash, m.backend, m.parallel))
+                written[path.name] = ranks
+    assert len(written) == dp * pp * tp
+    assert sorted(p.name for p in list_manifests(d)) == sorted(written)
+    stem = f"{base.spec_name}-{base.spec_hash}-cudagraph"
+    for name, ranks in written.items():
+        data = json.loads((d / name).read_text())
+        assert data["parallel"] == ranks
+        suffix = "".join(f"-{dim}{ranks[f'{dim}_rank']}" for dim in ("dp", "pp", "tp") if ranks[f"{dim}_size"] > 1)
+        assert name == f"{stem}{suffix}.json"
+        assert read_manifest(d / name).parallel == Parallel(**ranks)
+
+
+def test_a_single_process_keeps_the_plain_name_and_old_files_still_read(tmp_path):
+    m = random_manifest(random.Random(7), backend="eager")
+    one = Parallel(**_ranks(0, 1))
+    assert manifest_path(tmp_path, "tiny", "ab12", "eager", one) == tmp_path / "tiny-ab12-eager.json"
+    assert manifest_path(tmp_path, "tiny", "ab12", "eager", None) == tmp_path / "tiny-ab12-eager.json"
+    # a replica sglang does not number cannot be told apart by name: it keeps the name of its TP rank alone
+    assert manifest_path(tmp_path, "t", "h", "eager", Parallel(**_ranks(1, 2, None, 2))).name == "t-h-eager-tp1.json"
+    old = m.to_dict()
+    del old["parallel"]  # written before the field existed
+    (tmp_path / "old-eager.json").write_text(json.dumps(old))
+    assert read_manifest(tmp_path / "old-eager.json").parallel is None
+    for path in sorted((Path(__file__).parent / "data" / "h200-manifests").glob("*.json")):
+        assert "parallel" not in json.loads(path.read_text()) and read_manifest(path).parallel is None
+
+
+def test_manifest_names_with_ranks_are_listed_and_others_are_not(tmp_path):
+    names = ("a-h-eager-tp1.json", "a-h-cudagraph-dp1-tp0.json", "a-h-inductor-cudagraph-pp1-tp3.json",
+             "a-h-eager-tp.json", "a-h-eager-tp1-dp0.json", "a-h-tp1.json", "results-tp1.json")
+    for name in names:
+        (tmp_path / name).write_text("{}")
+    assert [p.name for p in list_manifests(tmp_path)] == sorted(names[:3])
+
+
+@pytest.mark.parametrize("edit, field, reason", [
+    (dict(tp_rank=2, tp_size=2), "parallel", "tp_rank 2 is not below tp_size 2"),
+    (dict(dp_rank=3, dp_size=2), "parallel", "dp_rank 3 is not below dp_size 2"),
+    (dict(tp_size=0), "parallel.tp_size", "must be >= 1"),
+    (dict(tp_rank=-1), "parallel.tp_rank", "must be >= 0"),
+    (dict(tp_rank="1"), "parallel.tp_rank", "expected an integer"),
+    (dict(rank=1), "parallel.rank", "unknown field"),
+])
+def test_bad_ranks_are_named_errors(tmp_path, edit, field, reason):
+    d = random_manifest(random.Random(8)).to_dict() | {"parallel": _ranks(1, 2) | edit}
+    path = tmp_path / "x-eager-tp1.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ManifestError) as err:
+        read_manifest(path)
+    assert str(err.value).startswith(f"{path}: {field}: ") and reason in str(err.value), str(err.value)

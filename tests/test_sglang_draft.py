@@ -4,8 +4,13 @@ a fresh interpreter: test_sglang_runtime.py)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
 import logging
+import os
 import re
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +21,7 @@ from graphcap.capture import DraftGraphs
 from graphcap.guards import CaptureError
 from graphcap.integrations import sglang_hooks as hooks
 from graphcap.integrations.sglang import DraftCaptureOptions, sglang_tp_rank
+from graphcap.integrations.sglang_config import sglang_parallel
 from graphcap.integrations.sglang_runtime import (CHECK_ENV, GraphcapDraftRuntime, SlotTracker, bind_window,
                                                   capture_graphs, slot_of)
 from graphcap.models.draft_loop import DraftOutput
@@ -376,51 +382,149 @@ def test_check_mode_off_trusts_sglang(device, monkeypatch):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# The manifest under tensor parallelism
+# The manifest under tensor (and data) parallelism: every process writes its own
 
 
-@pytest.mark.parametrize("rank, writes", [(None, True), (0, True), (1, False), (3, False)])
-def test_only_tp_rank_0_writes_the_manifest(tmp_path, rank, writes):
-    """Every TP rank captures; one manifest per server, from the rank sglang's runtime context names 0 (a process
-    where sglang set no rank writes it, as a single GPU does)."""
+def _ranks(tp_rank: int, tp_size: int, dp_rank: int | None = None, dp_size: int = 1) -> dict:
+    """A manifest's `parallel` field as the file should hold it."""
+    return dict(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, dp_rank=dp_rank, dp_size=dp_size)
+
+
+def _capture(window, directory, **kw) -> DraftGraphs:
+    return capture_graphs(window, _iteration(window), buckets=[1, 2], example_inputs=_example_inputs(window),
+                          static_tensors=window.static_tensors(), backend="eager", manifest_dir=str(directory),
+                          name="sglang-test", steps=3, **kw)
+
+
+def _written(directory) -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(Path(directory).iterdir())}
+
+
+@pytest.mark.parametrize("published, name, recorded", [
+    (None, "sglang-test-w8-s3-eager.json", None),  # a process sglang set up no ranks in: the name a single GPU has
+    (dict(tp_rank=0, tp_size=1), "sglang-test-w8-s3-eager.json", _ranks(0, 1)),  # one GPU: the name unchanged
+    (dict(tp_rank=0, tp_size=2), "sglang-test-w8-s3-eager-tp0.json", _ranks(0, 2)),
+    (dict(tp_rank=3, tp_size=4), "sglang-test-w8-s3-eager-tp3.json", _ranks(3, 4)),
+    (dict(tp_rank=1, tp_size=2, dp_rank=1, dp_size=2), "sglang-test-w8-s3-eager-dp1-tp1.json", _ranks(1, 2, 1, 2)),
+])
+def test_every_rank_writes_its_own_manifest(tmp_path, published, name, recorded):
+    """Every process captures and writes a file of its own, named and stamped with the ranks sglang 0.5.23's runtime
+    context gives it (set here with sglang's own `get_parallel().override`)."""
     pytest.importorskip("sglang", reason="the real sglang package is not installed")
     from sglang.srt.runtime_context import get_parallel
 
     window = _window()
-    scope = get_parallel().override(tp_rank=rank, tp_size=4) if rank is not None else contextlib.nullcontext()
-    with scope:
-        assert sglang_tp_rank() == rank
-        graphs = capture_graphs(window, _iteration(window), buckets=[1, 2], example_inputs=_example_inputs(window),
-                                static_tensors=window.static_tensors(), backend="eager", manifest_dir=str(tmp_path),
-                                name="sglang-test", steps=3)
+    with get_parallel().override(**published) if published else contextlib.nullcontext():
+        assert sglang_tp_rank() == (published or {}).get("tp_rank")
+        graphs = _capture(window, tmp_path)
     graphs.run(*_example_inputs(window)(2))
     graphs.flush()
-    names = [p.name for p in mf.list_manifests(tmp_path)]
-    assert names == (["sglang-test-w8-s3-eager.json"] if writes else [])
+    written = _written(tmp_path)
+    assert list(written) == [name]
+    assert written[name]["parallel"] == recorded
+    assert [(b["batch_size"], b["status"], b["replays"]) for b in written[name]["buckets"]] == [
+        (1, "captured", 0), (2, "captured", 1)]
     assert sglang_tp_rank(SimpleNamespace(tp_rank=2)) == 2  # a worker that carries its rank (older sglang layouts)
+
+
+def _parallel_state_0518():
+    """sglang 0.5.18's own ParallelState (what its workers carry as `ps`), loaded from its file: a module of plain
+    dataclasses, so it loads beside the venv's sglang 0.5.23."""
+    root = Path(os.environ.get("GRAPHCAP_SGLANG_0518") or Path(sys.prefix) / "sglang-0518")
+    path = root / "sglang" / "srt" / "distributed" / "parallel_state_wrapper.py"
+    if not path.exists():
+        pytest.skip(f"sglang 0.5.18 is not installed at {root} (make venv)")
+    spec = importlib.util.spec_from_file_location("graphcap_test_parallel_state_0518", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building the class
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module.ParallelState
+
+
+@pytest.mark.parametrize("ps, name, recorded", [
+    (dict(), "sglang-test-w8-s3-eager.json", _ranks(0, 1, 0, 1)),  # ParallelState.trivial(): one GPU
+    (dict(tp_rank=1, tp_size=2, dp_rank=None), "sglang-test-w8-s3-eager-tp1.json", _ranks(1, 2)),
+    (dict(tp_rank=0, tp_size=2, dp_rank=1, dp_size=2), "sglang-test-w8-s3-eager-dp1-tp0.json", _ranks(0, 2, 1, 2)),
+])
+def test_sglang_0518_workers_give_their_ranks_and_replica(tmp_path, ps, name, recorded):
+    """sglang 0.5.18 keeps the data-parallel replica on the worker only (`worker.ps.dp_rank`; its runtime context has
+    no `dp_rank`): the worker's ranks win over the runtime context's."""
+    pytest.importorskip("sglang", reason="the real sglang package is not installed")
+    from sglang.srt.runtime_context import get_parallel
+
+    worker = SimpleNamespace(ps=_parallel_state_0518().trivial(**ps))
+    window = _window()
+    with get_parallel().override(tp_rank=3, tp_size=4):  # another layout in the context: not what is read
+        parallel = sglang_parallel(worker)
+    _capture(window, tmp_path, parallel=parallel)
+    assert {k: v["parallel"] for k, v in _written(tmp_path).items()} == {name: recorded}
+
+
+def test_ranks_that_do_not_fit_their_sizes_warn_and_keep_the_single_name(glog):
+    worker = SimpleNamespace(ps=SimpleNamespace(tp_rank=2, tp_size=2, pp_rank=0, pp_size=1, dp_rank=None, dp_size=1))
+    assert sglang_parallel(worker) is None
+    assert any("tp_rank 2 is not below tp_size 2" in r.getMessage() for r in glog.records if r.levelname == "WARNING")
+
+
+def test_two_ranks_capture_and_inspect_shows_them_side_by_side(tmp_path, monkeypatch, capsys):
+    """Two fake TP ranks in one process, each with its own window and graphs: each writes its file (its exit flush
+    brings its counters), and `graphcap inspect` over the directory shows both ranks agreeing; a bucket that then
+    fails on rank 1 only (the file as a failed capture writes it) is named as a disagreement."""
+    pytest.importorskip("sglang", reason="the real sglang package is not installed")
+    from sglang.srt.runtime_context import get_parallel
+
+    from graphcap.cli import main
+    from graphcap.integrations import sglang_runtime
+
+    registered, ranks = [], []
+    monkeypatch.setattr(sglang_runtime.atexit, "register", lambda fn, *a: registered.append((fn, a)))
+    for rank, batches in ((0, (2, 1)), (1, (2, 2, 2))):
+        window = _window(seed=rank)
+        with get_parallel().override(tp_rank=rank, tp_size=2):
+            ranks.append(_capture(window, tmp_path))  # kept: the exit flush holds its graphs weakly
+        for b in batches:
+            ranks[-1].run(*_example_inputs(window)(b))
+    assert len(registered) == 2  # every rank flushes its own file at exit
+    for fn, args in registered:
+        fn(*args)
+    written = _written(tmp_path)
+    tp0, tp1 = "sglang-test-w8-s3-eager-tp0.json", "sglang-test-w8-s3-eager-tp1.json"
+    assert list(written) == [tp0, tp1]
+    assert [written[n]["parallel"] for n in (tp0, tp1)] == [_ranks(0, 2), _ranks(1, 2)]
+    assert [[b["replays"] for b in written[n]["buckets"]] for n in (tp0, tp1)] == [[1, 1], [0, 3]]
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("sglang-test (spec w8-s3), backend eager: tensor parallel 2, manifests of 2 of 2 ranks")
+    assert "ranks agree: every rank has buckets 1, 2, each with the same status" in out
+    written[tp1]["buckets"][1].update(status="failed", reason="OutOfMemoryError: CUDA out of memory")
+    (tmp_path / tp1).write_text(json.dumps(written[tp1]))
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "ranks disagree:\n  bucket 2: captured on tp0; failed on tp1\n" in out
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_plugin_logs_the_capture_and_registers_its_own_exit_flush(tmp_path, monkeypatch, glog, rank):
     """The library prints nothing and registers no exit hook; the plugin logs the summary (graphcap.sglang) and, on
-    the rank that writes the manifest, registers the flush that brings the last counters to the file at exit."""
+    every rank, registers the flush that brings the last counters to that rank's file at exit."""
     from graphcap.integrations import sglang_runtime
 
     registered = []
     monkeypatch.setattr(sglang_runtime.atexit, "register", lambda fn, *a: registered.append((fn, a)))
     window = _window()
-    graphs = capture_graphs(window, _iteration(window), buckets=[1, 2], example_inputs=_example_inputs(window),
-                            static_tensors=window.static_tensors(), backend="eager", manifest_dir=str(tmp_path),
-                            name="sglang-test", steps=3, tp_rank=rank)
+    graphs = _capture(window, tmp_path, parallel=mf.Parallel(tp_rank=rank, tp_size=2))
     summaries = [r.getMessage() for r in glog.records if r.name == "graphcap.sglang" and "captured 2/2" in r.getMessage()]
-    assert len(summaries) == 1
-    assert len(registered) == (1 if rank == 0 else 0)
-    if rank == 0:
-        graphs.run(*_example_inputs(window)(2))
-        fn, args = registered[0]
-        fn(*args)  # what the interpreter does at exit
-        m = mf.read_manifest(mf.list_manifests(tmp_path)[0])
-        assert [r.replays for r in m.buckets] == [0, 1]
+    assert len(summaries) == 1 and f"sglang-test-w8-s3-eager-tp{rank}.json" in summaries[0]
+    assert len(registered) == 1
+    graphs.run(*_example_inputs(window)(2))
+    fn, args = registered[0]
+    fn(*args)  # what the interpreter does at exit
+    written = _written(tmp_path)
+    assert list(written) == [f"sglang-test-w8-s3-eager-tp{rank}.json"]
+    assert [b["replays"] for b in next(iter(written.values()))["buckets"]] == [0, 1]
 
 
 @pytest.mark.parametrize("raw", ["soon", "-1", "nan"])
@@ -438,7 +542,7 @@ def test_a_bad_manifest_flush_interval_is_named_before_anything_is_captured(tmp_
     with pytest.raises(ValueError, match=rf"\${FLUSH_ENV}: expected seconds >= 0, got '{raw}'"):
         capture_graphs(window, iteration, buckets=[1], example_inputs=_example_inputs(window),
                        static_tensors=window.static_tensors(), backend="eager", manifest_dir=str(tmp_path),
-                       name="sglang-test", steps=3, tp_rank=0)
+                       name="sglang-test", steps=3, parallel=mf.Parallel(tp_rank=0, tp_size=1))
     assert calls == [] and mf.list_manifests(tmp_path) == []
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from graphcap.backends import COMPILED_BACKENDS, GRAPH_BACKENDS  # light: no torch
+from graphcap.manifest import Parallel  # light: no torch
 from graphcap.integrations.sglang_compat import (  # noqa: F401 - re-exported: the plugin's public names
     ALLOW_UNTESTED_ENV, TESTED_SGLANG, DraftCaptureConfigError, SglangLayoutError, check_sglang_version,
     resolution_reader)
@@ -126,6 +127,40 @@ def sglang_tp_rank(worker=None) -> int | None:
 
         return int(get_parallel().tp_rank)
     except Exception:  # RuntimeError: not published in this process; ImportError: another sglang layout
+        return None
+
+
+def sglang_parallel(worker=None) -> Parallel | None:
+    """This process's place in sglang's parallel layout (TP rank and size, pipeline stage and count, data-parallel
+    replica and count), for its manifest's name. sglang 0.5.18's workers carry it (`worker.ps`, a ParallelState: the
+    only place 0.5.18 keeps the replica); 0.5.23 publishes it in its runtime context (`get_parallel()`, where
+    `dp_rank` is None without a data-parallel controller). None where neither gives a TP rank and size (a process
+    sglang did not set up)."""
+    src = getattr(worker, "ps", None)
+    if not isinstance(getattr(src, "tp_rank", None), int):
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            src = get_parallel()
+        except ImportError:  # another sglang layout
+            return None
+
+    def read(name: str, default: int | None) -> int | None:
+        try:  # unpublished: 0.5.23 raises RuntimeError/ValueError, 0.5.18 AttributeError, or asserts (no TP group)
+            value = getattr(src, name)
+        except Exception:
+            return default
+        return default if value is None else int(value)
+
+    tp_rank, tp_size = read("tp_rank", None), read("tp_size", None)
+    if tp_rank is None or tp_size is None:
+        return None
+    try:
+        return Parallel(tp_rank=tp_rank, tp_size=tp_size, pp_rank=read("pp_rank", 0), pp_size=read("pp_size", 1),
+                        dp_rank=read("dp_rank", None), dp_size=read("dp_size", 1))
+    except ValueError as e:  # ranks that do not fit their sizes: name them, and capture on (the manifest is a report)
+        log.warning("graphcap: sglang's parallel ranks do not fit together (%s); the manifest is written under the "
+                    "single-GPU name", " ".join(str(e).split()))
         return None
 
 

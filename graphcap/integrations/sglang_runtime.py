@@ -35,7 +35,7 @@ from graphcap.capture import DraftGraphs
 from graphcap.guards import CaptureError
 from graphcap.integrations import sglang_linear
 from graphcap.integrations.sglang_compat import gathers_draft_inputs, translates_kv_locations
-from graphcap.integrations.sglang_config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_tp_rank
+from graphcap.integrations.sglang_config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_parallel
 from graphcap.integrations.sglang_loop import GraphcapDraftAttention, SglangAssistantLoop
 from graphcap.integrations.sglang_slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
 from graphcap.iteration import DraftOutput
@@ -54,17 +54,20 @@ COMPILE_SCOPE_ENV = "GRAPHCAP_SGLANG_COMPILE_SCOPE"  # "iteration" (default) or 
 
 
 def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static_tensors, backend: str,
-                   manifest_dir: str | None, name: str, steps: int, tp_rank: int | None = None) -> DraftGraphs:
-    """Capture `fn` per bucket. Only TP rank 0 writes the manifest (`tp_rank` None: `sglang_tp_rank()`): every rank
-    captures the same buckets and replays the same batches, so one file per server, as without TP. Rank 0 also
-    writes it where the rank is unknown. Progress goes to the server's log (`graphcap.sglang`), and the counters
+                   manifest_dir: str | None, name: str, steps: int,
+                   parallel: mf.Parallel | None = None) -> DraftGraphs:
+    """Capture `fn` per bucket. Every process writes a manifest of its own, its ranks in the file and in the file's
+    name (`parallel`, None: `sglang_parallel()`, sglang's runtime context): `...-tp1.json` under tensor parallelism,
+    `...-dp1-tp0.json` with data-parallel replicas too, the plain single-GPU name where nothing is split (or sglang
+    says nothing). A bucket that fails on one rank only is then in that rank's file, and `graphcap inspect` over the
+    directory says where the ranks disagree. Progress goes to the server's log (`graphcap.sglang`), and the counters
     since the last timed flush are written when the scheduler process exits (the plugin registers that here: the
     library registers no exit hooks)."""
+    parallel = sglang_parallel() if parallel is None else parallel
     # Not a capture spec (sglang's model defines the draft): a stand-in with the fields a manifest records.
     spec = SimpleNamespace(name=name, hash=f"w{window.window}-s{steps}", source="sglang", window=window.window,
-                           capture=SimpleNamespace(steps=steps))
-    rank = sglang_tp_rank() if tp_rank is None else tp_rank
-    path = None if rank else mf.manifest_path(manifest_dir or mf.default_manifest_dir(), name, spec.hash, backend)
+                           capture=SimpleNamespace(steps=steps), parallel=parallel)
+    path = mf.manifest_path(manifest_dir or mf.default_manifest_dir(), name, spec.hash, backend, parallel)
     raw = os.environ.get(FLUSH_ENV, "10")
     try:
         flush_s = float(raw)
@@ -76,8 +79,7 @@ def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static
                          static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path,
                          flush_every_s=flush_s, observers=[LoggingProgress(log)])
     graphs.capture()
-    if path:
-        atexit.register(_flush_at_exit, weakref.ref(graphs))  # weak: a replaced DraftGraphs is not kept alive
+    atexit.register(_flush_at_exit, weakref.ref(graphs))  # weak: a replaced DraftGraphs is not kept alive
     return graphs
 
 
@@ -254,7 +256,7 @@ class GraphcapDraftRuntime:
             graphs = capture_graphs(self.window, self.tracker.in_iteration(loop), buckets=buckets,
                                     example_inputs=loop.example_inputs,
                                     static_tensors=static, backend=backend, manifest_dir=self.options.manifest_dir,
-                                    name=name, steps=self.steps, tp_rank=sglang_tp_rank(w))
+                                    name=name, steps=self.steps, parallel=sglang_parallel(w))
         self.attach(graphs)
 
     def _context(self):
