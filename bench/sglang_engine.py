@@ -100,7 +100,7 @@ def engine_kwargs(cfg: dict) -> dict:
     kw = dict(model_path=os.path.join(cfg["ckpt"], "target"), skip_tokenizer_init=True, dtype="bfloat16",
               attention_backend="triton", page_size=64, disable_radix_cache=True, disable_prefill_cuda_graph=True,
               cuda_graph_bs_decode=BUCKETS, max_running_requests=cfg["max_running"], random_seed=0,
-              mem_fraction_static=0.6, log_level="warning")
+              mem_fraction_static=0.6, log_level="warning", tp_size=cfg.get("tp", 1))
     if cfg.get("max_total_tokens"):
         kw["max_total_tokens"] = cfg["max_total_tokens"]
     if cfg["mode"] != "nospec":
@@ -255,13 +255,19 @@ def retractions(case: dict) -> int | None:
 
 
 def manifest_summary(d: str) -> dict:
-    ms = [json.load(open(p)) for p in glob.glob(os.path.join(d, "*.json"))]
+    """Buckets captured, replays and fallbacks over every manifest in `d` (one per rank under --tp: each rank writes
+    its own), and per manifest file its captured / bucket counts."""
+    files = sorted(glob.glob(os.path.join(d, "*.json")))
+    ms = [json.load(open(p)) for p in files]
     if not ms:
         return {"manifests": 0}
-    b = ms[0]["buckets"]
+    b = [x for m in ms for x in m["buckets"]]
     return {"manifests": len(ms), "captured": sum(x["status"] == "captured" for x in b), "buckets": len(b),
             "replays": sum(x.get("replays", 0) for x in b), "fallbacks": sum(x.get("fallbacks", 0) for x in b)
-            + ms[0].get("oversize_fallbacks", 0), "reasons": sorted({x.get("reason") or "" for x in b} - {""})}
+            + sum(m.get("oversize_fallbacks", 0) for m in ms),
+            "reasons": sorted({x.get("reason") or "" for x in b} - {""}),
+            "per_manifest": {os.path.basename(p): [sum(x["status"] == "captured" for x in m["buckets"]),
+                                                   len(m["buckets"])] for p, m in zip(files, ms)}}
 
 
 def compare(base: dict, other: dict, base_trace: dict, other_trace: dict) -> list[dict]:
@@ -332,6 +338,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=STEPS,
                     help="speculative_num_steps of every engine with a draft (num_draft_tokens: steps + 1). "
                          "Default: %(default)s")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallel size (sglang's tp_size) of every engine; with the flag each rank writes its "
+                         "own manifest. Default: %(default)s")
     ap.add_argument("--refusals", action="store_true",
                     help="start an engine with each setting the plugin refuses (REFUSALS) and record the error")
     ap.add_argument("--combine", nargs=2, metavar=("CHECK_JSON", "SPEED_JSON"),
@@ -351,6 +360,8 @@ def main(argv=None) -> int:
                      f"{a.backends!r}")
         if a.steps < 1:
             ap.error(f"--steps must be >= 1, got {a.steps}")
+        if a.tp < 1:
+            ap.error(f"--tp must be >= 1, got {a.tp}")
         if a.repeats < 1 or a.new <= SHORT_NEW:
             ap.error(f"--repeats must be >= 1 and --new > {SHORT_NEW} (the short run's tokens), got {a.repeats}, "
                      f"{a.new}")
@@ -378,14 +389,14 @@ def main(argv=None) -> int:
     vocab = a.vocab or json.load(open(os.path.join(a.ckpt, "target", "config.json")))["vocab_size"]
     backends = [b for b in a.backends.split(",") if b]
     record = {"commit": os.environ.get("GRAPHCAP_COMMIT"), "ckpt": a.ckpt, "backends": backends, "steps": a.steps,
-              "sglang": sglang_version(), "check": None, "speed": None}
+              "tp": a.tp, "sglang": sglang_version(), "check": None, "speed": None}
     if a.refusals:
         record["refusals"] = []
 
     def cfg(tag, mode, cases, backend=None, **extra):
         d = {k: os.path.join(work, f"{k}-{tag}") for k in ("trace_dir", "manifest_dir")}
         return {"tag": tag, "mode": mode, "backend": backend, "ckpt": a.ckpt, "cases": cases, "max_running": 64,
-                "steps": a.steps, **d, **extra}
+                "steps": a.steps, "tp": a.tp, **d, **extra}
 
     if a.refusals:  # first: seconds each, and they say whether the plugin is loaded at all
         for case in REFUSALS:

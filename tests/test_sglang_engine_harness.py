@@ -162,7 +162,7 @@ def test_speed_arguments_are_checked_before_anything_starts(capsys):
                         (["--backends", "reduce-overhead"], "--backends"), (["--backends", ","], "--backends"),
                         (["--projections", "cublas"], "--projections"),
                         (["--projections", "sglang,sglang"], "--projections"), (["--projections", ","], "--projections"),
-                        (["--steps", "0"], "--steps"), (["--steps", "-1"], "--steps")):
+                        (["--steps", "0"], "--steps"), (["--steps", "-1"], "--steps"), (["--tp", "0"], "--tp")):
         with pytest.raises(SystemExit) as e:
             E.main(["--ckpt", "x", "--speed", "--out", "o.json", *argv])
         assert e.value.code == 2 and named in capsys.readouterr().err
@@ -279,3 +279,28 @@ def test_steps_reach_every_engine_with_a_draft_and_the_record(monkeypatch, tmp_p
         assert "speculative_num_steps" not in kwargs["nospec"]
         rec = json.load(open(out))
         assert rec["steps"] == steps and rec["sglang"] == sglang_version()
+
+
+def test_tp_reaches_every_engine_and_the_summary_counts_every_ranks_manifest(monkeypatch, tmp_path):
+    """--tp N: every engine, the target alone included, asks sglang for tp_size N and the record names N (without
+    --tp: 1, as before); the manifest summary counts every rank's file (each rank writes its own)."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    for argv, tp in (([], 1), (["--tp", "2"], 2)):
+        spawned = []
+        monkeypatch.setattr(E, "spawn", lambda cfg, work: spawned.append(cfg) or {"config": cfg, "cases": []})
+        out = tmp_path / f"tp{tp}.json"
+        assert E.main(["--ckpt", str(tmp_path), "--speed", "--out", str(out), "--backends", "cudagraph", *argv]) == 0
+        assert sorted(c["mode"] for c in spawned) == ["graphcap", "nospec", "sglang"]
+        assert {E.engine_kwargs(c)["tp_size"] for c in spawned} == {tp}
+        assert json.load(open(out))["tp"] == tp
+    d = tmp_path / "manifests"
+    d.mkdir()
+    for rank, statuses in ((0, ("captured", "captured")), (1, ("captured", "failed"))):
+        buckets = [{"status": s, "reason": "OutOfMemoryError" if s == "failed" else None, "replays": 5,
+                    "fallbacks": 2 if s == "failed" else 0} for s in statuses]
+        (d / f"x-w8-s3-cudagraph-tp{rank}.json").write_text(json.dumps({"buckets": buckets,
+                                                                        "oversize_fallbacks": rank}))
+    assert E.manifest_summary(str(d)) == {
+        "manifests": 2, "captured": 3, "buckets": 4, "replays": 20, "fallbacks": 3, "reasons": ["OutOfMemoryError"],
+        "per_manifest": {"x-w8-s3-cudagraph-tp0.json": [2, 2], "x-w8-s3-cudagraph-tp1.json": [1, 2]}}
