@@ -73,7 +73,8 @@ def test_agreeing_ranks(tmp_path, capsys):
     files = [write_rank(tmp_path, ranks(r, 2), statuses, seed=r) for r in (0, 1)]
     code, out, err = inspect(capsys, str(tmp_path))
     assert (code, err) == (0, "")
-    assert out.splitlines()[0] == "sglang-x (spec w8-s3), backend cudagraph: tensor parallel 2, manifests of 2 of 2 ranks"
+    assert out.splitlines()[0] == ("sglang-x (spec w8-s3), backend cudagraph: tensor parallel 2, manifests of 2 of 2 "
+                                   "ranks")
     assert status_table(out, ["tp0", "tp1"]) == expected_table(*files)
     assert "ranks agree: every rank has buckets 1, 2, 4, each with the same status" in out
     assert "disagree" not in out

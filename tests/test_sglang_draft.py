@@ -497,7 +497,8 @@ def test_two_ranks_capture_and_inspect_shows_them_side_by_side(tmp_path, monkeyp
     assert [[b["replays"] for b in written[n]["buckets"]] for n in (tp0, tp1)] == [[1, 1], [0, 3]]
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("sglang-test (spec w8-s3), backend eager: tensor parallel 2, manifests of 2 of 2 ranks")
+    assert out.startswith("sglang-test (spec w8-s3), backend eager: tensor parallel 2, manifests of 2 of 2 "
+                          "ranks\n")
     assert "ranks agree: every rank has buckets 1, 2, each with the same status" in out
     written[tp1]["buckets"][1].update(status="failed", reason="OutOfMemoryError: CUDA out of memory")
     (tmp_path / tp1).write_text(json.dumps(written[tp1]))
