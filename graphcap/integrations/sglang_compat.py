@@ -4,7 +4,7 @@ Each function tries sglang 0.5.23's layout, then 0.5.18's, and raises `SglangLay
 is there (an sglang neither layout describes: graphcap must not guess). No version string decides anything here;
 the version is read only to refuse an sglang outside `TESTED_SGLANG` at start-up (`check_sglang_version`).
 
-What each function stands for (docs/sglang.md, "sglang versions"):
+What each function stands for (docs/sglang.md, "Supported sglang versions and GPUs"):
 - `slot_of`: a request's request-pool row, `req.kv.req_pool_idx` (0.5.23) or `req.req_pool_idx` (0.5.18);
 - `swa_evicted_len`: how far its SWA pages are freed, `req.kv.get_evicted_seqlen(SWA)` (0.5.23) or
   `req.kv.swa_evicted_seqlen` (0.5.18, where `req.kv` is None while the request holds no KV);

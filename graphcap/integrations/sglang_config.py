@@ -23,8 +23,8 @@ log = logging.getLogger("graphcap.sglang")
 # The plugin's default backend. sglang's Gemma 4 layers already run one fused kernel per norm, activation and rotary,
 # so recording them as they are leaves Inductor little to fuse, and Dynamo breaks the graph at every layer boundary
 # (sglang 0.5.23 builds msgspec records there). Both backends it serves give sglang's tokens in its own engine;
-# `cudagraph` starts about 40 s sooner (no compile) and was as fast or faster at 3 of 4 batches (docs/sglang.md,
-# Measured).
+# `cudagraph` starts about 40 s sooner (no compile) and was as fast or faster at 3 of 4 batches (docs/results.md,
+# "How much faster is the draft phase?").
 DEFAULT_BACKEND = "cudagraph"
 # Refused at start-up. reduce-overhead: CUDA-graph trees replay the draft piece by piece between sglang's Python at
 # its graph breaks, and sglang's engine crashed with an illegal memory access at the draft's real shapes at its first

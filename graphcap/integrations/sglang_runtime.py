@@ -1,7 +1,7 @@
 """graphcap inside sglang's scheduler process: the draft phase of FROZEN_KV_MTP with graphcap's window buffers and
 capture engine. Driven by the hooks in `graphcap.integrations.sglang_hooks`. CPU tests run the slot bookkeeping, the
 window equivalence, the tree inputs and `iterate` against sglang's own code; sglang's engine on a GPU runs all of it
-with the assistant's model (docs/sglang.md, "Measured in sglang's own engine").
+with the assistant's model (docs/results.md, "In sglang's engine").
 
 Per iteration, instead of sglang's `FrozenKVMTPDraftWorker.draft` (`GraphcapDraftRuntime.iterate`):
 1. host: rows whose request is new to the row, was retracted, or lost in-window SWA pages are rebuilt

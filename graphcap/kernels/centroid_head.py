@@ -29,9 +29,9 @@ from graphcap.kernels import dtype_names, use_triton
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
-# The launch configuration, from lab/centroid_config.py's sweep on the H200 (docs/sglang.md, the centroid head's
-# kernel): 8 tokens per program at 2 warps was 17-22% faster than 16 at 4 at every batch 1-64 (more, smaller programs:
-# at batch 1 the Gemma 4 head launches 32 x 16 = 512)
+# The launch configuration, from lab/centroid_config.py's sweep on the H200 (lab/results/centroid-head-h200.json):
+# 8 tokens per program at 2 warps was 17-22% faster than 16 at 4 at every batch 1-64 (more, smaller programs: at
+# batch 1 the Gemma 4 head launches 32 x 16 = 512)
 BLOCK_T = 8  # tokens per program
 BLOCK_H = 256  # hidden columns per loop iteration (16-byte loads per thread in bf16: one warp covers a row's 256)
 NUM_WARPS = 2
