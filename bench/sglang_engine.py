@@ -20,7 +20,16 @@ a run cut at a time limit keeps what finished):
   launcher, before sglang starts its scheduler), how long that took, and the message a user sees.
 
 Every engine with a draft runs `--steps` draft steps (default 3) and `steps + 1` draft tokens (sglang's chain for
-topk 1); the record names the steps and the sglang version that ran.
+topk 1). Each engine's entry names what its own process ran: the sglang version it imported (the PYTHONPATH decides:
+an sglang in a --target dir in front of it runs beside the machine's), the steps, and the kernel paths graphcap's
+kernels took (`--kernel-paths native,sm80`: a graphcap engine per value; sm80 sets GRAPHCAP_KERNEL_PATHS=sm80 and
+Triton's TRITON_OVERRIDE_ARCH=sm80 for the whole engine, so every Triton kernel lowers for capability 80 as on an
+A100; recorded as graphcap.kernels.arch describes the GPU in that process, e.g. sm90 on an H200's own paths).
+
+`--check --time-batch B` (scripts/gpu-check.sh user-setup): each engine also times its draft phase on B requests
+after the checks (one engine start for both; the length checks' per-draft sync is then off, as it would stall the
+timed draft). `--until EPOCH_S`: an engine that could not finish by then is not started (recorded as not run), and
+one still running then is stopped with its processes.
 
 Usage: python bench/sglang_engine.py --ckpt DIR --check --out OUT.json [--backends ...] [--steps N]
 """
@@ -28,9 +37,13 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.metadata
 import json
 import os
+import platform
 import random
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,6 +60,12 @@ SPEED_BATCHES = (1, 8, 32, 64)
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 STEPS = 3  # the default of --steps
 SHORT_NEW = 32  # the short run's new tokens (speed): decode rate from the long run minus this one
+# graphcap.kernels.arch's switch (GRAPHCAP_KERNEL_PATHS: native or a key of arch.PATHS) and Triton's knob; named here,
+# not imported, so that the parent imports neither torch nor Triton (a test keeps these equal to arch's)
+KERNEL_PATHS_ENV, TRITON_ARCH_ENV = "GRAPHCAP_KERNEL_PATHS", "TRITON_OVERRIDE_ARCH"
+KERNEL_PATHS = ("native", "sm80")
+MIN_ENGINE_S = 75  # --until: an engine (tiny pair: start ~25 s, checks, timing, shutdown) wants at least this long
+STOP_MARGIN_S = 5  # and is stopped this long before --until, so that the record is written in time
 # Settings the plugin refuses at start-up (graphcap.integrations.sglang_config.validate_server_args): the graphcap
 # backend, sglang engine arguments over engine_kwargs' defaults, and a phrase the error must contain.
 REFUSALS = (
@@ -143,7 +162,47 @@ def refusal_row(case: dict, r: dict) -> dict:
             "seconds": r.get("seconds"), "crashed": bool(r.get("crashed")), "log_tail": r.get("log_tail")}
 
 
+def set_kernel_paths(cfg: dict) -> None:
+    """This engine's kernel paths, before graphcap or sglang is imported (the scheduler inherits the environment):
+    native leaves both variables unset; sm80 sets graphcap's switch and Triton's override from the start, so that
+    sglang's own Triton kernels, compiled before graphcap's module is imported, lower for 80 too."""
+    for k in (KERNEL_PATHS_ENV, TRITON_ARCH_ENV):
+        os.environ.pop(k, None)
+    paths = cfg.get("kernel_paths") or "native"
+    if paths != "native":
+        os.environ[KERNEL_PATHS_ENV] = paths
+        os.environ[TRITON_ARCH_ENV] = paths  # arch.triton_arch()'s form: "sm80"
+
+
+def write_progress(cfg: dict, **kw) -> None:
+    """What the parent can read of a child that dies (sglang kills its own process tree on a scheduler's error):
+    the sglang it imported, its kernel paths, whether the engine started."""
+    path = cfg.get("progress_path")
+    if not path:
+        return
+    d = json.load(open(path)) if os.path.exists(path) else {}
+    d.update(kw)
+    json.dump(d, open(path, "w"))
+
+
+def generate(engine, reqs: list[dict], suffix: str = "", new_tokens: int | None = None) -> tuple[list, float]:
+    params = [{"temperature": 0.0, "max_new_tokens": new_tokens or r["max_new"], "ignore_eos": True} for r in reqs]
+    t = time.perf_counter()
+    outs = engine.generate(input_ids=[r["prompt"] for r in reqs], sampling_params=params,
+                           rid=[r["rid"] + suffix for r in reqs])
+    return outs, time.perf_counter() - t
+
+
 def run_child(cfg: dict) -> dict:
+    set_kernel_paths(cfg)
+    version = sglang_version()
+    write_progress(cfg, sglang=version, kernel_paths=cfg.get("kernel_paths") if cfg.get("kernel_paths") != "native"
+                   else None, started=False)
+    if cfg.get("expect_sglang") and version != cfg["expect_sglang"]:
+        raise RuntimeError(f"asked for sglang {cfg['expect_sglang']}, this process finds {version} (PYTHONPATH="
+                           f"{os.environ.get('PYTHONPATH')!r})")
+    if cfg.get("manifest_flush_s") is not None:  # timed checks: the manifest current within a second, no sync
+        os.environ["GRAPHCAP_MANIFEST_FLUSH_S"] = str(cfg["manifest_flush_s"])
     if cfg.get("flush_manifest"):  # correctness runs (not timed): the engine is killed at shutdown, so keep the
         os.environ["GRAPHCAP_MANIFEST_FLUSH_S"] = "0"  # manifest current; and check every length graphcap reads
         os.environ["GRAPHCAP_SGLANG_CHECK"] = "1"  # or hands on against sglang's after each draft (one sync)
@@ -163,26 +222,22 @@ def run_child(cfg: dict) -> dict:
     engine = sglang.Engine(**engine_kwargs(cfg))
     result = {"config": cfg, "startup_s": time.perf_counter() - t0, "cases": []}
     try:
+        from graphcap.kernels.arch import device_arch  # after the start: the child's CUDA context changes nothing
+
+        result["kernel_paths"] = device_arch().name  # as graphcap's planners see the GPU in this environment
+        result["sglang"] = version
+        write_progress(cfg, started=True, startup_s=result["startup_s"], kernel_paths=result["kernel_paths"])
         for case in cfg["cases"]:
             reqs = case["requests"]
-
-            def generate(suffix: str, new_tokens: int | None = None):
-                params = [{"temperature": 0.0, "max_new_tokens": new_tokens or r["max_new"], "ignore_eos": True}
-                          for r in reqs]
-                t = time.perf_counter()
-                outs = engine.generate(input_ids=[r["prompt"] for r in reqs], sampling_params=params,
-                                       rid=[r["rid"] + suffix for r in reqs])
-                return outs, time.perf_counter() - t
-
             short_s, long_s = [], []
             if case.get("decode_rate"):  # warm up, then pairs of a short and a long run of the same prompts: the
                 # decode rate is the extra tokens over the extra time, per pair (the last long run is the case's)
-                generate("-warm", 8)
+                generate(engine, reqs, "-warm", 8)
                 for i in range(case.get("repeats", 1) - 1):
-                    short_s.append(generate(f"-short{i}", SHORT_NEW)[1])
-                    long_s.append(generate(f"-long{i}")[1])
-                short_s.append(generate("-short", SHORT_NEW)[1])
-            outs, wall = generate("")
+                    short_s.append(generate(engine, reqs, f"-short{i}", SHORT_NEW)[1])
+                    long_s.append(generate(engine, reqs, f"-long{i}")[1])
+                short_s.append(generate(engine, reqs, "-short", SHORT_NEW)[1])
+            outs, wall = generate(engine, reqs)
             if case.get("decode_rate"):
                 long_s.append(wall)
             result["cases"].append({"name": case["name"], "batch": case["batch"], "wall_s": wall,
@@ -190,6 +245,12 @@ def run_child(cfg: dict) -> dict:
                 {"rid": r["rid"], "tokens": o["output_ids"], "verify_ct": o["meta_info"].get("spec_verify_ct"),
                  "completion": o["meta_info"].get("completion_tokens"),
                  "retractions": o["meta_info"].get("num_retractions")} for r, o in zip(reqs, outs)]})
+            write_progress(cfg, cases_done=len(result["cases"]))
+        if cfg.get("timed"):  # after the checks: their trace records are flushed by the timed calls' own flushes
+            reqs = cfg["timed"]["requests"]
+            generate(engine, reqs, "-warm", 8)
+            _, wall = generate(engine, reqs)
+            result["timed"] = {"batch": len(reqs), "wall_s": wall, "rids": [r["rid"] for r in reqs]}
     finally:
         engine.shutdown()
     return result
@@ -199,21 +260,114 @@ def run_child(cfg: dict) -> dict:
 # parent: engines in children, comparisons
 
 
+_RUNNING: list[subprocess.Popen] = []  # the engine child now running: stopped with its processes on SIGTERM
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """The child and every process it started (sglang's scheduler and detokenizer share its process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _on_term(signum, frame) -> None:  # `timeout` (scripts/gpu-lib.sh's step) stops the parent: no engine stays
+    for proc in _RUNNING:
+        _stop(proc)
+    raise SystemExit(128 + signum)
+
+
+ERROR_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*|Segmentation fault.*|Killed$)")
+
+
+# sglang's own words for "a scheduler failed, see above": the line above them says what broke
+WRAPPERS = ("Initialization failed", "scheduler died during initialization", "scheduler is dead")
+
+
+def failure(log: str) -> str | None:
+    """The line that says what broke: the last exception line of a child's log (its scheduler's traceback lands in
+    the same log) that is not sglang's wrapper for a scheduler's failure, else the last wrapper line, else None."""
+    lines = [ln.strip() for ln in log.splitlines() if ERROR_LINE.match(ln)]
+    own = [ln for ln in lines if not any(w in ln for w in WRAPPERS)]
+    return (own or lines or [None])[-1]
+
+
 def spawn(cfg: dict, log_dir: str) -> dict:
+    """One engine in a child process (its own process group), stopped after cfg's timeout_s if given; a child that
+    failed returns crashed, its log's tail, what broke and how far it got (its progress file)."""
     tag = cfg["tag"]
     path = os.path.join(log_dir, f"child-{tag}.json")
     cfg_path = os.path.join(log_dir, f"child-{tag}-config.json")  # prompts: too long for a command line
+    cfg = dict(cfg, progress_path=os.path.join(log_dir, f"child-{tag}-progress.json"))
     json.dump(cfg, open(cfg_path, "w"))
+    timed_out = False
     with open(os.path.join(log_dir, f"child-{tag}.log"), "w") as log:
         t = time.perf_counter()
-        rc = subprocess.run([sys.executable, __file__, "--child", cfg_path, "--child-out", path],
-                            stdout=log, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen([sys.executable, __file__, "--child", cfg_path, "--child-out", path], stdout=log,
+                                stderr=subprocess.STDOUT, process_group=0)
+        _RUNNING.append(proc)
+        try:
+            rc = proc.wait(timeout=cfg.get("timeout_s"))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _stop(proc)
+            rc = proc.returncode
+        finally:
+            _RUNNING.remove(proc)
     if rc != 0 or not os.path.exists(path):
-        tail = open(os.path.join(log_dir, f"child-{tag}.log")).read()[-3000:]
-        print(f"== {tag}: engine child failed (rc {rc}) after {time.perf_counter() - t:.0f} s\n{tail}", flush=True)
-        return {"config": cfg, "crashed": True, "rc": rc, "log_tail": tail}
+        text = open(os.path.join(log_dir, f"child-{tag}.log"), errors="replace").read()
+        tail = text[-3000:]
+        why = f"stopped after its {cfg['timeout_s']:.0f} s (--until)" if timed_out else failure(text)
+        progress = json.load(open(cfg["progress_path"])) if os.path.exists(cfg["progress_path"]) else {}
+        print(f"== {tag}: engine child failed (rc {rc}) after {time.perf_counter() - t:.0f} s: {why}\n{tail}",
+              flush=True)
+        return {"config": cfg, "crashed": True, "rc": rc, "log_tail": tail, "error": why, "timed_out": timed_out,
+                "progress": progress}
     print(f"== {tag}: ok in {time.perf_counter() - t:.0f} s", flush=True)
     return json.load(open(path))
+
+
+def engine_info(r: dict) -> dict:
+    """One engine's entry: what ran in its own process (sglang version, steps, kernel paths as graphcap.kernels.arch
+    names them there), whether it started, and what broke if it failed."""
+    cfg, progress = r["config"], r.get("progress") or {}
+    requested = cfg.get("kernel_paths") or "native"
+    return {"tag": cfg["tag"], "mode": cfg["mode"], "backend": cfg.get("backend"), "steps": cfg.get("steps"),
+            "sglang": r.get("sglang") or progress.get("sglang"),
+            "kernel_paths": r.get("kernel_paths") or progress.get("kernel_paths"), "kernel_paths_asked": requested,
+            "startup_s": r.get("startup_s") or progress.get("startup_s"),
+            "started": None if r.get("not_run") else bool(not r.get("crashed") or progress.get("started")),
+            "crashed": bool(r.get("crashed")), "not_run": r.get("not_run"), "error": r.get("error"),
+            "log_tail": r.get("log_tail")}
+
+
+def timed_draft_ms(rows: list[dict], rids: list[str] | set[str]) -> tuple[float | None, int]:
+    """The median GPU time of the draft calls that ran exactly `rids` (the full batch of one timed run), over the last
+    three quarters of them (the first calls warm up), profiled calls left out; and how many there were."""
+    want = set(rids)
+    ms = [t["gpu_ms"] for t in rows if len(t["rids"]) == len(want) and set(t["rids"]) == want and not t.get("profiled")]
+    return (statistics.median(ms[len(ms) // 4:]) if ms else None), len(ms)
+
+
+def machine() -> dict:
+    """The machine, as the parent sees it without importing torch or starting CUDA (a child's engine does)."""
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    gpu = driver = cc = None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+        if out:
+            gpu, driver, cc = (x.strip() for x in out[0].split(","))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    return {"gpu": gpu, "driver": driver, "compute_capability": cc, "python": platform.python_version(),
+            "torch": version("torch"), "triton": version("triton")}
 
 
 def read_trace(trace_dir: str) -> list[dict]:
@@ -343,6 +497,25 @@ def main(argv=None) -> int:
                          "own manifest. Default: %(default)s")
     ap.add_argument("--refusals", action="store_true",
                     help="start an engine with each setting the plugin refuses (REFUSALS) and record the error")
+    ap.add_argument("--kernel-paths", default="native",
+                    help=f"--check: a graphcap engine per value, each once, of {', '.join(KERNEL_PATHS)} (native: the "
+                         "device's own; sm80: an A100's, GRAPHCAP_KERNEL_PATHS=sm80 and TRITON_OVERRIDE_ARCH=sm80 in "
+                         "that engine). Default: %(default)s")
+    ap.add_argument("--time-batch", type=int, default=0, metavar="B",
+                    help="--check: each engine then times its draft phase on B requests of --context tokens and --new "
+                         "new ones (draft_ms: median GPU time per full-batch draft call), in the same engine; the "
+                         "per-draft length check (GRAPHCAP_SGLANG_CHECK, a sync) is then off. 0: no timing")
+    ap.add_argument("--check-batches", default="",
+                    help=f"--check: only the cases of these batch sizes (of {', '.join(map(str, (*CHECK_BATCHES, 96)))};"
+                         " default: all)")
+    ap.add_argument("--expect-sglang", default="",
+                    help="the sglang version each engine's process must import (a wrong PYTHONPATH fails the engine, "
+                         "named, instead of running another version)")
+    ap.add_argument("--until", type=float, default=0.0, metavar="EPOCH_S",
+                    help="engines that cannot finish by this time (time.time()) are not started but recorded as not "
+                         "run; one still running then is stopped with its processes")
+    ap.add_argument("--work", default="",
+                    help="where the children's configs, logs, traces and manifests go (default: beside --out)")
     ap.add_argument("--combine", nargs=2, metavar=("CHECK_JSON", "SPEED_JSON"),
                     help="write the issue record (--out) from a --check and a --speed output")
     ap.add_argument("--child")
@@ -375,6 +548,15 @@ def main(argv=None) -> int:
         if not engines or len(set(engines)) != len(engines) or any(e not in ("nospec", "sglang", "graphcap")
                                                                    for e in engines):
             ap.error(f"--speed-engines: a list of nospec, sglang, graphcap, each once; got {a.speed_engines!r}")
+        paths = [p for p in a.kernel_paths.split(",") if p]
+        if not paths or len(set(paths)) != len(paths) or any(p not in KERNEL_PATHS for p in paths):
+            ap.error(f"--kernel-paths: a list of {', '.join(KERNEL_PATHS)}, each once; got {a.kernel_paths!r}")
+        if a.time_batch < 0:
+            ap.error(f"--time-batch must be >= 0, got {a.time_batch}")
+        sizes = [x.strip() for x in a.check_batches.split(",") if x.strip()]
+        if any(not x.isdigit() or int(x) not in (*CHECK_BATCHES, 96) for x in sizes):
+            ap.error(f"--check-batches: batch sizes of {', '.join(map(str, (*CHECK_BATCHES, 96)))}; got "
+                     f"{a.check_batches!r}")
     if a.child:
         child_cfg = json.load(open(a.child))
         res = (refusal_child if child_cfg["mode"] == "refusal" else run_child)(child_cfg)
@@ -385,18 +567,41 @@ def main(argv=None) -> int:
         rec = issue_record(chk["check"], spd["speed"], chk.get("commit") or spd.get("commit"))
         json.dump(rec, open(a.out, "w"), indent=1)
         return 0
-    work = tempfile.mkdtemp(prefix="graphcap-engine-", dir=os.path.dirname(os.path.abspath(a.out)))
+    previous = signal.signal(signal.SIGTERM, _on_term)
+    try:
+        return run(a)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(a: argparse.Namespace) -> int:
+    """The engines of --refusals, --check and --speed, in that order (arguments checked by main)."""
+    if a.work:
+        os.makedirs(a.work, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="graphcap-engine-", dir=a.work or os.path.dirname(os.path.abspath(a.out)))
     vocab = a.vocab or json.load(open(os.path.join(a.ckpt, "target", "config.json")))["vocab_size"]
     backends = [b for b in a.backends.split(",") if b]
     record = {"commit": os.environ.get("GRAPHCAP_COMMIT"), "ckpt": a.ckpt, "backends": backends, "steps": a.steps,
-              "tp": a.tp, "sglang": sglang_version(), "check": None, "speed": None}
+              "tp": a.tp, "sglang": sglang_version(), "kernel_paths": a.kernel_paths.split(","),
+              "time_batch": a.time_batch or None, "context": a.context, "new": a.new,
+              "expect_sglang": a.expect_sglang or None, "machine": machine(), "check": None, "speed": None}
     if a.refusals:
         record["refusals"] = []
 
     def cfg(tag, mode, cases, backend=None, **extra):
         d = {k: os.path.join(work, f"{k}-{tag}") for k in ("trace_dir", "manifest_dir")}
         return {"tag": tag, "mode": mode, "backend": backend, "ckpt": a.ckpt, "cases": cases, "max_running": 64,
-                "steps": a.steps, "tp": a.tp, **d, **extra}
+                "steps": a.steps, "tp": a.tp, "expect_sglang": a.expect_sglang or None, **d, **extra}
+
+    def launch(c: dict) -> dict:
+        """spawn, within --until: not started when too little time is left, stopped at it."""
+        if not a.until:
+            return spawn(c, work)
+        left = a.until - time.time()
+        if left < MIN_ENGINE_S:
+            print(f"== {c['tag']}: not run ({left:.0f} s left before --until)", flush=True)
+            return {"config": c, "not_run": f"{max(left, 0):.0f} s left before --until, {MIN_ENGINE_S} s wanted"}
+        return spawn(dict(c, timeout_s=left - STOP_MARGIN_S), work)
 
     if a.refusals:  # first: seconds each, and they say whether the plugin is loaded at all
         for case in REFUSALS:
@@ -405,35 +610,55 @@ def main(argv=None) -> int:
             record["refusals"].append(refusal_row(case, r))
             json.dump(record, open(a.out, "w"), indent=1)
     if a.check:
-        cases = check_cases(vocab)
+        sizes = {int(x) for x in a.check_batches.split(",") if x.strip()}
+        cases = [c for c in check_cases(vocab) if not sizes or c["batch"] in sizes]
         # a small pool, meant to make the 96-request case retract (64 x 2600 tokens was not small enough to)
-        pool = dict(max_total_tokens=64 * 2600, flush_manifest=True, retract_every=a.retract_every)
-        base = spawn(cfg("sglang", "sglang", cases, **pool), work)
+        pool = dict(max_total_tokens=64 * 2600, retract_every=a.retract_every)
+        if a.time_batch:  # one engine for both: no per-draft sync (it would stall the timed draft), the manifest
+            # written every second so that a fallback reaches it before shutdown kills the scheduler
+            timed = speed_case(a.time_batch, vocab, a.context, a.new)
+            pool.update(timed=dict(timed, requests=[dict(r, rid="t" + r["rid"]) for r in timed["requests"]]),
+                        manifest_flush_s=1)
+        else:
+            pool.update(flush_manifest=True)
+        base = launch(cfg("sglang", "sglang", cases, **pool))
         from graphcap.integrations.sglang_config import DEFAULT_BACKEND
 
-        out = {"default_backend": DEFAULT_BACKEND, "engines": {}, "cases": []}
-        bt = draft_map(read_trace(base["config"]["trace_dir"])) if not base.get("crashed") else {}
-        for be in backends:
-            r = spawn(cfg(f"graphcap-{be}", "graphcap", cases, backend=be, **pool), work)
-            m = manifest_summary(r["config"]["manifest_dir"])
-            crashed = bool(r.get("crashed"))
-            out["engines"][be] = {"startup_s": r.get("startup_s"), "crashed": crashed, "manifest": m,
-                                  "log_tail": r.get("log_tail")}
-            if base.get("crashed"):
-                continue
-            if crashed:  # every case of a crashed engine is a crash, not a missing row
-                out["cases"] += [{"backend": be, "case": c["name"], "batch": c["batch"], "requests": c["batch"],
-                                  "tokens_equal": 0, "drafts_compared": 0, "drafts_equal": 0, "drafts_unmatched": None,
-                                  "accept_len_sglang": None, "accept_len_graphcap": None, "crashes": 1,
-                                  "fallbacks": m.get("fallbacks")} for c in cases]
-            else:
-                for row in compare(base, r, bt, draft_map(read_trace(r["config"]["trace_dir"]))):
-                    out["cases"].append({"backend": be, "crashes": 0, "fallbacks": m.get("fallbacks"), **row})
-            out["sglang_startup_s"], out["sglang_crashed"] = base.get("startup_s"), bool(base.get("crashed"))
-            record["check"] = out
-            json.dump(record, open(a.out, "w"), indent=1)
+        ran = not base.get("crashed") and not base.get("not_run")
+        btrace = read_trace(base["config"]["trace_dir"]) if ran else []
+        bt = draft_map(btrace)
+        out = {"default_backend": DEFAULT_BACKEND, "requests": sum(c["batch"] for c in cases),
+               "check_batches": [c["batch"] for c in cases], "engines": {}, "cases": [],
+               "stock": dict(engine_info(base), draft_ms=None, draft_calls=0)}
+        if a.time_batch and ran and base.get("timed"):
+            out["stock"]["draft_ms"], out["stock"]["draft_calls"] = timed_draft_ms(btrace, base["timed"]["rids"])
         out["sglang_startup_s"], out["sglang_crashed"] = base.get("startup_s"), bool(base.get("crashed"))
         record["check"] = out
+        json.dump(record, open(a.out, "w"), indent=1)
+        for be in backends:
+            for kp in a.kernel_paths.split(","):
+                key = be if kp == "native" else f"{be}-{kp}"  # the device's own paths keep the plain name
+                r = launch(cfg(f"graphcap-{key}", "graphcap", cases, backend=be, kernel_paths=kp, **pool))
+                m = manifest_summary(r["config"]["manifest_dir"])
+                crashed = bool(r.get("crashed"))
+                info = out["engines"][key] = dict(engine_info(r), manifest=m, draft_ms=None, draft_calls=0)
+                trace = read_trace(r["config"]["trace_dir"]) if not crashed and not r.get("not_run") else []
+                if a.time_batch and r.get("timed"):
+                    info["draft_ms"], info["draft_calls"] = timed_draft_ms(trace, r["timed"]["rids"])
+                who = {"engine": key, "backend": be, "kernel_paths": info["kernel_paths"], "sglang": info["sglang"],
+                       "steps": a.steps}
+                if not ran or r.get("not_run"):  # nothing to compare: the engine entries say why
+                    pass
+                elif crashed:  # every case of a crashed engine is a crash, not a missing row
+                    out["cases"] += [{**who, "case": c["name"], "batch": c["batch"], "requests": c["batch"],
+                                      "tokens_equal": 0, "drafts_compared": 0, "drafts_equal": 0,
+                                      "drafts_unmatched": None, "accept_len_sglang": None,
+                                      "accept_len_graphcap": None, "crashes": 1, "fallbacks": m.get("fallbacks")}
+                                     for c in cases]
+                else:
+                    for row in compare(base, r, bt, draft_map(trace)):
+                        out["cases"].append({**who, "crashes": 0, "fallbacks": m.get("fallbacks"), **row})
+                json.dump(record, open(a.out, "w"), indent=1)
     if a.speed:
         cases = [dict(speed_case(b, vocab, a.context, a.new), decode_rate=True, repeats=a.repeats)
                  for b in SPEED_BATCHES]
@@ -452,12 +677,11 @@ def main(argv=None) -> int:
             tr = read_trace(r["config"]["trace_dir"]) if not r.get("crashed") else []
             for c in r.get("cases", []):
                 long_run = {f"s{c['batch']}-r{i}" for i in range(c["batch"])}  # not the warm-up's or short run's
-                ms = [t["gpu_ms"] for t in tr if len(t["rids"]) == c["batch"] and set(t["rids"]) == long_run
-                      and not t.get("profiled")]
+                draft_ms, calls = timed_draft_ms(tr, long_run)
                 rates = decode_rates(c["batch"], a.new, c["short_s"], c["long_s"])
                 rows.setdefault(c["batch"], {})[tag] = {
                     "decode_tok_s": statistics.median(rates) if rates else None, "decode_tok_s_runs": rates,
-                    "draft_ms": statistics.median(ms[len(ms) // 4:]) if ms else None, "draft_calls": len(ms),
+                    "draft_ms": draft_ms, "draft_calls": calls,
                     "accept_len": accept_len(c), "profile": read_profile(r["config"]["trace_dir"], c["batch"])}
             rows.setdefault("startup_s", {})[tag] = r.get("startup_s")
             if r.get("crashed"):
@@ -472,11 +696,13 @@ def main(argv=None) -> int:
 def summary(record: dict) -> dict:
     s = {}
     if record["check"]:
-        s["check"] = [{k: c[k] for k in ("backend", "case", "requests", "tokens_equal", "drafts_compared",
+        s["check"] = [{k: c[k] for k in ("engine", "backend", "case", "requests", "tokens_equal", "drafts_compared",
                                          "drafts_equal", "accept_len_sglang", "accept_len_graphcap", "fallbacks", "retractions_sglang",
                                          "retractions_graphcap") if k in c}
                       for c in record["check"]["cases"]]
         s["engines"] = {b: {k: v for k, v in e.items() if k != "log_tail"} for b, e in record["check"]["engines"].items()}
+        if record["check"].get("stock"):
+            s["stock"] = {k: v for k, v in record["check"]["stock"].items() if k != "log_tail"}
     if record["speed"]:
         s["speed"] = record["speed"]
     if record.get("refusals"):
