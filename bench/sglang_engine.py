@@ -350,6 +350,21 @@ def timed_draft_ms(rows: list[dict], rids: list[str] | set[str]) -> tuple[float 
     return (statistics.median(ms[len(ms) // 4:]) if ms else None), len(ms)
 
 
+def triton_kernels_for(arch: str, cache: str | None = None) -> int:
+    """Kernels in Triton's cache (TRITON_CACHE_DIR, else ~/.triton/cache) compiled with options.arch == `arch`: after
+    an sm80 engine, evidence that Triton lowered for 80 (a Triton without the override knob would show none)."""
+    cache = cache or os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+    n = 0
+    for path in glob.glob(os.path.join(cache, "*", "*.json")):
+        if os.path.basename(path).startswith("__grp__"):
+            continue
+        try:
+            n += json.load(open(path)).get("arch") == arch
+        except (OSError, ValueError, AttributeError):
+            continue
+    return n
+
+
 def machine() -> dict:
     """The machine, as the parent sees it without importing torch or starting CUDA (a child's engine does)."""
     def version(dist: str) -> str | None:
@@ -645,6 +660,8 @@ def run(a: argparse.Namespace) -> int:
                 trace = read_trace(r["config"]["trace_dir"]) if not crashed and not r.get("not_run") else []
                 if a.time_batch and r.get("timed"):
                     info["draft_ms"], info["draft_calls"] = timed_draft_ms(trace, r["timed"]["rids"])
+                if kp != "native":
+                    info["triton_kernels_for_paths"] = triton_kernels_for(kp)
                 who = {"engine": key, "backend": be, "kernel_paths": info["kernel_paths"], "sglang": info["sglang"],
                        "steps": a.steps}
                 if not ran or r.get("not_run"):  # nothing to compare: the engine entries say why

@@ -9,7 +9,8 @@ calls (the stage's USER_SETUP_* knobs): this script merges any number of partial
 
     {"what", "commit", "machine", "cases": [{"sglang", "steps", "kernel_paths", "backend", "requests",
      "tokens_equal", "drafts_compared", "drafts_equal", "crashes", "fallbacks", "draft_ms_sglang",
-     "draft_ms_graphcap", "error"}], "missing" (only where a matrix cell has no case)}
+     "draft_ms_graphcap", "error"}], "missing" (only where a matrix cell has no case), "not_lowered_for_sm80"
+     (only where an sm80 engine ran but Triton's cache holds no kernel compiled for capability 80)}
 
 One case per graphcap engine, its counts summed over the check's batches. tokens_equal / drafts_equal: requests whose
 output tokens, and (request, k-th draft call) pairs whose draft tokens, equal stock sglang's (null where there was
@@ -187,11 +188,18 @@ def combine(partials: list[tuple[str, dict]], commit: str | None = None) -> dict
     backends = sorted({c["backend"] for c in cases})
     missing = [f"sglang {v}, steps {s}, kernel paths {kp}, {be}" for v in SGLANG for s in STEPS
                for kp in KERNEL_PATHS for be in backends if (v, s, kp, be) not in cells]
+    unlowered = [f"{source}: {key}" for source, p in partials for key, info in p["check"]["engines"].items()
+                 if info.get("triton_kernels_for_paths") == 0 and _ran(info)]
+    if unlowered:  # the paths' planners ran, but Triton did not lower for 80: say so beside the cases
+        print("user_setup: no Triton kernel compiled for the forced capability in " + ", ".join(unlowered)
+              + " (does this Triton read TRITON_OVERRIDE_ARCH?)", file=sys.stderr)
     record = {"what": describe(partials), "commit": commit,
               "machine": merge_machine(partials, [c["sglang"] for c in cases if c["crashes"] is not None]),
               "cases": cases}
     if missing:
         record["missing"] = missing
+    if unlowered:
+        record["not_lowered_for_sm80"] = unlowered
     return record
 
 

@@ -151,6 +151,10 @@ def test_check_with_timing_runs_stock_once_graphcap_per_kernel_paths_and_records
                     for c in cfg["cases"]]}
 
     monkeypatch.setattr(E, "spawn", spawn)
+    cache = tmp_path / "triton-cache"
+    (cache / "k1").mkdir(parents=True)
+    (cache / "k1" / "kernel.json").write_text(json.dumps({"arch": "sm80"}))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     out = tmp_path / "p.json"
     assert E.main(["--ckpt", str(_ckpt(tmp_path)), "--check", "--steps", "2", "--backends", "cudagraph",
                    "--kernel-paths", "native,sm80", "--time-batch", "2", "--check-batches", "1,8",
@@ -172,6 +176,7 @@ def test_check_with_timing_runs_stock_once_graphcap_per_kernel_paths_and_records
     bad = chk["engines"]["cudagraph-sm80"]
     assert bad["crashed"] and bad["started"] and bad["error"] == "RuntimeError: boom"
     assert (bad["sglang"], bad["kernel_paths"], bad["draft_ms"]) == ("0.5.18", "sm80", None)
+    assert bad["triton_kernels_for_paths"] == 1 and "triton_kernels_for_paths" not in ours
     native = [c for c in chk["cases"] if c["engine"] == "cudagraph"]
     assert [(c["case"], c["tokens_equal"], c["drafts_equal"], c["drafts_compared"]) for c in native] == [
         ("batch1", 1, 1, 1), ("batch8", 8, 8, 8)]
@@ -246,6 +251,18 @@ def test_spawn_reports_what_broke_and_stops_a_hung_engine_with_its_processes(mon
     while _alive(grandchild) and time.time() < deadline:
         time.sleep(0.1)
     assert not _alive(grandchild)
+
+
+def test_triton_kernels_are_counted_by_the_capability_they_were_compiled_for(tmp_path):
+    for d, meta in (("a", {"arch": "sm80", "name": "k"}), ("b", {"arch": "sm90"}), ("c", {"arch": "sm80"})):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "k.json").write_text(json.dumps(meta))
+    (tmp_path / "c" / "__grp__k.json").write_text(json.dumps({"arch": "sm80"}))  # a group index, not a kernel
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "k.json").write_text("{torn")
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "k.json").write_text("[1]")
+    assert E.triton_kernels_for("sm80", str(tmp_path)) == 2 and E.triton_kernels_for("sm90", str(tmp_path)) == 1
 
 
 def test_failure_names_the_last_exception_line_of_a_log():
@@ -421,6 +438,18 @@ def test_combine_refuses_mixed_commits_machines_and_a_cell_run_twice():
     assert U.combine([("x.json", dict(a[1], commit=None))], commit="fff0000")["commit"] == "fff0000"
     with pytest.raises(U.CombineError, match="not a partial record"):
         U.combine([("speed.json", {"commit": "abc", "check": None, "speed": {}})])
+
+
+def test_an_sm80_engine_with_no_kernel_lowered_for_80_is_named_in_the_record(capsys):
+    source, a = _partials()[0]
+    a = json.loads(json.dumps(a))
+    a["check"]["engines"]["cudagraph-sm80"]["triton_kernels_for_paths"] = 0
+    a["check"]["engines"]["cudagraph"]["triton_kernels_for_paths"] = None
+    rec = U.combine([(source, a)])
+    assert rec["not_lowered_for_sm80"] == ["a.json: cudagraph-sm80"]
+    assert "TRITON_OVERRIDE_ARCH" in capsys.readouterr().err
+    a["check"]["engines"]["cudagraph-sm80"]["triton_kernels_for_paths"] = 12
+    assert "not_lowered_for_sm80" not in U.combine([(source, a)])
 
 
 def test_a_later_failure_replaces_a_cell_not_run_and_a_rerun_replaces_a_failure():
