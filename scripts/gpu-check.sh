@@ -23,6 +23,17 @@
 #                                 the error raised, its message and how soon)
 #   scripts/gpu-check.sh user-scale  a Gemma-4-31B-shaped target: the verify attention against sglang's kernels, then
 #                                 decode tok/s and sglang's per-phase profile for no-spec, stock MTP and graphcap MTP
+#   scripts/gpu-check.sh user-setup  issue 42's matrix on the tiny pair: sglang {0.5.23, 0.5.18} x steps {1,2,3} x
+#                                 graphcap's kernel paths {sm90, sm80} - stock sglang once per (version, steps), graphcap
+#                                 per kernel paths: tokens and drafts against stock's, crashes, fallbacks, draft-phase
+#                                 GPU time; a partial record per (version, steps) in $LOG/user-setup/, merged into
+#                                 $LOG/user-setup-h200.json (bench/user_setup.py; merge several calls' the same way).
+#                                 A version runs where the PYTHONPATH's sglang is it, or from /tmp/site-VERSION, installed
+#                                 from carried wheels in .whl-VERSION/ (scripts/sglang-0518-wheels.sh). USER_SETUP_SGLANG,
+#                                 USER_SETUP_STEPS, USER_SETUP_PATHS (sm90,sm80) split the matrix over calls;
+#                                 USER_SETUP_BUDGET_S (570): no engine starts that could not end by then (from the
+#                                 script's start); USER_SETUP_TIME_BATCH (8; 0: no timing, length checks on);
+#                                 USER_SETUP_BATCHES: the check's batch sizes; USER_SETUP_DRY=1: print the runs only
 #   scripts/gpu-check.sh engine-speed  the same on the draft-shapes pair: draft-phase GPU time and decode tok/s per
 #                                 batch, stock sglang vs graphcap vs the target alone (each engine stage wants a
 #                                 call of its own: an engine starts in 40-150 s; ENGINE_BACKENDS picks the backends;
@@ -32,10 +43,71 @@
 #                                 graphcap once per --draft-graph-projections value)
 # Several stages run in one call in order: scripts/gpu-check.sh unit bench. Logs: $GPU_WORK/logs (default
 # /tmp/graphcap-gpu), packed into $OUT/gpu-<stages joined by ->.tar.gz (default OUT=out/gpu).
-STAGES="unit tests bench capture engine-check engine-speed user-scale"
+STAGES="unit tests bench capture engine-check engine-speed user-scale user-setup"
 DEFAULT_STAGE=unit
 PACK_NAME=gpu
 source "$(dirname "$0")/gpu-lib.sh"
+
+user_setup_site() {  # user_setup_site VERSION: the --target dir holding sglang VERSION, for the engines' PYTHONPATH
+  # (empty where the PYTHONPATH's own sglang is VERSION), installed once from carried wheels in .whl-VERSION/
+  local ver=$1 dir=/tmp/site-$1 have
+  have=$(python3 -c 'import importlib.metadata as m; print(m.version("sglang"))' 2>/dev/null)
+  if [ "$have" = "$ver" ]; then echo; return 0; fi
+  if [ ! -d "$dir/sglang" ] && ls ".whl-$ver"/*.whl >/dev/null 2>&1; then
+    [ "${USER_SETUP_DRY:-0}" = 1 ] && { echo "$dir"; return 0; }  # would install
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$dir" ".whl-$ver"/*.whl >&2 || return 1
+  fi
+  if [ -d "$dir/sglang" ]; then echo "$dir"; return 0; fi
+  echo "user-setup: no sglang $ver here (the PYTHONPATH's: ${have:-none}; no $dir; no wheels in .whl-$ver/ - make" \
+    "them with scripts/sglang-0518-wheels.sh .whl-$ver and carry .whl-$ver)" | tee -a "$LOG/commands.txt" >&2
+  return 1
+}
+
+user_setup() {  # the user-setup stage: one bench/sglang_engine.py run per (sglang version, steps), then the merge
+  local until=$(( $(date +%s) - SECONDS + ${USER_SETUP_BUDGET_S:-570} )) dry=${USER_SETUP_DRY:-0}
+  local paths=() p ver s site left env_=()
+  for p in $(echo "${USER_SETUP_PATHS:-sm90,sm80}" | tr , ' '); do
+    case $p in sm90|native) paths+=(native) ;; sm80) paths+=(sm80) ;;
+      *) echo "USER_SETUP_PATHS: sm90 and/or sm80, got $p" >&2; exit 2 ;; esac
+  done
+  for s in $(echo "${USER_SETUP_STEPS:-1,2,3}" | tr , ' '); do
+    [[ $s =~ ^[1-9][0-9]*$ ]] || { echo "USER_SETUP_STEPS: draft steps >= 1, got $s" >&2; exit 2; }
+  done
+  [ "$dry" = 1 ] || engine_env
+  if [ "$dry" != 1 ] && [ ! -f "$WORK/ckpt-tiny/summary.json" ]; then
+    step ckpt-tiny python3 bench/sglang_checkpoint.py --size tiny --out "$WORK/ckpt-tiny" --device cuda
+  fi
+  mkdir -p "$LOG/user-setup"
+  for ver in $(echo "${USER_SETUP_SGLANG:-0.5.23,0.5.18}" | tr , ' '); do
+    site=$(user_setup_site "$ver") || continue
+    env_=()
+    [ -n "$site" ] && env_+=("PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}")
+    if [ -n "$site" ] && { [ -d "$site/flashinfer" ] || ls ".whl-$ver"/flashinfer_standin-*.whl >/dev/null 2>&1; }; then
+      env_+=(SGLANG_IS_FLASHINFER_AVAILABLE=false)  # 0.5.18's set: flashinfer is its stand-in, for no path to choose
+    fi
+    for s in $(echo "${USER_SETUP_STEPS:-1,2,3}" | tr , ' '); do
+      local cmd=(env "${env_[@]}" python3 bench/sglang_engine.py --ckpt "$WORK/ckpt-tiny" --check --steps "$s"
+        --backends "${USER_SETUP_BACKENDS:-cudagraph}" --kernel-paths "$(IFS=,; echo "${paths[*]}")"
+        --time-batch "${USER_SETUP_TIME_BATCH:-8}" --check-batches "${USER_SETUP_BATCHES:-}" --expect-sglang "$ver"
+        --until "$until" --work "$WORK/user-setup" --out "$LOG/user-setup/sglang-$ver-steps-$s.json")
+      left=$(( until - $(date +%s) ))
+      if [ "$dry" = 1 ]; then echo "${cmd[*]}"; continue; fi
+      if [ "$left" -lt 75 ]; then
+        echo "user-setup: sglang $ver, $s steps: not started, $left s left of USER_SETUP_BUDGET_S" | tee -a "$LOG/commands.txt"
+        continue
+      fi
+      STEP_LIMIT=$(( left + 20 )) step "user-setup-$ver-steps-$s" "${cmd[@]}"
+    done
+  done
+  [ "$dry" = 1 ] && { : >> "$LOG/commands.txt"; return 0; }
+  mkdir -p "$LOG/user-setup/logs"  # the engines' logs, their ends (configs, traces and manifests stay in $WORK)
+  for p in "$WORK"/user-setup/graphcap-engine-*/child-*.log; do
+    [ -f "$p" ] && tail -c 100000 "$p" > "$LOG/user-setup/logs/$(basename "$(dirname "$p")")-$(basename "$p")"
+  done
+  if ls "$LOG"/user-setup/sglang-*.json >/dev/null 2>&1; then
+    step user-setup-combine python3 bench/user_setup.py --out "$LOG/user-setup-h200.json" "$LOG"/user-setup/sglang-*.json
+  fi
+}
 
 run_stage() {
 case $1 in
@@ -97,6 +169,9 @@ case $1 in
       --engines "${USER_ENGINES:-nospec,graphcap-verify,sglang}" --batches "${USER_BATCHES:-8}" --contexts 2048 \
       ${USER_SWEEP:+--sweep "$USER_SWEEP"} --steps "${USER_STEPS:-3}" --repeats 1 --new 96 --timeout 215 \
       --work "$WORK/user-scale" --out "$LOG/user-scale.json"
+    ;;
+  user-setup)  # issue 42: the user's sglang versions, draft steps and an A100's kernel paths, on the tiny pair
+    user_setup
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

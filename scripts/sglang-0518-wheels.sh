@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # sglang 0.5.18 (the user's version) for the lent GPU machine: its wheel and the packages its engine imports that the
-# machine lacks, as Python 3.12 wheels, into ./.whl (or DEST) - what /work/shared/tools/sglang-wheels-for-device.sh
-# does for 0.5.23. The two sets do not fit in one call's 64 MiB: DEST must hold no wheels yet (rm -rf .whl first).
+# machine lacks, as Python 3.12 wheels, into ./.whl-0.5.18 (or DEST) - what /work/shared/tools/sglang-wheels-for-device.sh
+# does for 0.5.23 into ./.whl. The two sets do not fit in one call's 64 MiB: carry one of .whl and .whl-0.5.18 per
+# call. DEST must hold no wheels yet (the script will not mix the two sets in one directory).
 # The machine has torch 2.11, triton 3.6, transformers 5.17, torchvision (0.5.23's engine imports it there), uvloop,
 # no network. What this set differs in from 0.5.23's:
 # - sglang 0.5.18 (24 MB; the wheel asks for torch 2.13, unused with --no-deps: nothing of 0.5.18 that runs here uses
@@ -17,14 +18,15 @@
 #   on the greedy Gemma 4 path). Run with SGLANG_IS_FLASHINFER_AVAILABLE=false, so that sglang's availability checks
 #   (find_spec) choose none of flashinfer's paths.
 # sgl_kernel is the stand-in in tests/support (as for 0.5.23; 0.5.18 also calls fast_topk, build_tree_kernel_efficient
-# and verify_tree_greedy from it). Install on the machine as for 0.5.23 (scripts/gpu-lib.sh does, into /tmp/site, on
-# a machine where /tmp/site holds no sglang yet), e.g.:
-#   rm -rf /tmp/site /tmp/graphcap-dist; SGLANG_IS_FLASHINFER_AVAILABLE=false scripts/gpu-check.sh engine-check
+# and verify_tree_greedy from it). On the machine, `scripts/gpu-check.sh user-setup` installs .whl-0.5.18/ into its own
+# --target dir, /tmp/site-0.5.18, once, and puts it in front of PYTHONPATH (with SGLANG_IS_FLASHINFER_AVAILABLE=false)
+# for 0.5.18's engines alone, so that a machine that also has 0.5.23 in /tmp/site runs both without reinstalling:
+#   carry .whl-0.5.18; USER_SETUP_SGLANG=0.5.18 scripts/gpu-check.sh user-setup
 # Usage: scripts/sglang-0518-wheels.sh [DEST]      (--standin-only DEST: only the flashinfer stand-in wheel)
 set -euo pipefail
 standin_only=0
 if [ "${1:-}" = "--standin-only" ]; then standin_only=1; shift; fi
-dest=${1:-.whl}
+dest=${1:-.whl-0.5.18}
 if ls "$dest"/*.whl >/dev/null 2>&1; then
   echo "$dest holds wheels already (0.5.23's?); the two sets do not fit in one call: remove them first" >&2
   exit 2
