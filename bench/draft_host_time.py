@@ -26,10 +26,10 @@ import torch
 from tabulate import tabulate
 
 from graphcap.bench.timing import collector_off
-from graphcap.capture import DraftGraphs
-from graphcap.integrations.sglang_config import DraftCaptureOptions
-from graphcap.integrations.sglang_runtime import CHECK_ENV, GraphcapDraftRuntime, bind_window
-from graphcap.iteration import DraftOutput
+from graphcap.engine.capture import DraftGraphs
+from graphcap.sglang.config import DraftCaptureOptions
+from graphcap.sglang.runtime import CHECK_ENV, GraphcapDraftRuntime, bind_window
+from graphcap.engine.iteration import DraftOutput
 
 HIDDEN = 2816  # the Gemma 4 assistant's backbone width (the hidden state copied in per row)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)

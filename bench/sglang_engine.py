@@ -50,9 +50,9 @@ import sys
 import tempfile
 import time
 
-from graphcap.backends import GRAPH_BACKENDS
-from graphcap.integrations.sglang_compat import sglang_version
-from graphcap.integrations.sglang_config import PROJECTIONS, UNSERVED_BACKENDS
+from graphcap.engine.backends import GRAPH_BACKENDS
+from graphcap.sglang.compat import sglang_version
+from graphcap.sglang.config import PROJECTIONS, UNSERVED_BACKENDS
 
 WINDOW = 1024
 CHECK_BATCHES = (1, 2, 8, 32, 64)
@@ -66,7 +66,7 @@ KERNEL_PATHS_ENV, TRITON_ARCH_ENV = "GRAPHCAP_KERNEL_PATHS", "TRITON_OVERRIDE_AR
 KERNEL_PATHS = ("native", "sm80")
 MIN_ENGINE_S = 75  # --until: an engine (tiny pair: start ~25 s, checks, timing, shutdown) wants at least this long
 STOP_MARGIN_S = 5  # and is stopped this long before --until, so that the record is written in time
-# Settings the plugin refuses at start-up (graphcap.integrations.sglang_config.validate_server_args): the graphcap
+# Settings the plugin refuses at start-up (graphcap.sglang.config.validate_server_args): the graphcap
 # backend, sglang engine arguments over engine_kwargs' defaults, and a phrase the error must contain.
 REFUSALS = (
     {"name": "reduce-overhead", "backend": "reduce-overhead", "engine": {},
@@ -214,7 +214,7 @@ def run_child(cfg: dict) -> dict:
     if cfg["mode"] == "graphcap":
         enable_graphcap(cfg)
     os.environ["GRAPHCAP_SGLANG_TRACE"] = cfg["trace_dir"]
-    if cfg.get("profile_batches"):  # kernel tables of a few draft calls per batch (graphcap.integrations.sglang_trace)
+    if cfg.get("profile_batches"):  # kernel tables of a few draft calls per batch (graphcap.sglang.trace)
         os.environ["GRAPHCAP_SGLANG_TRACE_PROFILE"] = ",".join(map(str, cfg["profile_batches"]))
     import sglang
 
@@ -637,7 +637,7 @@ def run(a: argparse.Namespace) -> int:
         else:
             pool.update(flush_manifest=True)
         base = launch(cfg("sglang", "sglang", cases, **pool))
-        from graphcap.integrations.sglang_config import DEFAULT_BACKEND
+        from graphcap.sglang.config import DEFAULT_BACKEND
 
         ran = not base.get("crashed") and not base.get("not_run")
         btrace = read_trace(base["config"]["trace_dir"]) if ran else []

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, with_config
 
-from graphcap.backends import ALL_BACKENDS  # no torch: `graphcap inspect` stays light
+from graphcap.engine.backends import ALL_BACKENDS  # no torch: `graphcap inspect` stays light
 from graphcap.atomic import write_atomic
 from graphcap.errors import GraphcapInputError
 

@@ -78,7 +78,7 @@ class WindowBuffers:
     def pool_dims(self) -> dict[str, tuple[int, ...]]:
         """The dimensions of `static_tensors` sized by the engine's memory settings, not the model: slot rows (the
         engine's request pool), req_to_token's columns (its context bound), full_to_swa (the full pool). Capture
-        compiles them symbolically (graphcap.static_buffers)."""
+        compiles them symbolically (graphcap.engine.static_buffers)."""
         out = {"ring": (0,), "seq_lens": (0,), "req_to_token": (0, 1)}
         if self.full_to_swa is not None:
             out["full_to_swa"] = (0,)

@@ -20,7 +20,7 @@ from tabulate import tabulate
 
 from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import collector_off
-from graphcap.capture import DraftGraphs
+from graphcap.engine.capture import DraftGraphs
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec

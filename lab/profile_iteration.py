@@ -23,7 +23,7 @@ from graphcap.bench.options import OneLineParser, server_compile
 from graphcap.bench.roofline import draft_iteration_bytes, measure_copy_bandwidth
 from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import median_p90, time_call
-from graphcap.capture import DraftGraphs
+from graphcap.engine.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.models.draft_ops import DEFAULT_OPS, QNORM_KERNEL_OPS, SKINNY_OPS, TORCH_OPS, TWO_HEAD_PROJ_OPS
 from graphcap.spec import load_spec

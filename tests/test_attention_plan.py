@@ -211,7 +211,7 @@ def test_sglang_attention_plans_per_layer_and_bucket(device, monkeypatch):
     """The sglang plugin's attention backend plans every (layer, bucket) in `plan_for` (what
     `SglangAssistantLoop.prepare` calls), with the splits the per-call `splits_for` chose, and its forward - eager or
     compiled - plans nothing after."""
-    from graphcap.integrations.sglang_loop import GraphcapDraftAttention
+    from graphcap.sglang.loop import GraphcapDraftAttention
 
     loop = _loop(device)
     wb = loop.window

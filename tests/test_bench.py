@@ -20,7 +20,7 @@ from graphcap.bench.report import CPU_SCOPE
 from graphcap.bench.rows import BenchRow
 from graphcap.bench.runner import build_modes
 from graphcap.bench.state import make_target_state
-from graphcap.capture import DraftGraphs
+from graphcap.engine.capture import DraftGraphs
 from graphcap.cli import build_parser, main
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
@@ -90,7 +90,7 @@ def test_compile_tuned_is_compile_plain_with_gpt_fasts_inductor_setting(monkeypa
     """compile-tuned: compile-plain's loop and ops under reduce-overhead given as its one Inductor option
     (triton.cudagraphs) plus gpt-fast's coordinate_descent_tuning - torch takes a mode or options, not both; every
     other compile keeps its mode and options as before."""
-    import graphcap.recording as recording
+    import graphcap.engine.recording as recording
 
     calls = []
     monkeypatch.setattr(recording.torch, "compile", lambda fn, **kw: (calls.append(kw), fn)[1])
@@ -435,7 +435,7 @@ def test_time_call_host_clock_brackets_the_call_not_the_event_records(monkeypatc
 def test_a_failed_bucket_leaves_graphcap_without_speed_ups_and_says_why(tmp_path, monkeypatch):
     """DraftGraphs runs a bucket whose capture failed eagerly: a mode with one gives no speed-ups, and its rows say
     which bucket and why."""
-    import graphcap.bucket_graph as bucket_graph
+    import graphcap.engine.bucket_graph as bucket_graph
 
     real = bucket_graph.record_bucket
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from graphcap import manifest as mf
-from graphcap.capture import DraftGraphs
-from graphcap.guards import CaptureError
+from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.guards import CaptureError
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
-from graphcap.observers import CaptureObserver, LoggingProgress
+from graphcap.engine.observers import CaptureObserver, LoggingProgress
 from graphcap.spec import load_spec
 from graphcap.bench.state import make_target_state
 from graphcap.window import WindowBuffers
@@ -251,7 +251,7 @@ def test_common_word_is_the_widest_view_torch_allows():
     """BucketGraph.write's one-dtype copy views every tensor as `common_word`: against torch's own rule, on random
     dense tensors (dtypes, shapes, storage offsets), every tensor views as it with the same bytes, and none wider
     would do for all of them."""
-    from graphcap.bucket_graph import WORDS, common_word
+    from graphcap.engine.bucket_graph import WORDS, common_word
 
     g = torch.Generator().manual_seed(11)
     dtypes = (torch.int64, torch.int32, torch.bfloat16, torch.float32, torch.uint8, torch.int16)
@@ -411,7 +411,7 @@ def test_counters_reach_the_manifest_at_exit_only_where_the_program_asks(tmp_pat
         import atexit, sys, torch
         sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
         from test_capture import build, random_batch
-        from graphcap.capture import DraftGraphs
+        from graphcap.engine.capture import DraftGraphs
         from graphcap.kernels import twins_on_cpu
         with twins_on_cpu():
             _, wb, loop = build("cpu")
@@ -524,12 +524,12 @@ def test_engine_imports_no_model():
     import subprocess
     import sys
 
-    code = ("import sys, graphcap.capture, graphcap.recording, graphcap.iteration; "
+    code = ("import sys, graphcap.engine.capture, graphcap.engine.recording, graphcap.engine.iteration; "
             "print(sorted(m for m in sys.modules if m.startswith('graphcap.models')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
-    from graphcap import iteration
+    from graphcap.engine import iteration
     from graphcap.models import DraftOutput
     assert DraftOutput is iteration.DraftOutput
 
@@ -545,7 +545,7 @@ def test_dynamic_batch_compiles_once_for_every_bucket(device, tmp_path, names):
         pytest.skip("CPU check with the compile backend; the GPU backends need a GPU run")
     from torch._dynamo.utils import counters
 
-    from graphcap.guards import cache_entries
+    from graphcap.engine.guards import cache_entries
 
     with twins_on_cpu():  # Inductor cannot lower interpreted Triton kernels: the twins are the CPU path
         loops = {name: build(device) for name in ("eager", *names)}
@@ -646,8 +646,8 @@ def test_dynamic_batch_on_a_torch_whose_unbacked_marks_take_no_range(device, tmp
         pytest.skip("CPU check with the compile backend; the GPU backends need a GPU run")
     import inspect
 
-    from graphcap import recording
-    from graphcap.guards import cache_entries
+    from graphcap.engine import recording
+    from graphcap.engine.guards import cache_entries
 
     params = set(inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters) - {"min", "max"}
     monkeypatch.setattr(recording, "_MARK_UNBACKED_PARAMS", frozenset(params))
@@ -673,7 +673,7 @@ def test_compile_max_batch_sizes_the_one_compile_beyond_the_captured_buckets(dev
     eager loop does. A value below the largest bucket, not an int, or without the one compile is refused, named."""
     if device == "cuda":
         pytest.skip("CPU check with the compile backend; the GPU backends need a GPU run")
-    import graphcap.shared_compile as shared_compile
+    import graphcap.engine.shared_compile as shared_compile
 
     tops, ranges = [], []
     real_mark, real_compile = shared_compile.mark_batch_unbacked, shared_compile.compile_iteration
@@ -709,7 +709,7 @@ class _GraphStandIn:
 
 
 def graphs_with_cpu_graphs(loop, buckets):
-    from graphcap.iteration import DraftOutput
+    from graphcap.engine.iteration import DraftOutput
 
     graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=buckets, manifest_path=None, progress=False)
     graphs.capture()
@@ -790,7 +790,7 @@ def test_check_batch_remembers_only_what_the_full_check_passed(device):
     (guards.check_batch_inputs) raises, with the same message - and a remembered kind skips the full check."""
     import random
 
-    import graphcap.guards as guards
+    import graphcap.engine.guards as guards
 
     st, wb, loop = build(device)
     graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(2, 8), manifest_path=None, progress=False)
@@ -843,7 +843,7 @@ def test_a_static_tensor_moved_after_warm_runs_is_refused(device, move, check, m
     """Every way a static tensor's address can change in place is refused by run() and replay() after calls that
     made every per-call cache (the guard checks every tensor at every call), and nothing was replayed - through
     torch's C++ check where torch has it (its twin here where it does not) and through the Python loop."""
-    import graphcap.guards as guards
+    import graphcap.engine.guards as guards
 
     native = guards._ptrs_equal or _ptrs_equal_twin
     calls = []
@@ -878,7 +878,7 @@ def test_a_static_tensor_moved_after_warm_runs_is_refused(device, move, check, m
 def test_address_guard_asks_a_subclass_that_overrides_data_ptr_its_own():
     """The guard reads plain tensors' addresses through the unbound method; a subclass with its own data_ptr is
     asked through it, and a move of either kind is named."""
-    from graphcap.guards import AddressGuard
+    from graphcap.engine.guards import AddressGuard
 
     asked = []
 
@@ -904,8 +904,8 @@ def test_address_guard_asks_a_subclass_that_overrides_data_ptr_its_own():
 def test_address_guard_takes_the_path_it_is_asked_for(monkeypatch):
     """native=False reads the addresses in Python even where torch has the C++ check; native=True refuses a torch
     without it (or a tensor with its own data_ptr) instead of silently taking the other path; both catch a move."""
-    import graphcap.guards as guards
-    from graphcap.guards import AddressGuard
+    import graphcap.engine.guards as guards
+    from graphcap.engine.guards import AddressGuard
 
     calls = []
     monkeypatch.setattr(guards, "_ptrs_equal", lambda *a: (calls.append(1), _ptrs_equal_twin(*a))[1])

@@ -16,10 +16,10 @@ import os
 import pytest
 import torch
 
-from graphcap import compile_cache as cc
-from graphcap import precompile
-from graphcap.capture import DraftGraphs
-from graphcap.guards import cache_entries
+from graphcap.engine import compile_cache as cc
+from graphcap.engine import precompile
+from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.guards import cache_entries
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.models.draft_loop import DraftOutput
 from graphcap.spec import load_spec

@@ -1,4 +1,4 @@
-"""graphcap.compile_cache: the key, the rules that refuse an untrusted cache, a corrupt file, and one CPU capture
+"""graphcap.engine.compile_cache: the key, the rules that refuse an untrusted cache, a corrupt file, and one CPU capture
 that saves its artifacts and a second that loads them (DraftGraphs(compile_cache=...))."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graphcap
-from graphcap import compile_cache as cc
+from graphcap.engine import compile_cache as cc
 
 BASE = dict(spec_hash="c5014fdd5fe74bb2", backend="compile", buckets=(1, 2, 4), dynamic_batch=False, device="cpu")
 
@@ -120,7 +120,7 @@ def test_capture_saves_and_a_fresh_process_state_loads(tmp_path, monkeypatch, cp
     "hit", load_cache_artifacts called with its bytes) and its compile gives outputs equal to the first's. Not
     the speed-up: that needs a GPU."""
     from graphcap import manifest as mf
-    from graphcap.capture import DraftGraphs
+    from graphcap.engine.capture import DraftGraphs
 
     from tests.test_capture import build, random_batch
 
@@ -160,7 +160,7 @@ def test_capture_saves_and_a_fresh_process_state_loads(tmp_path, monkeypatch, cp
 
 
 def test_compile_cache_without_spec_needs_a_key():
-    from graphcap.capture import DraftGraphs
+    from graphcap.engine.capture import DraftGraphs
 
     def ex(b):
         return (torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
@@ -212,8 +212,8 @@ def test_precompiled_iteration_loads_without_tracing_over_other_pools(tmp_path, 
 
     from torch._dynamo.utils import counters
 
-    from graphcap import precompile
-    from graphcap.capture import DraftGraphs
+    from graphcap.engine import precompile
+    from graphcap.engine.capture import DraftGraphs
     from graphcap.kernels import twins_on_cpu
     from test_pool_dims import LIVE, SPEC, assert_runs_as_eager, build
 
@@ -249,8 +249,8 @@ def test_precompiled_iteration_loads_without_tracing_over_other_pools(tmp_path, 
 def test_a_failing_aot_compile_costs_the_warm_start_not_the_capture(tmp_path, monkeypatch, caplog):
     """torch's AOT compile is experimental: where it raises, the capture compiles as without precompile - every
     bucket captured, runs equal to the eager loop - warns once, notes why in the manifest and saves no .aot file."""
-    from graphcap import precompile
-    from graphcap.capture import DraftGraphs
+    from graphcap.engine import precompile
+    from graphcap.engine.capture import DraftGraphs
     from graphcap.kernels import twins_on_cpu
     from test_pool_dims import LIVE, SPEC, assert_runs_as_eager, build
 
@@ -281,7 +281,7 @@ def test_for_loop_precompiles_by_default_only_where_it_applies(tmp_path):
     precompile that is not a bool is refused by name."""
     from test_pool_dims import LIVE, SPEC, build
 
-    from graphcap.capture import DraftGraphs
+    from graphcap.engine.capture import DraftGraphs
 
     loop = build(SPEC, grow=0, rows=LIVE, cols=128)[2]
     cases = [(dict(compile_cache=tmp_path), True), (dict(), False),
@@ -307,7 +307,7 @@ def test_for_loop_precompiles_by_default_only_where_it_applies(tmp_path):
 def test_precompile_refuses_what_it_cannot_serve(tmp_path):
     from test_pool_dims import LIVE, SPEC, build
 
-    from graphcap.capture import DraftGraphs
+    from graphcap.engine.capture import DraftGraphs
 
     loop = build(SPEC, grow=0, rows=LIVE, cols=128)[2]
     for kw in (dict(dynamic_batch=False, compile_cache=tmp_path), dict(dynamic_batch=True),
@@ -322,7 +322,7 @@ def test_compile_aot_works_where_the_aot_flag_is_off(tmp_path, monkeypatch):
     by default there, on in 2.13): compile_aot sets it for its compile and leaves it as it was. The flag off here, as
     on 2.11 (torch 2.11 itself is not installed on the CPU machines); the compiled function computes what the plain
     one does."""
-    from graphcap import precompile
+    from graphcap.engine import precompile
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
 

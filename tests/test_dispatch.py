@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphcap.dispatch import BucketDispatcher
-from graphcap.guards import CaptureError
+from graphcap.engine.dispatch import BucketDispatcher
+from graphcap.engine.guards import CaptureError
 
 
 @given(st.lists(st.integers(1, 200), min_size=1, max_size=8, unique=True), st.lists(st.integers(1, 300), max_size=20))

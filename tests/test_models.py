@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphcap.bench.baselines import RebuildBaseline
-from graphcap.capture import DraftGraphs
+from graphcap.engine.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.models.draft_ops import SKINNY_OPS, TORCH_OPS
 from graphcap.models.fused_op_set import fused_ops

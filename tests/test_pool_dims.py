@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from graphcap import compile_cache as cc
+from graphcap.engine import compile_cache as cc
 from graphcap.bench.state import make_target_state
-from graphcap.capture import DraftGraphs
+from graphcap.engine.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec
 from graphcap.window import WindowBuffers

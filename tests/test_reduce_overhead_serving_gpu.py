@@ -17,14 +17,9 @@ import random
 import pytest
 import torch
 
-try:  # the package layout with graphcap.engine, and the one before it
-    from graphcap.engine.capture import DraftGraphs
-    from graphcap.engine.guards import cudagraph_skips
-    from graphcap.engine.iteration import DraftOutput
-except ImportError:
-    from graphcap.capture import DraftGraphs
-    from graphcap.guards import cudagraph_skips
-    from graphcap.iteration import DraftOutput
+from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.guards import cudagraph_skips
+from graphcap.engine.iteration import DraftOutput
 
 pytestmark = pytest.mark.gpu
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from graphcap import manifest as mf
-from graphcap.capture import DraftGraphs
-from graphcap.guards import CaptureError
-from graphcap.integrations import sglang_hooks as hooks
-from graphcap.integrations.sglang import DraftCaptureOptions, sglang_tp_rank
-from graphcap.integrations.sglang_config import sglang_parallel
-from graphcap.integrations.sglang_runtime import (CHECK_ENV, GraphcapDraftRuntime, SlotTracker, bind_window,
+from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.guards import CaptureError
+from graphcap.sglang import hooks as hooks
+from graphcap.sglang.plugin import DraftCaptureOptions, sglang_tp_rank
+from graphcap.sglang.config import sglang_parallel
+from graphcap.sglang.runtime import (CHECK_ENV, GraphcapDraftRuntime, SlotTracker, bind_window,
                                                   capture_graphs, slot_of)
 from graphcap.models.draft_loop import DraftOutput
 
@@ -477,7 +477,7 @@ def test_two_ranks_capture_and_inspect_shows_them_side_by_side(tmp_path, monkeyp
     from sglang.srt.runtime_context import get_parallel
 
     from graphcap.cli import main
-    from graphcap.integrations import sglang_runtime
+    from graphcap.sglang import runtime as sglang_runtime
 
     registered, ranks = [], []
     monkeypatch.setattr(sglang_runtime.atexit, "register", lambda fn, *a: registered.append((fn, a)))
@@ -511,7 +511,7 @@ def test_two_ranks_capture_and_inspect_shows_them_side_by_side(tmp_path, monkeyp
 def test_plugin_logs_the_capture_and_registers_its_own_exit_flush(tmp_path, monkeypatch, glog, rank):
     """The library prints nothing and registers no exit hook; the plugin logs the summary (graphcap.sglang) and, on
     every rank, registers the flush that brings the last counters to that rank's file at exit."""
-    from graphcap.integrations import sglang_runtime
+    from graphcap.sglang import runtime as sglang_runtime
 
     registered = []
     monkeypatch.setattr(sglang_runtime.atexit, "register", lambda fn, *a: registered.append((fn, a)))
@@ -530,7 +530,7 @@ def test_plugin_logs_the_capture_and_registers_its_own_exit_flush(tmp_path, monk
 
 @pytest.mark.parametrize("raw", ["soon", "-1", "nan"])
 def test_a_bad_manifest_flush_interval_is_named_before_anything_is_captured(tmp_path, monkeypatch, raw):
-    from graphcap.integrations.sglang_runtime import FLUSH_ENV
+    from graphcap.sglang.runtime import FLUSH_ENV
 
     monkeypatch.setenv(FLUSH_ENV, raw)
     window = _window()
@@ -550,7 +550,7 @@ def test_a_bad_manifest_flush_interval_is_named_before_anything_is_captured(tmp_
 @pytest.mark.parametrize("raw", ["0", "x", "-3", "1.5"])
 def test_a_bad_trace_flush_count_is_named(tmp_path, monkeypatch, raw):
     pytest.importorskip("sglang", reason="the real sglang package is not installed")
-    from graphcap.integrations import sglang_trace
+    from graphcap.sglang import trace as sglang_trace
 
     monkeypatch.setenv(sglang_trace.FLUSH_ENV, raw)
     with pytest.raises(ValueError, match=rf"\${sglang_trace.FLUSH_ENV}: expected a whole number .* got '{raw}'"):
@@ -565,7 +565,7 @@ def test_trace_profiles_the_kernels_of_a_few_warm_draft_calls_per_listed_batch(t
     import json
     from types import SimpleNamespace
 
-    from graphcap.integrations import sglang_trace as tr
+    from graphcap.sglang import trace as tr
 
     class Event:
         def __init__(self, **kw):
@@ -629,7 +629,7 @@ def test_trace_profiles_the_kernels_of_a_few_warm_draft_calls_per_listed_batch(t
 @pytest.mark.parametrize("raw", ["8,x", "0", "-2"])
 def test_a_bad_trace_profile_list_is_named(tmp_path, monkeypatch, raw):
     pytest.importorskip("sglang", reason="the real sglang package is not installed")
-    from graphcap.integrations import sglang_trace
+    from graphcap.sglang import trace as sglang_trace
 
     monkeypatch.setenv(sglang_trace.PROFILE_ENV, raw)
     with pytest.raises(ValueError, match=rf"\${sglang_trace.PROFILE_ENV}: expected batch sizes"):
@@ -638,7 +638,7 @@ def test_a_bad_trace_profile_list_is_named(tmp_path, monkeypatch, raw):
 
 @pytest.mark.parametrize("raw", ["yes", "true", "2"])
 def test_a_bad_check_switch_is_named_when_the_runtime_is_made(device, monkeypatch, raw):
-    from graphcap.integrations.sglang_config import DraftCaptureConfigError
+    from graphcap.sglang.config import DraftCaptureConfigError
 
     monkeypatch.setenv(CHECK_ENV, raw)
     with pytest.raises(DraftCaptureConfigError, match=rf"\${CHECK_ENV}: expected 0 or 1, got '{raw}'"):

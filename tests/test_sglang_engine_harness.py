@@ -177,7 +177,7 @@ def test_refusal_cases_ask_the_engine_for_their_setting_and_count_only_graphcaps
     import sys
     import types
 
-    from graphcap.integrations.sglang_config import DraftCaptureConfigError
+    from graphcap.sglang.config import DraftCaptureConfigError
 
     seen = []
 
@@ -260,7 +260,7 @@ def test_steps_reach_every_engine_with_a_draft_and_the_record(monkeypatch, tmp_p
     """--steps N: each engine with a draft (stock sglang's and graphcap's) asks sglang for N draft steps and N + 1
     draft tokens (its chain for topk 1), the target alone for none; the record names N and the sglang that ran.
     Without --steps: 3, as before."""
-    from graphcap.integrations.sglang_compat import sglang_version
+    from graphcap.sglang.compat import sglang_version
 
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text(json.dumps({"vocab_size": 64}))

@@ -23,7 +23,7 @@ from sglang_required import require_sglang_plugin
 require_sglang_plugin()
 pytestmark = pytest.mark.sglang
 
-from graphcap.integrations import sglang as plugin  # noqa: E402  (after the skip)
+from graphcap.sglang import plugin  # noqa: E402  (after the skip)
 from tiers import examples
 
 ENABLED = ["--model-path", "dummy", "--speculative-algorithm", "NEXTN", "--enable-draft-graph-capture"]
@@ -136,7 +136,7 @@ def test_value_survives_pickling_into_a_fresh_interpreter(fresh, tmp_path):
     child = CHILD_PRELUDE + (
         "import pickle, sys, json\n"
         "sa = pickle.loads(sys.stdin.buffer.read())\n"
-        "from graphcap.integrations import sglang as p\n"
+        "from graphcap.sglang import plugin as p\n"
         "from sglang.srt.plugins import load_plugins\n"
         "from sglang.srt.plugins.hook_registry import HookRegistry\n"
         "load_plugins()\n"
@@ -225,7 +225,7 @@ def test_enabled_installs_the_start_up_check_on_server_args(fresh):
 
 
 def test_the_installed_sglang_is_a_tested_one():
-    from graphcap.integrations import sglang_compat
+    from graphcap.sglang import compat as sglang_compat
 
     assert plugin.TESTED_SGLANG == ("0.5.18", "0.5.23")
     assert sglang_compat.sglang_version() in plugin.TESTED_SGLANG
@@ -237,7 +237,7 @@ UNTESTED = r"sglang 0\.5\.99 is installed; graphcap's plugin is tested with sgla
 
 @pytest.mark.parametrize("version", ["0.5.99", "0.5.17", "0.6.0", None])
 def test_an_untested_sglang_is_refused_naming_the_versions_tested(monkeypatch, glog, version):
-    from graphcap.integrations import sglang_compat
+    from graphcap.sglang import compat as sglang_compat
 
     monkeypatch.delenv(plugin.ALLOW_UNTESTED_ENV, raising=False)
     monkeypatch.setattr(sglang_compat, "sglang_version", lambda: version)
@@ -257,7 +257,7 @@ def test_an_untested_sglang_is_refused_naming_the_versions_tested(monkeypatch, g
 def test_the_start_up_check_refuses_an_untested_sglang_first(fresh, monkeypatch):
     """The launcher's check (BEFORE check_server_args) refuses with the flag, before reading any argument; without
     the flag an untested sglang starts as it would without graphcap."""
-    from graphcap.integrations import sglang_compat
+    from graphcap.sglang import compat as sglang_compat
 
     monkeypatch.delenv(plugin.ALLOW_UNTESTED_ENV, raising=False)
     fresh.load_plugins()
@@ -275,7 +275,7 @@ def test_register_on_an_untested_sglang_with_the_flag_installs_only_the_check(fr
     checked. Without the flag: the flags, and a warning."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from graphcap.integrations import sglang_compat
+    from graphcap.sglang import compat as sglang_compat
 
     monkeypatch.delenv(plugin.ALLOW_UNTESTED_ENV, raising=False)
     monkeypatch.setattr(sglang_compat, "sglang_version", lambda: "0.5.99")
@@ -336,7 +336,7 @@ def needs_field(name: str):
     attention DP is `--enable-dp-attention` with `--dp-size` alone)."""
     from sglang.srt.server_args import ServerArgs
 
-    from graphcap.integrations.sglang_compat import sglang_version
+    from graphcap.sglang.compat import sglang_version
 
     return pytest.mark.skipif(not hasattr(ServerArgs, name),  # a field (msgspec 0.5.23, dataclass 0.5.18) or not
                               reason=f"sglang {sglang_version()} has no ServerArgs.{name}")
@@ -486,7 +486,7 @@ def test_half_installed_hooks_refuse_to_serve(fresh, monkeypatch):
 
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from graphcap.integrations import sglang_hooks as hooks
+    from graphcap.sglang import hooks as hooks
 
     monkeypatch.setattr(HookRegistry, "_patched", set(plugin.WORKER_HOOKS) - {plugin.WORKER_EXTEND_DECODE})
     monkeypatch.setenv(plugin.ENV_VAR, "")  # attach_options exports it: removed again after the test
@@ -509,7 +509,7 @@ def test_greedy_token_is_sglangs_softmax_then_fast_topk(seed, rows, ties):
     import torch
     from sglang.srt.utils.common import fast_topk
 
-    from graphcap.integrations.sglang_loop import greedy_token
+    from graphcap.sglang.loop import greedy_token
 
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, 4096, generator=g) * 4).to(torch.bfloat16)
@@ -533,8 +533,8 @@ def test_greedy_pick_from_candidates_is_the_pick_from_the_full_row(seed, rows, k
 
     import torch
 
-    from graphcap.integrations.sglang_head import HeadCandidates
-    from graphcap.integrations.sglang_loop import greedy_pick
+    from graphcap.sglang.head import HeadCandidates
+    from graphcap.sglang.loop import greedy_pick
 
     g = torch.Generator().manual_seed(seed)
     clusters, per = 128, 16

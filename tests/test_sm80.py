@@ -448,7 +448,7 @@ def test_description_capped_by_the_device():
 
 def test_compile_cache_key_tells_the_switch(paths, monkeypatch):
     """A compile cache made on the default paths never loads under the switch (its kernels are other kernels)."""
-    from graphcap import compile_cache
+    from graphcap.engine import compile_cache
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))

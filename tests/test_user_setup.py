@@ -70,7 +70,7 @@ def test_child_sets_the_kernel_paths_before_sglang_and_records_what_arch_names(m
     scheduler inherits it); native: neither, even where the parent had them set. The child records the sglang it
     imported and the paths as graphcap.kernels.arch describes the GPU (a CPU plans an H200's: sm90), and times a
     warm-up and the timed batch after the checks."""
-    from graphcap.integrations.sglang_compat import sglang_version
+    from graphcap.sglang.compat import sglang_version
     from graphcap.kernels import arch
 
     seen: list = []

@@ -40,13 +40,13 @@ from collections.abc import Sequence
 import torch
 
 from graphcap.bench.sglang_ops import SglangAttention
-from graphcap.capture import DraftGraphs
-from graphcap.guards import cache_entries, cudagraph_or_error, cudagraph_skips, describe
-from graphcap.iteration import DraftOutput
+from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.guards import cache_entries, cudagraph_or_error, cudagraph_skips, describe
+from graphcap.engine.iteration import DraftOutput
 from graphcap.kernels.window_update import window_reset
 from graphcap.models.draft_loop import DraftLoop
 from graphcap.models.draft_ops import DraftOps
-from graphcap.recording import compile_iteration
+from graphcap.engine.recording import compile_iteration
 
 
 # gpt-fast's Inductor setting that changes the kernels (its others name kernels and cache compiles)

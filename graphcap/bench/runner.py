@@ -29,7 +29,7 @@ from graphcap.bench.rows import SPEEDUP_FIELDS, BenchResult, BenchRow
 from graphcap.bench.sglang_ops import check_available
 from graphcap.bench.state import TargetState, make_target_state
 from graphcap.bench.timing import Sample, collector_off, median_p90, time_call
-from graphcap.capture import DraftGraphs
+from graphcap.engine.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
 from graphcap.models.draft_ops import (DEFAULT_OPS, PLAIN_OPS, QNORM_KERNEL_OPS, SKINNY_4ROWS_OPS, SKINNY_OPS,

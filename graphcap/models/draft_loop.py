@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from graphcap.iteration import DraftOutput  # the engine's type (re-exported here for older imports)
+from graphcap.engine.iteration import DraftOutput  # the engine's type (re-exported here for older imports)
 from graphcap.models.draft_ops import DEFAULT_OPS, DraftOps
 from graphcap.models.frozen_kv_draft import FrozenKVDraft, KVSource
 from graphcap.window import WindowBuffers
@@ -114,7 +114,7 @@ class DraftLoop(nn.Module):
         return out
 
     def precompile_signature(self) -> str:
-        """What a precompiled iteration bakes in beyond its tensors' shapes (graphcap.precompile): the step count and
+        """What a precompiled iteration bakes in beyond its tensors' shapes (engine.precompile): the step count and
         the attention plans."""
         plans = {lt: (src.any_batch, sorted(src.plans.items())) for lt, src in self.sources.items()
                  if src.attend is None}

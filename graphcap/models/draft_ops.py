@@ -18,7 +18,7 @@ sglang mode ran 17-50% above sglang's engine draft from batch 8 up on the H200, 
 batched product in the weights' dtype. Both sets then take the greedy token among the candidates; sglang also
 scatters the candidates' scores into a full-vocabulary row first, which no set does (graphcap's sglang plugin keeps
 that row only for sglang's own calls of the head, and in its captured loop picks from the candidates:
-graphcap.integrations.sglang_head).
+graphcap.sglang.head).
 
 The head's two top-ks (the top clusters of the centroid scores, the best two candidates) are in the set too: the
 torch set takes graphcap's one-kernel top-k (`graphcap.kernels.small_topk`: the row in registers, k rounds of argmax;

@@ -107,7 +107,7 @@ class _Attention:
 
 def _loop(model, b):
     """SglangAssistantLoop's ForwardBatch and per-step calls, over the real model (no window buffers)."""
-    from graphcap.integrations.sglang_loop import SglangAssistantLoop, greedy_pick
+    from graphcap.sglang.loop import SglangAssistantLoop, greedy_pick
 
     worker = types.SimpleNamespace(draft_model_runner=types.SimpleNamespace(model=model, spec_algorithm=None),
                                    model_config=types.SimpleNamespace(dtype=DTYPE))
@@ -142,8 +142,8 @@ def _inputs(model, b, seed):
 def test_compiled_assistant_matches_eager(assistant, backend):
     from torch._dynamo.utils import counters
 
-    from graphcap.integrations import sglang_loop as rt
-    from graphcap.integrations.sglang_compat import layer_boundary_owners
+    from graphcap.sglang import loop as rt
+    from graphcap.sglang.compat import layer_boundary_owners
     from graphcap.kernels import twins_on_cpu
 
     torch._dynamo.reset()
@@ -177,7 +177,7 @@ def test_graphcap_attention_plans_every_draft_layer_per_bucket(assistant):
     traced forward then looks up), sliding layers for the window and full layers for the context."""
     from sglang.srt.layers.radix_attention import RadixAttention
 
-    from graphcap.integrations.sglang_loop import GraphcapDraftAttention, SglangAssistantLoop
+    from graphcap.sglang.loop import GraphcapDraftAttention, SglangAssistantLoop
     from graphcap.kernels.attention_plan import plan_attention
 
     layers = [m for m in assistant.modules() if isinstance(m, RadixAttention)]
@@ -203,7 +203,7 @@ def test_graphcap_centroid_head_is_sglangs_with_the_rows_read_in_place(assistant
     `install` routes the instance's method to it."""
     from sglang.srt.models.gemma4_mtp import Gemma4AssistantForCausalLM
 
-    from graphcap.integrations import sglang_head
+    from graphcap.sglang import head as sglang_head
 
     g = torch.Generator().manual_seed(3)
     h = (torch.randn(5, assistant.lm_head.weight.shape[1], generator=g) * 4).to(DTYPE)
@@ -227,8 +227,8 @@ def test_the_loops_greedy_pick_from_candidates_is_the_full_rows(assistant):
     same batch unmarked: tokens, logits and stored hidden states, step after step."""
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
-    from graphcap.integrations import sglang_head
-    from graphcap.integrations.sglang_loop import greedy_pick, greedy_token
+    from graphcap.sglang import head as sglang_head
+    from graphcap.sglang.loop import greedy_pick, greedy_token
 
     loop, _ = _loop(assistant, 3)
     marked = loop.forward_batch(3)
@@ -256,8 +256,8 @@ def test_the_loop_drafts_a_chain_of_steps_tokens(assistant, steps):
     state) and steps - 1 more, each on the last token and hidden state, every row at its last position
     (seq_len - 1) - the chain sglang's draft_forward builds for topk 1 - against the real model stepped by hand with
     sglang's unmarked forward batches (full-vocabulary logits, the first index of their max)."""
-    from graphcap.integrations import sglang_head
-    from graphcap.integrations.sglang_loop import SglangAssistantLoop
+    from graphcap.sglang import head as sglang_head
+    from graphcap.sglang.loop import SglangAssistantLoop
 
     b = 3
     lens = torch.tensor([6, 1, 9, 4])  # per pool row
@@ -294,7 +294,7 @@ def test_graphcap_projections_on_the_real_assistant(assistant, monkeypatch):
     from sglang.srt.layers.linear import LinearBase
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
-    from graphcap.integrations import sglang_linear as sl
+    from graphcap.sglang import linear as sl
 
     calls = {"linear": 0, "gate_up": 0}
 
@@ -373,7 +373,7 @@ def test_graphcap_projections_stand_down_where_sglang_routes_bf16_gemms(assistan
     import sglang.srt.batch_invariant_ops as bio
     from sglang.srt.layers.quantization import unquant
 
-    from graphcap.integrations import sglang_linear as sl
+    from graphcap.sglang import linear as sl
 
     assert sl.sglang_routes_bf16_elsewhere() is None
     monkeypatch.setattr(unquant, "get_bf16_gemm_backend", lambda: unquant.Bf16GemmBackend.TORCH)

@@ -10,7 +10,7 @@ Run alone: `pytest -o python_files='check_*.py' tests/sglang_isolated`.
   random requests joining, being retracted, losing in-window SWA pages and advancing by random accepted counts, at
   1, 2 and 3 steps;
 - the chain's tree inputs equal sglang's own `select_top_k_tokens` + `organize_draft_results` for topk == 1;
-- what graphcap reads of sglang where the two versions differ (graphcap.integrations.sglang_compat), on the
+- what graphcap reads of sglang where the two versions differ (graphcap.sglang.compat), on the
   installed version's own classes and functions.
 """
 from __future__ import annotations
@@ -43,10 +43,10 @@ from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 from sglang.srt.speculative import frozen_kv_mtp_worker_v2  # noqa: E402
 from sglang.srt.speculative.frozen_kv_mtp_worker_v2 import FrozenKVMTPDraftWorker  # noqa: E402
 
-from graphcap.integrations import sglang as plugin  # noqa: E402
-from graphcap.integrations import sglang_compat as compat  # noqa: E402
-from graphcap.integrations import sglang_hooks as hooks  # noqa: E402
-from graphcap.integrations.sglang_runtime import (  # noqa: E402
+from graphcap.sglang import plugin  # noqa: E402
+from graphcap.sglang import compat as compat  # noqa: E402
+from graphcap.sglang import hooks as hooks  # noqa: E402
+from graphcap.sglang.runtime import (  # noqa: E402
     GraphcapDraftRuntime, SlotTracker, bind_window, chain_tree_inputs)
 
 VERSION = compat.sglang_version()
@@ -355,7 +355,7 @@ def test_gathered_buffer_question_is_asked_the_installed_way():
 
 def test_layer_boundary_owners_of_the_installed_sglang():
     """0.5.23's residual-stream entry points are all found (and wrapped by name); 0.5.18 has no such package."""
-    from graphcap.integrations.sglang_loop import _EAGER_BOUNDARY_ENTRIES
+    from graphcap.sglang.loop import _EAGER_BOUNDARY_ENTRIES
 
     owners = compat.layer_boundary_owners(_EAGER_BOUNDARY_ENTRIES)
     has_package = VERSION != "0.5.18"
@@ -576,7 +576,7 @@ def test_draft_tail_builds_sglangs_tree_without_reading_device_lengths(monkeypat
     from sglang.srt.speculative import eagle_utils
     from sglang.srt.speculative.frozen_kv_mtp_info import FrozenKVMTPVerifyInput
 
-    from graphcap.iteration import DraftOutput
+    from graphcap.engine.iteration import DraftOutput
 
     # the name the installed eagle_utils calls its CUDA op by (0.5.23: a dispatcher; 0.5.18: sgl_kernel's, imported
     # on CUDA only)

@@ -1,6 +1,6 @@
 """Run by test_sglang_runtime.py in a fresh interpreter (sglang's Triton backend imports with torchvision stubbed).
 
-graphcap's verify seat (graphcap/integrations/sglang_verify.py) driven by sglang's own
+graphcap's verify seat (graphcap/sglang/verify.py) driven by sglang's own
 `TritonAttnBackend.forward_extend`: a target-verify call goes through sglang's real dispatch into the seat, gives what
 the same call gives through sglang's `extend_attention_fwd` (use_verify_splitkv off), and every case the seat does not
 serve falls through to sglang's kernel with nothing written. The backend is a namespace carrying the attributes
@@ -29,7 +29,7 @@ from sglang.srt.layers.attention import triton_backend as tb  # noqa: E402
 from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd  # noqa: E402
 from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 
-from graphcap.integrations.sglang_verify import SEAT_ATTR, VerifyAttentionSeat, install, serves  # noqa: E402
+from graphcap.sglang.verify import SEAT_ATTR, VerifyAttentionSeat, install, serves  # noqa: E402
 from verify_cases import chain_mask, make_case, rel_err  # noqa: E402
 
 

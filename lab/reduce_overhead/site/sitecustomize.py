@@ -30,7 +30,7 @@ import sys
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# graphcap's plugin modules under the package layout graphcap.sglang and the earlier graphcap.integrations one
+# graphcap's plugin modules; the crash commit (5f67d6c) kept them in graphcap.integrations
 CONFIG_MODULES = ("graphcap.sglang.config", "graphcap.integrations.sglang_config")
 RUNTIME_MODULES = ("graphcap.sglang.runtime", "graphcap.integrations.sglang_runtime")
 _AFTER_IMPORT: dict[str, list] = {}  # module name -> callbacks run once it is imported

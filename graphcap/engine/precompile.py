@@ -14,9 +14,9 @@ backend, buckets, versions, device) plus the static tensors' names, dtypes and s
 dimensions, plus the loop's `precompile_signature()` where it has one (its attention plans). Anything else that
 would change the compiled code must change one of these.
 
-A precompiled file is code, kept under the compile cache's rules (graphcap.compile_cache): 0600 in a 0700 directory
-this user owns, nothing loaded from a shared-writable, foreign or symlinked path. A file that does not load is one
-warning and a normal compile. The function compiled is the capture's own (`recording.iteration_function`); the
+A precompiled file is code, kept under the compile cache's rules (`compile_cache`): 0600 in a 0700 directory this
+user owns, nothing loaded from a shared-writable, foreign or symlinked path. A file that does not load is one warning
+and a normal compile. The function compiled is the capture's own (`recording.iteration_function`); the
 model object it closes over travels as external data (it is the live object of the loading process, not a copy).
 
 Experimental in torch (2.11 and 2.13 both have the API; 2.11 only under Dynamo's `enable_aot_compile`). On the H200
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from graphcap import compile_cache as cc
-from graphcap.iteration import DraftFn, Inputs
+from graphcap.engine import compile_cache as cc
+from graphcap.engine.iteration import DraftFn, Inputs
 
 BACKENDS = ("inductor-cudagraph", "compile")  # Inductor without CUDA graphs of its own: graphcap records them
 SUFFIX = ".aot"

@@ -1,4 +1,4 @@
-"""The hook functions `graphcap.integrations.sglang.register_runtime_hooks` installs (only when the flag is on).
+"""The hook functions `graphcap.sglang.plugin.register_runtime_hooks` installs (only when the flag is on).
 
 Each is thin: it finds the worker's graphcap runtime (or every live runtime, for the schedule-batch hooks) and hands
 over; with no runtime attached it is a pass-through, so a worker graphcap declined to serve behaves as stock sglang.
@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 import weakref
 
-from graphcap.integrations.sglang_compat import SglangLayoutError, swa_evicted_len
-from graphcap.integrations.sglang_config import (DraftCaptureConfigError, options_of, unpatched_worker_hooks,
+from graphcap.sglang.compat import SglangLayoutError, swa_evicted_len
+from graphcap.sglang.config import (DraftCaptureConfigError, options_of, unpatched_worker_hooks,
                                                   validate_server_args)
-from graphcap.integrations.sglang_runtime import GraphcapDraftRuntime
-from graphcap.integrations.sglang_slots import slot_of
+from graphcap.sglang.runtime import GraphcapDraftRuntime
+from graphcap.sglang.slots import slot_of
 
 log = logging.getLogger("graphcap.sglang")
 RUNTIME_ATTR = "_graphcap_runtime"  # on the FrozenKVMTPDraftWorker
@@ -101,7 +101,7 @@ def around_evict_swa(original, batch, req, pre_len, *args, **kwargs):
 
 def _evicted_swa_len(req) -> int | None:
     """How far (absolute position) the request's SWA pages have been freed, from sglang's own bookkeeping
-    (`sglang_compat.swa_evicted_len`: either layout); where neither layout is there, a position past any window, so
+    (`compat.swa_evicted_len`: either layout); where neither layout is there, a position past any window, so
     the row is rebuilt (safe), with one warning per process."""
     try:
         return swa_evicted_len(req)
@@ -116,10 +116,10 @@ def _evicted_swa_len(req) -> int | None:
 
 def after_triton_backend_init(result, backend, model_runner, *args, **kwargs):
     """A TritonAttnBackend was built: on the target's, seat graphcap's verify kernel when the options ask for it
-    (graphcap.integrations.sglang_verify decides whether this backend is one it serves)."""
+    (graphcap.sglang.verify decides whether this backend is one it serves)."""
     opts = options_of(getattr(model_runner, "server_args", None))
     if opts.enabled and opts.verify_attention == "graphcap":
-        from graphcap.integrations import sglang_verify
+        from graphcap.sglang import verify as sglang_verify
 
         sglang_verify.install(backend, model_runner)
     return None

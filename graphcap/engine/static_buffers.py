@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from graphcap.guards import AddressGuard
-from graphcap.iteration import Inputs
+from graphcap.engine.guards import AddressGuard
+from graphcap.engine.iteration import Inputs
 
 
 PoolDims = Mapping[str, Sequence[int]]  # persistent tensor name -> its dimensions sized by memory settings

@@ -1,6 +1,6 @@
 """One batch bucket's captured iteration: its static inputs, how it was recorded, and one replay over them.
 
-The graph wrapper of vLLM's cudagraph dispatcher split: the dispatcher (graphcap.dispatch) picks the bucket, this
+The graph wrapper of vLLM's cudagraph dispatcher split: the dispatcher (graphcap.engine.dispatch) picks the bucket, this
 records and replays it. A replay of B rows reads the bucket's static inputs, whose rows [B:] must be padding (the
 padding slot, accepted = 0: length 0, so they read and write nothing); rows a larger batch wrote last time are reset
 first. What comes back are views of the first B rows, valid until the bucket's next replay.
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from graphcap import manifest as mf
-from graphcap.iteration import DraftFn, DraftOutput, Inputs
-from graphcap.recording import CompiledIteration, record_bucket
+from graphcap.engine.iteration import DraftFn, DraftOutput, Inputs
+from graphcap.engine.recording import CompiledIteration, record_bucket
 
 
 WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -47,7 +47,7 @@ class BucketGraph:
         return self.record.status == "captured"
 
     def capture(self, backend: str, fn: DraftFn, compiled: CompiledIteration | None, pool) -> None:
-        """Warm up and record over the static inputs (graphcap.recording), filling the manifest record."""
+        """Warm up and record over the static inputs (graphcap.engine.recording), filling the manifest record."""
         self.views.clear()  # views of the old static outputs must not outlive them
         self.graph, self.outputs = record_bucket(self.inputs, self.record, backend, fn,
                                                  compiled.fn if compiled is not None else None, pool)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from graphcap.guards import CaptureError
+from graphcap.engine.guards import CaptureError
 
 
 class BucketDispatcher:

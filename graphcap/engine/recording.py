@@ -1,5 +1,5 @@
 """Recording one draft iteration per batch bucket, per backend: the capture procedure behind `DraftGraphs.capture`.
-What each backend is, and which of them compile or record their own graphs, is graphcap.backends'.
+What each backend is, and which of them compile or record their own graphs, is graphcap.engine.backends'.
 
 Nothing here knows about dispatch: a bucket is its static inputs and its manifest record going in, and a graph with
 its static outputs (manual-graph backends) coming out.
@@ -14,9 +14,10 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from graphcap import manifest as mf
-from graphcap.backends import MANUAL_GRAPH_BACKENDS
-from graphcap.guards import CaptureError, cache_entries, cudagraph_or_error, cudagraph_skips, describe, reserved_bytes
-from graphcap.iteration import DraftFn, DraftOutput, Inputs
+from graphcap.engine.backends import MANUAL_GRAPH_BACKENDS
+from graphcap.engine.guards import (CaptureError, cache_entries, cudagraph_or_error, cudagraph_skips, describe,
+                                    reserved_bytes)
+from graphcap.engine.iteration import DraftFn, DraftOutput, Inputs
 
 
 def mark_batch_unbacked(t: torch.Tensor, top: int) -> None:
@@ -59,9 +60,9 @@ def compile_iteration(fn: DraftFn, backend: str, static: Iterable[torch.Tensor],
                       tag: str, dynamic_batch: bool = False,
                       batch_range: tuple[int, int] | None = None,
                       inductor: Mapping[str, object] | None = None) -> tuple[DraftFn, types.CodeType]:
-    """`fn` under torch.compile for `backend` (one of graphcap.backends' COMPILED_BACKENDS), and the code object Dynamo caches it under
-    (`draft_iteration_<tag>`), whose entries count the recompiles. Every tensor of `static` (the persistent tensors
-    and each bucket's static inputs) is marked with `mark_static_address`, so no replay copies it.
+    """`fn` under torch.compile for `backend` (one of backends' COMPILED_BACKENDS), and the code object Dynamo caches it
+    under (`draft_iteration_<tag>`), whose entries count the recompiles. Every tensor of `static` (the persistent
+    tensors and each bucket's static inputs) is marked with `mark_static_address`, so no replay copies it.
 
     A function whose `graph_breaks` attribute is true is compiled with fullgraph=False: Dynamo compiles the pieces
     between the Python it cannot trace (sglang's layers build msgspec records mid-forward), and the manual-graph
@@ -148,7 +149,7 @@ class CompiledIteration:
     added later means a guard failed and the call ran something that was never captured."""
 
     def __init__(self, fn: DraftFn, code: types.CodeType | None) -> None:
-        """`code` None: a precompiled iteration (graphcap.precompile), which Dynamo does not run: nothing to count."""
+        """`code` None: a precompiled iteration (`precompile`), which Dynamo does not run: nothing to count."""
         self.fn, self.code = fn, code
         self.entries = 0  # cache entries once capture finished (`seal`)
 

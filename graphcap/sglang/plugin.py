@@ -10,12 +10,12 @@ unless asked:
   subprocesses' own `load_plugins()` knows to install the runtime hooks.
 - Only when enabled: a BEFORE hook on `ServerArgs.check_server_args` (start-up validation, in the launcher), and in a
   process that runs a scheduler the hooks on the draft worker and the schedule batch (RUNTIME_HOOKS below), which
-  hand the draft phase to `graphcap.integrations.sglang_runtime`.
+  hand the draft phase to `graphcap.sglang.runtime`.
 - With or without the flag, where $GRAPHCAP_SGLANG_TRACE names a directory: the draft trace
-  (`graphcap.integrations.sglang_trace`) in scheduler processes - a measurement aid, off unless set.
+  (`graphcap.sglang.trace`) in scheduler processes - a measurement aid, off unless set.
 
 Serves sglang 0.5.18 and 0.5.23 (TESTED_SGLANG; what differs between them is found by feature in
-`graphcap.integrations.sglang_compat`); with the flag on, another sglang is refused at start-up, naming the versions
+`graphcap.sglang.compat`); with the flag on, another sglang is refused at start-up, naming the versions
 tested. docs/sglang.md says what was exercised against each real package.
 """
 from __future__ import annotations
@@ -23,16 +23,16 @@ from __future__ import annotations
 import os
 import sys
 
-from graphcap.integrations.sglang_config import (  # noqa: F401 - the plugin's public names, re-exported
+from graphcap.sglang.config import (  # noqa: F401 - the plugin's public names, re-exported
     ADD_CLI_ARGS, BACKEND_FLAG, CHECK_SERVER_ARGS, DRAFT_WORKER, ENV_VAR, FLAG, FROM_CLI_ARGS, MANIFEST_FLAG,
     DEFAULT_BACKEND, RUNTIME_HOOKS, SCHEDULER_MODULE, TESTED_SGLANG, WORKER_DRAFT, WORKER_HOOKS, DraftCaptureConfigError,
     DraftCaptureOptions, attach_options, log, options_from_env, options_from_namespace, options_of, sglang_tp_rank,
     unpatched_worker_hooks, validate_server_args, _DEST, ATTR, WORKER_INIT_GRAPHS, WORKER_EXTEND_PREFILL,
     WORKER_EXTEND_DECODE, BATCH_RETRACT, BATCH_EVICT_SWA, SERVER_ARGS, SCHEDULE_BATCH, ARG_HOOKS, TRACE_ENV,
     PROJECTIONS, PROJECTIONS_FLAG, ALLOW_UNTESTED_ENV, SglangLayoutError, check_sglang_version)
-from graphcap.backends import GRAPH_BACKENDS
-from graphcap.integrations.sglang_config import TRITON_BACKEND_INIT, VERIFY_ATTENTION, VERIFY_ATTENTION_FLAG
-from graphcap.integrations import sglang_compat
+from graphcap.engine.backends import GRAPH_BACKENDS
+from graphcap.sglang.config import TRITON_BACKEND_INIT, VERIFY_ATTENTION, VERIFY_ATTENTION_FLAG
+from graphcap.sglang import compat as sglang_compat
 
 
 class _State:
@@ -72,7 +72,7 @@ def register() -> None:
         _warn_untested_version()
     trace_dir = os.environ.get(TRACE_ENV)
     if trace_dir and SCHEDULER_MODULE in sys.modules and not STATE.trace:  # after graphcap's hooks: wraps them
-        from graphcap.integrations.sglang_trace import install
+        from graphcap.sglang.trace import install
 
         STATE.trace = install(trace_dir, WORKER_DRAFT)
 
@@ -81,7 +81,7 @@ def register_runtime_hooks(workers: bool) -> None:
     """The hooks that do the work; `workers`: also those on the draft worker and schedule batch (a scheduler process)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from graphcap.integrations import sglang_hooks as h
+    from graphcap.sglang import hooks as h
 
     table = {CHECK_SERVER_ARGS: (h.before_check_server_args, HookType.BEFORE)}
     if workers:

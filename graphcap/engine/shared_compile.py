@@ -5,7 +5,7 @@ Obtaining it: the batch marked as one unbacked symbol over all buckets' inputs a
 dynamic (`dynamic_batch`), torch's compile artifacts loaded from the compile cache, then the precompiled iteration
 loaded (or compiled ahead of time) where `precompile` asks for it, else a plain compile. Saving: the compile
 artifacts and the precompiled iteration, under the keys that name what they hold. `DraftGraphs` owns one per capture
-configuration; graphcap.recording compiles and records, graphcap.compile_cache and graphcap.precompile keep the files.
+configuration; `recording` compiles and records, `compile_cache` and `precompile` keep the files.
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphcap import compile_cache as cc
-from graphcap import precompile as precompile_mod
-from graphcap.iteration import DraftFn, Inputs
-from graphcap.recording import (CompiledIteration, compile_iteration, iteration_function, mark_batch_unbacked,
+from graphcap.engine import compile_cache as cc
+from graphcap.engine import precompile as precompile_mod
+from graphcap.engine.iteration import DraftFn, Inputs
+from graphcap.engine.recording import (CompiledIteration, compile_iteration, iteration_function, mark_batch_unbacked,
                                 mark_static)
-from graphcap.static_buffers import StaticBuffers
+from graphcap.engine.static_buffers import StaticBuffers
 
 
 @dataclass
@@ -45,7 +45,7 @@ class SharedCompile:
     _aot_to_save: DraftFn | None = None  # a precompiled iteration compiled by this capture, saved after it
 
     def cache_key(self) -> str:
-        """The compile cache's key (graphcap.compile_cache.cache_key) for this configuration."""
+        """The compile cache's key (graphcap.engine.compile_cache.cache_key) for this configuration."""
         sized = f";compile_max_batch={self.compile_max}" if self.compile_max != self.sizes[-1] else ""
         return cc.cache_key(spec_hash=getattr(self.spec, "hash", None),
                             key=(self.cache_key_text or "") + sized or None, backend=self.backend,
@@ -53,7 +53,7 @@ class SharedCompile:
 
     def aot_key(self) -> str:
         """The precompiled iteration's key: the cache key plus what stands in for Dynamo's guards
-        (graphcap.precompile.signature)."""
+        (graphcap.engine.precompile.signature)."""
         return f"{self.cache_key()}-{precompile_mod.signature(self.static.persistent, self.static.pool_dims, self.fn)}"
 
     def obtain(self, bucket_inputs: Sequence[Inputs], warn: Callable[[str, str], None]) -> CompiledIteration:
@@ -86,7 +86,7 @@ class SharedCompile:
                      warn: Callable[[str, str], None]) -> CompiledIteration | None:
         """The precompiled iteration from the cache directory, else compiled now (saved once every bucket is
         captured); None where torch's AOT compile fails: the capture then compiles as without precompile (warned,
-        noted), saving nothing (graphcap.precompile.load_or_compile)."""
+        noted), saving nothing (graphcap.engine.precompile.load_or_compile)."""
         def fresh() -> DraftFn:
             mark_static(static)
             return iteration_function(self.fn, self.tag, batch_range)[0]

@@ -1,8 +1,8 @@
 """The sglang plugin's configuration layer: its flags' names and options, the hook targets, start-up validation.
 
-Imported by every other module of the plugin (runtime, hooks, entry point) and importing none of them but
-sglang_compat (what differs between the sglang versions served): the plugin's modules depend one way,
-sglang_compat -> sglang_config -> sglang_slots -> sglang_runtime -> sglang_hooks -> sglang (the entry point).
+Imported by every other module of the plugin (runtime, hooks, entry point) and importing none of them but `compat`
+(what differs between the sglang versions served): the plugin's modules (graphcap.sglang) depend one way,
+compat -> config -> slots -> runtime -> hooks -> plugin (the entry point).
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from graphcap.backends import COMPILED_BACKENDS, GRAPH_BACKENDS  # light: no torch
+from graphcap.engine.backends import COMPILED_BACKENDS, GRAPH_BACKENDS  # light: no torch
 from graphcap.manifest import Parallel  # light: no torch
-from graphcap.integrations.sglang_compat import (  # noqa: F401 - re-exported: the plugin's public names
+from graphcap.sglang.compat import (  # noqa: F401 - re-exported: the plugin's public names
     ALLOW_UNTESTED_ENV, TESTED_SGLANG, DraftCaptureConfigError, SglangLayoutError, check_sglang_version,
     resolution_reader)
 
@@ -36,14 +36,14 @@ BACKEND_FLAG = "--draft-graph-capture-backend"
 MANIFEST_FLAG = "--draft-graph-manifest-dir"
 PROJECTIONS_FLAG = "--draft-graph-projections"
 # Whose kernels run the draft model's projections inside graphcap's captured iteration: graphcap's skinny GEMM up
-# to 8 rows, sglang's above (graphcap.integrations.sglang_linear), or sglang's own at every batch.
+# to 8 rows, sglang's above (graphcap.sglang.linear), or sglang's own at every batch.
 PROJECTIONS = ("graphcap", "sglang")
 VERIFY_ATTENTION_FLAG = "--draft-graph-verify-attention"
 # Whose kernel runs the target verify's attention: graphcap's split-KV verify kernel in sglang's Triton backend
-# (graphcap.integrations.sglang_verify), or sglang's extend kernel.
+# (graphcap.sglang.verify), or sglang's extend kernel.
 VERIFY_ATTENTION = ("graphcap", "sglang")
 ENV_VAR = "GRAPHCAP_SGLANG_DRAFT_CAPTURE"
-TRACE_ENV = "GRAPHCAP_SGLANG_TRACE"  # a directory: record every draft call (graphcap.integrations.sglang_trace)
+TRACE_ENV = "GRAPHCAP_SGLANG_TRACE"  # a directory: record every draft call (graphcap.sglang.trace)
 ATTR = "_graphcap_draft_capture"  # on ServerArgs: underscore names are bookkeeping, allowed even on a sealed record
 _DEST = {"enabled": "enable_draft_graph_capture", "backend": "draft_graph_capture_backend",
          "manifest_dir": "draft_graph_manifest_dir", "projections": "draft_graph_projections",
@@ -62,7 +62,7 @@ WORKER_EXTEND_PREFILL = f"{DRAFT_WORKER}._draft_extend_for_prefill"  # requests 
 WORKER_EXTEND_DECODE = f"{DRAFT_WORKER}._draft_extend_for_decode"  # verify accepted accept_lens[i] tokens
 BATCH_RETRACT = f"{SCHEDULE_BATCH}.retract_decode"  # requests retracted under memory pressure
 BATCH_EVICT_SWA = f"{SCHEDULE_BATCH}._evict_swa"  # SWA pages freed behind a request's window
-# the target's verify seat (graphcap.integrations.sglang_verify); not required: unhooked, the verify is stock
+# the target's verify seat (graphcap.sglang.verify); not required: unhooked, the verify is stock
 TRITON_BACKEND_INIT = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__"
 ARG_HOOKS = (ADD_CLI_ARGS, FROM_CLI_ARGS)
 WORKER_HOOKS = (WORKER_INIT_GRAPHS, WORKER_DRAFT, WORKER_EXTEND_PREFILL, WORKER_EXTEND_DECODE, BATCH_RETRACT,

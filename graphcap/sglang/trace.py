@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from graphcap.integrations.sglang_config import TRACE_ENV  # noqa: F401 - where the variable is named
+from graphcap.sglang.config import TRACE_ENV  # noqa: F401 - where the variable is named
 # Records read back per sync: few enough that a killed scheduler (sglang's engine shutdown kills its children, so
 # no exit handler runs) loses little; `GRAPHCAP_SGLANG_TRACE_FLUSH=1` loses nothing, at one sync per draft.
 FLUSH_ENV = "GRAPHCAP_SGLANG_TRACE_FLUSH"

@@ -9,7 +9,7 @@ and on an explicit `DraftGraphs.flush()`). Three come with graphcap:
 
 Counters since the last timed flush reach the file only at the next flush: a process that wants them written at
 exit registers that itself - `atexit.register(graphs.flush)` - as the sglang plugin does
-(graphcap.integrations.sglang_runtime.capture_graphs). A library that registered exit hooks would keep every
+(graphcap.sglang.runtime.capture_graphs). A library that registered exit hooks would keep every
 DraftGraphs alive, and write files, for programs that never asked.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 windows, then the seed step and the other steps of sglang's model, as `FrozenKVMTPDraftWorker.draft_forward` does
 them), `GraphcapDraftAttention` (the attention backend those steps see: graphcap's decode kernel over the target's
 pools, sliding layers through graphcap's window ring), and what makes sglang's layers traceable by Dynamo
-(`_eager_boundaries`). The per-worker runtime that captures and serves it is graphcap.integrations.sglang_runtime.
+(`_eager_boundaries`). The per-worker runtime that captures and serves it is graphcap.sglang.runtime.
 """
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphcap.integrations import sglang_head, sglang_linear
-from graphcap.integrations.sglang_compat import layer_boundary_owners
-from graphcap.iteration import DraftOutput
+from graphcap.sglang import head as sglang_head
+from graphcap.sglang import linear as sglang_linear
+from graphcap.sglang.compat import layer_boundary_owners
+from graphcap.engine.iteration import DraftOutput
 from graphcap.window import WindowBuffers
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def _eager_boundaries() -> None:
     backend call, o proj), MLP, the post-FFN norm and residual, and the logits head. Without this, torch.compile of
     the iteration fails inside these calls (`object.__new__(Contribution) is not safe`). An sglang without the
     layer-boundary package (0.5.18: plain adds and norms, nothing Dynamo cannot build) has nothing to wrap
-    (`sglang_compat.layer_boundary_owners`).
+    (`compat.layer_boundary_owners`).
 
     Patched on sglang's classes and modules, so the target model's layers get it too. Outside torch.compile a
     disabled function is a plain call (about 0.3 us, and nothing in a replayed CUDA graph), so sglang's own eager and
@@ -145,7 +146,7 @@ class SglangAssistantLoop:
     with graph breaks there (`graph_breaks`, `_eager_boundaries`); the manual-graph backends record the compiled
     pieces and the Python between them in one CUDA graph, so a replay runs none of that Python."""
 
-    graph_breaks = True  # read by graphcap.recording.compile_iteration
+    graph_breaks = True  # read by graphcap.engine.recording.compile_iteration
 
     def __init__(self, worker, window: WindowBuffers, attention: GraphcapDraftAttention, steps: int) -> None:
         from sglang.srt.model_executor.forward_context import ForwardContext
@@ -165,8 +166,8 @@ class SglangAssistantLoop:
         bookkeeping. Only then are sglang's boundary functions patched: under sglang's own fullgraph compile of the
         target a disabled function would be an error, so a plain `cudagraph` capture leaves them alone. The model's
         centroid head, if it has one, reads its LM-head rows through graphcap's kernel from here on
-        (graphcap.integrations.sglang_head); with `projections`, its projections run graphcap's skinny GEMM at the
-        batch sizes it serves (graphcap.integrations.sglang_linear)."""
+        (graphcap.sglang.head); with `projections`, its projections run graphcap's skinny GEMM at the
+        batch sizes it serves (graphcap.sglang.linear)."""
         sizes = tuple(sizes)
         for b in sizes:
             self._batches[b] = self._new_forward_batch(b)

@@ -1,5 +1,5 @@
 """graphcap inside sglang's scheduler process: the draft phase of FROZEN_KV_MTP with graphcap's window buffers and
-capture engine. Driven by the hooks in `graphcap.integrations.sglang_hooks`. CPU tests run the slot bookkeeping, the
+capture engine. Driven by the hooks in `graphcap.sglang.hooks`. CPU tests run the slot bookkeeping, the
 window equivalence, the tree inputs and `iterate` against sglang's own code; sglang's engine on a GPU runs all of it
 with the assistant's model (docs/results.md, "In sglang's engine").
 
@@ -30,17 +30,17 @@ from types import SimpleNamespace
 import torch
 
 from graphcap import manifest as mf
-from graphcap.backends import COMPILED_BACKENDS
-from graphcap.capture import DraftGraphs
-from graphcap.guards import CaptureError
-from graphcap.integrations import sglang_linear
-from graphcap.integrations.sglang_compat import gathers_draft_inputs, translates_kv_locations
-from graphcap.integrations.sglang_config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_parallel
-from graphcap.integrations.sglang_loop import GraphcapDraftAttention, SglangAssistantLoop
-from graphcap.integrations.sglang_slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
-from graphcap.iteration import DraftOutput
+from graphcap.engine.backends import COMPILED_BACKENDS
+from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.guards import CaptureError
+from graphcap.sglang import linear as sglang_linear
+from graphcap.sglang.compat import gathers_draft_inputs, translates_kv_locations
+from graphcap.sglang.config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_parallel
+from graphcap.sglang.loop import GraphcapDraftAttention, SglangAssistantLoop
+from graphcap.sglang.slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
+from graphcap.engine.iteration import DraftOutput
 from graphcap.kernels.skinny_gemm import KERNEL_ROWS
-from graphcap.observers import LoggingProgress
+from graphcap.engine.observers import LoggingProgress
 from graphcap.window import WindowBuffers
 
 log = logging.getLogger("graphcap.sglang")
@@ -50,7 +50,7 @@ COMPILE_SCOPE_ENV = "GRAPHCAP_SGLANG_COMPILE_SCOPE"  # "iteration" (default) or 
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# graphcap's capture engine over sglang's tables (the window buffers: sglang_slots.bind_window)
+# graphcap's capture engine over sglang's tables (the window buffers: slots.bind_window)
 
 
 def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static_tensors, backend: str,
@@ -266,7 +266,7 @@ class GraphcapDraftRuntime:
     def attach(self, graphs: DraftGraphs) -> None:
         """Serve the draft phase from `graphs` (captured over `tracker.in_iteration(...)`: the iteration takes the
         accepted counts itself). The address guard before every replay only in the check mode (else at each manifest
-        flush: graphcap.capture)."""
+        flush: graphcap.engine.capture)."""
         self.graphs, self.max_bucket, self.active = graphs, graphs.buckets[-1].batch_size, True
         graphs.replay_checks = self.check
 

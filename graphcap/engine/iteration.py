@@ -2,7 +2,7 @@
 
 It lives with the engine, not with the reference model, so that the engine (capture, recording, dispatch) imports no
 model: any function `fn(slots, accepted, tokens, hidden) -> DraftOutput` can be captured - graphcap's reference
-`DraftLoop`, sglang's assistant (`integrations.sglang_loop.SglangAssistantLoop`), a test's stand-in.
+`DraftLoop`, sglang's assistant (`graphcap.sglang.loop.SglangAssistantLoop`), a test's stand-in.
 """
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from graphcap.bucket_graph import BucketGraph
-from graphcap.iteration import DraftOutput, Inputs
+from graphcap.engine.bucket_graph import BucketGraph
+from graphcap.engine.iteration import DraftOutput, Inputs
 
 if TYPE_CHECKING:
-    from graphcap.capture import DraftGraphs
+    from graphcap.engine.capture import DraftGraphs
 
 
 class Replay:

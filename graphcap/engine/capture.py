@@ -1,11 +1,12 @@
 """`DraftGraphs`: one captured draft iteration per batch bucket - the capture engine's facade.
 
-The jobs are split as vLLM's cudagraph dispatcher splits them, one module each: graphcap.dispatch picks the bucket of a
-batch size, graphcap.bucket_graph records and replays one bucket (static inputs, graph, static outputs, padding),
-graphcap.static_buffers owns the tensors the graphs read by address and their guard, graphcap.shared_compile obtains
-the one compiled iteration the buckets share (marks, compile cache, precompiled iteration) and graphcap.recording
-compiles and records per backend. This module orders the capture, checks batches, runs the eager fallbacks and keeps
-the manifest; what it reports (the manifest file, progress) goes to observers (graphcap.observers): it prints nothing.
+The jobs are split as vLLM's cudagraph dispatcher splits them, one module of this package each: `dispatch` picks the
+bucket of a batch size, `bucket_graph` records and replays one bucket (static inputs, graph, static outputs,
+padding), `replay` is the handle an engine's hot path holds, `static_buffers` owns the tensors the graphs read by
+address and their guard, `shared_compile` obtains the one compiled iteration the buckets share (marks, compile cache,
+precompiled iteration) and `recording` compiles and records per backend. This module orders the capture, checks
+batches, runs the eager fallbacks and keeps the manifest; what it reports (the manifest file, progress) goes to
+observers (`observers`): it prints nothing.
 
 Run time: the smallest bucket >= B is chosen, the live batch is copied into its first B rows, the other rows point
 at the padding slot with accepted = 0, the graph replays and views of the first B rows come back. They stay valid
@@ -33,19 +34,20 @@ from collections.abc import Callable, Sequence
 import torch
 
 from graphcap import manifest as mf
-from graphcap import precompile as precompile_mod
-from graphcap.backends import ALL_BACKENDS, COMPILED_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS
-from graphcap.bucket_graph import BucketGraph
-from graphcap.dispatch import BucketDispatcher
-from graphcap.guards import BatchCheck, CaptureError
-from graphcap.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
-from graphcap.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
-from graphcap.recording import CompiledIteration
-from graphcap.replay import Replay
-from graphcap.shared_compile import SharedCompile
-from graphcap.static_buffers import PoolDims, StaticBuffers
+from graphcap.engine import precompile as precompile_mod
+from graphcap.engine.backends import (ALL_BACKENDS, COMPILED_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS,
+                                      MANUAL_GRAPH_BACKENDS)
+from graphcap.engine.bucket_graph import BucketGraph
+from graphcap.engine.dispatch import BucketDispatcher
+from graphcap.engine.guards import BatchCheck, CaptureError
+from graphcap.engine.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
+from graphcap.engine.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
+from graphcap.engine.recording import CompiledIteration
+from graphcap.engine.replay import Replay
+from graphcap.engine.shared_compile import SharedCompile
+from graphcap.engine.static_buffers import PoolDims, StaticBuffers
 
-__all__ = ["DraftGraphs", "Replay"]  # CaptureError is graphcap.guards'
+__all__ = ["DraftGraphs", "Replay"]  # CaptureError is graphcap.engine.guards'
 
 log = logging.getLogger("graphcap")
 
@@ -76,7 +78,7 @@ class DraftGraphs:
         replay_checks: bool = True,
     ) -> None:
         """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
-        file). `progress=True` adds a `StderrProgress`; `observers` (graphcap.observers) and `add_observer` more.
+        file). `progress=True` adds a `StderrProgress`; `observers` (graphcap.engine.observers) and `add_observer` more.
 
         `dynamic_batch=True` (compiled backends): compile the iteration once with the batch dimension symbolic
         (1..largest bucket) and record every bucket from that one artifact, instead of one compile per bucket. `fn`
@@ -86,19 +88,19 @@ class DraftGraphs:
         any function; `for_loop` turns it on for the compiled backends (graphcap's loop is built for it).
 
         `compile_cache=DIR` (compiled backends; opt-in): load torch's compile artifacts for this capture from DIR
-        before compiling, and save them there after (graphcap.compile_cache: the key, and the rules that refuse an
-        untrusted file). Without a spec, `cache_key` (e.g. the model path and config) names what is compiled.
+        before compiling, and save them there after (graphcap.engine.compile_cache: the key, and the rules that refuse
+        an untrusted file). Without a spec, `cache_key` (e.g. the model path and config) names what is compiled.
 
         `pool_dims` (with `dynamic_batch`): {static tensor name: its dimensions sized by the engine's memory
         settings} (KV pools' token capacity, req_to_token, full_to_swa, slot rows), compiled symbolically like the
         batch, so that a restart with other pool sizes hits Inductor's on-disk caches instead of compiling again -
         unless its context bound changes the full layer's planned split count, a constant of the graph
-        (graphcap.static_buffers). `for_loop` takes the loop's `pool_dims()`. The per-bucket compile specialises.
+        (graphcap.engine.static_buffers). `for_loop` takes the loop's `pool_dims()`. The per-bucket compile specialises.
 
         `precompile=True` (with `dynamic_batch` and `compile_cache`; backends inductor-cudagraph and compile;
         experimental in torch; `for_loop`'s default with a compile cache): save the compiled iteration whole in the
         cache directory, Dynamo's output included, and at the next capture load it instead of tracing
-        (graphcap.precompile: what replaces Dynamo's guards).
+        (graphcap.engine.precompile: what replaces Dynamo's guards).
 
         `compile_max_batch` (with `dynamic_batch`): the largest batch the one compile is sized for - its batch range
         and Inductor's size hints, which choose its kernels - instead of the largest bucket. A bench that captures
@@ -178,7 +180,7 @@ class DraftGraphs:
         bucket, backend inductor-cudagraph or compile, a loop with a `precompile_signature()` as DraftLoop has): a
         warm restart then loads the iteration instead of tracing it. Only here, not in `DraftGraphs` itself: the
         precompiled iteration's key stands in for Dynamo's guards, and only a loop's signature says what that key must
-        hold (graphcap.precompile)."""
+        hold (graphcap.engine.precompile)."""
         spec = loop.spec
         buckets = buckets or spec.capture.buckets
         backend = backend or spec.capture.backend
@@ -207,7 +209,7 @@ class DraftGraphs:
         return graphs
 
     def add_observer(self, observer: CaptureObserver) -> None:
-        """Tell `observer` about captures and flushes from now on (graphcap.observers)."""
+        """Tell `observer` about captures and flushes from now on (graphcap.engine.observers)."""
         self._observers.append(observer)
         if wants_flush(observer):
             self._flushers.append(observer)
@@ -388,7 +390,7 @@ class DraftGraphs:
     def flush(self) -> None:
         """Hand the manifest as it stands to the observers that take it (the `ManifestWriter` writes the file); run()
         and replay() also do, at most every `flush_every_s`. Never at exit by itself: a process that wants the last
-        counters written registers `atexit.register(graphs.flush)` (graphcap.observers says why)."""
+        counters written registers `atexit.register(graphs.flush)` (graphcap.engine.observers says why)."""
         if self._flushers:
             m = self.manifest()
             for o in self._flushers:

@@ -1,11 +1,11 @@
 """Request lifecycle -> window resets and advances: which sglang request each ring row holds, and the accepted counts
 waiting to be applied (`SlotTracker`), over window buffers bound to sglang's request-pool rows (`bind_window`). Host
-bookkeeping and device scatters/gathers only; the runtime (`sglang_runtime`) calls it once per draft."""
+bookkeeping and device scatters/gathers only; the runtime (`runtime`) calls it once per draft."""
 from __future__ import annotations
 
 import torch
 
-from graphcap.integrations.sglang_compat import slot_of  # noqa: F401 - re-exported (the hooks and runtime use it)
+from graphcap.sglang.compat import slot_of  # noqa: F401 - re-exported (the hooks and runtime use it)
 from graphcap.window import WindowBuffers
 
 
@@ -101,7 +101,7 @@ class TakesPending:
     `accepted` and clears them, inside the call - so inside its captured graph, where an engine would otherwise gather
     and clear them with two launches before each replay. The engine leaves the static accepted rows at 0; padding
     rows read and clear the padding slot's count, which nothing ever adds to. Keeps the iteration's `graph_breaks`
-    (graphcap.recording reads it)."""
+    (graphcap.engine.recording reads it)."""
 
     def __init__(self, fn, pending: torch.Tensor) -> None:
         self.fn, self.pending = fn, pending
