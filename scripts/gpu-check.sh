@@ -141,6 +141,8 @@ case $1 in
     ;;
   engine-check)  # correctness in sglang's own engine (tiny pair: starts in tens of seconds per engine)
     engine_env
+    STEP_LIMIT=${STEP_LIMIT:-60} step draft-host python3 bench/draft_host_time.py --device cuda --batches 1,8,32 \
+      --iters 3000
     step ckpt-tiny python3 bench/sglang_checkpoint.py --size tiny --out "$WORK/ckpt-tiny" --device cuda
     STEP_LIMIT=${STEP_LIMIT:-540} step engine-check python3 bench/sglang_engine.py --ckpt "$WORK/ckpt-tiny" --check \
       --backends "${ENGINE_BACKENDS:-cudagraph}" --retract-every "${ENGINE_RETRACT:-0}" --out "$LOG/engine-check.json"
@@ -160,14 +162,16 @@ case $1 in
     ;;
   user-scale)  # the user's question at a Gemma-4-31B-shaped target (dummy weights): no-spec, stock MTP, graphcap MTP;
     # the verify attention alone against sglang's kernels first (an engine starts in 30-120 s: one call fits three
-    # engines at one or two batch sizes; USER_BATCHES, USER_ENGINES, USER_SWEEP: contexts at batch 8, USER_STEPS)
+    # engines at one or two batch sizes; USER_BATCHES, USER_ENGINES, USER_SWEEP: contexts at batch 8, USER_STEPS;
+    # USER_STRUCTURED=1: the structured pair, so the acceptance is measured)
     engine_env
     STEP_LIMIT=${STEP_LIMIT:-120} step verify-attention python3 bench/verify_attention.py --batches 1,8,32 --n-q 4 \
       --rep-ms 30 --out "$LOG/verify-attention"
     step ckpt-user-scale python3 bench/sglang_checkpoint.py --size user-scale --out "$WORK/ckpt-us" --device cuda
     STEP_LIMIT=${STEP_LIMIT:-480} step user-scale python3 bench/sglang_user_scale.py --ckpt "$WORK/ckpt-us" \
       --engines "${USER_ENGINES:-nospec,graphcap-verify,sglang}" --batches "${USER_BATCHES:-8}" --contexts 2048 \
-      ${USER_SWEEP:+--sweep "$USER_SWEEP"} --steps "${USER_STEPS:-3}" --repeats 1 --new 96 --timeout 215 \
+      ${USER_SWEEP:+--sweep "$USER_SWEEP"} --steps "${USER_STEPS:-3}" ${USER_STRUCTURED:+--structured} \
+      --repeats 1 --new 96 --timeout 215 \
       --work "$WORK/user-scale" --out "$LOG/user-scale.json"
     ;;
   user-setup)  # issue 42: the user's sglang versions, draft steps and an A100's kernel paths, on the tiny pair
