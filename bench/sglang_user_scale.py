@@ -12,12 +12,13 @@ acceptance is the structured pair's: real, and what the record's `accept_len` me
 
 Per engine (each in a child process of its own), per (batch, context): decode tokens/s per request from pairs of a
 short and a long run of the same prompts (the same prefill in both), the accept length sglang reports; at
-`--profile-batch` and the first context, sglang's own profiler (`Engine.start_profile`, by stage, decode) over a few
-iterations, read back as GPU time per phase (verify, draft, draft extend; decode for no-spec), the iteration period,
+`--profile-batches` and the first context, and at every case of the `--sweep` (contexts at `--profile-batch`),
+sglang's own profiler (`Engine.start_profile`, by stage, decode) over a few iterations, read back as GPU time per phase (verify, draft, draft extend; decode for no-spec), the iteration period,
 the verify's top kernels, and the host time of the draft call with the runtime calls inside it that waited on the GPU.
 
     python bench/sglang_user_scale.py --ckpt DIR --out OUT.json [--engines nospec,sglang,graphcap,graphcap-verify]
-        [--batches 1,8,32] [--contexts 2048] [--steps 3] [--structured]
+        [--batches 1,8,32] [--contexts 2048] [--sweep 220,670,1270,1870,2460] [--profile-batches 1,8,32]
+        [--steps 3] [--structured]
 """
 from __future__ import annotations
 
@@ -221,8 +222,8 @@ def child(cfg: dict) -> dict:
             case = {"batch": batch, "context": context, "decode_tok_s_per_req": statistics.median(rates),
                     "rates": rates, "accept_len": statistics.median(accepts) if accepts else None,
                     "tokens": [o["output_ids"] for o in outs]}
-            if batch == cfg["profile_batch"] and context == cfg["cases"][0][1]:
-                pdir = os.path.join(cfg["work"], f"profile-{cfg['engine']}-b{batch}")
+            if [batch, context] in [list(x) for x in cfg["profile_cases"]]:
+                pdir = os.path.join(cfg["work"], f"profile-{cfg['engine']}-b{batch}-c{context}")
                 shutil.rmtree(pdir, ignore_errors=True)
                 os.makedirs(pdir)
                 engine.start_profile(output_dir=pdir, num_steps=cfg["profile_steps"], activities=["CPU", "GPU"],
@@ -289,6 +290,14 @@ def summarize(results: dict) -> list[dict]:
     return rows
 
 
+def profile_plan(batches: list[int], contexts: list[int], profiled: list[int], sweep_batch: int,
+                 sweep: list[int]) -> list[tuple[int, int]]:
+    """The (batch, context) cases sglang's profiler records: the profiled batches among the run's at the first
+    context, and every case of the context sweep (the iteration per context is the sweep's question)."""
+    first = [(b, contexts[0]) for b in batches if b in profiled]
+    return first + [(sweep_batch, c) for c in sweep if (sweep_batch, c) not in first]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt")
@@ -300,7 +309,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--profile-batch", type=int, default=8)
+    ap.add_argument("--profile-batch", type=int, default=8, help="the --sweep's batch")
+    ap.add_argument("--profile-batches", default="",
+                    help="batches profiled at the first context (default: --profile-batch); every --sweep case is")
     ap.add_argument("--profile-steps", type=int, default=6)
     ap.add_argument("--structured", action="store_true")
     ap.add_argument("--mem-fraction", type=float, default=0.88)
@@ -324,16 +335,18 @@ def main(argv=None) -> int:
         batches = [int(x) for x in a.batches.split(",")]
         contexts = [int(x) for x in a.contexts.split(",")]
         sweep = [int(x) for x in a.sweep.split(",") if x.strip()]
+        profiled = [int(x) for x in a.profile_batches.split(",") if x.strip()] or [a.profile_batch]
     except ValueError:
-        ap.error("--batches/--contexts/--sweep: integers separated by commas")
+        ap.error("--batches/--contexts/--sweep/--profile-batches: integers separated by commas")
     vocab = json.load(open(os.path.join(target_dir(a.ckpt), "config.json")))["vocab_size"]
     cases = [(b, c) for c in contexts for b in batches] + [(a.profile_batch, c) for c in sweep]
+    profile_cases = profile_plan(batches, contexts, profiled, a.profile_batch, sweep)
     work = a.work or os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
     os.makedirs(work, exist_ok=True)
     results = {}
     for e in engines:
         cfg = {"engine": e, "ckpt": a.ckpt, "work": work, "batches": batches, "cases": cases, "steps": a.steps,
-               "new": a.new, "repeats": a.repeats, "profile_batch": a.profile_batch, "profile_steps": a.profile_steps,
+               "new": a.new, "repeats": a.repeats, "profile_cases": profile_cases, "profile_steps": a.profile_steps,
                "structured": a.structured, "mem_fraction": a.mem_fraction, "context_length": a.context_length,
                "vocab": vocab}
         results[e] = spawn(cfg, work, a.timeout)

@@ -163,14 +163,16 @@ case $1 in
   user-scale)  # the user's question at a Gemma-4-31B-shaped target (dummy weights): no-spec, stock MTP, graphcap MTP;
     # the verify attention alone against sglang's kernels first (an engine starts in 30-120 s: one call fits three
     # engines at one or two batch sizes; USER_BATCHES, USER_ENGINES, USER_SWEEP: contexts at batch 8, USER_STEPS;
-    # USER_STRUCTURED=1: the structured pair, so the acceptance is measured)
+    # USER_STRUCTURED=1: the structured pair, so the acceptance is measured; USER_PROFILE=1,8,32: the batches
+    # profiled at the first context - every sweep case is)
     engine_env
     STEP_LIMIT=${STEP_LIMIT:-120} step verify-attention python3 bench/verify_attention.py --batches 1,8,32 --n-q 4 \
       --rep-ms 30 --out "$LOG/verify-attention"
     step ckpt-user-scale python3 bench/sglang_checkpoint.py --size user-scale --out "$WORK/ckpt-us" --device cuda
     STEP_LIMIT=${STEP_LIMIT:-480} step user-scale python3 bench/sglang_user_scale.py --ckpt "$WORK/ckpt-us" \
       --engines "${USER_ENGINES:-nospec,graphcap-verify,sglang}" --batches "${USER_BATCHES:-8}" --contexts 2048 \
-      ${USER_SWEEP:+--sweep "$USER_SWEEP"} --steps "${USER_STEPS:-3}" ${USER_STRUCTURED:+--structured} \
+      ${USER_SWEEP:+--sweep "$USER_SWEEP"} ${USER_PROFILE:+--profile-batches "$USER_PROFILE"} \
+      --steps "${USER_STEPS:-3}" ${USER_STRUCTURED:+--structured} \
       --repeats 1 --new 96 --timeout 215 \
       --work "$WORK/user-scale" --out "$LOG/user-scale.json"
     ;;

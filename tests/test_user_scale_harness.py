@@ -125,3 +125,11 @@ def test_a_refused_session_loads_nothing(tmp_path):
     assert not r["ok"] and "begin_weight_update" in r["message"] and [c[0] for c in eng.calls] == ["begin"]
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         us.load_target_structure(eng, str(tmp_path), device="cpu", request_cls=_Req)
+
+
+def test_profile_plan_covers_the_asked_batches_and_every_sweep_case():
+    """Per-phase profiles at batches 1, 8 and 32 (first context) and at each context of the sweep at batch 8: the
+    issue's cases, each once."""
+    plan = us.profile_plan([1, 8, 32], [2048], [1, 8, 32], 8, [220, 2048, 2460])
+    assert plan == [(1, 2048), (8, 2048), (32, 2048), (8, 220), (8, 2460)]
+    assert us.profile_plan([1, 8], [2048, 4096], [8, 64], 8, []) == [(8, 2048)]  # a batch not run is not profiled
