@@ -565,13 +565,20 @@ def _read_cells(mask, mode, lens, n):
         [0] + torch.cumsum(torch.tensor([n * (L + n) for L in lens]), 0).tolist()[:-1], lens)])
 
 
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-check.sh runs these on one)")])
+
+
 @pytest.mark.parametrize("case", ["gpu-only", "gpu-only-oversize", "host-lengths", "no-verify-mask"])
 @pytest.mark.parametrize("steps", [1, 3])
-def test_draft_tail_builds_sglangs_tree_without_reading_device_lengths(monkeypatch, case, steps):
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_draft_tail_builds_sglangs_tree_without_reading_device_lengths(monkeypatch, case, steps, device):
     """graphcap's draft hands sglang's verify what sglang's own FROZEN_KV_MTP draft does - the tree from sglang's
     `build_tree_kernel_efficient` with the exact `seq_lens.sum().item()` - cell for cell where the verify reads,
     without reading `batch.seq_lens` on the host: written into the target backend's preallocated verify mask (sglang's
-    own, as its EAGLE v2 worker does), else sized from the host's lengths or `bs * max_context_len`."""
+    own, as its EAGLE v2 worker does), else sized from the host's lengths or `bs * max_context_len`. On CPU the
+    device lengths sit behind a guard that raises on a host read (and sglang's CUDA op is graphcap's twin); on a GPU
+    sglang's own op runs under torch's sync debug mode, which raises on a synchronizing call."""
     from sglang.srt.layers.attention.verify_mask import maybe_create_verify_mask
     from sglang.srt.speculative import eagle_utils
     from sglang.srt.speculative.frozen_kv_mtp_info import FrozenKVMTPVerifyInput
@@ -582,14 +589,15 @@ def test_draft_tail_builds_sglangs_tree_without_reading_device_lengths(monkeypat
     # on CUDA only)
     op = "build_tree_kernel_efficient_func" if hasattr(eagle_utils, "build_tree_kernel_efficient_func") else \
         "sgl_build_tree_kernel_efficient"
-    monkeypatch.setattr(eagle_utils, op, _tree_twin, raising=False)
+    if device == "cpu":
+        monkeypatch.setattr(eagle_utils, op, _tree_twin, raising=False)
     g = torch.Generator().manual_seed(steps)
     n, max_bs, ctx = steps + 1, 4, 64
     bs = max_bs + 2 if case == "gpu-only-oversize" else 3
     lens = torch.randint(1, ctx - n, (bs,), generator=g).tolist()
     verify_mask = None if case == "no-verify-mask" else maybe_create_verify_mask(
         is_draft_runner=False, skip_prefill=False, max_bs=max_bs, max_context_len=ctx, num_draft_tokens=n,
-        device="cpu", is_read=True, dtype=torch.uint8)
+        device=device, is_read=True, dtype=torch.uint8)
     # a backend without a verify mask may also lack sglang's max_context_len: the model's context length bounds it
     backend = SimpleNamespace(verify_mask=verify_mask) if case == "no-verify-mask" else \
         SimpleNamespace(verify_mask=verify_mask, max_context_len=ctx)
@@ -597,15 +605,26 @@ def test_draft_tail_builds_sglangs_tree_without_reading_device_lengths(monkeypat
     worker = SimpleNamespace(speculative_num_steps=steps, speculative_num_draft_tokens=n,
                              target_worker=SimpleNamespace(model_runner=runner))
     rt = GraphcapDraftRuntime(worker, plugin.DraftCaptureOptions(enabled=True), _window_buffers(), target_pool=None)
-    tokens = torch.randint(0, 1000, (bs, steps), generator=g)
+    tokens = torch.randint(0, 1000, (bs, steps), generator=g).to(device)
     rt.graphs = object()  # captured (iterate is replaced below: the replay is tested elsewhere)
     monkeypatch.setattr(rt, "iterate", lambda batch: DraftOutput(tokens, None, None, None))
     host = case == "host-lengths"
-    batch = SimpleNamespace(seq_lens=torch.tensor(lens).as_subclass(_DeviceOnly),
+    seq_lens = torch.tensor(lens, device=device)
+    batch = SimpleNamespace(seq_lens=seq_lens.as_subclass(_DeviceOnly) if device == "cpu" else seq_lens,
                             seq_lens_sum=sum(lens) if host else None,
                             seq_lens_cpu=torch.tensor(lens) if host else None, return_hidden_states=True,
-                            spec_info=SimpleNamespace(bonus_tokens=torch.randint(0, 1000, (bs,), generator=g)))
-    ours = rt.draft(batch, fallback=lambda: pytest.fail("graphcap's draft fell back"))
+                            spec_info=SimpleNamespace(
+                                bonus_tokens=torch.randint(0, 1000, (bs,), generator=g).to(device)))
+    if device == "cuda":
+        eagle_utils.build_tree_kernel_efficient(batch.spec_info.bonus_tokens, *chain_tree_inputs(tokens), seq_lens,
+                                                sum(lens), 1, steps, n)  # sglang's op loaded (built) outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        ours = rt.draft(batch, fallback=lambda: pytest.fail("graphcap's draft fell back"))
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
     assert isinstance(ours, FrozenKVMTPVerifyInput) and batch.return_hidden_states is False
     if case in ("gpu-only", "host-lengths"):  # the backend's own buffer, in place
         assert _plain(ours.custom_mask).data_ptr() == verify_mask.buffer.data_ptr()
@@ -615,12 +634,12 @@ def test_draft_tail_builds_sglangs_tree_without_reading_device_lengths(monkeypat
     parents, top, drafts = chain_tree_inputs(tokens)
     mode = verify_mask.mode if verify_mask is not None else eagle_utils.default_tree_mask_mode()
     stock = eagle_utils.build_tree_kernel_efficient(batch.spec_info.bonus_tokens, parents, top, drafts,
-                                                    torch.tensor(lens), sum(lens), 1, steps, n, mode)
+                                                    torch.tensor(lens, device=device), sum(lens), 1, steps, n, mode)
     names = ("custom_mask", "positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling",
              "draft_token")
     for name, theirs in zip(names, stock):
         mine = _plain(getattr(ours, name))
         if name == "custom_mask":
-            assert torch.equal(_read_cells(mine, mode, lens, n), _read_cells(theirs, mode, lens, n))
+            assert torch.equal(_read_cells(mine.cpu(), mode, lens, n), _read_cells(theirs.cpu(), mode, lens, n))
         else:
             assert torch.equal(mine, theirs), name
