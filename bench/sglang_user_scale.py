@@ -13,8 +13,9 @@ acceptance is the structured pair's: real, and what the record's `accept_len` me
 Per engine (each in a child process of its own), per (batch, context): decode tokens/s per request from pairs of a
 short and a long run of the same prompts (the same prefill in both), the accept length sglang reports; at
 `--profile-batches` and the first context, and at every case of the `--sweep` (contexts at `--profile-batch`),
-sglang's own profiler (`Engine.start_profile`, by stage, decode) over a few iterations, read back as GPU time per phase (verify, draft, draft extend; decode for no-spec), the iteration period,
-the verify's top kernels, and the host time of the draft call with the runtime calls inside it that waited on the GPU.
+sglang's own profiler (`Engine.start_profile`, by stage, decode) over a few iterations, read back as GPU time per
+phase (verify, draft, draft extend; decode for no-spec), the iteration period, the verify's top kernels, and the host
+time of the draft call with the runtime calls inside it that waited on the GPU.
 
     python bench/sglang_user_scale.py --ckpt DIR --out OUT.json [--engines nospec,sglang,graphcap,graphcap-verify]
         [--batches 1,8,32] [--contexts 2048] [--sweep 220,670,1270,1870,2460] [--profile-batches 1,8,32]
