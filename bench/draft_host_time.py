@@ -8,8 +8,8 @@ default `cudagraph` backend does. sglang's real `set_forward_context` is what th
 Steady state: every row's window is built already, so no call rebuilds (a rebuild syncs, by design).
 
 Modes, in the same run: `default` (the served path) and `check` (GRAPHCAP_SGLANG_CHECK=1: every check, the address
-guard each replay, the lengths against the device with a sync). A run of this script against another commit (its
-checkout first on PYTHONPATH) gives that commit's numbers on the same machine.
+guard each replay, the lengths against the device with a sync). Another commit's numbers: its checkout first on
+PYTHONPATH, with a copy of this script from a commit of the same package layout (the imports name the modules).
 
     python bench/draft_host_time.py --batches 1,8,32
 """

@@ -113,7 +113,7 @@ def read_trace(events: list[dict], top: int = 15) -> dict:
 
 
 def _outermost(spans: list[tuple]) -> list[tuple]:
-    """Spans not inside an earlier one (a phase's annotation can nest another of the same phase)."""
+    """Spans not nested inside another (a phase's annotation can nest another of the same phase)."""
     out, end = [], -1.0
     for s in spans:
         if s[0] >= end:
@@ -165,8 +165,8 @@ def structure_tensors(target: str, device: str) -> list[tuple[str, "object"]]:
 
 def load_target_structure(engine, target: str, device: str = "cuda", request_cls=None) -> dict:
     """Load the target checkpoint's structure over the target runner's dummy weights, in place (the captured graphs
-    keep their addresses), and not into the draft runner: one weight-update session on selector "target",
-    `update_weights_from_tensor` inside it. `request_cls`: sglang's UpdateWeightsFromTensorReqInput (its `selector`
+    keep their addresses), and not into the draft runner: `update_weights_from_tensor` on selector "target", between
+    `begin_weight_update` and `end_weight_update` (sglang refuses it outside them). `request_cls`: sglang's UpdateWeightsFromTensorReqInput (its `selector`
     field is what Engine.update_weights_from_tensor does not expose)."""
     if request_cls is None:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput as request_cls

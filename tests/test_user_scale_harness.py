@@ -98,8 +98,8 @@ class _Req:
 @pytest.mark.parametrize("update_ok", [True, False])
 def test_target_structure_goes_to_the_target_runner_alone(tmp_path, update_ok):
     """--structured: every tensor of the target checkpoint, as written by sglang_checkpoint.py, reaches sglang's
-    update_weights_from_tensor with selector "target" inside one weight-update session (closed also when the update
-    fails), so the draft runner - whose load of the target's embeddings fails - is never asked."""
+    update_weights_from_tensor with selector "target" between begin_weight_update and end_weight_update (ended also
+    when the update fails), so the draft runner - whose load of the target's embeddings fails - is never asked."""
     sys.path.insert(0, str(Path(us.__file__).parent))
     import sglang_checkpoint as ck
     from safetensors.torch import load_file
@@ -115,7 +115,7 @@ def test_target_structure_goes_to_the_target_runner_alone(tmp_path, update_ok):
     assert r["ok"] is update_ok
 
 
-def test_a_refused_session_loads_nothing(tmp_path):
+def test_a_refused_begin_loads_nothing(tmp_path):
     sys.path.insert(0, str(Path(us.__file__).parent))
     import sglang_checkpoint as ck
 

@@ -314,7 +314,11 @@ class DraftGraphs:
     def replay(self, b: int, *, copy: bool = False) -> DraftOutput:
         """One draft iteration over the batch already written into `static_inputs(b)`: the zero-copy `run`. No
         input checks (shapes are the static buffers'; the engine checks its batch first with `check_batch`)."""
-        bucket = self._bucket_for("replay", b)
+        return self._replay_bucket(self._bucket_for("replay", b), b, copy)
+
+    def _replay_bucket(self, bucket: BucketGraph, b: int, copy: bool) -> DraftOutput:
+        """`replay`'s and a `Replay` handle's one path: the address guard where it runs per replay, the replay, the
+        interval's work and the first b rows."""
         if bucket.captured and self.replay_checks:
             self._static.check()
         return self._finish(*bucket.replay(b, self.fn, self._compiled, self.padding_slot), b=b, copy=copy)
@@ -328,7 +332,7 @@ class DraftGraphs:
                 raise CaptureError("prepare() before capture()")
             if type(b) is int and b > self._dispatch.largest:
                 return None
-            r = self._replays[b] = Replay(self, self._bucket_for("prepare", b), b)
+            r = self._replays[b] = Replay(self._bucket_for("prepare", b), b, self._replay_bucket)
         return r
 
     def _bucket_for(self, caller: str, b: int) -> BucketGraph:

@@ -5,15 +5,12 @@ both, made once per batch size, so a draft call costs one dict lookup of dispatc
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from graphcap.engine.bucket_graph import BucketGraph
 from graphcap.engine.iteration import DraftOutput, Inputs
-
-if TYPE_CHECKING:
-    from graphcap.engine.capture import DraftGraphs
 
 
 class Replay:
@@ -22,10 +19,12 @@ class Replay:
     need not set up what that Python reads (sglang's forward context, say); false for the compiled backends that
     replay through Python (reduce-overhead, compile), the eager one and a bucket whose capture failed."""
 
-    __slots__ = ("_graphs", "_bucket", "_b", "pure")
+    __slots__ = ("_bucket", "_b", "_replay", "pure")
 
-    def __init__(self, graphs: DraftGraphs, bucket: BucketGraph, b: int) -> None:
-        self._graphs, self._bucket, self._b = graphs, bucket, b
+    def __init__(self, bucket: BucketGraph, b: int,
+                 replay: Callable[[BucketGraph, int, bool], DraftOutput]) -> None:
+        """`replay(bucket, b, copy)`: the owning DraftGraphs' replay of a bucket (its guard, flush and row slicing)."""
+        self._bucket, self._b, self._replay = bucket, b, replay
         self.pure = bucket.captured and bucket.graph is not None
 
     def inputs(self) -> Inputs:
@@ -39,7 +38,4 @@ class Replay:
         self._bucket.write(slots, accepted, tokens, hidden)
 
     def __call__(self, *, copy: bool = False) -> DraftOutput:
-        g, bucket, b = self._graphs, self._bucket, self._b
-        if g.replay_checks and bucket.captured:
-            g._static.check()
-        return g._finish(*bucket.replay(b, g.fn, g._compiled, g.padding_slot), b=b, copy=copy)
+        return self._replay(self._bucket, self._b, copy)
