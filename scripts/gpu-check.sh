@@ -164,10 +164,12 @@ case $1 in
     # the verify attention alone against sglang's kernels first (an engine starts in 30-120 s: one call fits three
     # engines at one or two batch sizes; USER_BATCHES, USER_ENGINES, USER_SWEEP: contexts at batch 8, USER_STEPS;
     # USER_STRUCTURED=1: the structured pair, so the acceptance is measured; USER_PROFILE=1,8,32: the batches
-    # profiled at the first context - every sweep case is)
+    # profiled at the first context - every sweep case is; USER_VERIFY_ALONE=0: no kernel timing first)
     engine_env
-    STEP_LIMIT=${STEP_LIMIT:-120} step verify-attention python3 bench/verify_attention.py --batches 1,8,32 --n-q 4 \
-      --rep-ms 30 --out "$LOG/verify-attention"
+    if [ "${USER_VERIFY_ALONE:-1}" != 0 ]; then  # USER_VERIFY_ALONE=0: straight to the engines
+      STEP_LIMIT=${STEP_LIMIT:-120} step verify-attention python3 bench/verify_attention.py --batches 1,8,32 --n-q 4 \
+        --rep-ms 30 --out "$LOG/verify-attention"
+    fi
     step ckpt-user-scale python3 bench/sglang_checkpoint.py --size user-scale --out "$WORK/ckpt-us" --device cuda
     STEP_LIMIT=${STEP_LIMIT:-480} step user-scale python3 bench/sglang_user_scale.py --ckpt "$WORK/ckpt-us" \
       --engines "${USER_ENGINES:-nospec,graphcap-verify,sglang}" --batches "${USER_BATCHES:-8}" --contexts 2048 \
