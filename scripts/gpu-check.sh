@@ -177,6 +177,10 @@ case $1 in
       --steps "${USER_STEPS:-3}" ${USER_STRUCTURED:+--structured} \
       --repeats 1 --new 96 --timeout 215 \
       --work "$WORK/user-scale" --out "$LOG/user-scale.json"
+    mkdir -p "$LOG/user-scale-engines"  # each engine's log end and graphcap's manifests (traces stay in $WORK)
+    for p in "$WORK"/user-scale/*.log "$WORK"/user-scale/*-cudagraph*.json; do
+      [ -f "$p" ] && tail -c 200000 "$p" > "$LOG/user-scale-engines/$(basename "$p")"
+    done
     ;;
   user-setup)  # issue 42: the user's sglang versions, draft steps and an A100's kernel paths, on the tiny pair
     user_setup
