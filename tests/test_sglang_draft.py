@@ -305,6 +305,21 @@ def test_on_accept_sums_the_accepted_counts_per_slot(device):
     assert tracker.pending.tolist() == want
 
 
+def test_on_evict_marks_a_row_stale_only_when_freed_pages_reach_its_window():
+    """A row is rebuilt when sglang freed SWA pages inside the window the next draft reads: positions [0, upto) freed
+    against the window's positions [max(0, seq_len - W), seq_len), intersected as sets (random windows, lengths and
+    frontiers, lengths shorter than the window included: a frontier at 0 there frees nothing)."""
+    g = torch.Generator().manual_seed(11)
+    for _ in range(200):
+        w, seq_len = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 120, (1,), generator=g))
+        upto = int(torch.randint(0, seq_len + 1, (1,), generator=g)) if torch.rand(1, generator=g) < 0.7 else 0
+        tracker = SlotTracker(_window(window=w))
+        tracker.on_evict(3, evicted_upto=upto, seq_len=seq_len)
+        freed, read = set(range(upto)), set(range(max(0, seq_len - w), seq_len))
+        assert (3 in tracker.stale) == bool(freed & read), (w, seq_len, upto)
+        assert tracker.stats["evictions_in_window"] == int(bool(freed & read))
+
+
 def _steady(device, seed=3):
     """A runtime after a few verified iterations, and the next batch sglang would hand it (consistent)."""
     rt, sched = _runtime(device, seed=seed), _Scheduler(seed, device)

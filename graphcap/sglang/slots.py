@@ -49,9 +49,10 @@ class SlotTracker:
 
     def on_evict(self, slot: int, evicted_upto: int, seq_len: int) -> None:
         """sglang freed SWA pages of `slot` below `evicted_upto`. Its window at the next draft starts at or after
-        `seq_len - W`; if the freed range reaches into that, the row is rebuilt (normally it never does: sglang keeps
-        max(window, draft window) behind each request)."""
-        if evicted_upto > seq_len - self.window.window:
+        `max(0, seq_len - W)`; if the freed range reaches into that, the row is rebuilt (normally it never does: sglang
+        keeps max(window, draft window) behind each request; a request shorter than the window, frontier 0, has freed
+        nothing)."""
+        if evicted_upto > max(0, seq_len - self.window.window):
             self.stale.add(slot)
             self.stats["evictions_in_window"] += 1
 
