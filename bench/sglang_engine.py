@@ -37,12 +37,9 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.metadata
 import json
 import os
-import platform
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -50,6 +47,8 @@ import sys
 import tempfile
 import time
 
+from graphcap.bench.served import (failure, machine, read_trace, stop,  # the engine harnesses' shared parts
+                                   timed_draft_ms)
 from graphcap.engine.backends import GRAPH_BACKENDS
 from graphcap.sglang.compat import sglang_version
 from graphcap.sglang.config import PROJECTIONS, UNSERVED_BACKENDS
@@ -263,34 +262,10 @@ def run_child(cfg: dict) -> dict:
 _RUNNING: list[subprocess.Popen] = []  # the engine child now running: stopped with its processes on SIGTERM
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """The child and every process it started (sglang's scheduler and detokenizer share its process group)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def _on_term(signum, frame) -> None:  # `timeout` (scripts/gpu-lib.sh's step) stops the parent: no engine stays
     for proc in _RUNNING:
-        _stop(proc)
+        stop(proc)
     raise SystemExit(128 + signum)
-
-
-ERROR_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*|Segmentation fault.*|Killed$)")
-
-
-# sglang's own words for "a scheduler failed, see above": the line above them says what broke
-WRAPPERS = ("Initialization failed", "scheduler died during initialization", "scheduler is dead")
-
-
-def failure(log: str) -> str | None:
-    """The line that says what broke: the last exception line of a child's log (its scheduler's traceback lands in
-    the same log) that is not sglang's wrapper for a scheduler's failure, else the last wrapper line, else None."""
-    lines = [ln.strip() for ln in log.splitlines() if ERROR_LINE.match(ln)]
-    own = [ln for ln in lines if not any(w in ln for w in WRAPPERS)]
-    return (own or lines or [None])[-1]
 
 
 def spawn(cfg: dict, log_dir: str) -> dict:
@@ -311,7 +286,7 @@ def spawn(cfg: dict, log_dir: str) -> dict:
             rc = proc.wait(timeout=cfg.get("timeout_s"))
         except subprocess.TimeoutExpired:
             timed_out = True
-            _stop(proc)
+            stop(proc)
             rc = proc.returncode
         finally:
             _RUNNING.remove(proc)
@@ -342,14 +317,6 @@ def engine_info(r: dict) -> dict:
             "log_tail": r.get("log_tail")}
 
 
-def timed_draft_ms(rows: list[dict], rids: list[str] | set[str]) -> tuple[float | None, int]:
-    """The median GPU time of the draft calls that ran exactly `rids` (the full batch of one timed run), over the last
-    three quarters of them (the first calls warm up), profiled calls left out; and how many there were."""
-    want = set(rids)
-    ms = [t["gpu_ms"] for t in rows if len(t["rids"]) == len(want) and set(t["rids"]) == want and not t.get("profiled")]
-    return (statistics.median(ms[len(ms) // 4:]) if ms else None), len(ms)
-
-
 def triton_kernels_for(arch: str, cache: str | None = None) -> int:
     """Kernels in Triton's cache (TRITON_CACHE_DIR, else ~/.triton/cache) compiled with options.arch == `arch`: after
     an sm80 engine, evidence that Triton lowered for 80 (a Triton without the override knob would show none)."""
@@ -363,33 +330,6 @@ def triton_kernels_for(arch: str, cache: str | None = None) -> int:
         except (OSError, ValueError, AttributeError):
             continue
     return n
-
-
-def machine() -> dict:
-    """The machine, as the parent sees it without importing torch or starting CUDA (a child's engine does)."""
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    gpu = driver = cc = None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
-        if out:
-            gpu, driver, cc = (x.strip() for x in out[0].split(","))
-    except (OSError, subprocess.SubprocessError, ValueError):
-        pass
-    return {"gpu": gpu, "driver": driver, "compute_capability": cc, "python": platform.python_version(),
-            "torch": version("torch"), "triton": version("triton")}
-
-
-def read_trace(trace_dir: str) -> list[dict]:
-    rows = []
-    for p in glob.glob(os.path.join(trace_dir, "draft-trace-*.jsonl")):
-        rows += [json.loads(line) for line in open(p)]
-    return rows
 
 
 def read_profile(trace_dir: str, batch: int, top: int = 30) -> dict | None:

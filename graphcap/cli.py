@@ -278,12 +278,16 @@ def _bench_description() -> str:
             "graph-rebuild, sglang (what sglang 0.5.23 launches), compile (that loop under torch.compile "
             "reduce-overhead, sglang's .item() kept), compile-nosync (without it), compile-plain (a hand-written "
             "loop: torch ops Inductor fuses, no sync) and compile-tuned (that loop with gpt-fast's Inductor "
-            "setting, coordinate descent tuning), on one target state, modes interleaved. Without CUDA: the tiny "
-            "spec, graphs and sglang's kernels skipped with the reason, compile-plain and compile-tuned left out "
-            "unless named.")
+            "setting, coordinate descent tuning), on one target state, modes interleaved: graphcap's reference "
+            "draft loop, the library's. Without CUDA: the tiny spec, graphs and sglang's kernels skipped with the "
+            "reason, compile-plain and compile-tuned left out unless named. --served: the draft the sglang plugin "
+            "serves, timed in sglang's own engine on your model pair against stock sglang's draft and no "
+            "speculation (a CUDA GPU and sglang needed).")
 
 
 def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.served:
+        return cmd_bench_served(args, argv)
     try:
         import torch
 
@@ -298,6 +302,34 @@ def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
         except OSError as e:
             raise CliError(f"--out {cfg.out}: {e.strerror or e}") from None
     return runner.main(cfg)
+
+
+def cmd_bench_served(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    import importlib.util
+
+    from graphcap.bench import served
+
+    try:
+        cfg = served.config_from_args(args, " ".join([PROG, *argv]))
+    except served.ServedBenchError as e:
+        raise CliError(str(e)) from None
+    if importlib.util.find_spec("sglang") is None:
+        raise CliError("graphcap bench --served runs sglang's engine: sglang is not installed here")
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ModuleNotFoundError:
+        cuda = False
+    if not cuda:
+        raise CliError("graphcap bench --served runs sglang's engine, which needs a CUDA GPU; this machine has none "
+                       "(graphcap bench without --served times the library's reference loop here)")
+    if cfg.out is not None:
+        try:
+            cfg.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CliError(f"--out {cfg.out}: {e.strerror or e}") from None
+    return served.main(cfg)
 
 
 if __name__ == "__main__":

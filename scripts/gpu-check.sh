@@ -11,7 +11,8 @@
 #   scripts/gpu-check.sh bench    `graphcap bench`: graphcap / compile(-nosync, -plain, -tuned) / sglang / eager-rebuild
 #                                 over batch 1..64 at context 2048, 3 steps (bench.json in $LOG/bench-small, -large;
 #                                 BENCH_PARTS=small or large: one of the two runs, for a call of its own;
-#                                 BENCH_MODES: another mode list)
+#                                 BENCH_MODES: another mode list; BENCH_PARTS=served: `graphcap bench --served`, the
+#                                 served draft in sglang's engine on the draft-shapes pair, against stock and no-spec)
 #   scripts/gpu-check.sh capture  one compile for every bucket + the compile cache: cold, warm restart, warm restart
 #                                 with other pool sizes; host time per call (inductor-cudagraph, reduce-overhead);
 #                                 the three starts again with the iteration precompiled; both warm restarts under
@@ -130,7 +131,15 @@ case $1 in
     local part
     for part in ${BENCH_PARTS:-small large}; do
       case $part in small) part=small:1,2,4,8 ;; large) part=large:16,32,64 ;;
-        *) echo "BENCH_PARTS: small and/or large, got $part" >&2; exit 2 ;; esac
+        served)  # the draft the plugin serves, in sglang's engine on the draft-shapes pair (graphcap.bench.served)
+          engine_env
+          step ckpt-draft-shapes python3 bench/sglang_checkpoint.py --size draft-shapes --out "$WORK/ckpt-ds" \
+            --device cuda
+          STEP_LIMIT=${STEP_LIMIT:-540} step bench-served python3 -m graphcap.cli bench --served \
+            --model-path "$WORK/ckpt-ds/target" --draft-model-path "$WORK/ckpt-ds/assistant" --batch 1,8,32,64 \
+            --context 2048 --out "$LOG/bench-served"
+          continue ;;
+        *) echo "BENCH_PARTS: small, large and/or served, got $part" >&2; exit 2 ;; esac
       STEP_LIMIT=${STEP_LIMIT:-420} step bench-${part%%:*} python3 -m graphcap.cli bench --batch ${part##*:} \
         --context 2048 --steps 3 --modes ${BENCH_MODES:-graphcap,compile,compile-nosync,compile-plain,compile-tuned,sglang,eager-rebuild} \
         --out "$LOG/bench-${part%%:*}"

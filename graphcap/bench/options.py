@@ -33,6 +33,7 @@ DEFAULT_CONTEXTS = (256, 1024, 2048, 4096)
 # contexts below, at and above the window, enough iterations for a median of real work.
 CPU_BATCHES = (4,)
 CPU_ITERS, CPU_WARMUP, CPU_REPEATS = 20, 2, 3
+SERVED_ONLY = ("model_path", "draft_model_path", "new_tokens", "engines", "load_format")  # graphcap.bench.served's
 
 
 class OptionError(ValueError):
@@ -97,8 +98,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads without CUDA (default 1: the tiny "
                    "spec's ops are too small to split, and a thread pool on a shared machine times its barriers; "
                    "0 leaves torch's default)")
-    p.add_argument("--out", type=Path, default=None, help="directory for bench.json, bench.csv, bench.md, bench.png")
+    p.add_argument("--out", type=Path, default=None, help="directory for bench.json, bench.csv, bench.md, bench.png "
+                   "(--served: served.json, the engines' logs and draft traces)")
     p.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("the served draft (--served: sglang's own engine, on a CUDA GPU with sglang installed)")
+    s.add_argument("--served", action="store_true", help="time the draft the plugin serves in sglang's engine, against "
+                   "stock sglang's and no speculation (graphcap.bench.served); --batch, --context, --steps, --out "
+                   "and --seed apply")
+    s.add_argument("--model-path", default=None, help="the target model, as sglang's --model-path takes it")
+    s.add_argument("--draft-model-path", default=None, help="its MTP assistant (sglang's --speculative-draft-model-path)")
+    s.add_argument("--new-tokens", type=int, default=None, help="new tokens per request in the long run (default 128)")
+    s.add_argument("--engines", default=None, help="comma-separated subset of nospec,sglang,graphcap (default: all)")
+    s.add_argument("--load-format", default=None, help="sglang's --load-format, e.g. dummy (random weights)")
 
 
 def growth_tokens(warmup: int, iters: int, steps: tuple[int, ...]) -> int:
@@ -111,6 +122,9 @@ def config_from_args(a: argparse.Namespace, cuda: bool, command: str = "graphcap
     """Resolve the defaults that depend on the machine and the spec; OptionError names what is wrong."""
     from graphcap.engine.backends import ALL_BACKENDS, COMPILED_BACKENDS, GRAPH_BACKENDS
 
+    served_only = [f"--{k.replace('_', '-')}" for k in SERVED_ONLY if getattr(a, k, None) is not None]
+    if served_only:
+        raise OptionError(f"{', '.join(served_only)}: options of --served (the draft timed in sglang's engine)")
     spec = load_spec(a.spec or ("gemma4-31b-assistant" if cuda else "tiny"))
     modes = tuple(m.strip() for m in a.modes.split(",") if m.strip()) if a.modes is not None else \
         (DEFAULT_MODES if cuda else CPU_MODES)

@@ -1,0 +1,211 @@
+"""`graphcap bench --served` (graphcap.bench.served) on a CPU: its options, and its whole run - engines in children,
+the draft trace read back, the table - against a stand-in `sglang.Engine` whose draft times and outputs follow known
+formulas (sglang's real engine needs a GPU; scripts/gpu-check.sh runs the real one)."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from graphcap import cli
+from graphcap.bench import served
+
+VOCAB = 977
+SLEEP_PER_TOKEN_S = 0.002  # the stand-in's decode time per generated token
+FAKE_SGLANG = '''
+import json, math, os, time
+
+from graphcap.sglang.config import ENV_VAR, TRACE_ENV
+
+class _ModelConfig:
+    vocab_size = {vocab}
+
+class _TokenizerManager:
+    model_config = _ModelConfig()
+
+def base_ms(graphcap, batch):  # the draft call's GPU time, by engine and batch: the test recomputes it
+    return (0.5 if graphcap else 2.0) * (1 + batch / 8)
+
+class Engine:
+    def __init__(self, **kw):
+        self.kw = kw
+        self.mtp = "speculative_algorithm" in kw
+        self.graphcap = bool(os.environ.get(ENV_VAR))
+        tag = "graphcap" if self.graphcap else ("sglang" if self.mtp else "nospec")
+        with open(os.path.join(os.environ["FAKE_SGLANG_LOG"], tag + ".json"), "w") as f:
+            json.dump({{"kw": kw, "capture": os.environ.get(ENV_VAR), "trace": os.environ.get(TRACE_ENV)}}, f)
+        if os.environ.get("FAKE_SGLANG_CRASH") == tag:
+            raise RuntimeError("fake sglang: CUDA error: an illegal memory access was encountered")
+        self.tokenizer_manager = _TokenizerManager()
+        self.calls = 0
+
+    def generate(self, input_ids, sampling_params, rid):
+        new = sampling_params[0]["max_new_tokens"]
+        time.sleep(new * {sleep})
+        verify = math.ceil(new / 2.5)
+        if self.mtp and os.environ.get(TRACE_ENV):
+            d = os.environ[TRACE_ENV]
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "draft-trace-%d.jsonl" % os.getpid()), "a") as f:
+                for i in range(verify):
+                    f.write(json.dumps({{"rids": list(rid), "seq_lens": None, "draft": [[0]] * len(rid),
+                                        "gpu_ms": base_ms(self.graphcap, len(rid)) + 0.01 * i, "host_ms": 0.1}}) + "\\n")
+        outs = []
+        for j, p in enumerate(input_ids):
+            toks = [(p[-1] + k + 1) % {vocab} for k in range(new)]
+            if self.graphcap and j == 0 and os.environ.get("FAKE_SGLANG_DIFF"):
+                toks[-1] += 1
+            meta = {{"completion_tokens": new, "spec_verify_ct": verify if self.mtp else 0}}
+            outs.append({{"output_ids": toks, "meta_info": meta}})
+        return outs
+
+    def shutdown(self):
+        pass
+'''
+
+
+@pytest.fixture
+def fake_sglang(tmp_path, monkeypatch):
+    root = tmp_path / "fake"
+    (root / "sglang").mkdir(parents=True)
+    (root / "sglang" / "__init__.py").write_text(FAKE_SGLANG.format(vocab=VOCAB, sleep=SLEEP_PER_TOKEN_S))
+    log = tmp_path / "engine-log"
+    log.mkdir()
+    repo = Path(served.__file__).resolve().parents[2]
+    monkeypatch.setenv("PYTHONPATH", f"{root}:{repo}")
+    monkeypatch.setenv("FAKE_SGLANG_LOG", str(log))
+    return log
+
+
+def _cfg(tmp_path, **kw) -> served.ServedConfig:
+    base = dict(model_path="/models/target", draft_model_path="/models/assistant", batches=(2, 5), context=40,
+                new_tokens=96, steps=2, out=tmp_path / "out", timeout_s=120)
+    return served.ServedConfig(**{**base, **kw})
+
+
+def _expected_draft_ms(graphcap: bool, batch: int, new: int) -> float:
+    ms = [(0.5 if graphcap else 2.0) * (1 + batch / 8) + 0.01 * i for i in range(math.ceil(new / 2.5))]
+    return statistics.median(ms[len(ms) // 4:])
+
+
+@pytest.mark.subprocess
+def test_served_bench_times_each_engine_and_compares_tokens(tmp_path, fake_sglang, capsys):
+    cfg = _cfg(tmp_path)
+    assert served.main(cfg) == 0
+    record = json.loads((cfg.out / "served.json").read_text())
+    assert [r["batch"] for r in record["rows"]] == [2, 5]
+    for r in record["rows"]:
+        b = r["batch"]
+        assert r["sglang_draft_ms"] == pytest.approx(_expected_draft_ms(False, b, 96))
+        assert r["graphcap_draft_ms"] == pytest.approx(_expected_draft_ms(True, b, 96))
+        assert r["sglang_draft_calls"] == r["graphcap_draft_calls"] == math.ceil(96 / 2.5)
+        assert r["sglang_accept_len"] == r["graphcap_accept_len"] == pytest.approx(96 / math.ceil(96 / 2.5))
+        assert r["tokens_equal"] == b
+        # the long run's 64 extra tokens over its extra time: the stand-in sleeps SLEEP_PER_TOKEN_S per token
+        for e in served.ENGINES:
+            assert 0.3 / SLEEP_PER_TOKEN_S < r[f"{e}_tok_s"] <= 1.05 / SLEEP_PER_TOKEN_S
+    # what each engine was started with
+    kw = {e: json.loads((fake_sglang / f"{e}.json").read_text()) for e in served.ENGINES}
+    assert "speculative_algorithm" not in kw["nospec"]["kw"] and kw["nospec"]["capture"] is None
+    for e in ("sglang", "graphcap"):
+        k = kw[e]["kw"]
+        assert (k["speculative_num_steps"], k["speculative_num_draft_tokens"], k["speculative_eagle_topk"]) == (2, 3, 1)
+        assert k["speculative_draft_model_path"] == "/models/assistant" and k["model_path"] == "/models/target"
+    assert kw["sglang"]["capture"] is None and json.loads(kw["graphcap"]["capture"])["enabled"] is True
+    assert len({kw[e]["trace"] for e in served.ENGINES}) == 3  # a trace directory of its own per engine
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("batch"))
+    assert header.split() == ["batch", "draft", "it/s", "sglang", "draft", "it/s", "graphcap", "draft", "stock/flag",
+                              "tok/s", "nospec", "tok/s", "sglang", "tok/s", "graphcap", "tokens", "equal"]
+    ratio = _expected_draft_ms(False, 5, 96) / _expected_draft_ms(True, 5, 96)
+    row5 = next(line for line in out.splitlines() if line.split()[:1] == ["5"])
+    assert f"{ratio:.2f}x" in row5.split() and "5/5" in row5.split()
+
+
+@pytest.mark.subprocess
+def test_a_failed_engine_is_named_and_its_columns_stay_empty(tmp_path, fake_sglang, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_SGLANG_CRASH", "graphcap")
+    monkeypatch.setenv("FAKE_SGLANG_DIFF", "1")  # never reached: the graphcap engine does not start
+    cfg = _cfg(tmp_path, engines=("sglang", "graphcap"), batches=(3,))
+    assert served.main(cfg) == 1
+    out = capsys.readouterr().out
+    assert "graphcap: the engine failed: RuntimeError: fake sglang: CUDA error: an illegal memory access" in out
+    (row,) = json.loads((cfg.out / "served.json").read_text())["rows"]
+    assert row["graphcap_draft_ms"] is None and row["tokens_equal"] is None and row["sglang_draft_ms"] is not None
+    assert "nospec_tok_s" not in row and "tok/s nospec" not in out  # only the engines run have columns
+
+
+@pytest.mark.subprocess
+def test_tokens_that_differ_from_stock_sglangs_are_counted(tmp_path, fake_sglang, monkeypatch):
+    monkeypatch.setenv("FAKE_SGLANG_DIFF", "1")
+    cfg = _cfg(tmp_path, engines=("sglang", "graphcap"), batches=(4,))
+    assert served.main(cfg) == 0
+    (row,) = json.loads((cfg.out / "served.json").read_text())["rows"]
+    assert row["tokens_equal"] == 3
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--served"], "--served needs --model-path"),
+    (["--served", "--model-path", "a"], "--served needs --model-path"),
+    (["--served", "--model-path", "a", "--draft-model-path", "b", "--modes", "graphcap"], "--modes: options of the "
+                                                                                          "reference bench"),
+    (["--served", "--model-path", "a", "--draft-model-path", "b", "--spec", "tiny"], "--spec: options of the"),
+    (["--served", "--model-path", "a", "--draft-model-path", "b", "--engines", "nospec,fast"], "--engines: expected"),
+    (["--served", "--model-path", "a", "--draft-model-path", "b", "--engines", "sglang,sglang"], "--engines: expected"),
+    (["--served", "--model-path", "a", "--draft-model-path", "b", "--context", "256,512"], "--context: --served takes "
+                                                                                           "one value"),
+    (["--served", "--model-path", "a", "--draft-model-path", "b", "--steps", "1,3"], "--steps: --served takes one"),
+    (["--served", "--model-path", "a", "--draft-model-path", "b", "--new-tokens", "32"], "--new-tokens must exceed"),
+    (["--model-path", "a"], "--model-path: options of --served"),
+    (["--load-format", "dummy", "--engines", "sglang"], "--engines, --load-format: options of --served"),
+])
+def test_bad_served_options_are_one_line_and_exit_2(argv, named, capsys):
+    assert cli.main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_served_without_a_gpu_says_so(capsys, monkeypatch):
+    if served_gpu_here():
+        pytest.skip("this machine has a CUDA GPU: the served bench would start sglang's engine")
+    monkeypatch.setattr(sys, "argv", ["graphcap"])
+    assert cli.main(["bench", "--served", "--model-path", "a", "--draft-model-path", "b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "needs a CUDA GPU" in err or "sglang is not installed" in err
+
+
+def served_gpu_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_engine_kwargs_follow_the_config():
+    cfg = served.ServedConfig("t", "d", batches=(8, 1, 8, 32), context=2048, new_tokens=128, steps=1,
+                              load_format="dummy")
+    nospec, mtp = served.engine_kwargs(cfg, "nospec"), served.engine_kwargs(cfg, "graphcap")
+    assert nospec["cuda_graph_bs_decode"] == [1, 8, 32] and nospec["max_running_requests"] == 32
+    assert nospec["load_format"] == "dummy" and "speculative_algorithm" not in nospec
+    assert nospec["context_length"] >= 2048 + 128 + 2 * (1 + 1)
+    assert {k: mtp[k] for k in ("speculative_algorithm", "speculative_num_steps", "speculative_num_draft_tokens")} \
+        == {"speculative_algorithm": "NEXTN", "speculative_num_steps": 1, "speculative_num_draft_tokens": 2}
+
+
+def test_prompts_are_the_same_for_every_engine_and_in_range():
+    a, b = served.prompts(4, 33, VOCAB, seed=7), served.prompts(4, 33, VOCAB, seed=7)
+    assert a == b and len(a) == 4 and all(len(p) == 33 and all(3 <= t < VOCAB for t in p) for p in a)
+    assert served.prompts(4, 33, VOCAB, seed=8) != a
+
+
+def test_usage_of_the_child_entry_point():
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "graphcap.bench.served"], capture_output=True, text=True)
+    assert r.returncode == 1 and "graphcap bench --served starts these" in r.stderr
+    assert textwrap.dedent(r.stderr).count("\n") == 1
