@@ -209,3 +209,37 @@ def test_usage_of_the_child_entry_point():
     r = subprocess.run([sys.executable, "-m", "graphcap.bench.served"], capture_output=True, text=True)
     assert r.returncode == 1 and "graphcap bench --served starts these" in r.stderr
     assert textwrap.dedent(r.stderr).count("\n") == 1
+
+
+@pytest.mark.sglang
+@pytest.mark.subprocess
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.18"])
+def test_every_engine_setting_is_a_field_of_sglangs_server_args(version):
+    """The settings the served bench starts engines with are ServerArgs fields in both sglang versions graphcap serves
+    (sglang.Engine passes them to ServerArgs, which refuses an unknown one), read from each real package in a fresh
+    interpreter."""
+    import importlib.util
+    import os
+    import subprocess
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("the real sglang package is not installed (make test installs requirements/sglang-cpu.txt)")
+    env = dict(os.environ)
+    if version == "0.5.18":
+        place = Path(os.environ.get("GRAPHCAP_SGLANG_0518") or Path(sys.prefix) / "sglang-0518")
+        if not (place / "sglang").is_dir():
+            pytest.skip(f"sglang 0.5.18 is not installed at {place} (make venv installs it)")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(place), env.get("PYTHONPATH")) if p)
+    isolated = Path(__file__).parent / "sglang_isolated"  # _sglang_env: 0.5.18 imports torchvision at `import sglang`
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(isolated)) if p)
+    code = ("import _sglang_env; _sglang_env.prepare_sglang_import(); import dataclasses, importlib.metadata, json; "
+            "from sglang.srt.server_args import ServerArgs as S; "  # 0.5.23: a msgspec Struct, 0.5.18: a dataclass
+            "names = getattr(S, '__struct_fields__', None) or [f.name for f in dataclasses.fields(S)]; "
+            "print(json.dumps([importlib.metadata.version('sglang'), list(names)]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    found, fields = json.loads(r.stdout.strip().splitlines()[-1])
+    assert found == version and len(fields) > 100 and 'model_path' in fields
+    cfg = served.ServedConfig("t", "d", load_format="dummy")
+    asked = set(served.engine_kwargs(cfg, "nospec")) | set(served.engine_kwargs(cfg, "graphcap"))
+    assert asked - set(fields) == set()
