@@ -19,7 +19,11 @@ time of the draft call with the runtime calls inside it that waited on the GPU.
 
     python bench/sglang_user_scale.py --ckpt DIR --out OUT.json [--engines nospec,sglang,graphcap,graphcap-verify]
         [--batches 1,8,32] [--contexts 2048] [--sweep 220,670,1270,1870,2460] [--profile-batches 1,8,32]
-        [--steps 3] [--structured]
+        [--steps 3] [--structured] [--trace]
+
+`--trace`: graphcap's draft trace (graphcap.sglang.trace) in every MTP engine; each timed run's draft calls, their
+host and GPU time (median, max, sum) and the slowest three, where a run's wall time goes that the profile's few
+iterations do not show.
 """
 from __future__ import annotations
 
@@ -186,7 +190,36 @@ def load_target_structure(engine, target: str, device: str = "cuda", request_cls
     return {**out, "ok": bool(ok), "message": str(msg)}
 
 
+def trace_summary(rows: list[dict], rids: list[str]) -> dict | None:
+    """The draft calls of one timed run (graphcap's draft trace: the calls whose requests are exactly `rids`): how
+    many, their GPU and host ms (median, max, sum), and the three slowest by host time with their lengths - where a
+    run's wall time goes that the profiled iterations do not show."""
+    want = set(rids)
+    calls = [r for r in rows if set(r["rids"]) == want]
+    if not calls:
+        return None
+    gpu, host = [r["gpu_ms"] for r in calls], [r["host_ms"] for r in calls]
+    slow = sorted(calls, key=lambda r: -r["host_ms"])[:3]
+    return {"calls": len(calls), "gpu_ms": {"median": statistics.median(gpu), "max": max(gpu), "sum": sum(gpu)},
+            "host_ms": {"median": statistics.median(host), "max": max(host), "sum": sum(host)},
+            "slowest_host": [{"host_ms": r["host_ms"], "gpu_ms": r["gpu_ms"], "seq_lens": r.get("seq_lens")}
+                             for r in slow]}
+
+
+def trace_fields(case: dict) -> dict:
+    """A row's view of the first timed run's draft trace (`--trace`): draft calls, and their host and GPU ms summed."""
+    t = (case.get("draft_trace") or [None])[0]
+    if t is None:
+        return {}
+    return {"trace_draft_calls": t["calls"], "trace_draft_host_ms_sum": round(t["host_ms"]["sum"], 2),
+            "trace_draft_gpu_ms_sum": round(t["gpu_ms"]["sum"], 2)}
+
+
 def child(cfg: dict) -> dict:
+    trace_dir = os.path.join(cfg["work"], f"trace-{cfg['engine']}")
+    if cfg.get("trace"):  # graphcap's draft trace around the draft call, in every MTP engine (one sync per 16 calls)
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        os.environ["GRAPHCAP_SGLANG_TRACE"] = trace_dir
     if cfg["engine"].startswith("graphcap"):
         os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps({
             "enabled": True, "backend": "cudagraph", "manifest_dir": cfg["work"],
@@ -205,31 +238,34 @@ def child(cfg: dict) -> dict:
         for batch, context in cfg["cases"]:
             prompts = [[rng.randrange(3, cfg["vocab"]) for _ in range(context)] for _ in range(batch)]
 
-            def gen(new):
+            def gen(new, tag):
                 t = time.perf_counter()
-                outs = engine.generate(input_ids=prompts, sampling_params=[
-                    {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}] * batch)
+                outs = engine.generate(input_ids=prompts, rid=[f"b{batch}-c{context}-{tag}-{i}" for i in range(batch)],
+                                       sampling_params=[{"temperature": 0.0, "max_new_tokens": new,
+                                                         "ignore_eos": True}] * batch)
                 return outs, time.perf_counter() - t
 
-            gen(8)  # warm
-            rates, accepts = [], []
-            for _ in range(cfg["repeats"]):
-                _, short = gen(SHORT_NEW)
-                outs, long = gen(cfg["new"])
+            gen(8, "warm")
+            rates, accepts, long_tags = [], [], []
+            for k in range(cfg["repeats"]):
+                _, short = gen(SHORT_NEW, f"short{k}")
+                outs, long = gen(cfg["new"], f"long{k}")
+                long_tags.append(f"long{k}")
                 rates.append((cfg["new"] - SHORT_NEW) / (long - short))
                 vc = [o["meta_info"].get("spec_verify_ct") for o in outs]
                 if all(vc):
                     accepts.append(sum(o["meta_info"]["completion_tokens"] for o in outs) / sum(vc))
             case = {"batch": batch, "context": context, "decode_tok_s_per_req": statistics.median(rates),
                     "rates": rates, "accept_len": statistics.median(accepts) if accepts else None,
-                    "tokens": [o["output_ids"] for o in outs]}
+                    "tokens": [o["output_ids"] for o in outs],
+                    "long_rids": [[f"b{batch}-c{context}-{t}-{i}" for i in range(batch)] for t in long_tags]}
             if [batch, context] in [list(x) for x in cfg["profile_cases"]]:
                 pdir = os.path.join(cfg["work"], f"profile-{cfg['engine']}-b{batch}-c{context}")
                 shutil.rmtree(pdir, ignore_errors=True)
                 os.makedirs(pdir)
                 engine.start_profile(output_dir=pdir, num_steps=cfg["profile_steps"], activities=["CPU", "GPU"],
                                      profile_by_stage=True, profile_stages=["decode"])
-                gen(cfg["new"])
+                gen(cfg["new"], "profile")
                 time.sleep(2)
                 traces = sorted(glob.glob(os.path.join(pdir, "**", "*.json*"), recursive=True))
                 case["profile_files"] = [os.path.basename(t) for t in traces]
@@ -240,7 +276,15 @@ def child(cfg: dict) -> dict:
                     except Exception as e:  # noqa: BLE001 - record what broke, keep the rates
                         case["profile"] = {"error": f"{type(e).__name__}: {e}"}
             res["cases"].append(case)
-            print(json.dumps({k: v for k, v in case.items() if k not in ("profile", "tokens")}), flush=True)
+            print(json.dumps({k: v for k, v in case.items() if k not in ("profile", "tokens", "long_rids")}),
+                  flush=True)
+        if cfg.get("trace") and res["cases"]:
+            from graphcap.bench.served import read_trace as read_draft_trace
+
+            gen(cfg["new"], "flush")  # the trace writes every 16 draft calls: this run pushes the timed ones out
+            rows = read_draft_trace(trace_dir)
+            for case in res["cases"]:
+                case["draft_trace"] = [trace_summary(rows, rids) for rids in case["long_rids"]]
     finally:
         engine.shutdown()
     return res
@@ -287,7 +331,8 @@ def summarize(results: dict) -> list[dict]:
                          "extend_ms": (p.get("draft_extend") or {}).get("gpu_span_ms"),
                          "decode_ms": (p.get("decode") or {}).get("gpu_span_ms"),
                          "iteration_ms": p.get("iteration_ms"),
-                         "tokens_equal_sglang": None if theirs is None else c.get("tokens") == theirs})
+                         "tokens_equal_sglang": None if theirs is None else c.get("tokens") == theirs,
+                         **trace_fields(c)})
     return rows
 
 
@@ -315,6 +360,8 @@ def main(argv=None) -> int:
                     help="batches profiled at the first context (default: --profile-batch); every --sweep case is")
     ap.add_argument("--profile-steps", type=int, default=6)
     ap.add_argument("--structured", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="graphcap's draft trace around every draft call of the MTP "
+                    "engines: per timed run, the draft calls' host and GPU time (one sync per 16 calls)")
     ap.add_argument("--mem-fraction", type=float, default=0.88)
     ap.add_argument("--context-length", type=int, default=8192)
     ap.add_argument("--timeout", type=float, default=480, help="seconds per engine")
@@ -348,7 +395,7 @@ def main(argv=None) -> int:
     for e in engines:
         cfg = {"engine": e, "ckpt": a.ckpt, "work": work, "batches": batches, "cases": cases, "steps": a.steps,
                "new": a.new, "repeats": a.repeats, "profile_cases": profile_cases, "profile_steps": a.profile_steps,
-               "structured": a.structured, "mem_fraction": a.mem_fraction, "context_length": a.context_length,
+               "structured": a.structured, "trace": a.trace, "mem_fraction": a.mem_fraction, "context_length": a.context_length,
                "vocab": vocab}
         results[e] = spawn(cfg, work, a.timeout)
         record = {"engines": results, "rows": summarize(results)}

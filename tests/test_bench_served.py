@@ -15,71 +15,12 @@ import pytest
 from graphcap import cli
 from graphcap.bench import served
 
-VOCAB = 977
-SLEEP_PER_TOKEN_S = 0.002  # the stand-in's decode time per generated token
-FAKE_SGLANG = '''
-import json, math, os, time
-
-from graphcap.sglang.config import ENV_VAR, TRACE_ENV
-
-class _ModelConfig:
-    vocab_size = {vocab}
-
-class _TokenizerManager:
-    model_config = _ModelConfig()
-
-def base_ms(graphcap, batch):  # the draft call's GPU time, by engine and batch: the test recomputes it
-    return (0.5 if graphcap else 2.0) * (1 + batch / 8)
-
-class Engine:
-    def __init__(self, **kw):
-        self.kw = kw
-        self.mtp = "speculative_algorithm" in kw
-        self.graphcap = bool(os.environ.get(ENV_VAR))
-        tag = "graphcap" if self.graphcap else ("sglang" if self.mtp else "nospec")
-        with open(os.path.join(os.environ["FAKE_SGLANG_LOG"], tag + ".json"), "w") as f:
-            json.dump({{"kw": kw, "capture": os.environ.get(ENV_VAR), "trace": os.environ.get(TRACE_ENV)}}, f)
-        if os.environ.get("FAKE_SGLANG_CRASH") == tag:
-            raise RuntimeError("fake sglang: CUDA error: an illegal memory access was encountered")
-        self.tokenizer_manager = _TokenizerManager()
-        self.calls = 0
-
-    def generate(self, input_ids, sampling_params, rid):
-        new = sampling_params[0]["max_new_tokens"]
-        time.sleep(new * {sleep})
-        verify = math.ceil(new / 2.5)
-        if self.mtp and os.environ.get(TRACE_ENV):
-            d = os.environ[TRACE_ENV]
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, "draft-trace-%d.jsonl" % os.getpid()), "a") as f:
-                for i in range(verify):
-                    f.write(json.dumps({{"rids": list(rid), "seq_lens": None, "draft": [[0]] * len(rid),
-                                        "gpu_ms": base_ms(self.graphcap, len(rid)) + 0.01 * i, "host_ms": 0.1}}) + "\\n")
-        outs = []
-        for j, p in enumerate(input_ids):
-            toks = [(p[-1] + k + 1) % {vocab} for k in range(new)]
-            if self.graphcap and j == 0 and os.environ.get("FAKE_SGLANG_DIFF"):
-                toks[-1] += 1
-            meta = {{"completion_tokens": new, "spec_verify_ct": verify if self.mtp else 0}}
-            outs.append({{"output_ids": toks, "meta_info": meta}})
-        return outs
-
-    def shutdown(self):
-        pass
-'''
+from fake_sglang import SLEEP_PER_TOKEN_S, VOCAB, install_fake_sglang
 
 
 @pytest.fixture
 def fake_sglang(tmp_path, monkeypatch):
-    root = tmp_path / "fake"
-    (root / "sglang").mkdir(parents=True)
-    (root / "sglang" / "__init__.py").write_text(FAKE_SGLANG.format(vocab=VOCAB, sleep=SLEEP_PER_TOKEN_S))
-    log = tmp_path / "engine-log"
-    log.mkdir()
-    repo = Path(served.__file__).resolve().parents[2]
-    monkeypatch.setenv("PYTHONPATH", f"{root}:{repo}")
-    monkeypatch.setenv("FAKE_SGLANG_LOG", str(log))
-    return log
+    return install_fake_sglang(tmp_path, monkeypatch)
 
 
 def _cfg(tmp_path, **kw) -> served.ServedConfig:

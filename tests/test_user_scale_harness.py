@@ -133,3 +133,59 @@ def test_profile_plan_covers_the_asked_batches_and_every_sweep_case():
     plan = us.profile_plan([1, 8, 32], [2048], [1, 8, 32], 8, [220, 2048, 2460])
     assert plan == [(1, 2048), (8, 2048), (32, 2048), (8, 220), (8, 2460)]
     assert us.profile_plan([1, 8], [2048, 4096], [8, 64], 8, []) == [(8, 2048)]  # a batch not run is not profiled
+
+
+def test_trace_summary_takes_the_timed_runs_calls_only():
+    """Random draft-trace records of several runs (request-id sets), interleaved: the summary of one run counts,
+    sums and ranks exactly that run's calls (a plain loop over the records is the reference); no call of the run,
+    None; a row carries the first timed run's sums."""
+    import random
+
+    rng = random.Random(3)
+    runs = {t: [f"b4-c220-{t}-{i}" for i in range(4)] for t in ("warm", "short0", "long0", "profile")}
+    rows = []
+    for _ in range(200):
+        tag = rng.choice(list(runs))
+        rows.append({"rids": rng.sample(runs[tag], 4), "seq_lens": [rng.randrange(220, 400) for _ in range(4)],
+                     "draft": [[0]] * 4, "gpu_ms": rng.uniform(0.5, 2.0), "host_ms": rng.uniform(0.05, 30.0)})
+    rows.append({"rids": runs["long0"][:3], "seq_lens": None, "draft": [[0]] * 3, "gpu_ms": 9.0, "host_ms": 99.0})
+    mine = [r for r in rows if sorted(r["rids"]) == sorted(runs["long0"])]
+    s = us.trace_summary(rows, runs["long0"])
+    assert s["calls"] == len(mine) > 0
+    assert s["host_ms"]["sum"] == pytest.approx(sum(r["host_ms"] for r in mine))
+    assert s["gpu_ms"]["max"] == max(r["gpu_ms"] for r in mine)
+    assert [x["host_ms"] for x in s["slowest_host"]] == sorted((r["host_ms"] for r in mine), reverse=True)[:3]
+    assert us.trace_summary(rows, ["nobody"]) is None
+    fields = us.trace_fields({"draft_trace": [s, None]})
+    assert fields["trace_draft_calls"] == len(mine)
+    assert fields["trace_draft_host_ms_sum"] == round(s["host_ms"]["sum"], 2)
+    assert us.trace_fields({}) == {} and us.trace_fields({"draft_trace": [None]}) == {}
+
+
+@pytest.mark.subprocess
+def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch):
+    """The child (`--child`) against the stand-in sglang.Engine (tests/fake_sglang.py: each generate call writes one
+    draft-trace record per verify, with GPU ms from a known formula): every timed long run gets its own summary, of
+    its own calls only."""
+    import math
+
+    from fake_sglang import install_fake_sglang
+
+    install_fake_sglang(tmp_path, monkeypatch)
+    (tmp_path / "ck" / "target").mkdir(parents=True)
+    cfg = {"engine": "graphcap", "ckpt": str(tmp_path / "ck"), "work": str(tmp_path / "work"), "batches": [2],
+           "cases": [[2, 30]], "steps": 3, "new": 48, "repeats": 2, "profile_cases": [], "profile_steps": 6,
+           "structured": False, "trace": True, "mem_fraction": 0.8, "context_length": 512, "vocab": 977}
+    (tmp_path / "work").mkdir()
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    script = Path(us.__file__)
+    r = subprocess.run([sys.executable, str(script), "--child", str(tmp_path / "cfg.json"), "--child-out",
+                        str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (case,) = json.loads((tmp_path / "out.json").read_text())["cases"]
+    calls = math.ceil(48 / 2.5)
+    assert len(case["draft_trace"]) == 2 and len(case["rates"]) == 2
+    for t in case["draft_trace"]:
+        assert t["calls"] == calls
+        assert t["gpu_ms"]["sum"] == pytest.approx(sum(0.5 * (1 + 2 / 8) + 0.01 * i for i in range(calls)))
+    assert us.summarize({"graphcap": {"config": cfg, "cases": [case]}})[0]["trace_draft_calls"] == calls
