@@ -395,7 +395,8 @@ def main(argv=None) -> int:
     for e in engines:
         cfg = {"engine": e, "ckpt": a.ckpt, "work": work, "batches": batches, "cases": cases, "steps": a.steps,
                "new": a.new, "repeats": a.repeats, "profile_cases": profile_cases, "profile_steps": a.profile_steps,
-               "structured": a.structured, "trace": a.trace, "mem_fraction": a.mem_fraction, "context_length": a.context_length,
+               "structured": a.structured, "trace": a.trace, "mem_fraction": a.mem_fraction,
+               "context_length": a.context_length,
                "vocab": vocab}
         results[e] = spawn(cfg, work, a.timeout)
         record = {"engines": results, "rows": summarize(results)}

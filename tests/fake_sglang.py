@@ -43,8 +43,9 @@ class Engine:
             os.makedirs(d, exist_ok=True)
             with open(os.path.join(d, "draft-trace-%d.jsonl" % os.getpid()), "a") as f:
                 for i in range(verify):
+                    ms = base_ms(self.graphcap, len(rid)) + 0.01 * i
                     f.write(json.dumps({{"rids": list(rid), "seq_lens": None, "draft": [[0]] * len(rid),
-                                        "gpu_ms": base_ms(self.graphcap, len(rid)) + 0.01 * i, "host_ms": 0.1}}) + "\\n")
+                                        "gpu_ms": ms, "host_ms": 0.1}}) + "\\n")
         outs = []
         for j, p in enumerate(input_ids):
             toks = [(p[-1] + k + 1) % {vocab} for k in range(new)]

@@ -106,7 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "stock sglang's and no speculation (graphcap.bench.served); --batch, --context, --steps, --out "
                    "and --seed apply")
     s.add_argument("--model-path", default=None, help="the target model, as sglang's --model-path takes it")
-    s.add_argument("--draft-model-path", default=None, help="its MTP assistant (sglang's --speculative-draft-model-path)")
+    s.add_argument("--draft-model-path", default=None,
+                   help="its MTP assistant (sglang's --speculative-draft-model-path)")
     s.add_argument("--new-tokens", type=int, default=None, help="new tokens per request in the long run (default 128)")
     s.add_argument("--engines", default=None, help="comma-separated subset of nospec,sglang,graphcap (default: all)")
     s.add_argument("--load-format", default=None, help="sglang's --load-format, e.g. dummy (random weights)")
