@@ -85,16 +85,27 @@ class WindowBuffers:
         return out
 
     # -----------------------------------------------------------------------------------------------------------
-    def reset(self, slots: IntsLike, seq_lens: IntsLike) -> None:
+    def reset(self, slots: IntsLike, seq_lens: IntsLike, checked: bool = True) -> None:
         """Rebuild `slots` from req_to_token with the given lengths (a request joined, was retracted, or lost pages).
 
-        Off the hot path: validates on the host, then O(min(len, W)) work per slot.
+        O(min(len, W)) work per slot. `checked` (the default) validates on the host first: slots, lengths and every
+        location the windows will hold, from one read-back (one sync on a GPU). `checked=False`, for a caller that
+        trusts its lengths and rows (a serving engine's own, rebuilt between its iterations): no read-back, so no sync;
+        slots given as host ints are still checked, lengths are clamped to the row on the device, locations are not
+        checked.
         """
         slots_t, lens_t = self._as_index(slots, "reset", "slots"), self._as_index(seq_lens, "reset", "seq_lens")
         if slots_t.shape != lens_t.shape:
             raise WindowError(f"reset: {slots_t.numel()} slots but {lens_t.numel()} seq_lens")
         row_len = self.req_to_token.shape[1]
         hi = lens_t.clamp(0, row_len)
+        if not checked:
+            if not isinstance(slots, torch.Tensor) or slots.device.type == "cpu":  # host ints: checked for free
+                host = slots.tolist() if isinstance(slots, torch.Tensor) else [int(s) for s in slots]
+                check_slots(host, self.max_slots, error=WindowError, call="reset")
+            if slots_t.numel():
+                window_reset(self.ring, self.seq_lens, self.req_to_token, self.full_to_swa, slots_t, hi)
+            return
         lo = (hi - self.window).clamp(min=0)
         # One read-back for all the host checks: slots, lengths, the first bad location per row - one sync on a GPU
         # by construction (tests/test_window.py counts it on CUDA). A pinned host tensor given as

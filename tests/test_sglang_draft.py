@@ -347,6 +347,33 @@ def test_iterations_without_a_rebuild_do_not_sync():
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
+@pytest.mark.gpu
+def test_an_iteration_with_a_joining_request_does_not_sync():
+    """On CUDA, under torch's sync debug mode: a request joins a steady batch, and its row's rebuild in the next
+    draft issues no host sync outside the check mode (sglang's lengths and rows trusted); every row's window then
+    equals a rebuild from req_to_token at the scheduler's length."""
+    rt, sched = _steady("cuda")
+    free = [s for s in range(sched.rows) if s not in sched.running]
+    req = _request(sched.layout, "joined", free[0], length=17, accepted=0, fresh=True)
+    sched.running[free[0]] = req
+    rt.tracker.on_join([req])
+    batch = sched.batch()
+    batch.seq_lens_sum = batch.seq_lens_cpu = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rt.iterate(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    wb = rt.window
+    for r in batch.reqs:
+        s, n = slot_of(r), r.length
+        assert int(wb.seq_lens[s]) == n
+        rebuilt = wb.full_to_swa[wb.req_to_token[s, max(0, n - wb.window):n].long()].cpu()
+        assert torch.equal(wb.window_locs(s).cpu(), rebuilt.to(wb.window_locs(s).dtype))
+    assert rt.tracker.stats["reset_syncs"] == 0
+
+
 def _plus_one(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     t[0] += 1

@@ -68,7 +68,7 @@ def test_random_resets_and_advances_match_rebuild(impl, device, data, window, wi
             if not lens or data.draw(st.integers(0, 3), label="op") == 0:
                 slots = data.draw(st.lists(st.integers(0, SLOTS - 1), min_size=1, max_size=SLOTS, unique=True))
                 new = [data.draw(st.integers(0, ROW - 8)) for _ in slots]
-                wb.reset(slots, new)
+                wb.reset(slots, new, checked=data.draw(st.booleans(), label="checked"))
                 lens.update(zip(slots, new))
             else:
                 slots = data.draw(st.lists(st.sampled_from(sorted(lens)), min_size=1, max_size=len(lens), unique=True))
@@ -255,6 +255,38 @@ def test_reset_syncs_once_however_many_rows():
         lens = torch.randint(0, ROW + 1, (len(slots),), device="cuda")
         torch.cuda.synchronize()
         assert count_syncs(lambda: wb.reset(slots, lens), cuda=True).value == 1
+
+
+@pytest.mark.gpu
+def test_an_unchecked_reset_does_not_sync():
+    """reset(checked=False) (the sglang plugin's rebuild outside its check mode) reads nothing back: no
+    device-to-host sync for 1 row or all of them, the lengths on the device."""
+    from graphcap.bench.counting import count_syncs
+
+    r2t, f2s = make_pools(3, True, "cuda")
+    wb = WindowBuffers(r2t, 8, SLOTS, f2s, max_accepted=3)
+    for slots in ([2], list(range(SLOTS))):
+        lens = torch.randint(0, ROW + 1, (len(slots),), device="cuda")
+        torch.cuda.synchronize()
+        assert count_syncs(lambda: wb.reset(slots, lens, checked=False), cuda=True).value == 0
+
+
+def test_an_unchecked_reset_checks_host_slots_and_clamps_lengths(device):
+    """Without the read-back, slots given as host ints are still refused by name, a refused call writes nothing, and
+    a length past the row gives what the row's own length gives (nothing is read outside req_to_token)."""
+    r2t, f2s = make_pools(5, True, device)
+    wb = WindowBuffers(r2t, 8, SLOTS, f2s, max_accepted=3)
+    wb.reset([1, 2], [5, 9])
+    before = (wb.ring.clone(), wb.seq_lens.clone())
+    for bad, msg in (([1, 1], r"reset: slot 1 appears more than once"), ([SLOTS], rf"reset: slot {SLOTS} out of"),
+                     (torch.tensor([-1]), r"reset: slot -1 out of range")):
+        with pytest.raises(WindowError, match=msg):
+            wb.reset(bad, [3] * len(bad), checked=False)
+        assert torch.equal(wb.ring, before[0]) and torch.equal(wb.seq_lens, before[1])
+    ref = WindowBuffers(r2t, 8, SLOTS, f2s, max_accepted=3)
+    ref.reset([1, 2, 4], [5, 9, ROW])
+    wb.reset([4], torch.tensor([ROW + 7], device=device), checked=False)
+    assert torch.equal(wb.ring, ref.ring) and torch.equal(wb.seq_lens, ref.seq_lens)
 
 
 @settings(max_examples=examples(200), deadline=None)

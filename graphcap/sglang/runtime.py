@@ -162,11 +162,11 @@ def verify_tree_mask(target_backend, bs: int, host_seq_lens_sum: int | None, def
 class GraphcapDraftRuntime:
     def __init__(self, worker, options: DraftCaptureOptions, window: WindowBuffers, target_pool) -> None:
         self.worker, self.options, self.window, self.target_pool = worker, options, window, target_pool
-        self.tracker = SlotTracker(window)
         check = os.environ.get(CHECK_ENV, "0")
         if check not in ("0", "1"):
             raise DraftCaptureConfigError(f"${CHECK_ENV}: expected 0 or 1, got {check!r}")
         self.check = check == "1"  # read once: the draft path reads no environment per call
+        self.tracker = SlotTracker(window, checked=self.check)  # a joining request's rebuild: no sync unless checking
         self.steps = int(worker.speculative_num_steps)
         self.graphs: DraftGraphs | None = None
         self.max_bucket = 0

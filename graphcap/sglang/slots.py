@@ -21,14 +21,15 @@ class SlotTracker:
     - `on_join(reqs)` (after a prefill), `on_retract(slots)`, `on_evict(slot, ...)`: host bookkeeping only; the rows
       are rebuilt at the next draft, from req_to_token as it is then.
     - `on_accept(req_pool_indices, accept_lens)` (after each verify): device scatter into `pending[slot]`, no sync.
-    - each draft: `rebuild(reqs, seq_lens)` (host rows; syncs only when a row is rebuilt); the iteration
+    - each draft: `rebuild(reqs, seq_lens)` (host rows; a rebuilt row's window validated on the host, one sync, only
+      where `checked`: sglang's lengths and rows are trusted otherwise, as everywhere on the draft path); the iteration
       `in_iteration` wraps gathers and clears the rows' counts inside its captured graph (no launch outside it), or
       `take_accepted(slots, out)` gathers them on the device for an iteration that takes them as its input.
       `prepare(reqs, seq_lens)` does both for a caller that has no device copy of the rows.
     """
 
-    def __init__(self, window: WindowBuffers) -> None:
-        self.window = window
+    def __init__(self, window: WindowBuffers, checked: bool = True) -> None:
+        self.window, self.checked = window, checked
         self.owner: dict[int, str] = {}  # slot -> rid whose window the ring row holds
         self.stale: set[int] = set()  # rows whose in-window SWA pages were freed
         self.pending = torch.zeros(window.max_slots + 1, dtype=torch.int32, device=window.device)
@@ -65,17 +66,17 @@ class SlotTracker:
         rows as host ints (`host_slots`, where the caller has them). `seq_lens` [B] (device): the lengths now."""
         host_slots = [slot_of(r) for r in reqs] if host_slots is None else host_slots
         rows = [i for i, (s, r) in enumerate(zip(host_slots, reqs)) if self.owner.get(s) != r.rid or s in self.stale]
-        if rows:  # WindowBuffers.reset validates on the host first (one read-back: one sync), rebuild iterations only
+        if rows:  # checked: WindowBuffers.reset validates on the host first (one read-back: one sync)
             rs = [host_slots[i] for i in rows]
             rows_t = torch.tensor(rows, dtype=torch.int64).to(seq_lens.device, non_blocking=True)
-            self.window.reset(rs, seq_lens.index_select(0, rows_t))
+            self.window.reset(rs, seq_lens.index_select(0, rows_t), checked=self.checked)
             rs_t = torch.tensor(rs, dtype=torch.int64).to(self.window.device, non_blocking=True)
             self.pending.index_fill_(0, rs_t, 0)  # the rebuilt length already holds what they accepted
             for s, i in zip(rs, rows):
                 self.owner[s] = reqs[i].rid
                 self.stale.discard(s)
             self.stats["resets"] += len(rs)
-            self.stats["reset_syncs"] += 1
+            self.stats["reset_syncs"] += int(self.checked)
         return host_slots
 
     def take_accepted(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
