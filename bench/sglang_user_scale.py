@@ -170,8 +170,9 @@ def structure_tensors(target: str, device: str) -> list[tuple[str, "object"]]:
 def load_target_structure(engine, target: str, device: str = "cuda", request_cls=None) -> dict:
     """Load the target checkpoint's structure over the target runner's dummy weights, in place (the captured graphs
     keep their addresses), and not into the draft runner: `update_weights_from_tensor` on selector "target", between
-    `begin_weight_update` and `end_weight_update` (sglang refuses it outside them). `request_cls`: sglang's UpdateWeightsFromTensorReqInput (its `selector`
-    field is what Engine.update_weights_from_tensor does not expose)."""
+    `begin_weight_update` and `end_weight_update` (sglang refuses it outside them). `request_cls`: sglang's
+    UpdateWeightsFromTensorReqInput (its `selector` field is what Engine.update_weights_from_tensor does not
+    expose)."""
     if request_cls is None:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput as request_cls
     named = structure_tensors(target, device)

@@ -9,7 +9,8 @@ GPU time comes from graphcap's draft trace (`GRAPHCAP_SGLANG_TRACE`, graphcap.sg
 `draft` in both MTP engines: CUDA events, so any stall the draft causes is in it; the median over the last three
 quarters of the long run's full-batch calls. The graphcap engine has the flag at its defaults.
 
-The parent imports neither torch nor sglang: the children do.
+This module's parent side imports neither torch nor sglang (the CLI asks torch whether there is CUDA); the children
+do.
 """
 from __future__ import annotations
 
