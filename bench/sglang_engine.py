@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 
-from graphcap.bench.served import (failure, machine, read_trace, stop,  # the engine harnesses' shared parts
+from graphcap.bench.served import (failure, machine, read_trace, sglang_engine_kwargs, stop,  # shared parts
                                    timed_draft_ms)
 from graphcap.engine.backends import GRAPH_BACKENDS
 from graphcap.sglang.compat import sglang_version
@@ -115,18 +115,13 @@ def speed_case(b: int, vocab: int, context: int, new: int, seed: int = 1) -> dic
 
 
 def engine_kwargs(cfg: dict) -> dict:
-    kw = dict(model_path=os.path.join(cfg["ckpt"], "target"), skip_tokenizer_init=True, dtype="bfloat16",
-              attention_backend="triton", page_size=64, disable_radix_cache=True, disable_prefill_cuda_graph=True,
-              cuda_graph_bs_decode=BUCKETS, max_running_requests=cfg["max_running"], random_seed=0,
-              mem_fraction_static=0.6, log_level="warning", tp_size=cfg.get("tp", 1))
+    extra = {"tp_size": cfg.get("tp", 1)}
     if cfg.get("max_total_tokens"):
-        kw["max_total_tokens"] = cfg["max_total_tokens"]
-    if cfg["mode"] != "nospec":
-        kw.update(speculative_algorithm="NEXTN", speculative_draft_model_path=os.path.join(cfg["ckpt"], "assistant"),
-                  speculative_num_steps=cfg.get("steps", STEPS), speculative_eagle_topk=1,
-                  speculative_num_draft_tokens=cfg.get("steps", STEPS) + 1)
-    kw.update(cfg.get("engine", {}))  # a refusal case's settings over these
-    return kw
+        extra["max_total_tokens"] = cfg["max_total_tokens"]
+    extra.update(cfg.get("engine", {}))  # a refusal case's settings over these
+    draft = None if cfg["mode"] == "nospec" else os.path.join(cfg["ckpt"], "assistant")
+    return sglang_engine_kwargs(os.path.join(cfg["ckpt"], "target"), draft, steps=cfg.get("steps", STEPS),
+                                decode_batches=BUCKETS, max_running=cfg["max_running"], mem_fraction=0.6, **extra)
 
 
 def enable_graphcap(cfg: dict) -> None:

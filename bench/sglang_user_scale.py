@@ -141,19 +141,15 @@ def target_dir(ckpt: str) -> str:
 
 
 def engine_kwargs(cfg: dict) -> dict:
-    kw = dict(model_path=target_dir(cfg["ckpt"]), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              attention_backend="triton", page_size=64, disable_radix_cache=True, disable_prefill_cuda_graph=True,
-              cuda_graph_bs_decode=sorted(set(cfg["batches"])), max_running_requests=max(cfg["batches"]),
-              mem_fraction_static=cfg["mem_fraction"], random_seed=0, log_level="warning",
-              context_length=cfg["context_length"])
-    if cfg["engine"] != "nospec":
-        steps = cfg["steps"]
-        kw.update(speculative_algorithm="NEXTN", speculative_num_steps=steps, speculative_eagle_topk=1,
-                  speculative_num_draft_tokens=steps + 1,
-                  speculative_draft_model_path=os.path.join(cfg["ckpt"], "assistant"))
-        if cfg["structured"]:  # the structured assistant beside the structured target; else both dummy (they agree)
-            kw["speculative_draft_load_format"] = "auto"
-    return kw
+    from graphcap.bench.served import sglang_engine_kwargs
+
+    mtp = cfg["engine"] != "nospec"
+    extra = {"load_format": "dummy", "context_length": cfg["context_length"]}
+    if mtp and cfg["structured"]:  # the structured assistant beside the structured target; else both dummy (they agree)
+        extra["speculative_draft_load_format"] = "auto"
+    return sglang_engine_kwargs(target_dir(cfg["ckpt"]), os.path.join(cfg["ckpt"], "assistant") if mtp else None,
+                                steps=cfg["steps"], decode_batches=sorted(set(cfg["batches"])),
+                                max_running=max(cfg["batches"]), mem_fraction=cfg["mem_fraction"], **extra)
 
 
 def structure_tensors(target: str, device: str) -> list[tuple[str, "object"]]:

@@ -333,45 +333,34 @@ def _steady(device, seed=3):
 
 
 @pytest.mark.gpu
-def test_iterations_without_a_rebuild_do_not_sync():
-    """On CUDA, under torch's sync debug mode (which raises on a synchronizing call): an iteration with no row to
-    rebuild issues no host sync, with no host lengths given (the overlap scheduler's batches under the Triton
-    backend)."""
+@pytest.mark.parametrize("joins", [False, True], ids=["steady", "a-request-joins"])
+def test_a_draft_does_not_sync(joins):
+    """On CUDA, under torch's sync debug mode (which raises on a synchronizing call), with no host lengths given (the
+    overlap scheduler's batches under the Triton backend): a draft issues no host sync - in a steady batch, and when
+    a request joins and its row is rebuilt (outside the check mode sglang's lengths and rows are trusted); every row's
+    window then equals a rebuild from req_to_token at the scheduler's length."""
     rt, sched = _steady("cuda")
+    if joins:
+        free = [s for s in range(sched.rows) if s not in sched.running]
+        req = _request(sched.layout, "joined", free[0], length=17, accepted=0, fresh=True)
+        sched.running[free[0]] = req
+        rt.tracker.on_join([req])
     batch = sched.batch()  # built outside: the scheduler's own host-to-device copies are not graphcap's
     batch.seq_lens_sum = batch.seq_lens_cpu = None
+    resets = rt.tracker.stats["resets"]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         rt.iterate(batch)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-
-@pytest.mark.gpu
-def test_an_iteration_with_a_joining_request_does_not_sync():
-    """On CUDA, under torch's sync debug mode: a request joins a steady batch, and its row's rebuild in the next
-    draft issues no host sync outside the check mode (sglang's lengths and rows trusted); every row's window then
-    equals a rebuild from req_to_token at the scheduler's length."""
-    rt, sched = _steady("cuda")
-    free = [s for s in range(sched.rows) if s not in sched.running]
-    req = _request(sched.layout, "joined", free[0], length=17, accepted=0, fresh=True)
-    sched.running[free[0]] = req
-    rt.tracker.on_join([req])
-    batch = sched.batch()
-    batch.seq_lens_sum = batch.seq_lens_cpu = None
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        rt.iterate(batch)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    assert rt.tracker.stats["resets"] - resets == int(joins) and rt.tracker.stats["reset_syncs"] == 0
     wb = rt.window
     for r in batch.reqs:
         s, n = slot_of(r), r.length
         assert int(wb.seq_lens[s]) == n
         rebuilt = wb.full_to_swa[wb.req_to_token[s, max(0, n - wb.window):n].long()].cpu()
         assert torch.equal(wb.window_locs(s).cpu(), rebuilt.to(wb.window_locs(s).dtype))
-    assert rt.tracker.stats["reset_syncs"] == 0
 
 
 def _plus_one(t: torch.Tensor) -> torch.Tensor:

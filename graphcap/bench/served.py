@@ -93,22 +93,32 @@ def prompts(batch: int, context: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(context)] for _ in range(batch)]
 
 
-def engine_kwargs(cfg: ServedConfig, engine: str) -> dict:
-    # the settings bench/sglang_engine.py's engine checks ran with (both sglang versions); decode graphs for exactly
-    # the batches measured, no radix cache (each run prefills its prompts), no prefill graphs
-    kw = dict(model_path=cfg.model_path, skip_tokenizer_init=True, dtype="bfloat16",
-              attention_backend=cfg.attention_backend, page_size=cfg.page_size, disable_radix_cache=True,
-              disable_prefill_cuda_graph=True, cuda_graph_bs_decode=sorted(set(cfg.batches)),
-              max_running_requests=max(cfg.batches), mem_fraction_static=cfg.mem_fraction,
-              context_length=cfg.context + cfg.new_tokens + 2 * (cfg.steps + 1) + cfg.page_size,
-              random_seed=cfg.seed, log_level="warning")
-    if cfg.load_format:
-        kw["load_format"] = cfg.load_format
-    if engine != "nospec":
-        kw.update(speculative_algorithm="NEXTN", speculative_draft_model_path=cfg.draft_model_path,
-                  speculative_num_steps=cfg.steps, speculative_eagle_topk=1,
-                  speculative_num_draft_tokens=cfg.steps + 1)
+def sglang_engine_kwargs(model_path: str, draft_model_path: str | None, *, steps: int, decode_batches,
+                         max_running: int, mem_fraction: float, seed: int = 0, attention_backend: str = "triton",
+                         page_size: int = 64, **extra) -> dict:
+    """`sglang.Engine`'s settings for every engine graphcap starts (this bench and bench/'s harnesses, on both sglang
+    versions): prompts as token ids, bf16, no radix cache (each run prefills its prompts), no prefill graphs, decode
+    graphs for `decode_batches`; with a draft model, sglang's MTP chain of `steps` (topk 1, steps + 1 draft tokens).
+    `extra` (sglang's own names) goes over these."""
+    kw = dict(model_path=model_path, skip_tokenizer_init=True, dtype="bfloat16", attention_backend=attention_backend,
+              page_size=page_size, disable_radix_cache=True, disable_prefill_cuda_graph=True,
+              cuda_graph_bs_decode=list(decode_batches), max_running_requests=max_running, random_seed=seed,
+              mem_fraction_static=mem_fraction, log_level="warning")
+    if draft_model_path is not None:
+        kw.update(speculative_algorithm="NEXTN", speculative_draft_model_path=draft_model_path,
+                  speculative_num_steps=steps, speculative_eagle_topk=1, speculative_num_draft_tokens=steps + 1)
+    kw.update(extra)
     return kw
+
+
+def engine_kwargs(cfg: ServedConfig, engine: str) -> dict:
+    """This bench's engines: decode graphs for exactly the batches measured, a context that holds the long run."""
+    extra = {"load_format": cfg.load_format} if cfg.load_format else {}
+    return sglang_engine_kwargs(
+        cfg.model_path, None if engine == "nospec" else cfg.draft_model_path, steps=cfg.steps,
+        decode_batches=sorted(set(cfg.batches)), max_running=max(cfg.batches), mem_fraction=cfg.mem_fraction,
+        seed=cfg.seed, attention_backend=cfg.attention_backend, page_size=cfg.page_size,
+        context_length=cfg.context + cfg.new_tokens + 2 * (cfg.steps + 1) + cfg.page_size, **extra)
 
 
 def run_child(cfg: ServedConfig, engine_name: str) -> dict:
