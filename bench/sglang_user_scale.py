@@ -187,29 +187,47 @@ def load_target_structure(engine, target: str, device: str = "cuda", request_cls
     return {**out, "ok": bool(ok), "message": str(msg)}
 
 
-def trace_summary(rows: list[dict], rids: list[str]) -> dict | None:
+def trace_summary(rows: list[dict], rids: list[str], window: tuple[float, float] | None = None) -> dict | None:
     """The draft calls of one timed run (graphcap's draft trace: the calls whose requests are exactly `rids`): how
     many, their GPU and host ms (median, max, sum), and the three slowest by host time with their lengths - where a
-    run's wall time goes that the profiled iterations do not show."""
+    run's wall time goes that the profiled iterations do not show. Where the records carry their start (`t`, on
+    time.perf_counter's clock) also the run's calls in time, its tail included (calls of some of `rids`, as requests
+    finish): the gaps between consecutive calls (median, the largest and after which call), and with `window` (the
+    run's start and end, on the same clock) the time to the first call (prefill and first verify) and after the
+    last."""
     want = set(rids)
     calls = [r for r in rows if set(r["rids"]) == want]
     if not calls:
         return None
     gpu, host = [r["gpu_ms"] for r in calls], [r["host_ms"] for r in calls]
     slow = sorted(calls, key=lambda r: -r["host_ms"])[:3]
-    return {"calls": len(calls), "gpu_ms": {"median": statistics.median(gpu), "max": max(gpu), "sum": sum(gpu)},
-            "host_ms": {"median": statistics.median(host), "max": max(host), "sum": sum(host)},
-            "slowest_host": [{"host_ms": r["host_ms"], "gpu_ms": r["gpu_ms"], "seq_lens": r.get("seq_lens")}
-                             for r in slow]}
+    out = {"calls": len(calls), "gpu_ms": {"median": statistics.median(gpu), "max": max(gpu), "sum": sum(gpu)},
+           "host_ms": {"median": statistics.median(host), "max": max(host), "sum": sum(host)},
+           "slowest_host": [{"host_ms": r["host_ms"], "gpu_ms": r["gpu_ms"], "seq_lens": r.get("seq_lens")}
+                            for r in slow]}
+    run = sorted((r for r in rows if r["rids"] and set(r["rids"]) <= want and "t" in r), key=lambda r: r["t"])
+    if len(run) >= 2:
+        gaps = [(b["t"] - a["t"]) * 1e3 for a, b in zip(run, run[1:])]
+        i = max(range(len(gaps)), key=gaps.__getitem__)
+        out["timeline"] = {"calls": len(run), "gap_ms": {"median": statistics.median(gaps), "max": gaps[i]},
+                           "max_gap_after_call": i + 1, "batch_after_max_gap": len(run[i + 1]["rids"])}
+        if window is not None:
+            out["timeline"]["to_first_call_ms"] = (run[0]["t"] - window[0]) * 1e3
+            out["timeline"]["after_last_call_ms"] = (window[1] - run[-1]["t"]) * 1e3
+    return out
 
 
 def trace_fields(case: dict) -> dict:
-    """A row's view of the first timed run's draft trace (`--trace`): draft calls, and their host and GPU ms summed."""
+    """A row's view of the first timed run's draft trace (`--trace`): draft calls, their host and GPU ms summed, and
+    the largest gap between two of the run's draft calls where the records carry their start."""
     t = (case.get("draft_trace") or [None])[0]
     if t is None:
         return {}
-    return {"trace_draft_calls": t["calls"], "trace_draft_host_ms_sum": round(t["host_ms"]["sum"], 2),
-            "trace_draft_gpu_ms_sum": round(t["gpu_ms"]["sum"], 2)}
+    out = {"trace_draft_calls": t["calls"], "trace_draft_host_ms_sum": round(t["host_ms"]["sum"], 2),
+           "trace_draft_gpu_ms_sum": round(t["gpu_ms"]["sum"], 2)}
+    if "timeline" in t:
+        out["trace_max_gap_ms"] = round(t["timeline"]["gap_ms"]["max"], 2)
+    return out
 
 
 def child(cfg: dict) -> dict:
@@ -235,12 +253,15 @@ def child(cfg: dict) -> dict:
         for batch, context in cfg["cases"]:
             prompts = [[rng.randrange(3, cfg["vocab"]) for _ in range(context)] for _ in range(batch)]
 
+            windows = {}  # tag -> the run's (start, end) on time.perf_counter's clock, as the draft trace's `t`
+
             def gen(new, tag):
                 t = time.perf_counter()
                 outs = engine.generate(input_ids=prompts, rid=[f"b{batch}-c{context}-{tag}-{i}" for i in range(batch)],
                                        sampling_params=[{"temperature": 0.0, "max_new_tokens": new,
                                                          "ignore_eos": True}] * batch)
-                return outs, time.perf_counter() - t
+                windows[tag] = (t, time.perf_counter())
+                return outs, windows[tag][1] - t
 
             gen(8, "warm")
             rates, accepts, long_tags = [], [], []
@@ -255,7 +276,10 @@ def child(cfg: dict) -> dict:
             case = {"batch": batch, "context": context, "decode_tok_s_per_req": statistics.median(rates),
                     "rates": rates, "accept_len": statistics.median(accepts) if accepts else None,
                     "tokens": [o["output_ids"] for o in outs],
-                    "long_rids": [[f"b{batch}-c{context}-{t}-{i}" for i in range(batch)] for t in long_tags]}
+                    "timed_runs": {t: {"rids": [f"b{batch}-c{context}-{t}-{i}" for i in range(batch)],
+                                       "window": windows[t]}
+                                   for k in range(cfg["repeats"]) for t in (f"short{k}", f"long{k}")},
+                    "long_tags": long_tags}
             if [batch, context] in [list(x) for x in cfg["profile_cases"]]:
                 pdir = os.path.join(cfg["work"], f"profile-{cfg['engine']}-b{batch}-c{context}")
                 shutil.rmtree(pdir, ignore_errors=True)
@@ -273,7 +297,7 @@ def child(cfg: dict) -> dict:
                     except Exception as e:  # noqa: BLE001 - record what broke, keep the rates
                         case["profile"] = {"error": f"{type(e).__name__}: {e}"}
             res["cases"].append(case)
-            print(json.dumps({k: v for k, v in case.items() if k not in ("profile", "tokens", "long_rids")}),
+            print(json.dumps({k: v for k, v in case.items() if k not in ("profile", "tokens", "timed_runs")}),
                   flush=True)
         if cfg.get("trace") and res["cases"]:
             from graphcap.bench.served import read_trace as read_draft_trace
@@ -281,7 +305,10 @@ def child(cfg: dict) -> dict:
             gen(cfg["new"], "flush")  # the trace writes every 16 draft calls: this run pushes the timed ones out
             rows = read_draft_trace(trace_dir)
             for case in res["cases"]:
-                case["draft_trace"] = [trace_summary(rows, rids) for rids in case["long_rids"]]
+                runs = case["timed_runs"]
+                case["draft_trace"] = [trace_summary(rows, runs[t]["rids"], runs[t]["window"])
+                                       for t in case["long_tags"]]
+                case["draft_trace_runs"] = {t: trace_summary(rows, r["rids"], r["window"]) for t, r in runs.items()}
     finally:
         engine.shutdown()
     return res

@@ -36,6 +36,7 @@ class Engine:
 
     def generate(self, input_ids, sampling_params, rid):
         new = sampling_params[0]["max_new_tokens"]
+        t0 = time.perf_counter()
         time.sleep(new * {sleep})
         verify = math.ceil(new / 2.5)
         if self.mtp and os.environ.get(TRACE_ENV):
@@ -45,7 +46,8 @@ class Engine:
                 for i in range(verify):
                     ms = base_ms(self.graphcap, len(rid)) + 0.01 * i
                     f.write(json.dumps({{"rids": list(rid), "seq_lens": None, "draft": [[0]] * len(rid),
-                                        "gpu_ms": ms, "host_ms": 0.1}}) + "\\n")
+                                        "gpu_ms": ms, "host_ms": 0.1,
+                                        "t": t0 + (i + 1) * new * {sleep} / (verify + 1)}}) + "\\n")
         outs = []
         for j, p in enumerate(input_ids):
             toks = [(p[-1] + k + 1) % {vocab} for k in range(new)]

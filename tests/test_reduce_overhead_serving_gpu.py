@@ -154,3 +154,53 @@ def test_piecewise_tree_served_on_side_streams_equals_the_compiled_function():
         assert torch.equal(rows, served.emb[kept].sum(-1)), f"call {i}: the plan stream's read of the tokens"
     assert torch.equal(served.lens, twin.lens) and torch.equal(served.pending, twin.pending)
     assert graphs.buckets[-1].replays > 0 and all(b.status == "captured" for b in graphs.buckets)
+
+
+def _active_blocks() -> dict[int, int]:
+    return {b["address"]: b["size"] for s in torch.cuda.memory_snapshot() for b in s["blocks"]
+            if b["state"] == "active_allocated"}
+
+
+@pytest.mark.parametrize("backend", ["cudagraph", "inductor-cudagraph", "reduce-overhead"])
+def test_a_graph_captured_before_keeps_its_cublas_workspace(backend):
+    """Issue 44's fault: sglang warms up and captures its verify graphs on its own stream before graphcap captures,
+    so their split-K GEMMs embed the cuBLAS workspace cached for that stream, allocated from the general pool.
+    Capturing and serving graphcap's draft must leave that workspace allocated (else the next allocation of its size
+    takes it and sglang's replays write into it; returned to the driver, the replay faults). CUDA-graph trees clear
+    every stream's workspace around each warm-up and recording: `reduce-overhead` frees it, which is why the plugin
+    refuses that backend - when this case fails, torch stopped doing so and the refusal can be re-checked."""
+    torch._dynamo.reset()
+    torch._C._cuda_clearCublasWorkspaces()  # a fresh process: the stream's workspace is allocated below
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(4, 5376, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(5376, 8192, device="cuda", dtype=torch.bfloat16, generator=g) / 64
+    sglang_stream = torch.cuda.Stream()
+    sglang_stream.wait_stream(torch.cuda.current_stream())
+    before = _active_blocks()
+    with torch.cuda.stream(sglang_stream):
+        eager = x @ w  # sglang's warm-up run on its capture stream
+    torch.cuda.synchronize()
+    workspace = {p: n for p, n in _active_blocks().items() if p not in before and p != eager.data_ptr()}
+    assert workspace, "no cuBLAS workspace was allocated for the warm-up's stream: the check below checks nothing"
+    verify = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(verify, stream=sglang_stream):
+        out = x @ w
+
+    loop = PiecewiseLoop(seed=3)
+    graphs = _graphs(loop, backend)
+    b = BUCKETS[-1]
+    for _ in range(3):
+        graphs.run(torch.arange(b, device="cuda"), torch.ones(b, dtype=torch.int32, device="cuda"),
+                   torch.randint(0, V, (b,), device="cuda"), torch.randn(b, H, device="cuda"))
+    torch.cuda.synchronize()
+    freed = sorted(hex(p) for p in workspace if p not in _active_blocks())
+    if backend == "reduce-overhead":
+        assert freed, ("CUDA-graph trees left an earlier graph's cuBLAS workspace allocated: torch no longer clears "
+                       "it, so re-check the plugin's refusal of reduce-overhead (graphcap.sglang.config)")
+        return
+    assert not freed, f"{backend}: an earlier graph's cuBLAS workspace was freed ({freed})"
+    sentinels = [torch.full((n,), 0x5A, dtype=torch.uint8, device="cuda") for n in workspace.values()]
+    verify.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    assert all(bool((t == 0x5A).all()) for t in sentinels), "the earlier graph's replay wrote into new memory"

@@ -138,17 +138,22 @@ def test_profile_plan_covers_the_asked_batches_and_every_sweep_case():
 def test_trace_summary_takes_the_timed_runs_calls_only():
     """Random draft-trace records of several runs (request-id sets), interleaved: the summary of one run counts,
     sums and ranks exactly that run's calls (a plain loop over the records is the reference); no call of the run,
-    None; a row carries the first timed run's sums."""
+    None; a row carries the first timed run's sums. With each call's start (`t`), the run's timeline: its calls in
+    time, the tail of fewer requests included, and the gaps between them against a plain walk."""
     import random
 
     rng = random.Random(3)
     runs = {t: [f"b4-c220-{t}-{i}" for i in range(4)] for t in ("warm", "short0", "long0", "profile")}
-    rows = []
+    rows, t = [], 100.0
     for _ in range(200):
         tag = rng.choice(list(runs))
+        t += rng.uniform(0.001, 0.5)
         rows.append({"rids": rng.sample(runs[tag], 4), "seq_lens": [rng.randrange(220, 400) for _ in range(4)],
-                     "draft": [[0]] * 4, "gpu_ms": rng.uniform(0.5, 2.0), "host_ms": rng.uniform(0.05, 30.0)})
-    rows.append({"rids": runs["long0"][:3], "seq_lens": None, "draft": [[0]] * 3, "gpu_ms": 9.0, "host_ms": 99.0})
+                     "draft": [[0]] * 4, "gpu_ms": rng.uniform(0.5, 2.0), "host_ms": rng.uniform(0.05, 30.0),
+                     "t": t})
+    rows.append({"rids": runs["long0"][:3], "seq_lens": None, "draft": [[0]] * 3, "gpu_ms": 9.0, "host_ms": 99.0,
+                 "t": t + 0.7})
+    rng.shuffle(rows)
     mine = [r for r in rows if sorted(r["rids"]) == sorted(runs["long0"])]
     s = us.trace_summary(rows, runs["long0"])
     assert s["calls"] == len(mine) > 0
@@ -156,9 +161,20 @@ def test_trace_summary_takes_the_timed_runs_calls_only():
     assert s["gpu_ms"]["max"] == max(r["gpu_ms"] for r in mine)
     assert [x["host_ms"] for x in s["slowest_host"]] == sorted((r["host_ms"] for r in mine), reverse=True)[:3]
     assert us.trace_summary(rows, ["nobody"]) is None
+    times = sorted(r["t"] for r in rows if set(r["rids"]) <= set(runs["long0"]))  # the tail call included
+    gaps = [1e3 * (b - a) for a, b in zip(times, times[1:])]
+    line = us.trace_summary(rows, runs["long0"], window=(times[0] - 0.25, times[-1] + 0.125))["timeline"]
+    assert line["calls"] == len(mine) + 1 and line["gap_ms"]["max"] == pytest.approx(max(gaps))
+    ordered, mid = sorted(gaps), len(gaps) // 2
+    median = ordered[mid] if len(gaps) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    assert line["gap_ms"]["median"] == pytest.approx(median)
+    assert line["max_gap_after_call"] == gaps.index(max(gaps)) + 1
+    assert line["to_first_call_ms"] == pytest.approx(250) and line["after_last_call_ms"] == pytest.approx(125)
+    assert "timeline" not in us.trace_summary([{k: v for k, v in r.items() if k != "t"} for r in rows], runs["long0"])
     fields = us.trace_fields({"draft_trace": [s, None]})
     assert fields["trace_draft_calls"] == len(mine)
     assert fields["trace_draft_host_ms_sum"] == round(s["host_ms"]["sum"], 2)
+    assert fields["trace_max_gap_ms"] == round(s["timeline"]["gap_ms"]["max"], 2)
     assert us.trace_fields({}) == {} and us.trace_fields({"draft_trace": [None]}) == {}
 
 
@@ -166,7 +182,7 @@ def test_trace_summary_takes_the_timed_runs_calls_only():
 def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch):
     """The child (`--child`) against the stand-in sglang.Engine (tests/fake_sglang.py: each generate call writes one
     draft-trace record per verify, with GPU ms from a known formula): every timed long run gets its own summary, of
-    its own calls only."""
+    its own calls only, and every short and long run its timeline within its own wall-clock window."""
     import math
 
     from fake_sglang import install_fake_sglang
@@ -188,4 +204,10 @@ def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch):
     for t in case["draft_trace"]:
         assert t["calls"] == calls
         assert t["gpu_ms"]["sum"] == pytest.approx(sum(0.5 * (1 + 2 / 8) + 0.01 * i for i in range(calls)))
+    assert sorted(case["draft_trace_runs"]) == ["long0", "long1", "short0", "short1"]
+    for tag, t in case["draft_trace_runs"].items():
+        line = t["timeline"]  # the fake spreads a run's calls evenly over its sleep, inside the run's window
+        assert line["calls"] == math.ceil((48 if tag.startswith("long") else us.SHORT_NEW) / 2.5)
+        assert line["to_first_call_ms"] > 0 and line["after_last_call_ms"] > 0
+        assert line["gap_ms"]["max"] == pytest.approx(line["gap_ms"]["median"], rel=0.2)
     assert us.summarize({"graphcap": {"config": cfg, "cases": [case]}})[0]["trace_draft_calls"] == calls

@@ -96,7 +96,7 @@ class DraftTrace:
         if prof is not None:
             self._add_profile(len(rids), prof.events())
         tokens = result.draft_token.detach().reshape(len(rids), -1).clone()  # [B, steps + 1]: bonus token first
-        self.pending.append((rids, lens, tokens, start, end, host_ms, profiling))
+        self.pending.append((rids, lens, tokens, start, end, t0, host_ms, profiling))
         if len(self.pending) >= self.flush_every:
             self.flush()
         return result
@@ -107,9 +107,11 @@ class DraftTrace:
         pending, self.pending = self.pending, []
         pending[-1][4].synchronize()
         with open(self.path, "a") as f:
-            for rids, lens, tokens, start, end, host_ms, profiled in pending:
+            for rids, lens, tokens, start, end, t0, host_ms, profiled in pending:
+                # t: the call's start on time.perf_counter's clock (CLOCK_MONOTONIC, one per machine), which the
+                # process timing a run reads too: where a run's wall time goes between draft calls
                 rec = {"rids": rids, "seq_lens": lens, "draft": tokens[:, 1:].tolist(),
-                       "gpu_ms": start.elapsed_time(end), "host_ms": host_ms}
+                       "gpu_ms": start.elapsed_time(end), "host_ms": host_ms, "t": t0}
                 if profiled:
                     rec["profiled"] = True
                 f.write(json.dumps(rec) + "\n")

@@ -25,11 +25,17 @@
 #              prompt512: ~2 min each with warm caches
 #   control    the cudagraph backend (served) under memcheck, same case: a latent out-of-bounds access that every
 #              backend has would show here too: 3-8 min
+#   workspace  repro_cublas_workspace.py (torch alone): an earlier graph's cuBLAS workspace after a CUDA-graph tree
+#              (then manual graphs, then nothing) warmed up and recorded another function - freed or not, reused,
+#              clobbered; then the tree case returned to the driver, plain and under memcheck: ~1-2 min
+#   keepws     memcheck again with GRAPHCAP_LAB_KEEP_CUBLAS=1 (the tree no longer clears cuBLAS's workspaces): clean
+#              if that clear is the fault: 2-4 min
 # Each engine run writes $LOG/<step>.json (engine_case.py's summary: crashed, CUDA error, sanitizer reports, probe
 # events, manifests, tree log counts) and $LOG/<step>/ (child.log, probe, manifests, sanitizer logs), all packed into
 # $OUT/reduce-overhead-<stages>.tar.gz. RO_CASE: more engine_case.py arguments for every engine run (e.g.
 # "--batch 8 --prompt-len 512"); RO_STEP_LIMIT: seconds per engine run (default 300; sanitizer runs 540).
 STAGES="tools repros crash crash-one logs localize memcheck initcheck racecheck synccheck csan bisect control"
+STAGES+=" workspace keepws"
 DEFAULT_STAGE=tools
 PACK_NAME=reduce-overhead
 source "$(dirname "$0")/../../scripts/gpu-lib.sh"
@@ -109,6 +115,19 @@ triton.__version__)"; } > "$LOG/tools.txt" 2>&1
     done
     ;;
   control) ckpt; san_run memcheck control-cudagraph-memcheck --backend cudagraph ;;
+  workspace)
+    for v in tree manual none; do
+      STEP_LIMIT=${STEP_LIMIT:-120} step "repro-cublas-$v" python3 lab/reduce_overhead/repro_cublas_workspace.py \
+        --other "$v" --out "$LOG/repro-cublas-$v.json"
+    done
+    STEP_LIMIT=${STEP_LIMIT:-120} step repro-cublas-tree-unmap python3 lab/reduce_overhead/repro_cublas_workspace.py \
+      --other tree --unmap --out "$LOG/repro-cublas-tree-unmap.json"
+    if [ -n "$SAN" ]; then
+      STEP_LIMIT=${STEP_LIMIT:-240} step repro-cublas-tree-unmap-memcheck "$SAN" --tool memcheck --report-api-errors no \
+        --print-limit 5 python3 lab/reduce_overhead/repro_cublas_workspace.py --other tree --unmap
+    fi
+    ;;
+  keepws) ckpt; GRAPHCAP_LAB_KEEP_CUBLAS=1 san_run memcheck keepws-memcheck ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
 }

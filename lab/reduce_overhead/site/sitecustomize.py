@@ -19,6 +19,9 @@ sitecustomize, if there is one further down sys.path, runs as it would have.
   work), after graphcap's replay (`iterate`), after the draft's tail (sglang's tree kernel), after sglang's verify -
   each recorded as a probe event, so the first sync that raises names the phase whose kernels faulted; the host
   lengths are then also checked against the device's (`seq_lens_sum`/`seq_lens_cpu` against `seq_lens`).
+- GRAPHCAP_LAB_KEEP_CUBLAS=1: CUDA-graph trees stop clearing cuBLAS's cached workspaces around their warm-ups and
+  recordings (`torch._inductor.cudagraph_trees.clear_cublass_cache` does nothing), so a graph captured earlier
+  (sglang's) keeps the workspace it embeds (repro_cublas_workspace.py shows the clear freeing it).
 """
 from __future__ import annotations
 
@@ -110,6 +113,17 @@ def _inductor(module) -> None:
         old = getattr(module.triton, name)
         setattr(module.triton, name, type(old)(value) if isinstance(old, (bool, int)) else value)
         _note(f"torch._inductor.config.triton.{name} = {getattr(module.triton, name)!r}")
+
+
+def _keep_cublas(module) -> None:
+    skipped = [0]
+
+    def clear_cublass_cache() -> None:
+        skipped[0] += 1
+        if skipped[0] == 1:
+            _note("cudagraph_trees.clear_cublass_cache skipped (GRAPHCAP_LAB_KEEP_CUBLAS): workspaces kept")
+
+    module.clear_cublass_cache = clear_cublass_cache  # clear_cublas_manager looks it up at each call
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -233,6 +247,8 @@ def _install() -> None:
     if os.environ.get("GRAPHCAP_LAB_INDUCTOR"):
         parse_inductor(os.environ["GRAPHCAP_LAB_INDUCTOR"])  # a bad value fails every process at once, named
         _after_import("torch._inductor.config", _inductor)
+    if os.environ.get("GRAPHCAP_LAB_KEEP_CUBLAS") == "1":
+        _after_import("torch._inductor.cudagraph_trees", _keep_cublas)
     if os.environ.get("GRAPHCAP_LAB_PROBE"):
         _PROBE = Probe(os.environ["GRAPHCAP_LAB_PROBE"], os.environ.get("GRAPHCAP_LAB_SYNC") == "1")
         for name in RUNTIME_MODULES:
