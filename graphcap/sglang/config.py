@@ -26,10 +26,12 @@ log = logging.getLogger("graphcap.sglang")
 # `cudagraph` starts about 40 s sooner (no compile) and was as fast or faster at 3 of 4 batches (docs/results.md,
 # "How much faster is the draft phase?").
 DEFAULT_BACKEND = "cudagraph"
-# Refused at start-up. reduce-overhead: CUDA-graph trees replay the draft piece by piece between sglang's Python at
-# its graph breaks, and sglang's engine crashed with an illegal memory access at the draft's real shapes at its first
-# verify (not under CUDA_LAUNCH_BLOCKING=1: an ordering fault, cause not found); the manual-graph backends record
-# the whole iteration, Python glue included, as one graph (docs/sglang.md).
+# Refused at start-up. reduce-overhead: CUDA-graph trees clear every stream's cached cuBLAS workspace around each
+# warm-up and recording (torch._inductor.cudagraph_trees.clear_cublas_manager). sglang captures its target graphs
+# first, their split-K GEMMs embedding the workspace its eager warm-up allocated; graphcap's tree capture frees it, and
+# sglang's verify replays write into freed memory: an illegal address once it is returned to the driver, else
+# another tensor overwritten (docs/sglang.md; tests/test_reduce_overhead_serving_gpu.py checks it per torch). The
+# manual-graph backends clear nothing.
 UNSERVED_BACKENDS = ("reduce-overhead",)
 FLAG = "--enable-draft-graph-capture"
 BACKEND_FLAG = "--draft-graph-capture-backend"
@@ -245,8 +247,9 @@ def validate_server_args(server_args) -> DraftCaptureOptions:
         raise DraftCaptureConfigError(f"{FLAG}: --pp-size {pp} is not supported (the draft runs on one stage)")
     if opts.backend in UNSERVED_BACKENDS:
         raise DraftCaptureConfigError(
-            f"{FLAG}: {BACKEND_FLAG} {opts.backend} is not supported in sglang's engine: with it the engine crashed "
-            "(CUDA illegal memory access) at its first verify after a draft, at the Gemma 4 draft's shapes. Use "
+            f"{FLAG}: {BACKEND_FLAG} {opts.backend} is not supported in sglang's engine: torch.compile's CUDA-graph "
+            "trees free the cuBLAS workspace that sglang's already captured verify graphs use, so sglang's engine "
+            "crashed (CUDA illegal memory access) at its first verify after a draft. Use "
             f"{DEFAULT_BACKEND} (the default) or inductor-cudagraph (docs/sglang.md).")
     if opts.backend in COMPILED_BACKENDS and get("enable_torch_compile"):
         raise DraftCaptureConfigError(
