@@ -327,12 +327,19 @@ def spawn(cfg: dict, work: str, timeout: float) -> dict:
     cfg_path, out_path = os.path.join(work, f"{tag}-config.json"), os.path.join(work, f"{tag}.json")
     json.dump(cfg, open(cfg_path, "w"))
     t = time.perf_counter()
+    from graphcap.bench.served import stop  # the child's whole process group: sglang's scheduler included
+
     with open(os.path.join(work, f"{tag}.log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", cfg_path, "--child-out", out_path],
+                                stdout=log, stderr=subprocess.STDOUT, process_group=0)
         try:
-            rc = subprocess.run([sys.executable, __file__, "--child", cfg_path, "--child-out", out_path],
-                                stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # an engine left running would hold the GPU's memory for the next
+            stop(proc)
             rc = "timeout"
+        except BaseException:
+            stop(proc)
+            raise
     if rc != 0 or not os.path.exists(out_path):
         tail = open(os.path.join(work, f"{tag}.log")).read()[-2500:]
         print(f"== {tag}: failed ({rc}) after {time.perf_counter() - t:.0f} s\n{tail}", flush=True)
