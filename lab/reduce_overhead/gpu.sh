@@ -28,8 +28,8 @@
 #   workspace  repro_cublas_workspace.py (torch alone): an earlier graph's cuBLAS workspace after a CUDA-graph tree
 #              (then manual graphs, then nothing) warmed up and recorded another function - freed or not, reused,
 #              clobbered; then the tree case returned to the driver, plain and under memcheck: ~1-2 min
-#   keepws     memcheck again with GRAPHCAP_LAB_KEEP_CUBLAS=1 (the tree no longer clears cuBLAS's workspaces): clean
-#              if that clear is the fault: 2-4 min
+#   keepws     memcheck again with GRAPHCAP_LAB_KEEP_CUBLAS=1 (the tree no longer clears cuBLAS's workspaces): what
+#              the tree does without its clear (it refused its own recording: the bucket ran eagerly): 2-4 min
 # Each engine run writes $LOG/<step>.json (engine_case.py's summary: crashed, CUDA error, sanitizer reports, probe
 # events, manifests, tree log counts) and $LOG/<step>/ (child.log, probe, manifests, sanitizer logs), all packed into
 # $OUT/reduce-overhead-<stages>.tar.gz. RO_CASE: more engine_case.py arguments for every engine run (e.g.

@@ -5,10 +5,11 @@ Graph S is warmed up eagerly on its own stream, which allocates cuBLAS's workspa
 general pool, then captured there: its split-K GEMMs embed that address. `--other tree` then runs a
 `mode="reduce-overhead"` function three times; the tree wraps each warm-up and recording in
 `torch._C._cuda_clearCublasWorkspaces()` (cudagraph_trees.clear_cublas_manager), which frees every stream's cached
-workspace, S's included. The freed block goes to the next allocation of its size (the sentinel here): replaying S
-then writes into that tensor. `--unmap` instead returns it to the driver (`empty_cache`, which every
-`torch.cuda.graph` capture also runs) and replays S: an illegal address. `--other manual` records the same function
-with torch.cuda.CUDAGraph (graphcap's manual backends); `none` records nothing.
+workspace, S's included. Still mapped, the freed block goes to the next allocation of its size (the sentinel here)
+and replaying S writes into that tensor (`clobbered_bytes`); returned to the driver (`--unmap`: `empty_cache`, which
+every `torch.cuda.graph` capture also runs - the tree's own recording included, so on torch 2.11 S faults in both
+modes), S's replay is an illegal address. `--other manual` records the same function with torch.cuda.CUDAGraph
+(graphcap's manual backends); `none` records nothing.
 
     python repro_cublas_workspace.py --other tree|manual|none [--unmap] [--out OUT.json]
 """
