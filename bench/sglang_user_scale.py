@@ -23,7 +23,9 @@ and the host time of the draft call with the runtime calls inside it that waited
 
 `--trace`: graphcap's draft trace (graphcap.sglang.trace) in every MTP engine; each timed run's draft calls, their
 host and GPU time (median, max, sum) and the slowest three, where a run's wall time goes that the profile's few
-iterations do not show.
+iterations do not show; and every run's timeline (warm runs included): the gaps between its draft calls.
+`--fresh-jit-cache`: each engine with an empty Triton cache of its own, so a first-time compile shows in every
+engine's warm runs, not only in the first engine's to serve on the machine.
 """
 from __future__ import annotations
 
@@ -232,6 +234,11 @@ def trace_fields(case: dict) -> dict:
 
 def child(cfg: dict) -> dict:
     trace_dir = os.path.join(cfg["work"], f"trace-{cfg['engine']}")
+    if cfg.get("fresh_jit_cache"):  # this engine compiles every Triton kernel it runs, none loaded from another's
+        jit = os.path.join(cfg["work"], f"jit-{cfg['engine']}")
+        shutil.rmtree(jit, ignore_errors=True)
+        os.makedirs(jit)
+        os.environ["TRITON_CACHE_DIR"] = jit
     if cfg.get("trace"):  # graphcap's draft trace around the draft call, in every MTP engine (one sync per 16 calls)
         shutil.rmtree(trace_dir, ignore_errors=True)
         os.environ["GRAPHCAP_SGLANG_TRACE"] = trace_dir
@@ -280,9 +287,9 @@ def child(cfg: dict) -> dict:
             case = {"batch": batch, "context": context, "decode_tok_s_per_req": statistics.median(rates),
                     "rates": rates, "accept_len": statistics.median(accepts) if accepts else None,
                     "tokens": [o["output_ids"] for o in outs],
-                    "timed_runs": {t: {"rids": [f"b{batch}-c{context}-{t}-{i}" for i in range(batch)],
-                                       "window": windows[t]}
-                                   for k in range(cfg["repeats"]) for t in (f"short{k}", f"long{k}")},
+                    # every run of the case, warm ones first: where a first-time cost lands
+                    "runs": {t: {"rids": [f"b{batch}-c{context}-{t}-{i}" for i in range(batch)], "window": w}
+                             for t, w in windows.items()},
                     "long_tags": long_tags}
             if [batch, context] in [list(x) for x in cfg["profile_cases"]]:
                 pdir = os.path.join(cfg["work"], f"profile-{cfg['engine']}-b{batch}-c{context}")
@@ -301,7 +308,7 @@ def child(cfg: dict) -> dict:
                     except Exception as e:  # noqa: BLE001 - record what broke, keep the rates
                         case["profile"] = {"error": f"{type(e).__name__}: {e}"}
             res["cases"].append(case)
-            print(json.dumps({k: v for k, v in case.items() if k not in ("profile", "tokens", "timed_runs")}),
+            print(json.dumps({k: v for k, v in case.items() if k not in ("profile", "tokens", "runs")}),
                   flush=True)
         if cfg.get("trace") and res["cases"]:
             from graphcap.bench.served import read_trace as read_draft_trace
@@ -309,7 +316,7 @@ def child(cfg: dict) -> dict:
             gen(cfg["new"], "flush")  # the trace writes every 16 draft calls: this run pushes the timed ones out
             rows = read_draft_trace(trace_dir)
             for case in res["cases"]:
-                runs = case["timed_runs"]
+                runs = case["runs"]
                 case["draft_trace"] = [trace_summary(rows, runs[t]["rids"], runs[t]["window"])
                                        for t in case["long_tags"]]
                 case["draft_trace_runs"] = {t: trace_summary(rows, r["rids"], r["window"]) for t, r in runs.items()}
@@ -400,6 +407,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.88)
     ap.add_argument("--context-length", type=int, default=8192)
     ap.add_argument("--timeout", type=float, default=480, help="seconds per engine")
+    ap.add_argument("--fresh-jit-cache", action="store_true",
+                    help="each engine with an empty Triton cache of its own (TRITON_CACHE_DIR), so no engine loads "
+                         "kernels another compiled: a first-time compile then shows in every engine's warm runs")
     ap.add_argument("--work", help="logs, configs and profiler traces (default: beside --out)")
     ap.add_argument("--child")
     ap.add_argument("--child-out")
@@ -431,8 +441,7 @@ def main(argv=None) -> int:
         cfg = {"engine": e, "ckpt": a.ckpt, "work": work, "batches": batches, "cases": cases, "steps": a.steps,
                "new": a.new, "repeats": a.repeats, "profile_cases": profile_cases, "profile_steps": a.profile_steps,
                "structured": a.structured, "trace": a.trace, "mem_fraction": a.mem_fraction,
-               "context_length": a.context_length,
-               "vocab": vocab}
+               "context_length": a.context_length, "fresh_jit_cache": a.fresh_jit_cache, "vocab": vocab}
         results[e] = spawn(cfg, work, a.timeout)
         record = {"engines": results, "rows": summarize(results)}
         json.dump(record, open(a.out, "w"), indent=1)

@@ -175,7 +175,8 @@ case $1 in
     # USER_STRUCTURED=1: the structured pair, so the acceptance is measured; USER_PROFILE=1,8,32: the batches
     # profiled at the first context - every sweep case is; USER_VERIFY_ALONE=0: no kernel timing first;
     # USER_REPEATS: timed runs per case, the median kept; USER_TRACE=1: each timed run's draft calls, host and GPU ms;
-    # USER_TIMEOUT: seconds per engine, default 215)
+    # USER_TIMEOUT: seconds per engine, default 215; USER_FRESH_JIT=1: each engine with an empty Triton cache of
+    # its own)
     engine_env
     if [ "${USER_VERIFY_ALONE:-1}" != 0 ]; then  # USER_VERIFY_ALONE=0: straight to the engines
       STEP_LIMIT=${STEP_LIMIT:-120} step verify-attention python3 bench/verify_attention.py --batches 1,8,32 --n-q 4 \
@@ -186,6 +187,7 @@ case $1 in
       --engines "${USER_ENGINES:-nospec,graphcap-verify,sglang}" --batches "${USER_BATCHES:-8}" --contexts 2048 \
       ${USER_SWEEP:+--sweep "$USER_SWEEP"} ${USER_PROFILE:+--profile-batches "$USER_PROFILE"} \
       --steps "${USER_STEPS:-3}" ${USER_STRUCTURED:+--structured} ${USER_TRACE:+--trace} \
+      ${USER_FRESH_JIT:+--fresh-jit-cache} \
       --repeats "${USER_REPEATS:-1}" --new 96 --timeout "${USER_TIMEOUT:-215}" \
       --work "$WORK/user-scale" --out "$LOG/user-scale.json"
     mkdir -p "$LOG/user-scale-engines"  # each engine's log end and graphcap's manifests (traces stay in $WORK)

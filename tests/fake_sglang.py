@@ -28,7 +28,8 @@ class Engine:
         self.graphcap = bool(os.environ.get(ENV_VAR))
         tag = "graphcap" if self.graphcap else ("sglang" if self.mtp else "nospec")
         with open(os.path.join(os.environ["FAKE_SGLANG_LOG"], tag + ".json"), "w") as f:
-            json.dump({{"kw": kw, "capture": os.environ.get(ENV_VAR), "trace": os.environ.get(TRACE_ENV)}}, f)
+            json.dump({{"kw": kw, "capture": os.environ.get(ENV_VAR), "trace": os.environ.get(TRACE_ENV),
+                       "triton_cache": os.environ.get("TRITON_CACHE_DIR")}}, f)
         if os.environ.get("FAKE_SGLANG_CRASH") == tag:
             raise RuntimeError("fake sglang: CUDA error: an illegal memory access was encountered")
         self.tokenizer_manager = _TokenizerManager()

@@ -182,16 +182,18 @@ def test_trace_summary_takes_the_timed_runs_calls_only():
 def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch):
     """The child (`--child`) against the stand-in sglang.Engine (tests/fake_sglang.py: each generate call writes one
     draft-trace record per verify, with GPU ms from a known formula): every timed long run gets its own summary, of
-    its own calls only, and every short and long run its timeline within its own wall-clock window."""
+    its own calls only, and every run (warm ones too) its timeline within its own wall-clock window; with
+    `fresh_jit_cache` the engine starts with a Triton cache of its own."""
     import math
 
     from fake_sglang import install_fake_sglang
 
-    install_fake_sglang(tmp_path, monkeypatch)
+    log = install_fake_sglang(tmp_path, monkeypatch)
     (tmp_path / "ck" / "target").mkdir(parents=True)
     cfg = {"engine": "graphcap", "ckpt": str(tmp_path / "ck"), "work": str(tmp_path / "work"), "batches": [2],
            "cases": [[2, 30]], "steps": 3, "new": 48, "repeats": 2, "profile_cases": [], "profile_steps": 6,
-           "structured": False, "trace": True, "mem_fraction": 0.8, "context_length": 512, "vocab": 977}
+           "structured": False, "trace": True, "mem_fraction": 0.8, "context_length": 512, "vocab": 977,
+           "fresh_jit_cache": True}
     (tmp_path / "work").mkdir()
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     script = Path(us.__file__)
@@ -204,13 +206,15 @@ def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch):
     for t in case["draft_trace"]:
         assert t["calls"] == calls
         assert t["gpu_ms"]["sum"] == pytest.approx(sum(0.5 * (1 + 2 / 8) + 0.01 * i for i in range(calls)))
-    assert sorted(case["draft_trace_runs"]) == ["long0", "long1", "short0", "short1"]
+    assert sorted(case["draft_trace_runs"]) == ["long0", "long1", "short0", "short1", "warm0", "warm1"]
     for tag, t in case["draft_trace_runs"].items():
         line = t["timeline"]  # the fake spreads a run's calls evenly over its sleep, inside the run's window
-        assert line["calls"] == math.ceil((48 if tag.startswith("long") else us.SHORT_NEW) / 2.5)
+        assert line["calls"] == math.ceil((us.SHORT_NEW if tag.startswith("short") else 48) / 2.5)
         assert line["to_first_call_ms"] > 0 and line["after_last_call_ms"] > 0
         assert line["gap_ms"]["max"] == pytest.approx(line["gap_ms"]["median"], rel=0.2)
     assert us.summarize({"graphcap": {"config": cfg, "cases": [case]}})[0]["trace_draft_calls"] == calls
+    started = json.loads((log / "graphcap.json").read_text())  # --fresh-jit-cache: a Triton cache of its own
+    assert started["triton_cache"] == str(tmp_path / "work" / "jit-graphcap")
 
 
 @pytest.mark.subprocess
