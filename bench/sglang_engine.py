@@ -275,7 +275,7 @@ def spawn(cfg: dict, log_dir: str) -> dict:
     with open(os.path.join(log_dir, f"child-{tag}.log"), "w") as log:
         t = time.perf_counter()
         proc = subprocess.Popen([sys.executable, __file__, "--child", cfg_path, "--child-out", path], stdout=log,
-                                stderr=subprocess.STDOUT, process_group=0)
+                                stderr=subprocess.STDOUT, start_new_session=True)
         _RUNNING.append(proc)
         try:
             rc = proc.wait(timeout=cfg.get("timeout_s"))

@@ -338,7 +338,7 @@ def spawn(cfg: dict, work: str, timeout: float) -> dict:
 
     with open(os.path.join(work, f"{tag}.log"), "w") as log:
         proc = subprocess.Popen([sys.executable, __file__, "--child", cfg_path, "--child-out", out_path],
-                                stdout=log, stderr=subprocess.STDOUT, process_group=0)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:  # an engine left running would hold the GPU's memory for the next

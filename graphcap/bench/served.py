@@ -190,8 +190,9 @@ def run_engine(cfg: ServedConfig, engine: str, work: Path) -> dict:
     if engine == "graphcap":  # the flag at its defaults, as `Engine(...)` users give it (docs/sglang.md)
         env[ENV_VAR] = json.dumps({"enabled": True, "manifest_dir": str(work / "manifests")})
     with open(log_path, "w") as log:
+        # a session of its own (process group = its pid, which stop() kills; process_group= needs Python 3.11)
         proc = subprocess.Popen([sys.executable, "-m", "graphcap.bench.served", "--child", str(cfg_path), engine,
-                                 str(out)], stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
+                                 str(out)], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc, why = proc.wait(timeout=cfg.timeout_s), None
         except subprocess.TimeoutExpired:

@@ -150,7 +150,7 @@ def run(a: argparse.Namespace) -> dict:
         log.write("$ " + shlex.join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(a, work), cwd=ROOT,
-                                process_group=0)
+                                start_new_session=True)
         try:
             rc = proc.wait(timeout=a.timeout_s)
         except subprocess.TimeoutExpired:
