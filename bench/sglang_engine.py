@@ -42,13 +42,12 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from graphcap.bench.served import (failure, machine, read_trace, sglang_engine_kwargs, stop,  # shared parts
-                                   timed_draft_ms)
+from graphcap.bench.served import (failure, machine, read_trace, run_stoppable,  # shared parts
+                                   sglang_engine_kwargs, timed_draft_ms)
 from graphcap.engine.backends import GRAPH_BACKENDS
 from graphcap.sglang.compat import sglang_version
 from graphcap.sglang.config import PROJECTIONS, UNSERVED_BACKENDS
@@ -254,12 +253,9 @@ def run_child(cfg: dict) -> dict:
 # parent: engines in children, comparisons
 
 
-_RUNNING: list[subprocess.Popen] = []  # the engine child now running: stopped with its processes on SIGTERM
-
-
-def _on_term(signum, frame) -> None:  # `timeout` (scripts/gpu-lib.sh's step) stops the parent: no engine stays
-    for proc in _RUNNING:
-        stop(proc)
+def _on_term(signum, frame) -> None:
+    """`timeout` (scripts/gpu-lib.sh's step) stops the parent: run_stoppable, waiting, stops the engine child and its
+    processes as this exit passes through it."""
     raise SystemExit(128 + signum)
 
 
@@ -271,20 +267,10 @@ def spawn(cfg: dict, log_dir: str) -> dict:
     cfg_path = os.path.join(log_dir, f"child-{tag}-config.json")  # prompts: too long for a command line
     cfg = dict(cfg, progress_path=os.path.join(log_dir, f"child-{tag}-progress.json"))
     json.dump(cfg, open(cfg_path, "w"))
-    timed_out = False
     with open(os.path.join(log_dir, f"child-{tag}.log"), "w") as log:
         t = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, __file__, "--child", cfg_path, "--child-out", path], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        _RUNNING.append(proc)
-        try:
-            rc = proc.wait(timeout=cfg.get("timeout_s"))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            stop(proc)
-            rc = proc.returncode
-        finally:
-            _RUNNING.remove(proc)
+        rc, timed_out = run_stoppable([sys.executable, __file__, "--child", cfg_path, "--child-out", path], log,
+                                  cfg.get("timeout_s"))
     if rc != 0 or not os.path.exists(path):
         text = open(os.path.join(log_dir, f"child-{tag}.log"), errors="replace").read()
         tail = text[-3000:]

@@ -38,7 +38,6 @@ import random
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -334,19 +333,12 @@ def spawn(cfg: dict, work: str, timeout: float) -> dict:
     cfg_path, out_path = os.path.join(work, f"{tag}-config.json"), os.path.join(work, f"{tag}.json")
     json.dump(cfg, open(cfg_path, "w"))
     t = time.perf_counter()
-    from graphcap.bench.served import stop  # the child's whole process group: sglang's scheduler included
+    from graphcap.bench.served import run_stoppable  # a timed-out engine is stopped with sglang's scheduler
 
     with open(os.path.join(work, f"{tag}.log"), "w") as log:
-        proc = subprocess.Popen([sys.executable, __file__, "--child", cfg_path, "--child-out", out_path],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:  # an engine left running would hold the GPU's memory for the next
-            stop(proc)
-            rc = "timeout"
-        except BaseException:
-            stop(proc)
-            raise
+        rc, timed_out = run_stoppable([sys.executable, __file__, "--child", cfg_path, "--child-out", out_path], log,
+                                  timeout)
+    rc = "timeout" if timed_out else rc
     if rc != 0 or not os.path.exists(out_path):
         tail = open(os.path.join(work, f"{tag}.log")).read()[-2500:]
         print(f"== {tag}: failed ({rc}) after {time.perf_counter() - t:.0f} s\n{tail}", flush=True)

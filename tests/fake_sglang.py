@@ -75,3 +75,35 @@ def install_fake_sglang(tmp_path: Path, monkeypatch) -> Path:
     monkeypatch.setenv("PYTHONPATH", f"{root}:{repo}")
     monkeypatch.setenv("FAKE_SGLANG_LOG", str(log))
     return log
+
+
+def hanging_engine(tmp_path: Path) -> tuple[list[str], Path]:
+    """A stand-in engine child that starts a process of its own (as sglang starts its scheduler), writes that
+    process's pid to the returned file, then hangs: (its command, the pid file)."""
+    import sys
+
+    pid_file = tmp_path / "grandchild.pid"
+    script = tmp_path / "hangs.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                      f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+                      "time.sleep(600)\n")
+    return [sys.executable, str(script)], pid_file
+
+
+def process_gone(pid: int, within_s: float = 5.0) -> bool:
+    """Whether `pid` has ended (or is a zombie awaiting its reaper) within `within_s` seconds."""
+    import os
+    import time
+
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    return True
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        time.sleep(0.05)
+    return False

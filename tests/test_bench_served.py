@@ -184,3 +184,34 @@ def test_every_engine_setting_is_a_field_of_sglangs_server_args(version):
     cfg = served.ServedConfig("t", "d", load_format="dummy")
     asked = set(served.engine_kwargs(cfg, "nospec")) | set(served.engine_kwargs(cfg, "graphcap"))
     assert asked - set(fields) == set()
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("how", ["timeout", "interrupted"])
+def test_a_stopped_engine_takes_the_processes_it_started(tmp_path, how):
+    """run_stoppable, which every engine harness runs its children with: past its timeout, or when the wait is
+    interrupted (Ctrl-C; bench/sglang_engine.py's SIGTERM handler raises SystemExit the same way), the child and the
+    process it started (sglang's scheduler, here a stand-in) are both gone before it returns or re-raises."""
+    import signal
+
+    from fake_sglang import hanging_engine, process_gone
+
+    cmd, pid_file = hanging_engine(tmp_path)
+    with open(tmp_path / "child.log", "w") as log:
+        if how == "timeout":
+            rc, timed_out = served.run_stoppable(cmd, log, timeout=2)
+            assert timed_out and rc is not None and rc != 0
+        else:
+            def interrupt(signum, frame):
+                raise KeyboardInterrupt
+
+            previous = signal.signal(signal.SIGALRM, interrupt)
+            signal.setitimer(signal.ITIMER_REAL, 2.0)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    served.run_stoppable(cmd, log, timeout=None)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+    assert pid_file.exists(), "the stand-in child never started its own process"
+    assert process_gone(int(pid_file.read_text())), "the engine's own process outlived the stop"

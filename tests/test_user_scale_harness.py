@@ -222,27 +222,13 @@ def test_an_engine_past_its_time_is_stopped_with_what_it_started(tmp_path, monke
     """spawn's timeout ends the child's whole process group, as sglang's scheduler and detokenizer are children of the
     engine's process: an engine left behind would hold the GPU's memory while the next one starts. A stand-in child
     starts a grandchild, then hangs; both must be gone when spawn returns its crash record."""
-    import os
     import time
 
-    pid_file = tmp_path / "grandchild.pid"
-    script = tmp_path / "hangs.py"
-    script.write_text("import subprocess, sys, time\n"
-                      "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-                      f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
-                      "time.sleep(600)\n")
-    monkeypatch.setattr(us, "__file__", str(script))
+    from fake_sglang import hanging_engine, process_gone
+
+    cmd, pid_file = hanging_engine(tmp_path)
+    monkeypatch.setattr(us, "__file__", cmd[1])
     t = time.perf_counter()
     res = us.spawn({"engine": "nospec"}, str(tmp_path), timeout=3)
     assert res["crashed"] and time.perf_counter() - t < 30
-    grandchild = int(pid_file.read_text())
-    for _ in range(50):  # SIGKILL is delivered at once; its reaping by init can lag a little
-        try:
-            os.kill(grandchild, 0)
-        except ProcessLookupError:
-            break
-        if open(f"/proc/{grandchild}/stat").read().split()[2] == "Z":
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the engine's child {grandchild} outlived the timeout")
+    assert process_gone(int(pid_file.read_text())), "the engine's child outlived the timeout"

@@ -180,6 +180,23 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def run_stoppable(cmd: list[str], log, timeout: float | None, env: dict | None = None,
+                  cwd: str | Path | None = None) -> tuple[int | None, bool]:
+    """Run `cmd` (an engine's child) in a session of its own, its output to the open file `log`: (exit status, timed
+    out). Past `timeout` seconds (None: no limit), or on an exception while waiting (Ctrl-C, a SIGTERM handler's
+    SystemExit), the child and every process it started are killed first: an engine left behind holds the GPU's
+    memory while the next one starts. (`start_new_session`, not `process_group=`, which needs Python 3.11.)"""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout), False
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        return proc.returncode, True
+    except BaseException:
+        stop(proc)
+        raise
+
+
 def run_engine(cfg: ServedConfig, engine: str, work: Path) -> dict:
     """One engine in a child process: its result, or {"crashed": True, "error": the line that says why, "log": path}."""
     out, log_path = work / f"{engine}.json", work / f"{engine}.log"
@@ -190,17 +207,9 @@ def run_engine(cfg: ServedConfig, engine: str, work: Path) -> dict:
     if engine == "graphcap":  # the flag at its defaults, as `Engine(...)` users give it (docs/sglang.md)
         env[ENV_VAR] = json.dumps({"enabled": True, "manifest_dir": str(work / "manifests")})
     with open(log_path, "w") as log:
-        # a session of its own (process group = its pid, which stop() kills; process_group= needs Python 3.11)
-        proc = subprocess.Popen([sys.executable, "-m", "graphcap.bench.served", "--child", str(cfg_path), engine,
-                                 str(out)], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc, why = proc.wait(timeout=cfg.timeout_s), None
-        except subprocess.TimeoutExpired:
-            stop(proc)
-            rc, why = proc.returncode, f"stopped after its {cfg.timeout_s:.0f} s"
-        except BaseException:  # Ctrl-C: no engine stays behind
-            stop(proc)
-            raise
+        rc, timed_out = run_stoppable([sys.executable, "-m", "graphcap.bench.served", "--child", str(cfg_path),
+                                       engine, str(out)], log, cfg.timeout_s, env=env)
+    why = f"stopped after its {cfg.timeout_s:.0f} s" if timed_out else None
     if rc != 0 or not out.exists():
         return {"engine": engine, "crashed": True, "log": str(log_path),
                 "error": why or failure(log_path.read_text(errors="replace")) or f"exit status {rc}"}

@@ -24,8 +24,6 @@ import os
 import random
 import re
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -145,18 +143,13 @@ def run(a: argparse.Namespace) -> dict:
     cfg_path, out_path, log_path = work / "child-config.json", work / "child-out.json", work / "child.log"
     json.dump(child_config(a, work, vocab), open(cfg_path, "w"))
     cmd = [*shlex.split(a.wrap), sys.executable, str(ENGINE), "--child", str(cfg_path), "--child-out", str(out_path)]
-    t0, timed_out = time.perf_counter(), False
+    from graphcap.bench.served import run_stoppable  # the engine's scheduler and detokenizer stopped with it
+
+    t0 = time.perf_counter()
     with open(log_path, "w") as log:
         log.write("$ " + shlex.join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(a, work), cwd=ROOT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=a.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)  # the engine's scheduler and detokenizer share its group
-            rc = proc.wait()
+        rc, timed_out = run_stoppable(cmd, log, a.timeout_s, env=child_env(a, work), cwd=ROOT)
     seconds = time.perf_counter() - t0
     text = log_path.read_text(errors="replace")
     res = {"backend": a.backend, "batch": a.batch, "prompt_len": a.prompt_len, "new": a.new,
