@@ -3,6 +3,7 @@ records (graphcap.sglang.trace's format) and decode time follow known formulas, 
 so that child processes import it."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 VOCAB = 977
@@ -72,7 +73,9 @@ def install_fake_sglang(tmp_path: Path, monkeypatch) -> Path:
     log = tmp_path / "engine-log"
     log.mkdir()
     repo = Path(__file__).resolve().parents[1]
-    monkeypatch.setenv("PYTHONPATH", f"{root}:{repo}")
+    # in front of the machine's own path, which its children need too (a GPU machine's carried wheels: pydantic)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(root), str(repo), os.environ.get("PYTHONPATH"))
+                                                     if p))
     monkeypatch.setenv("FAKE_SGLANG_LOG", str(log))
     return log
 

@@ -65,10 +65,11 @@ for heads, kv_heads, d, max_len in ((32, 16, 256, 1024), (32, 4, 512, 32768)):  
                     consts = dict(H=heads, GROUP=group, HEAD_TILES=-(-group // block_g), D=d, BLOCK_D=d,
                                   BLOCK_G=block_g, BLOCK_N=p.block_n, SINGLE=single, F32_DOT=dt == "fp32",
                                   WAVE_IN_KERNEL=wave_in_kernel, NORM_ROPE=norm_rope)
-                    # the full layer's [16, 512] fp32 accumulator: ptxas spills a little on sm_90 too (20-96
-                    # bytes); fp32 tiles at these widths (kilobytes of spill) are no shape graphcap runs
+                    # the full layer's [16, 512] fp32 accumulator spills a little, on sm_90 too: 20-96 bytes with
+                    # Triton 3.9's ptxas, 144-160 with Triton 3.6's; fp32 tiles at these widths (kilobytes of
+                    # spill) are no shape graphcap runs
                     compile(A._split_kernel, types, consts, p.num_warps, p.num_stages,
-                            max_spill=None if dt == "fp32" else 128 if d == 512 else 0)
+                            max_spill=None if dt == "fp32" else 192 if d == 512 else 0)
                     n += 1
             block_s = triton.next_power_of_2(p.num_splits)
             if not single and (d, dt, block_s, p.combine_warps) not in seen:
@@ -93,6 +94,7 @@ for m in range(1, 65):
         planned = sg.plan(m, n_out, k, gated, DESC)
         assert planned == sg.candidates(m, n_out, k, gated)[0], (m, planned)  # the H200's choice fits an A100
         configs.add((planned, m if planned.gemv else max(16, triton.next_power_of_2(m)), gated))
+planned_configs = set(configs)
 if THOROUGH:  # every candidate of every class
     for key, cfgs in sg.CANDIDATES.items():
         for m in {"m1": (1,), "m4": (1, 4), "m16": (16,), "m64": (32, 64)}[key.split("-")[0]]:
@@ -118,9 +120,10 @@ for cfg, bm, gated in sorted(configs):
                      counters="*i32" if fixup else "*bf16")
         consts = dict(BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot, INTERPRET=False,
                       EVEN_K=even, EVEN_N=even, FIXUP=fixup, SPLITS=cfg.split_k if fixup else 1)
-        # masked tiles (no draft shape has them) may spill a few bytes
+        # masked tiles (no draft shape has them) may spill a few bytes, and so may a candidate no plan picks
+        # (Triton 3.6's ptxas: 16 bytes at BLOCK_K 256 under the switch)
         k = compile(sgk._skinny_kernel, types, consts, cfg.num_warps, cfg.num_stages, ALIGNED,
-                    max_spill=0 if even else None)
+                    max_spill=None if not even else 0 if (cfg, bm, gated) in planned_configs else 32)
         ptx = k.asm["ptx"]
         if cfg.dot:
             # Hopper's MMA exactly where Triton lowers for 90 and a warp group's 64 rows fit the weight rows (else
@@ -253,9 +256,9 @@ for heads, kv_heads, d, max_len in ((32, 16, 256, 1023), (32, 4, 512, 8192)):  #
                 # Spills, bounded at what ptxas gave: the full layer's q, accumulator and K/V tiles at [16, 512] -
                 # 668 bytes at 4 warps on sm_90a (the configuration measured on the H200: faster than the decode
                 # kernel all the same; 8 warps is untimed there), <= 128 at sm_80's 8 warps and 16-key tiles;
-                # 32-48 bytes at D = 256 on sm_90a and under the switch
+                # at D = 256 on sm_90a and under the switch 32-48 bytes with Triton 3.9's ptxas, 112 with 3.6's
                 compile(V._verify_split_kernel, types, consts, ap.num_warps, ap.num_stages,
-                        max_spill=None if dt == "fp32" else (704 if ap.num_warps == 4 else 128) if d == 512 else 64)
+                        max_spill=None if dt == "fp32" else (704 if ap.num_warps == 4 else 128) if d == 512 else 128)
                 n += 1
 print("compiled", n)
 """
@@ -285,8 +288,7 @@ for name, src in PARTS:
     except Exception:
         failed.append(name)
         print(f"--- {name} for {TARGET_NAME}:", traceback.format_exc(), file=sys.stderr)
-if failed:
-    sys.exit("failed: " + ", ".join(failed))
+FAILED_PARTS = failed  # the epilogue (tests/sm90.py) exits naming them, and every spill past its bound
 print("compiled all")
 """
 
@@ -295,6 +297,7 @@ def compile_scripts(names: list[str], target: Target, thorough: bool, tmp_path: 
     """The named scripts compiled for `target` (one subprocess); returns its output."""
     head = f"THOROUGH = {thorough}\nCOMMON = {COMMON!r}\nPARTS = {[(n, KERNEL_SCRIPTS[n]) for n in names]!r}\n"
     out = compile_for(head + DRIVER, tmp_path, target)
+    print("\n".join(line for line in out.splitlines() if line.startswith("spilled")))  # shown by pytest -rP
     counts = dict(zip(names, map(int, re.findall(r"^compiled (\d+)$", out, re.M))))
     assert len(counts) == len(names) and all(counts.values()), out[-2000:]
     return out

@@ -5,6 +5,7 @@ real shapes of a Gemma-4-31B-shaped target in bf16 and inside a CUDA graph."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -121,6 +122,8 @@ def sglang_verify(fwd, x, lens, n_q, sm_scale, window):
 
 
 @pytest.mark.sglang
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors reach sglang's kernel only under "
+                    "Triton's interpreter; on a GPU test_gpu_real_shapes_against_twin_and_sglang compares the two")
 @settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(c=cases, data=st.data())
 def test_kernel_matches_sglang_extend_kernel(c, data):

@@ -277,13 +277,13 @@ def verify_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     tokens, h, d = q.shape
     hkv = k_pool.shape[1]
     b = tokens // n_q
+    if plan is not None and plan.n_q != n_q:  # named on either path: a plan made for another verify is a caller's bug
+        raise AttentionError(f"verify_attention: the plan is for {plan.n_q} query tokens per request, got {n_q}")
     if not use_triton(q):
         out.copy_(verify_attention_torch(q, k_new, v_new, k_pool, v_pool, indptr, indices, n_q, sm_scale, window))
         return out
     if plan is None:
         plan = plan_verify(b, hkv, h, d, n_q, q.dtype, q.device, max(1, indices.shape[0]))
-    if plan.n_q != n_q:
-        raise AttentionError(f"verify_attention: the plan is for {plan.n_q} query tokens per request, got {n_q}")
     if b == 0:
         return out
     ap = plan.attention
