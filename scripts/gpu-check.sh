@@ -4,10 +4,11 @@
 #   scripts/gpu-check.sh unit     the kernels' GPU tests (attention, plan, centroid head, small top-k, candidate
 #                                 pick, fused ops, layer fusions, skinny GEMM; UNIT_TESTS: other test files). The default
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA, thorough tier (GPU-marked tests and every heavy
-#                                 variant; more than one 600 s call: TESTS_PATHS runs some files or ids, TESTS_K a -k
-#                                 expression, TESTS_ARGS pytest's options instead of -q -rs, e.g. -v for a per-test
-#                                 log that a cut call keeps; GRAPHCAP_GPU_ALL_BUCKETS=1: the replay tests over every
-#                                 bucket)
+#                                 variant), on TESTS_WORKERS (8) pytest-xdist workers sharing the GPU where xdist is
+#                                 installed: one 600 s call on an H200 (serially the suite needs three).
+#                                 TESTS_PATHS runs some files or ids, TESTS_K a -k expression, TESTS_ARGS pytest's
+#                                 options instead of the default, e.g. -v for a per-test log that a cut call keeps;
+#                                 GRAPHCAP_GPU_ALL_BUCKETS=1: the replay tests over every bucket)
 #   scripts/gpu-check.sh bench    `graphcap bench`: graphcap / compile(-nosync, -plain, -tuned) / sglang / eager-rebuild
 #                                 over batch 1..64 at context 2048, 3 steps (bench.json in $LOG/bench-small, -large;
 #                                 BENCH_PARTS=small or large: one of the two runs, for a call of its own;
@@ -118,9 +119,11 @@ case $1 in
       tests/test_layer_fusions.py tests/test_skinny_gemm.py}
     ;;
   tests)  # the whole suite, thorough tier (tests/conftest.py: every test, hypothesis at its full example counts)
-    local k=()
+    local k=() args="-q -rs --durations=30"
     [ -n "${TESTS_K:-}" ] && k=(-k "$TESTS_K")
-    step pytest env GRAPHCAP_TEST_TIER=thorough python3 -m pytest ${TESTS_ARGS:--q -rs} "${k[@]}" ${TESTS_PATHS:-tests/}
+    # the tests are independent processes' worth of state (own temporary dirs, manifests, caches keyed by content)
+    python3 -c 'import xdist' 2>/dev/null && args="$args -n ${TESTS_WORKERS:-8} --dist worksteal"
+    step pytest env GRAPHCAP_TEST_TIER=thorough python3 -m pytest ${TESTS_ARGS:-$args} "${k[@]}" ${TESTS_PATHS:-tests/}
     ;;
   bench)  # iter/s vs batch against sglang's launches and a user's torch.compile loop (bench.json in
     # $LOG/bench-small and bench-large). The sglang modules the bench imports (decode attention, index builder, split

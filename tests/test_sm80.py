@@ -254,11 +254,12 @@ for heads, kv_heads, d, max_len in ((32, 16, 256, 1023), (32, 4, 512, 8192)):  #
                               BLOCK_D=d, BLOCK_M=p.block_m, BLOCK_N=ap.block_n, BLOCK_E=16,
                               SINGLE=ap.num_splits == 1, F32_DOT=dt == "fp32")
                 # Spills, bounded at what ptxas gave: the full layer's q, accumulator and K/V tiles at [16, 512] -
-                # 668 bytes at 4 warps on sm_90a (the configuration measured on the H200: faster than the decode
-                # kernel all the same; 8 warps is untimed there), <= 128 at sm_80's 8 warps and 16-key tiles;
+                # at 4 warps on sm_90a 668 bytes with Triton 3.9's ptxas, 760 with 3.6's (the configuration measured
+                # on the H200: faster than the decode kernel all the same; 8 warps is untimed there), <= 128 at
+                # sm_80's 8 warps and 16-key tiles;
                 # at D = 256 on sm_90a and under the switch 32-48 bytes with Triton 3.9's ptxas, 112 with 3.6's
                 compile(V._verify_split_kernel, types, consts, ap.num_warps, ap.num_stages,
-                        max_spill=None if dt == "fp32" else (704 if ap.num_warps == 4 else 128) if d == 512 else 128)
+                        max_spill=None if dt == "fp32" else (768 if ap.num_warps == 4 else 128) if d == 512 else 128)
                 n += 1
 print("compiled", n)
 """
