@@ -8,6 +8,7 @@ from pathlib import Path
 
 VOCAB = 977
 SLEEP_PER_TOKEN_S = 0.002  # the stand-in's decode time per generated token
+STALL_S = 0.3  # FAKE_SGLANG_STALL's one-off stall
 FAKE_SGLANG = '''
 import json, math, os, time
 
@@ -35,11 +36,18 @@ class Engine:
             raise RuntimeError("fake sglang: CUDA error: an illegal memory access was encountered")
         self.tokenizer_manager = _TokenizerManager()
         self.calls = 0
+        # FAKE_SGLANG_STALL="ENGINE:N": that engine's first call past N new tokens stalls STALL_S halfway (a JIT
+        # compile at a length first reached)
+        stall = os.environ.get("FAKE_SGLANG_STALL", "").split(":")
+        self.stall_after = int(stall[1]) if stall[0] == tag else None
 
     def generate(self, input_ids, sampling_params, rid):
         new = sampling_params[0]["max_new_tokens"]
         t0 = time.perf_counter()
-        time.sleep(new * {sleep})
+        stall = 0.0
+        if self.stall_after is not None and new > self.stall_after:
+            stall, self.stall_after = {stall}, None
+        time.sleep(new * {sleep} + stall)
         verify = math.ceil(new / 2.5)
         if self.mtp and os.environ.get(TRACE_ENV):
             d = os.environ[TRACE_ENV]
@@ -49,7 +57,8 @@ class Engine:
                     ms = base_ms(self.graphcap, len(rid)) + 0.01 * i
                     f.write(json.dumps({{"rids": list(rid), "seq_lens": None, "draft": [[0]] * len(rid),
                                         "gpu_ms": ms, "host_ms": 0.1,
-                                        "t": t0 + (i + 1) * new * {sleep} / (verify + 1)}}) + "\\n")
+                                        "t": t0 + (i + 1) * new * {sleep} / (verify + 1)
+                                             + (stall if i >= verify // 2 else 0.0)}}) + "\\n")
         outs = []
         for j, p in enumerate(input_ids):
             toks = [(p[-1] + k + 1) % {vocab} for k in range(new)]
@@ -69,7 +78,8 @@ def install_fake_sglang(tmp_path: Path, monkeypatch) -> Path:
     where each engine writes what it was started with (FAKE_SGLANG_LOG)."""
     root = tmp_path / "fake"
     (root / "sglang").mkdir(parents=True)
-    (root / "sglang" / "__init__.py").write_text(FAKE_SGLANG.format(vocab=VOCAB, sleep=SLEEP_PER_TOKEN_S))
+    (root / "sglang" / "__init__.py").write_text(FAKE_SGLANG.format(
+        vocab=VOCAB, sleep=SLEEP_PER_TOKEN_S, stall=STALL_S))
     log = tmp_path / "engine-log"
     log.mkdir()
     repo = Path(__file__).resolve().parents[1]

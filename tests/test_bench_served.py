@@ -15,7 +15,7 @@ import pytest
 from graphcap import cli
 from graphcap.bench import served
 
-from fake_sglang import SLEEP_PER_TOKEN_S, VOCAB, install_fake_sglang
+from fake_sglang import SLEEP_PER_TOKEN_S, STALL_S, VOCAB, install_fake_sglang
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def fake_sglang(tmp_path, monkeypatch):
 
 def _cfg(tmp_path, **kw) -> served.ServedConfig:
     base = dict(model_path="/models/target", draft_model_path="/models/assistant", batches=(2, 5), context=40,
-                new_tokens=96, steps=2, out=tmp_path / "out", timeout_s=120)
+                new_tokens=96, steps=2, repeats=2, out=tmp_path / "out", timeout_s=120)
     return served.ServedConfig(**{**base, **kw})
 
 
@@ -44,8 +44,11 @@ def test_served_bench_times_each_engine_and_compares_tokens(tmp_path, fake_sglan
         b = r["batch"]
         assert r["sglang_draft_ms"] == pytest.approx(_expected_draft_ms(False, b, 96))
         assert r["graphcap_draft_ms"] == pytest.approx(_expected_draft_ms(True, b, 96))
-        assert r["sglang_draft_calls"] == r["graphcap_draft_calls"] == math.ceil(96 / 2.5)
+        assert r["sglang_draft_calls"] == r["graphcap_draft_calls"] == 2 * math.ceil(96 / 2.5)  # two timed pairs
         assert r["sglang_accept_len"] == r["graphcap_accept_len"] == pytest.approx(96 / math.ceil(96 / 2.5))
+        # the stand-in spaces its calls evenly over the run's sleep
+        even = 1e3 * 96 * SLEEP_PER_TOKEN_S / (math.ceil(96 / 2.5) + 1)
+        assert r["sglang_gap_ms"] == pytest.approx((even, even)) and r["graphcap_gap_ms"] == pytest.approx((even, even))
         assert r["tokens_equal"] == b
         # the long run's 64 extra tokens over its extra time: the stand-in sleeps SLEEP_PER_TOKEN_S per token
         for e in served.ENGINES:
@@ -66,6 +69,34 @@ def test_served_bench_times_each_engine_and_compares_tokens(tmp_path, fake_sglan
     ratio = _expected_draft_ms(False, 5, 96) / _expected_draft_ms(True, 5, 96)
     row5 = next(line for line in out.splitlines() if line.split()[:1] == ["5"])
     assert f"{ratio:.2f}x" in row5.split() and "5/5" in row5.split()
+
+
+@pytest.mark.subprocess
+def test_a_first_time_stall_lands_in_the_warm_up(tmp_path, fake_sglang, monkeypatch, capsys):
+    """The stand-in's stock engine stalls STALL_S once, at the first run past 40 new tokens (a JIT compile at a length
+    first reached): the warm-up, as long as the long run, takes it, so neither timed run holds it."""
+    monkeypatch.setenv("FAKE_SGLANG_STALL", "sglang:40")
+    cfg = _cfg(tmp_path, engines=("sglang", "graphcap"), batches=(3,))
+    assert served.main(cfg) == 0
+    (row,) = json.loads((cfg.out / "served.json").read_text())["rows"]
+    assert row["sglang_gap_ms"][1] < STALL_S * 1e3 / 10  # a timed run holding it would show a STALL_S gap
+    assert "a stall inside the timing" not in capsys.readouterr().out
+
+
+def test_a_stall_inside_the_timing_is_named():
+    """A timed run's trace with one gap far above its median: the engine and batch are named; even gaps are not."""
+    def trace(rids, gap_at=None):  # the last calls run one request: the batch shrinks as requests finish
+        return [{"rids": rids if i < 24 else rids[:1], "t": 0.005 * i + (0.4 if gap_at is not None and i >= gap_at
+                                                                         else 0.0), "gpu_ms": 1.0} for i in range(30)]
+
+    rids = ["b4-long0-0", "b4-long0-1"]
+    other = [{"rids": ["b4-long1-0"], "t": 0.07, "gpu_ms": 1.0}]  # another run's call: not this run's
+    stalled, even = served.call_gaps_ms(trace(rids, gap_at=26) + other, rids), served.call_gaps_ms(trace(rids), rids)
+    assert len(stalled) == 29 and max(stalled) == pytest.approx(405.0) and max(even) == pytest.approx(5.0)
+    rows = [{"batch": 4, "sglang_gap_ms": (statistics.median(stalled), max(stalled)),
+             "graphcap_gap_ms": (statistics.median(even), max(even))}]
+    (line,) = served.stalls(rows, ("nospec", "sglang", "graphcap"))
+    assert line.startswith("sglang, batch 4: a 405 ms gap")
 
 
 @pytest.mark.subprocess
@@ -102,6 +133,7 @@ def test_tokens_that_differ_from_stock_sglangs_are_counted(tmp_path, fake_sglang
                                                                                            "one value"),
     (["--served", "--model-path", "a", "--draft-model-path", "b", "--steps", "1,3"], "--steps: --served takes one"),
     (["--served", "--model-path", "a", "--draft-model-path", "b", "--new-tokens", "32"], "--new-tokens must exceed"),
+    (["--served", "--model-path", "a", "--draft-model-path", "b", "--repeats", "0"], "--repeats must be >= 1"),
     (["--model-path", "a"], "--model-path: options of --served"),
     (["--load-format", "dummy", "--engines", "sglang"], "--engines, --load-format: options of --served"),
 ])

@@ -92,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                            "without CUDA)")
     p.add_argument("--warmup", type=int, default=None, help=f"default 5; {CPU_WARMUP} without CUDA")
     p.add_argument("--repeats", type=int, default=None,
-                   help=f"interleaved rounds over the modes (default 3; {CPU_REPEATS} without CUDA)")
+                   help=f"interleaved rounds over the modes (default 3; {CPU_REPEATS} without CUDA; --served: timed "
+                   "pairs of a short and a long run per batch, the median kept, default 3)")
     p.add_argument("--graphcap-backend", default=None, help="DraftGraphs backend of the graphcap mode (default: the "
                    "spec's with CUDA; 'eager' without: Inductor's CPU code says nothing about a GPU)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads without CUDA (default 1: the tiny "
@@ -103,8 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("the served draft (--served: sglang's own engine, on a CUDA GPU with sglang installed)")
     s.add_argument("--served", action="store_true", help="time the draft the plugin serves in sglang's engine, against "
-                   "stock sglang's and no speculation (graphcap.bench.served); --batch, --context, --steps, --out "
-                   "and --seed apply")
+                   "stock sglang's and no speculation (graphcap.bench.served); --batch, --context, --steps, --repeats, "
+                   "--out and --seed apply")
     s.add_argument("--model-path", default=None, help="the target model, as sglang's --model-path takes it")
     s.add_argument("--draft-model-path", default=None,
                    help="its MTP assistant (sglang's --speculative-draft-model-path)")

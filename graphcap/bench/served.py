@@ -3,11 +3,15 @@ sglang's draft and against no speculation, on a model pair sglang loads (your ow
 
 Each engine runs in a child process of its own (`python -m graphcap.bench.served --child CFG OUT`, in its own process
 group, stopped with everything it started): `sglang.Engine` in-process, prompts as token ids (random, seeded: the same
-in every engine), greedy. Per batch B: a warm-up run, then a short and a long run of the same B prompts; decode
-tokens/s per request = the long run's extra tokens over its extra time (the prefill is in both). The draft phase's
-GPU time comes from graphcap's draft trace (`GRAPHCAP_SGLANG_TRACE`, graphcap.sglang.trace) around the draft worker's
-`draft` in both MTP engines: CUDA events, so any stall the draft causes is in it; the median over the last three
-quarters of the long run's full-batch calls. The graphcap engine has the flag at its defaults.
+in every engine), greedy. Per batch B: a warm-up run as long as the long run (a first-time cost at any length the
+timed runs reach - a JIT compile - lands in it, not in one engine's timing), then `repeats` pairs of a short and a
+long run of the same B prompts; decode tokens/s per request = a long run's extra tokens over its extra time (the
+prefill is in both), the median over the pairs. The draft phase's GPU time comes from graphcap's draft trace
+(`GRAPHCAP_SGLANG_TRACE`, graphcap.sglang.trace) around the draft worker's `draft` in both MTP engines: CUDA events, so
+any stall the draft causes is in it; the median over the last three quarters of each long run's full-batch calls,
+the median over the pairs. The trace's timestamps give the longest gap between two draft calls of a timed run: a
+gap far above the median one is a stall inside the timing, and is named. The graphcap engine has the flag at its
+defaults.
 
 This module's parent side imports neither torch nor sglang (the CLI asks torch whether there is CUDA); the children
 do.
@@ -34,8 +38,8 @@ from graphcap.sglang.config import ENV_VAR, TRACE_ENV
 
 ENGINES = ("nospec", "sglang", "graphcap")  # no speculation, stock sglang's MTP, MTP with the flag
 SHORT_NEW = 32  # the short run's new tokens
-WARM_NEW = 8
-REFERENCE_ONLY = ("spec", "modes", "iters", "warmup", "repeats", "graphcap_backend")  # bench options --served ignores
+REFERENCE_ONLY = ("spec", "modes", "iters", "warmup", "graphcap_backend")  # bench options --served refuses
+STALL_FACTOR = 10  # a gap between two draft calls this many times the median gap is named as a stall
 
 
 class ServedBenchError(ValueError):
@@ -50,6 +54,7 @@ class ServedConfig:
     context: int = 2048
     new_tokens: int = 128
     steps: int = 3
+    repeats: int = 3  # timed pairs of runs per batch
     engines: tuple[str, ...] = ENGINES
     load_format: str | None = None  # "dummy": sglang's random weights (every draft then agrees with the target)
     attention_backend: str = "triton"
@@ -78,9 +83,12 @@ def config_from_args(a: argparse.Namespace, command: str) -> ServedConfig:
     new = a.new_tokens if a.new_tokens is not None else ServedConfig.new_tokens
     if new <= SHORT_NEW:
         raise ServedBenchError(f"--new-tokens must exceed the short run's {SHORT_NEW}, got {new}")
+    if a.repeats is not None and a.repeats < 1:
+        raise ServedBenchError(f"--repeats must be >= 1, got {a.repeats}")
     return ServedConfig(a.model_path, a.draft_model_path, batches=a.batch or ServedConfig.batches,
                         context=a.context[0] if a.context else ServedConfig.context, new_tokens=new,
                         steps=a.steps[0] if a.steps else ServedConfig.steps, engines=engines,
+                        repeats=a.repeats if a.repeats is not None else ServedConfig.repeats,
                         load_format=a.load_format, out=a.out, seed=a.seed, command=command)
 
 
@@ -140,15 +148,16 @@ def run_child(cfg: ServedConfig, engine_name: str) -> dict:
                     {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}] * b)
                 return outs, time.perf_counter() - t
 
-            gen(WARM_NEW, "warm")
-            _, short_s = gen(SHORT_NEW, "short")
-            outs, long_s = gen(cfg.new_tokens, "long")
-            verify = [o["meta_info"].get("spec_verify_ct") for o in outs]
-            out["cases"].append({
-                "batch": b, "short_s": short_s, "long_s": long_s, "rids": [f"b{b}-long-{i}" for i in range(b)],
-                "tokens": [o["output_ids"] for o in outs],
-                "accept_len": (sum(o["meta_info"]["completion_tokens"] for o in outs) / sum(verify))
-                if all(verify) else None})
+            gen(cfg.new_tokens, "warm")
+            runs, tokens, verify = [], 0, []
+            for r in range(cfg.repeats):
+                _, short_s = gen(SHORT_NEW, f"short{r}")
+                outs, long_s = gen(cfg.new_tokens, f"long{r}")
+                runs.append({"short_s": short_s, "long_s": long_s, "rids": [f"b{b}-long{r}-{i}" for i in range(b)]})
+                verify += [o["meta_info"].get("spec_verify_ct") for o in outs]
+                tokens += sum(o["meta_info"]["completion_tokens"] for o in outs)
+            out["cases"].append({"batch": b, "runs": runs, "tokens": [o["output_ids"] for o in outs],
+                                 "accept_len": tokens / sum(verify) if all(verify) else None})
     finally:
         engine.shutdown()
     return out
@@ -223,12 +232,25 @@ def read_trace(trace_dir: str | Path) -> list[dict]:
     return rows
 
 
+def _full_batch(rows: list[dict], rids: list[str] | set[str]) -> list[dict]:
+    want = set(rids)
+    return [t for t in rows if len(t["rids"]) == len(want) and set(t["rids"]) == want and not t.get("profiled")]
+
+
 def timed_draft_ms(rows: list[dict], rids: list[str] | set[str]) -> tuple[float | None, int]:
     """The median GPU time of the draft calls that ran exactly `rids` (the full batch of one timed run), over the last
     three quarters of them (the first calls warm up), profiled calls left out; and how many there were."""
-    want = set(rids)
-    ms = [t["gpu_ms"] for t in rows if len(t["rids"]) == len(want) and set(t["rids"]) == want and not t.get("profiled")]
+    ms = [t["gpu_ms"] for t in _full_batch(rows, rids)]
     return (statistics.median(ms[len(ms) // 4:]) if ms else None), len(ms)
+
+
+def call_gaps_ms(rows: list[dict], rids: list[str] | set[str]) -> list[float]:
+    """The wall-clock gaps between consecutive draft calls of one timed run (the trace's `t`), ms: every call that ran
+    any of its requests, the tail included, where the batch shrinks as requests finish (a batch size first seen
+    there is where a first-time cost lands)."""
+    want = set(rids)
+    ts = sorted(t["t"] for t in rows if "t" in t and want.intersection(t["rids"]))
+    return [(b - a) * 1e3 for a, b in zip(ts, ts[1:])]
 
 
 def machine() -> dict:
@@ -260,16 +282,37 @@ def rows_of(cfg: ServedConfig, results: dict[str, dict], work: Path) -> list[dic
         cases = {e: next((c for c in r.get("cases", []) if c["batch"] == b), None) for e, r in results.items()}
         for e, c in cases.items():
             extra = cfg.new_tokens - SHORT_NEW
-            row[f"{e}_tok_s"] = extra / max(c["long_s"] - c["short_s"], 1e-9) if c else None
+            runs = c["runs"] if c else []
+            row[f"{e}_tok_s"] = (statistics.median(extra / max(r["long_s"] - r["short_s"], 1e-9) for r in runs)
+                                 if runs else None)
             if e != "nospec":
-                ms, calls = timed_draft_ms(read_trace(work / f"trace-{e}"), c["rids"]) if c else (None, 0)
-                row[f"{e}_draft_ms"], row[f"{e}_draft_calls"] = ms, calls
+                trace = read_trace(work / f"trace-{e}")
+                timed = [timed_draft_ms(trace, r["rids"]) for r in runs]
+                ms = [m for m, _ in timed if m is not None]
+                row[f"{e}_draft_ms"] = statistics.median(ms) if ms else None
+                row[f"{e}_draft_calls"] = sum(n for _, n in timed)
                 row[f"{e}_accept_len"] = c["accept_len"] if c else None
+                gaps = [g for r in runs for g in call_gaps_ms(trace, r["rids"])]
+                row[f"{e}_gap_ms"] = (statistics.median(gaps), max(gaps)) if gaps else None  # median, longest
         stock, ours = cases.get("sglang"), cases.get("graphcap")
         row["tokens_equal"] = (sum(x == y for x, y in zip(stock["tokens"], ours["tokens"])) if stock and ours
                                else None)  # requests whose output tokens are stock sglang's
         rows.append(row)
     return rows
+
+
+def stalls(rows: list[dict], engines: tuple[str, ...]) -> list[str]:
+    """A line per engine and batch whose timed runs hold a gap between two draft calls STALL_FACTOR times the
+    median one: a stall inside the timing (its tok/s is then no steady rate; its draft ms, a median, is)."""
+    out = []
+    for r in rows:
+        for e in engines:
+            gap = r.get(f"{e}_gap_ms")
+            if gap and gap[1] > STALL_FACTOR * gap[0]:
+                out.append(f"{e}, batch {r['batch']}: a {gap[1]:.0f} ms gap between two draft calls in a timed run "
+                           f"(median gap {gap[0]:.1f} ms): a stall inside the timing; its tok/s is not the steady "
+                           "rate")
+    return out
 
 
 def table(rows: list[dict], engines: tuple[str, ...]) -> str:
@@ -318,6 +361,8 @@ def main(cfg: ServedConfig) -> int:
           f"draft steps, {cfg.new_tokens} new tokens (records and logs: {work}). draft it/s: 1000 / the draft call's "
           "GPU ms; tok/s: decode tokens/s per request")
     print(table(record["rows"], cfg.engines))
+    for line in stalls(record["rows"], cfg.engines):
+        print(line)
     failed = {e: r for e, r in record["engines"].items() if r.get("crashed")}
     for e, r in failed.items():
         print(f"{e}: the engine failed: {r['error']} (log: {r['log']})")
