@@ -246,8 +246,8 @@ def timed_draft_ms(rows: list[dict], rids: list[str] | set[str]) -> tuple[float 
 
 def call_gaps_ms(rows: list[dict], rids: list[str] | set[str]) -> list[float]:
     """The wall-clock gaps between consecutive draft calls of one timed run (the trace's `t`), ms: every call that ran
-    any of its requests, the tail included, where the batch shrinks as requests finish (a batch size first seen
-    there is where a first-time cost lands)."""
+    any of its requests, the tail included, where the batch shrinks as requests finish (and where a first-time
+    cost was seen to land)."""
     want = set(rids)
     ts = sorted(t["t"] for t in rows if "t" in t and want.intersection(t["rids"]))
     return [(b - a) * 1e3 for a, b in zip(ts, ts[1:])]
