@@ -123,7 +123,9 @@ case $1 in
     [ -n "${TESTS_K:-}" ] && k=(-k "$TESTS_K")
     # the tests are independent processes' worth of state (own temporary dirs, manifests, caches keyed by content)
     python3 -c 'import xdist' 2>/dev/null && args="$args -n ${TESTS_WORKERS:-8} --dist worksteal"
-    step pytest env GRAPHCAP_TEST_TIER=thorough python3 -m pytest ${TESTS_ARGS:-$args} "${k[@]}" ${TESTS_PATHS:-tests/}
+    # Inductor's compile workers per process: 2, not one per core, for 8 processes on 16 cores
+    step pytest env GRAPHCAP_TEST_TIER=thorough TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-2} \
+      python3 -m pytest ${TESTS_ARGS:-$args} "${k[@]}" ${TESTS_PATHS:-tests/}
     ;;
   bench)  # iter/s vs batch against sglang's launches and a user's torch.compile loop (bench.json in
     # $LOG/bench-small and bench-large). The sglang modules the bench imports (decode attention, index builder, split
