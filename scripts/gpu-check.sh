@@ -5,7 +5,7 @@
 #                                 pick, fused ops, layer fusions, skinny GEMM; UNIT_TESTS: other test files). The default
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA, thorough tier (GPU-marked tests and every heavy
 #                                 variant), on TESTS_WORKERS (8) pytest-xdist workers sharing the GPU where xdist is
-#                                 installed: one 600 s call on an H200 (serially the suite needs three).
+#                                 installed, so the suite fits one 600 s call on an H200 (docs/results.md#gpu-tests).
 #                                 TESTS_PATHS runs some files or ids, TESTS_K a -k expression, TESTS_ARGS pytest's
 #                                 options instead of the default, e.g. -v for a per-test log that a cut call keeps;
 #                                 GRAPHCAP_GPU_ALL_BUCKETS=1: the replay tests over every bucket)

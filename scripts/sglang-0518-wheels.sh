@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# sglang 0.5.18 (the user's version) for the lent GPU machine: its wheel and the packages its engine imports that the
-# machine lacks, as Python 3.12 wheels, into ./.whl-0.5.18 (or DEST) - what /work/shared/tools/sglang-wheels-for-device.sh
-# does for 0.5.23 into ./.whl. The two sets do not fit in one call's 64 MiB: carry one of .whl and .whl-0.5.18 per
-# call. DEST must hold no wheels yet (the script will not mix the two sets in one directory).
+# sglang 0.5.18 (the user's version) for a GPU machine without network access: its wheel and the packages its engine
+# imports that the machine lacks, as Python 3.12 wheels, into ./.whl-0.5.18 (or DEST) - what
+# /work/shared/tools/sglang-wheels-for-device.sh does for 0.5.23 into ./.whl. The two sets do not fit in one call's
+# 64 MiB: carry one of .whl and .whl-0.5.18 per call. DEST must hold no wheels yet (the script will not mix the two sets
+# in one directory).
 # The machine has torch 2.11, triton 3.6, transformers 5.17, torchvision (0.5.23's engine imports it there), uvloop,
 # no network. What this set differs in from 0.5.23's:
 # - sglang 0.5.18 (24 MB; the wheel asks for torch 2.13, unused with --no-deps: nothing of 0.5.18 that runs here uses

@@ -3,15 +3,14 @@ sglang's draft and against no speculation, on a model pair sglang loads (your ow
 
 Each engine runs in a child process of its own (`python -m graphcap.bench.served --child CFG OUT`, in its own process
 group, stopped with everything it started): `sglang.Engine` in-process, prompts as token ids (random, seeded: the same
-in every engine), greedy. Per batch B: a warm-up run as long as the long run (a first-time cost at any length the
-timed runs reach - a JIT compile - lands in it, not in one engine's timing), then `repeats` pairs of a short and a
-long run of the same B prompts; decode tokens/s per request = a long run's extra tokens over its extra time (the
-prefill is in both), the median over the pairs. The draft phase's GPU time comes from graphcap's draft trace
+in every engine), greedy. Per batch B: a warm-up run as long as the long run (a first-time cost at any length the timed
+runs reach, such as a JIT compile, lands in it and not in whichever engine happens to run first), then `repeats` pairs
+of a short and a long run of the same B prompts; decode tokens/s per request = a long run's extra tokens over its extra
+time (the prefill is in both), the median over the pairs. The draft phase's GPU time comes from graphcap's draft trace
 (`GRAPHCAP_SGLANG_TRACE`, graphcap.sglang.trace) around the draft worker's `draft` in both MTP engines: CUDA events, so
-any stall the draft causes is in it; the median over the last three quarters of each long run's full-batch calls,
-the median over the pairs. The trace's timestamps give the longest gap between two draft calls of a timed run: a
-gap far above the median one is a stall inside the timing, and is named. The graphcap engine has the flag at its
-defaults.
+any stall the draft causes is in it; the median over the last three quarters of each long run's full-batch calls, the
+median over the pairs. The trace's timestamps give the longest gap between two draft calls of a timed run: a gap far
+above the median one is a stall inside the timing, and is named. The graphcap engine has the flag at its defaults.
 
 This module's parent side imports neither torch nor sglang (the CLI asks torch whether there is CUDA); the children
 do.
@@ -191,8 +190,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 def run_stoppable(cmd: list[str], log, timeout: float | None, env: dict | None = None,
                   cwd: str | Path | None = None) -> tuple[int | None, bool]:
-    """Run `cmd` (an engine's child) in a session of its own, its output to the open file `log`: (exit status, timed
-    out). Past `timeout` seconds (None: no limit), or on an exception while waiting (Ctrl-C, a SIGTERM handler's
+    """Run `cmd` (an engine's child) in a process group of its own, its output to the open file `log`: (exit status,
+    timed out). Past `timeout` seconds (None: no limit), or on an exception while waiting (Ctrl-C, a SIGTERM handler's
     SystemExit), the child and every process it started are killed first: an engine left behind holds the GPU's
     memory while the next one starts. (`start_new_session`, not `process_group=`, which needs Python 3.11.)"""
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
@@ -246,8 +245,8 @@ def timed_draft_ms(rows: list[dict], rids: list[str] | set[str]) -> tuple[float 
 
 def call_gaps_ms(rows: list[dict], rids: list[str] | set[str]) -> list[float]:
     """The wall-clock gaps between consecutive draft calls of one timed run (the trace's `t`), ms: every call that ran
-    any of its requests, the tail included, where the batch shrinks as requests finish (and where a first-time
-    cost was seen to land)."""
+    any of its requests, the tail included: there the batch shrinks as requests finish and the run reaches lengths
+    no shorter run does, so a first-time cost at those lengths shows as one long gap."""
     want = set(rids)
     ts = sorted(t["t"] for t in rows if "t" in t and want.intersection(t["rids"]))
     return [(b - a) * 1e3 for a, b in zip(ts, ts[1:])]
