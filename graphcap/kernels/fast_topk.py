@@ -5,7 +5,8 @@
 
 `fast_topk_torch` is that code, the twin. graphcap's path (topk 1) runs one Triton kernel instead: per row, the
 largest entry and its index, as torch.max with keepdim - ties to the smallest index, NaN above everything (the first
-NaN wins), -0.0 equal to +0.0; the value is the row's own entry, bit for bit, in its dtype; indices int64. Rows
+NaN wins), -0.0 equal to +0.0; the value is the row's own entry, bit for bit, in its dtype (torch.max's, except that
+a NaN keeps its payload: torch's CUDA reduce hands back 0x7fff for a bf16 NaN found after a number); indices int64. Rows
 longer than one block (MAX_BLOCK) are split over programs: each writes its block's best (key, index) and the last
 to finish a row (an atomic ticket per row) reduces them and writes the row's result - one launch, no sync, a grid
 that depends only on shapes (so it captures in CUDA graphs and traces under torch.compile: a triton_op).
