@@ -99,6 +99,22 @@ def test_a_stall_inside_the_timing_is_named():
     assert line.startswith("sglang, batch 4: a 405 ms gap")
 
 
+def test_a_gap_where_requests_join_is_their_prefill_not_a_stall():
+    """A batch admitted in two parts (sglang prefills the rest while the first part decodes): the long gap before the
+    joiners' first call is in every run alike and is left out; a gap of the same length later, with nobody joining,
+    is kept and named."""
+    rids = [f"b6-long0-{i}" for i in range(6)]
+    t = [0.005 * i + (0.1 if i >= 3 else 0.0) + (0.1 if i >= 20 else 0.0) for i in range(30)]
+    trace = [{"rids": rids[:4] if i < 3 else rids if i < 25 else rids[:2], "t": t[i], "gpu_ms": 1.0} for i in range(30)]
+    gaps = served.call_gaps_ms(trace, rids)
+    assert len(gaps) == 28 and sorted(gaps)[-1] == pytest.approx(105.0) and sorted(gaps)[-2] == pytest.approx(5.0)
+    rows = [{"batch": 6, "sglang_gap_ms": (statistics.median(gaps), max(gaps))}]
+    assert served.stalls(rows, ("sglang",))[0].startswith("sglang, batch 6: a 105 ms gap")
+    joined_only = served.call_gaps_ms(trace[:20], rids)
+    assert max(joined_only) == pytest.approx(5.0) and not served.stalls(
+        [{"batch": 6, "sglang_gap_ms": (statistics.median(joined_only), max(joined_only))}], ("sglang",))
+
+
 @pytest.mark.subprocess
 def test_a_failed_engine_is_named_and_its_columns_stay_empty(tmp_path, fake_sglang, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_SGLANG_CRASH", "graphcap")

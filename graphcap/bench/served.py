@@ -246,10 +246,12 @@ def timed_draft_ms(rows: list[dict], rids: list[str] | set[str]) -> tuple[float 
 def call_gaps_ms(rows: list[dict], rids: list[str] | set[str]) -> list[float]:
     """The wall-clock gaps between consecutive draft calls of one timed run (the trace's `t`), ms: every call that ran
     any of its requests, the tail included: there the batch shrinks as requests finish and the run reaches lengths
-    no shorter run does, so a first-time cost at those lengths shows as one long gap."""
+    no shorter run does, so a first-time cost at those lengths shows as one long gap. A gap into a call that one of
+    the run's requests joins is left out: it holds that request's prefill (a batch larger than the engine admits in
+    one prefill joins in parts), the same in the short and the long run, so the tok/s difference cancels it."""
     want = set(rids)
-    ts = sorted(t["t"] for t in rows if "t" in t and want.intersection(t["rids"]))
-    return [(b - a) * 1e3 for a, b in zip(ts, ts[1:])]
+    calls = sorted((t["t"], want.intersection(t["rids"])) for t in rows if "t" in t and want.intersection(t["rids"]))
+    return [(b - a) * 1e3 for (a, ran), (b, runs) in zip(calls, calls[1:]) if runs <= ran]
 
 
 def machine() -> dict:
