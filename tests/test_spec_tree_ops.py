@@ -310,7 +310,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def same_max(got: tuple[torch.Tensor, torch.Tensor], want, x: torch.Tensor) -> bool:
     """The kernel's top-1 against torch.max's (keepdim, last dim): the same index; the value is the row's own entry
     there, bit for bit, which is torch.max's value except a NaN's payload (torch's CUDA reduce hands back 0x7fff for a
-    bf16 NaN found after a number). The gather runs on the bits: torch's own bf16 gather rewrites NaNs too."""
+    bf16 NaN found after a number). The gather runs on the bits: torch's bf16 gather on a CPU rewrites NaNs too."""
     own, nan = x.view(BITS[x.dtype]).gather(-1, want.indices).view(x.dtype), want.values.isnan()
     return (torch.equal(got[1], want.indices) and same_bits(got[0], own) and torch.equal(got[0].isnan(), nan)
             and same_bits(got[0][~nan], want.values[~nan]))
