@@ -270,8 +270,8 @@ def child(cfg: dict) -> dict:
                 return outs, windows[tag][1] - t
 
             # Two warm runs as long as the timed ones: every path a timed run takes (prefill, each batch size of
-            # the tail as requests finish) has run once, so no first-time cost (single 0.4-0.7 s gaps, seen in the
-            # first timed run of a case only: a JIT compile, most likely) lands in a timed run.
+            # the tail as requests finish) has run once, so no first-time cost (such as a JIT compile) lands in a
+            # timed run.
             for k in range(2):
                 gen(cfg["new"], f"warm{k}")
             rates, accepts, long_tags = [], [], []

@@ -27,11 +27,11 @@ log = logging.getLogger("graphcap.sglang")
 # "How much faster is the draft phase?").
 DEFAULT_BACKEND = "cudagraph"
 # Refused at start-up. reduce-overhead: CUDA-graph trees clear every stream's cached cuBLAS workspace around each
-# warm-up and recording (torch._inductor.cudagraph_trees.clear_cublas_manager). sglang captures its target graphs
-# first, their split-K GEMMs embedding the workspace its eager warm-up allocated; graphcap's tree capture frees it, and
-# sglang's verify replays write into freed memory: an illegal address once it is returned to the driver, else
-# another tensor overwritten (docs/sglang.md; tests/test_reduce_overhead_serving_gpu.py checks it per torch). The
-# manual-graph backends clear nothing.
+# warm-up and recording (torch._inductor.cudagraph_trees.clear_cublas_manager), so a graph captured before them
+# replays its split-K GEMMs into freed memory (shown with torch alone; tests/test_reduce_overhead_serving_gpu.py checks
+# it per torch). sglang captures its target graphs first, and its engine crashed with an illegal address in such a
+# GEMM at the verify after the first draft (which graph's GEMM was not identified: docs/results.md). The manual-graph
+# backends clear nothing.
 UNSERVED_BACKENDS = ("reduce-overhead",)
 FLAG = "--enable-draft-graph-capture"
 BACKEND_FLAG = "--draft-graph-capture-backend"
@@ -248,9 +248,9 @@ def validate_server_args(server_args) -> DraftCaptureOptions:
     if opts.backend in UNSERVED_BACKENDS:
         raise DraftCaptureConfigError(
             f"{FLAG}: {BACKEND_FLAG} {opts.backend} is not supported in sglang's engine: torch.compile's CUDA-graph "
-            "trees free the cuBLAS workspace that sglang's already captured verify graphs use, so sglang's engine "
-            "crashed (CUDA illegal memory access) at its first verify after a draft. Use "
-            f"{DEFAULT_BACKEND} (the default) or inductor-cudagraph (docs/sglang.md).")
+            "trees free the cuBLAS workspace of CUDA graphs captured before them, as sglang captures its target's, "
+            "and sglang's engine crashed (CUDA illegal memory access in a cuBLAS GEMM) at its first verify after a "
+            f"draft. Use {DEFAULT_BACKEND} (the default) or inductor-cudagraph (docs/sglang.md).")
     if opts.backend in COMPILED_BACKENDS and get("enable_torch_compile"):
         raise DraftCaptureConfigError(
             f"{FLAG}: {BACKEND_FLAG} {opts.backend} with --enable-torch-compile is not supported: to compile sglang's "

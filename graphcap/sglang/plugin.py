@@ -126,8 +126,8 @@ def add_arguments(parser) -> None:
                    help="graphcap: how the draft iteration is captured: 'cudagraph' = torch.cuda.CUDAGraph of the "
                         "eager ops, 'inductor-cudagraph' = the Inductor-compiled iteration recorded in "
                         "torch.cuda.CUDAGraph. 'reduce-overhead' (torch.compile's CUDA-graph trees) is refused at "
-                        "start-up: the trees free the cuBLAS workspace of sglang's captured verify graphs, and the "
-                        "engine crashed. Default: %(default)s.")
+                        "start-up: the trees free the cuBLAS workspace of graphs captured before them, "
+                        "as sglang's are, and the engine crashed. Default: %(default)s.")
     g.add_argument(MANIFEST_FLAG, dest=_DEST["manifest_dir"], default=None, metavar="DIR",
                    help="graphcap: directory for the capture manifest that `graphcap inspect DIR` lists (default: "
                         "$GRAPHCAP_MANIFEST_DIR, else $XDG_CACHE_HOME/graphcap/manifests, else "
