@@ -7,8 +7,11 @@ Both models predict a function of the last token; their layers add small (nonzer
 - target: greedy next token after x is x+1 (mod V);
 - assistant: greedy next token after x is tau(x+1), tau swapping a fraction `disagree` of the vocabulary in pairs,
   so a draft step is accepted unless the token it drafts is swapped: mean accept length ~ 1 + p + ... + p^k.
-Writes DIR/target and DIR/assistant (config.json, generation_config.json, model.safetensors) and DIR/summary.json
-(margins and intended-token fractions from a float32 emulation of both heads, layers ignored).
+Writes DIR/target and DIR/assistant (config.json, generation_config.json, model.safetensors, and a word-level
+tokenizer over the whole vocabulary: tokenizer.json, tokenizer_config.json with a chat template) and DIR/summary.json
+(margins and intended-token fractions from a float32 emulation of both heads, layers ignored). With the tokenizer,
+sglang's server tokenizes, detokenizes and streams text as it does for a real model: token `i` is the word `w<i>`
+(a few ids are chat-template words), so any token sequence survives text and back unchanged.
 """
 from __future__ import annotations
 
@@ -27,6 +30,12 @@ ALPHA2 = 0.3  # share of |E[t]|^2 in pre_projection's range (what the assistant 
 CLUSTER2 = 0.5  # share of |lm_head_d[y]|^2 shared by y's centroid cluster (so the centroid top-k finds it)
 PREV_GAIN = 0.05  # |prev_hidden part of pre_projection output| relative to the token part: participates, never decides
 SL, FU = "sliding_attention", "full_attention"
+# The tokenizer's words: the special tokens at the ids the configs name (pad 0, eos 1, bos 2), then the chat template's
+# words, then `w<id>` for every other id. Word-level over whitespace: text and ids convert both ways exactly.
+SPECIAL_WORDS = ("<pad>", "<eos>", "<bos>", "<unk>")
+TEMPLATE_WORDS = ("turn", "system", "user", "assistant")
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}turn {{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}turn assistant {% endif %}")
 
 
 @dataclass(frozen=True)
@@ -254,6 +263,27 @@ def check(s: Shapes, tw: dict, dw: dict, tau: torch.Tensor, sample: int, seed: i
     }
 
 
+def word(i: int) -> str:
+    """The word of token id `i` in the checkpoints' tokenizer."""
+    fixed = SPECIAL_WORDS + TEMPLATE_WORDS
+    return fixed[i] if i < len(fixed) else f"w{i}"
+
+
+def write_tokenizer(directory: Path, vocab: int, max_pos: int) -> None:
+    """A word-level tokenizer over ids [0, vocab) (`word`), whitespace-split, no special tokens added on encoding
+    (the chat template writes the bos), with transformers' files: tokenizer.json and tokenizer_config.json."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({word(i): i for i in range(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(w, special=True, normalized=False) for w in SPECIAL_WORDS])
+    tok.save(str(directory / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "eos_token": "<eos>",
+           "bos_token": "<bos>", "unk_token": "<unk>", "model_max_length": max_pos, "clean_up_tokenization_spaces": False,
+           "chat_template": CHAT_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def make_pair(size: str, out: str | Path, disagree: float = 0.3, seed: int = 0, device: str = "cuda",
               window: int = 1024, max_pos: int = 32768, sample: int = 2048) -> dict:
     """Write out/target and out/assistant; returns the summary (also out/summary.json). The user-scale target holds
@@ -276,6 +306,7 @@ def make_pair(size: str, out: str | Path, disagree: float = 0.3, seed: int = 0, 
         (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (d / "generation_config.json").write_text(json.dumps(gen_cfg) + "\n")
         save_file({k: v.contiguous() for k, v in w.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+        write_tokenizer(d, s.vocab, max_pos)
         summary[f"{name}_bytes"] = sum(v.numel() * v.element_size() for v in w.values())
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -18,7 +18,7 @@ from graphcap.bench import options as bench_options
 from graphcap.bench.options import OptionError
 from graphcap.bench.options import add_arguments as add_bench_arguments
 from graphcap.errors import GraphcapInputError
-from graphcap.manifest import (Manifest, ManifestError, Parallel, default_manifest_dir, list_manifests,
+from graphcap.manifest import (Manifest, ManifestError, Parallel, Serving, default_manifest_dir, list_manifests,
                                manifest_path, read_manifest)
 
 PROG = "graphcap"
@@ -242,7 +242,20 @@ def format_manifest(m: Manifest, path: str | Path | None = None) -> str:
         if b.status == "failed":
             lines.append(f"failed bucket {b.batch_size}: {b.reason or 'no reason recorded'}")
     lines += [f"note: {n}" for n in m.notes]
+    lines += format_serving(m.serving) if m.serving is not None else []
     return "\n".join(lines)
+
+
+def format_serving(s: Serving) -> list[str]:
+    """The manifest's serving section: the window rows' bookkeeping and the Triton kernel variants compiled."""
+    lines = ["", f"rows: {s.joins} joins, {s.resets} rebuilt, {s.retracts} retracted, "
+                 f"{s.evictions_in_window} in-window SWA evictions",
+             f"kernel variants: {s.variants_preloaded} recorded ones compiled at start-up"
+             + (f" ({s.variants_preload_failed} could not be)" if s.variants_preload_failed else "")
+             + f", {s.variants_at_startup} more before the first draft, {s.variants_while_serving} while serving"]
+    lines += [f"  compiled while serving, {c.after_s:.1f} s after the first draft: {c.kernel} "
+              f"({1e3 * c.seconds:.0f} ms) {c.variant}" for c in s.late_compiles]
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------------------

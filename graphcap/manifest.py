@@ -119,6 +119,35 @@ class Parallel:
 
 @with_config(_FORBID)
 @dataclass
+class LateCompile:
+    """A Triton kernel variant first compiled while serving (graphcap.sglang.variants)."""
+
+    kernel: Text  # "<module>:<qualname>"
+    variant: Text  # Triton's description of the variant
+    seconds: Seconds  # the compile (or the load from Triton's disk cache)
+    after_s: Seconds  # since the process's first draft call
+
+
+@with_config(_FORBID)
+@dataclass
+class Serving:
+    """What the sglang plugin saw while serving: its window rows' bookkeeping and the Triton kernel variants compiled
+    in the process (graphcap.sglang.variants). Written with the manifest; None where nothing served (a capture
+    outside sglang)."""
+
+    joins: Count = 0  # requests that joined a row (after their prefill)
+    resets: Count = 0  # rows rebuilt from req_to_token (a join, a retraction, freed in-window SWA pages)
+    retracts: Count = 0  # rows whose request sglang retracted
+    evictions_in_window: Count = 0  # SWA pages freed inside a live window (the row rebuilt)
+    variants_preloaded: Count = 0  # recorded variants compiled at start-up, before serving
+    variants_preload_failed: Count = 0  # recorded variants that could not be (another kernel source or target)
+    variants_at_startup: Count = 0  # compiled by a launch before the first draft call
+    variants_while_serving: Count = 0  # compiled by a launch after it: each one a stall while serving
+    late_compiles: list[LateCompile] = field(default_factory=list)  # the first of those, named
+
+
+@with_config(_FORBID)
+@dataclass
 class Manifest:
     format_version: Annotated[int, Strict(), Field(ge=1)]
     spec_name: Text
@@ -140,6 +169,7 @@ class Manifest:
     notes: list[Text] = field(default_factory=list)
     compile_cache: Text | None = None  # DraftGraphs(compile_cache=...): "hit", "miss" or "refused: <why>"; else None
     parallel: Parallel | None = None  # the writing process's ranks (the sglang plugin); None: not recorded
+    serving: Serving | None = None  # the sglang plugin's rows and kernel variants; None: not serving
 
     @classmethod
     def for_spec(cls, spec: Any, backend: str | None = None, env: dict[str, Any] | None = None, *,
@@ -325,7 +355,7 @@ _MANIFEST = TypeAdapter(Manifest)
 
 
 # Fields added after format 1's first files: absent in those, so absence means the default, not a cut file.
-_ADDED_FIELDS = frozenset({"dynamic_batch", "compile_cache", "parallel"})
+_ADDED_FIELDS = frozenset({"dynamic_batch", "compile_cache", "parallel", "serving"})
 
 
 def _first_missing(raw: dict[str, Any], cls: type, prefix: str, optional: frozenset[str] = frozenset()) -> str | None:

@@ -134,6 +134,23 @@ class WindowBuffers:
         window_advance(self.ring, self.seq_lens, self.req_to_token, self.full_to_swa, slots, accepted,
                        min(self.max_accepted, self.window))
 
+    def mismatches(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of `slots` (a device tensor), against a rebuild from req_to_token as it is now: how many of the
+        window's positions the ring holds differently, and the first such position (newest first; -1 where none).
+        On the device, O(rows x W), no sync: for a check mode that reads it back with whatever else it checks."""
+        w = self.window
+        s = slots.to(self.device, torch.int64)
+        lens = self.seq_lens.index_select(0, s).to(torch.int64)
+        pos = lens[:, None] - 1 - torch.arange(w, device=self.device)  # [rows, W], newest first
+        p = pos.clamp(min=0, max=self.req_to_token.shape[1] - 1)
+        rows = s.clamp(max=self.max_slots - 1)[:, None]  # the padding slot has no req_to_token row (length 0)
+        want = self.req_to_token[rows, p].to(torch.int64)
+        if self.full_to_swa is not None:
+            want = self.full_to_swa[want.clamp(0, self.full_to_swa.numel() - 1)].to(torch.int64)
+        bad = (pos >= 0) & (self.ring[s[:, None], p % w].to(torch.int64) != want)
+        first = torch.where(bad.any(1), pos.gather(1, bad.to(torch.int32).argmax(1, keepdim=True))[:, 0], -1)
+        return bad.sum(1), first
+
     def window_locs(self, slot: int) -> torch.Tensor:
         """The live window of `slot`, oldest to newest, as a CPU tensor (tests and debugging)."""
         if not 0 <= slot <= self.padding_slot:

@@ -392,6 +392,20 @@ def test_check_mode_names_what_disagrees(device, monkeypatch, corrupt, named):
         assert re.search(pattern, str(e.value)), (pattern, str(e.value))
 
 
+def test_check_mode_names_a_ring_row_that_went_stale(device, monkeypatch):
+    """sglang moves a token that graphcap's ring already holds (a location rewritten in req_to_token without any of
+    the events graphcap follows): the check mode's comparison against a rebuild names the row and the position."""
+    monkeypatch.setenv(CHECK_ENV, "1")
+    rt, sched = _steady(device)
+    batch = sched.batch()
+    i = next(i for i, r in enumerate(batch.reqs) if r.length >= 7)
+    row, pos = slot_of(batch.reqs[i]), batch.reqs[i].length - 6  # held since an earlier draft (<= 4 accepted since)
+    rt.window.req_to_token[row, pos] += 1
+    with pytest.raises(RuntimeError, match=CHECK_ENV) as e:
+        rt.iterate(batch)
+    assert f"row {row}: 1 positions, the newest at {pos}" in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("given", ["both", "seq_lens_cpu", "none"])
 def test_check_mode_passes_whatever_host_lengths_sglang_gives(device, monkeypatch, given):
     monkeypatch.setenv(CHECK_ENV, "1")

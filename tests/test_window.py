@@ -44,6 +44,9 @@ def check_invariant(wb: WindowBuffers, lens: dict[int, int]) -> None:
     rows = list(lens)
     assert torch.equal(fresh.ring[rows], wb.ring[rows])
     assert torch.equal(fresh.seq_lens, wb.seq_lens)
+    if rows:  # the check mode's comparison against a rebuild finds nothing either
+        n, first = wb.mismatches(torch.tensor(rows + [wb.padding_slot], device=wb.device))
+        assert n.tolist() == [0] * (len(rows) + 1) and first.tolist() == [-1] * (len(rows) + 1)
 
 
 IMPLS = ["kernel", "twin"]
@@ -81,6 +84,28 @@ def test_random_resets_and_advances_match_rebuild(impl, device, data, window, wi
                     lens[s] += a
             check_invariant(wb, lens)
     assert int(wb.seq_lens[wb.padding_slot]) == 0
+
+
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), window=st.sampled_from([1, 3, 8, 16]), with_f2s=st.booleans(), seed=st.integers(0, 2**16))
+def test_mismatches_names_exactly_the_stale_positions(device, data, window, with_f2s, seed):
+    """`mismatches` against a rebuild: after sglang changes a location graphcap holds (req_to_token rewritten at one
+    position), that row counts it at that position if the window holds it, and nothing otherwise."""
+    r2t, f2s = make_pools(seed, with_f2s, device)
+    wb = WindowBuffers(r2t, window, SLOTS, f2s)
+    slots = data.draw(st.lists(st.integers(0, SLOTS - 1), min_size=1, max_size=SLOTS, unique=True))
+    lens = [data.draw(st.integers(1, ROW)) for _ in slots]
+    wb.reset(slots, lens)
+    i = data.draw(st.integers(0, len(slots) - 1), label="row")
+    pos = data.draw(st.integers(0, lens[i] - 1), label="position")
+    r2t[slots[i], pos] = r2t[slots[i], pos] % (SLOTS * ROW) + 1  # another location of the pool
+    if f2s is not None and f2s[r2t[slots[i], pos]] == wb.ring[slots[i], pos % window]:
+        f2s[r2t[slots[i], pos]] += 1  # its SWA id too
+    n, first = wb.mismatches(torch.tensor(slots, device=device))
+    inside = pos >= lens[i] - window
+    want_n = [int(inside) if j == i else 0 for j in range(len(slots))]
+    assert n.tolist() == want_n
+    assert first.tolist() == [pos if (j == i and inside) else -1 for j in range(len(slots))]
 
 
 def test_long_run_wraps_many_times(device):

@@ -149,6 +149,7 @@ class DraftGraphs:
         self._compiled: CompiledIteration | None = None
         self._warned: set[str] = set()
         self._notes: list[str] = []  # for the manifest
+        self.serving: Callable[[], mf.Serving] | None = None  # the manifest's serving section, from the engine
         self.captured = False
         if manifest_path == "default":  # $GRAPHCAP_MANIFEST_DIR or the per-user cache; None: write none
             manifest_path = mf.manifest_path(mf.default_manifest_dir(), spec.name if spec else "unnamed",
@@ -389,6 +390,8 @@ class DraftGraphs:
         m.dynamic_batch = self.dynamic_batch
         m.compile_cache = self._compile.state
         m.notes = [*self._compile.notes, *self._notes]
+        if self.serving is not None:
+            m.serving = self.serving()
         return m
 
     def flush(self) -> None:

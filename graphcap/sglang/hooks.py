@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import weakref
 
+from graphcap.sglang import variants
 from graphcap.sglang.compat import SglangLayoutError, swa_evicted_len
 from graphcap.sglang.config import (DraftCaptureConfigError, options_of, unpatched_worker_hooks,
                                                   validate_server_args)
@@ -62,6 +63,7 @@ def around_draft(original, worker, batch, *args, **kwargs):
     rt = runtime_of(worker)
     if rt is None or not rt.active or batch.forward_mode.is_idle():
         return original(worker, batch, *args, **kwargs)
+    variants.note_draft()
     return rt.draft(batch, fallback=lambda: original(worker, batch, *args, **kwargs))
 
 

@@ -71,6 +71,10 @@ def register() -> None:
     else:
         _warn_untested_version()
     trace_dir = os.environ.get(TRACE_ENV)
+    if SCHEDULER_MODULE in sys.modules and (opts.enabled or trace_dir):  # Triton's compiles in the scheduler
+        from graphcap.sglang.variants import install_process
+
+        install_process(trace_dir or None)
     if trace_dir and SCHEDULER_MODULE in sys.modules and not STATE.trace:  # after graphcap's hooks: wraps them
         from graphcap.sglang.trace import install
 

@@ -34,13 +34,14 @@ from graphcap.engine.backends import COMPILED_BACKENDS
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import CaptureError
 from graphcap.sglang import linear as sglang_linear
+from graphcap.sglang import variants
 from graphcap.sglang.compat import gathers_draft_inputs, translates_kv_locations
 from graphcap.sglang.config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_parallel
 from graphcap.sglang.loop import GraphcapDraftAttention, SglangAssistantLoop
 from graphcap.sglang.slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
 from graphcap.engine.iteration import DraftOutput
 from graphcap.kernels.skinny_gemm import KERNEL_ROWS
-from graphcap.engine.observers import LoggingProgress
+from graphcap.engine.observers import CaptureObserver, LoggingProgress
 from graphcap.window import WindowBuffers
 
 log = logging.getLogger("graphcap.sglang")
@@ -92,14 +93,32 @@ def _flush_at_exit(ref: weakref.ref) -> None:
             log.warning("graphcap: could not write manifest %s at exit: %s", graphs.manifest_path, e)
 
 
+class SaveVariants(CaptureObserver):
+    """At each manifest flush (and so at exit), the kernel variants compiled while serving into the variants file."""
+
+    def __init__(self, vlog: variants.VariantLog, path) -> None:
+        self.vlog, self.path = vlog, path
+
+    def on_flush(self, manifest: mf.Manifest) -> None:
+        self.vlog.save(self.path)
+
+
 def check_lengths(window: WindowBuffers, batch, host_slots: list[int]) -> None:
     """GRAPHCAP_SGLANG_CHECK=1, after the replay: graphcap's window lengths and every host length that goes on to
     sglang (`batch.seq_lens_sum`, `batch.seq_lens_cpu`, where the scheduler set them), and the rows replayed, must
-    agree with `batch.seq_lens`. One sync (plus the host mirror's read); raises naming each field that disagreed."""
+    agree with `batch.seq_lens`, and every row's window ring must equal a rebuild from sglang's req_to_token and SWA
+    mapping as they are now (`WindowBuffers.mismatches`). One sync (plus the host mirror's read); raises naming each
+    field that disagreed."""
     seq_lens, rows_dev = batch.seq_lens, batch.req_pool_indices
     ours = window.seq_lens.index_select(0, rows_dev.to(window.device)).to(seq_lens.device, seq_lens.dtype)
-    theirs, lens, rows = torch.stack([seq_lens, ours, rows_dev.to(seq_lens.device, seq_lens.dtype)]).tolist()
+    n_bad, first_bad = (t.to(seq_lens.device, seq_lens.dtype) for t in window.mismatches(rows_dev))
+    theirs, lens, rows, n_bad, first_bad = torch.stack(
+        [seq_lens, ours, rows_dev.to(seq_lens.device, seq_lens.dtype), n_bad, first_bad]).tolist()
     bad = []
+    stale = [f"row {r}: {n} positions, the newest at {p}" for r, n, p in zip(rows, n_bad, first_bad) if n]
+    if stale:
+        bad.append("graphcap's window ring differs from req_to_token / full_to_swa as sglang holds them now ("
+                   + "; ".join(stale) + ")")
     if rows != list(host_slots):
         bad.append(f"batch.req_pool_indices {rows} != the requests' req_pool_idx {list(host_slots)}")
     if lens != theirs:
@@ -258,6 +277,28 @@ class GraphcapDraftRuntime:
                                     static_tensors=static, backend=backend, manifest_dir=self.options.manifest_dir,
                                     name=name, steps=self.steps, parallel=sglang_parallel(w))
         self.attach(graphs)
+        graphs.serving = self.serving_record
+        vlog = variants.PROCESS
+        if vlog is not None and graphs.manifest_path:  # every variant the last run needed, compiled before serving
+            path = variants.variants_path(graphs.manifest_path)
+            if vlog.preload(path):
+                log.info("graphcap: compiled %d recorded kernel variants at start-up (%s)", vlog.preloaded, path)
+            graphs.add_observer(SaveVariants(vlog, path))
+            graphs.flush()
+
+    def serving_record(self) -> mf.Serving:
+        """The manifest's serving section: the rows' bookkeeping and this process's kernel variants."""
+        st = self.tracker.stats
+        rec = mf.Serving(joins=st["joins"], resets=st["resets"], retracts=st["retracts"],
+                         evictions_in_window=st["evictions_in_window"])
+        vlog = variants.PROCESS
+        if vlog is not None:
+            v, since = vlog.summary(), vlog.serving_since or 0.0
+            rec.variants_preloaded, rec.variants_preload_failed = v.preloaded, v.preload_failed
+            rec.variants_at_startup, rec.variants_while_serving = v.at_startup, v.while_serving
+            rec.late_compiles = [mf.LateCompile(r.kernel, r.variant, round(r.seconds, 4), round(max(0.0, r.t - since), 3))
+                                 for r in v.late]
+        return rec
 
     def _context(self):
         """The loop's sglang forward context (what its compiled code was traced under), or none without a loop."""

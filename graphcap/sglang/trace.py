@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from graphcap.sglang import variants
 from graphcap.sglang.config import TRACE_ENV  # noqa: F401 - where the variable is named
 # Records read back per sync: few enough that a killed scheduler (sglang's engine shutdown kills its children, so
 # no exit handler runs) loses little; `GRAPHCAP_SGLANG_TRACE_FLUSH=1` loses nothing, at one sync per draft.
@@ -76,6 +77,7 @@ class DraftTrace:
     def around_draft(self, original, worker, batch, *args, **kwargs):
         if batch.forward_mode.is_idle():
             return original(worker, batch, *args, **kwargs)
+        variants.note_draft()
         rids = [r.rid for r in batch.reqs]
         lens = batch.seq_lens_cpu.tolist() if getattr(batch, "seq_lens_cpu", None) is not None else None
         profiling = self._profiling(len(rids))
