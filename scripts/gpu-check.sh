@@ -43,9 +43,17 @@
 #                                 ENGINE_SPEED_ENGINES=sglang,graphcap: leave the target alone out; ENGINE_REPEATS;
 #                                 ENGINE_CONTEXT: the prompts' length, default 2048; ENGINE_PROJECTIONS=graphcap,sglang:
 #                                 graphcap once per --draft-graph-projections value)
+#   scripts/gpu-check.sh server   sglang's HTTP server as users start it (bench/sglang_server.py) on the draft-shapes
+#                                 pair: SERVER_SERVERS (graphcap,sglang,nospec; -small: a small KV pool, -check: graphcap's
+#                                 check mode), SERVER_PHASES (bench,gsp,multiturn; faults, soak), SERVER_CONCURRENCY
+#                                 (1,8,32), SERVER_SOAK_S (480), SERVER_PREFILL_GRAPHS=1 (sglang's prefill graphs kept),
+#                                 SERVER_BUDGET_S (480: no server starts after that), SERVER_VARIANTS_FROM (a directory in
+#                                 the tree holding an earlier call's graphcap variants files), SERVER_FRESH_TRITON=1 (an
+#                                 empty Triton cache for this stage). sglang's Python radix-tree core (its Rust one is built
+#                                 for another torch); datasets stubbed where missing (tests/bench_serving_stubbed.py)
 # Several stages run in one call in order: scripts/gpu-check.sh unit bench. Logs: $GPU_WORK/logs (default
 # /tmp/graphcap-gpu), packed into $OUT/gpu-<stages joined by ->.tar.gz (default OUT=out/gpu).
-STAGES="unit tests bench capture engine-check engine-speed user-scale user-setup"
+STAGES="unit tests bench capture engine-check engine-speed user-scale user-setup server"
 DEFAULT_STAGE=unit
 PACK_NAME=gpu
 source "$(dirname "$0")/gpu-lib.sh"
@@ -202,6 +210,27 @@ case $1 in
     ;;
   user-setup)  # issue 42: the user's sglang versions, draft steps and an A100's kernel paths, on the tiny pair
     user_setup
+    ;;
+  server)  # sglang's HTTP server as users run it, driven by sglang's own client and graphcap's (header: knobs)
+    engine_env
+    # sglang 0.5.23's Rust radix-tree core is built for the torch its wheel pins (2.14) and aborts under this machine's
+    # torch at the first chunked prefill; sglang's own Python core is the same tree
+    export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=${SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND:-python}
+    [ "${SERVER_FRESH_TRITON:-0}" = 1 ] && export TRITON_CACHE_DIR=$WORK/triton-server-$(date +%s)
+    local until=$(( $(date +%s) + ${SERVER_BUDGET_S:-480} )) bs=() extra=()
+    python3 -c 'import datasets' 2>/dev/null || bs=(--bench-serving "python3 tests/bench_serving_stubbed.py")
+    [ "${SERVER_PREFILL_GRAPHS:-0}" = 1 ] && extra+=(--prefill-graphs)
+    [ -n "${SERVER_VARIANTS_FROM:-}" ] && extra+=(--variants-from "$SERVER_VARIANTS_FROM")
+    [ -f "$WORK/ckpt-ds/target/tokenizer.json" ] || step ckpt-draft-shapes python3 bench/sglang_checkpoint.py \
+      --size draft-shapes --out "$WORK/ckpt-ds" --device cuda
+    STEP_LIMIT=${STEP_LIMIT:-580} step server python3 bench/sglang_server.py --ckpt "$WORK/ckpt-ds" \
+      --servers "${SERVER_SERVERS:-graphcap,sglang,nospec}" --phases "${SERVER_PHASES:-bench,gsp,multiturn}" \
+      --concurrency "${SERVER_CONCURRENCY:-1,8,32}" --soak-s "${SERVER_SOAK_S:-480}" --until "$until" \
+      --work "$WORK/server" --out "$LOG/server.json" "${bs[@]}" "${extra[@]}"
+    mkdir -p "$LOG/server-files"  # each server's log end, graphcap's manifests and variants files, the traces' ends
+    for p in "$WORK"/server/*.log "$WORK"/server/manifests-*/*.json "$WORK"/server/trace-*/compiles-*.jsonl; do
+      [ -f "$p" ] && tail -c 300000 "$p" > "$LOG/server-files/$(basename "$(dirname "$p")")-$(basename "$p")"
+    done
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

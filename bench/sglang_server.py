@@ -1,0 +1,332 @@
+"""sglang's HTTP server as users run it, with and without `--enable-draft-graph-capture`, under sglang's own benchmark
+client and graphcap's clients (graphcap.bench.server, graphcap.bench.load, graphcap.bench.server_report).
+
+    python3 bench/sglang_server.py --ckpt CK --servers graphcap,sglang,nospec --phases bench,gsp,multiturn \
+        --work W --out W/server.json
+
+CK is a pair bench/sglang_checkpoint.py wrote (CK/target, CK/assistant, with their tokenizer). Servers, one at a time,
+each started as `python -m sglang.launch_server` with sglang's defaults (graphcap.bench.server.ServerConfig says
+which settings differ and why): `nospec` (the target alone), `sglang` (stock MTP), `graphcap` (MTP with the flag),
+and any of them with `-small` (a KV pool of --small-pool tokens: the radix cache evicts and sglang retracts) or,
+for graphcap, `-check` (GRAPHCAP_SGLANG_CHECK=1: every draft checked against sglang's own tables, the window rings
+included). Phases, each on every server:
+- bench: sglang.bench_serving, random dataset (prompts from a ShareGPT-format file of the model's own words), the
+  same requests at each --concurrency, after a warm-up run;
+- gsp: sglang.bench_serving's generated-shared-prefix dataset (prefix-cache hits across requests);
+- multiturn: graphcap's chat client, 8 conversations x 4 rounds over /v1/chat/completions, streamed, each reply
+  appended to its conversation; then again with /flush_cache between rounds;
+- faults: disconnecting clients, one-token requests, prompts past the window and a prefill chunk, stop strings,
+  more requests than the largest graph bucket; the server must answer after each;
+- soak: --soak-s seconds of sustained mixed load at --soak-concurrency: gaps between draft calls (the draft trace),
+  Triton compiles after warm-up, GPU memory.
+Greedy throughout: the same requests give the same text on every server unless the numerics differ; the record
+compares graphcap's texts with stock sglang's, and stock sglang's across its own runs (batching differs).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+from graphcap.bench import load
+from graphcap.bench import server_report as rep
+from graphcap.bench.served import machine
+from graphcap.bench.server import LAUNCHER, Server, ServerConfig, ServerFailed, http_json
+
+PHASES = ("bench", "gsp", "multiturn", "faults", "soak")
+
+
+def server_config(label: str, ckpt: Path, args: argparse.Namespace, port: int) -> ServerConfig:
+    kind, *mods = label.split("-")
+    extra: tuple[str, ...] = ()
+    if "small" in mods:
+        extra = ("--max-total-tokens", str(args.small_pool))
+    return ServerConfig(kind=kind, model_path=str(ckpt / "target"),
+                        draft_model_path=None if kind == "nospec" else str(ckpt / "assistant"), steps=args.steps,
+                        port=port, prefill_graphs=args.prefill_graphs, check="check" in mods, extra_args=extra,
+                        name=label)
+
+
+class MemorySampler:
+    """GPU memory in use on device 0 every `every_s` (NVML), on the harness's clock; nothing without NVML."""
+
+    def __init__(self, every_s: float = 2.0) -> None:
+        self.every_s, self.samples, self._stop = every_s, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:
+            return
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), pynvml.nvmlDeviceGetMemoryInfo(h).used // 2**20))
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def server_facts(url: str) -> dict:
+    status, info = http_json(url + "/server_info")
+    info = info if status == 200 and isinstance(info, dict) else {}
+
+    def find(key: str):
+        if key in info:
+            return info[key]
+        for v in info.values():
+            if isinstance(v, dict) and key in v:
+                return v[key]
+        return None
+    return {k: find(k) for k in ("chunked_prefill_size", "max_total_num_tokens", "max_running_requests",
+                                 "cuda_graph_max_bs", "disable_radix_cache", "page_size", "attention_backend")}
+
+
+def run_phases(srv: Server, args: argparse.Namespace, words: load.Words, work: Path, shared: dict) -> dict:
+    cfg, url, out = srv.cfg, srv.cfg.url, {}
+    model = str(Path(cfg.model_path))
+    tok = cfg.model_path
+    for phase in args.phases:
+        t0 = time.perf_counter()
+        try:
+            if phase == "bench":
+                data = shared.setdefault("sharegpt", load.write_sharegpt(work / "sharegpt.json", words, seed=7))
+                warm = load.bench_serving_args(url, tok, work / f"{cfg.label}-warm.jsonl", dataset="random",
+                                               num_prompts=2 * max(args.concurrency), concurrency=max(args.concurrency),
+                                               input_len=args.input_len, output_len=64, seed=99, dataset_path=data)
+                load.run_bench_serving(warm, work / f"{cfg.label}-warm.log", work / f"{cfg.label}-warm.jsonl",
+                                       command=args.bench_serving)
+                runs = {}
+                for c in args.concurrency:
+                    f = work / f"{cfg.label}-bench-c{c}.jsonl"
+                    a = load.bench_serving_args(url, tok, f, dataset="random", num_prompts=args.num_prompts,
+                                                concurrency=c, input_len=args.input_len, output_len=args.output_len,
+                                                range_ratio=0.5, seed=1, dataset_path=data)
+                    res = load.run_bench_serving(a, work / f"{cfg.label}-bench-c{c}.log", f, command=args.bench_serving)
+                    runs[str(c)] = {"summary": load.summarize_bench(res), "texts": res.get("generated_texts")}
+                out[phase] = runs
+            elif phase == "gsp":
+                f = work / f"{cfg.label}-gsp.jsonl"
+                a = load.bench_serving_args(url, tok, f, dataset="generated-shared-prefix", num_prompts=32,
+                                            concurrency=8, seed=3, gsp=dict(num_groups=4, prompts_per_group=8,
+                                                                          system_prompt_len=2048, question_len=128,
+                                                                          output_len=128))
+                res = load.run_bench_serving(a, work / f"{cfg.label}-gsp.log", f, command=args.bench_serving)
+                out[phase] = {"summary": load.summarize_bench(res), "texts": res.get("generated_texts")}
+            elif phase == "multiturn":
+                out[phase] = {key: asyncio.run(load.multi_turn(url, model, words, flush=flush, seed=5))
+                              for key, flush in (("kept", False), ("flushed", True))}
+            elif phase == "faults":
+                facts = server_facts(url)
+                largest = shared.setdefault("largest_bucket", args.largest_bucket or facts.get("cuda_graph_max_bs")
+                                            or 256)
+                chunk = shared.setdefault("chunk", facts.get("chunked_prefill_size") or 8192)
+                out[phase] = asyncio.run(load.faults(url, words, largest_bucket=int(largest), window=args.window,
+                                                     chunk=int(chunk), seed=11))
+                out[phase]["facts"] = facts
+            elif phase == "soak":
+                start = time.perf_counter()
+                with MemorySampler() as mem:
+                    recs = asyncio.run(load.sustained(url, model, words, duration_s=args.soak_s,
+                                                      concurrency=args.soak_concurrency, seed=13))
+                out[phase] = {"start": start, "warmup_end": start + args.soak_warmup_s, "records": recs,
+                              "memory": rep.memory_trend(mem.samples, after=start + args.soak_warmup_s),
+                              "memory_samples": mem.samples}
+        except Exception as e:  # a phase that breaks is a finding: record it and go on to the next
+            out[phase] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}
+        out.setdefault("seconds", {})[phase] = round(time.perf_counter() - t0, 1)
+        out.setdefault("alive_after", {})[phase] = srv.alive()
+        if not srv.alive():
+            out["died"] = srv.why()
+            break
+    return out
+
+
+def summarize_server(label: str, srv: Server, phases: dict) -> dict:
+    """A server's record: what it ran with, start-up, each phase's numbers (texts left to the comparisons)."""
+    compiles = rep.read_jsonl(srv.trace_dir / "compiles-*.jsonl")
+    trace = rep.read_jsonl(srv.trace_dir / "draft-trace-*.jsonl")
+    s: dict = {"command": (srv.work / f"{label}.cmd").read_text().strip(), "departures": srv.cfg.departures,
+               "check_mode": srv.cfg.check, "startup_s": srv.startup_s, "seconds": phases.get("seconds"),
+               "alive_after": phases.get("alive_after"), "died": phases.get("died"),
+               "compiles": rep.compiles_summary(compiles), "draft_calls": len(trace)}
+    for name in ("bench", "gsp"):
+        if name in phases:
+            p = phases[name]
+            s[name] = ({c: r["summary"] for c, r in p.items()} if name == "bench" and "error" not in p
+                       else p.get("summary", p))
+    if "multiturn" in phases:
+        mt = phases["multiturn"]
+        s["multiturn"] = mt if "error" in mt else {
+            key: [{"round": i + 1, "cached_tokens": sum(r.get("cached_tokens") or 0 for r in rnd),
+                   "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in rnd), **rep.latency(rnd)}
+                  for i, rnd in enumerate(v["rounds"])] for key, v in mt.items()}
+    if "faults" in phases:
+        f = phases["faults"]
+        s["faults"] = f if "error" in f else {
+            k: {"alive_after": v["alive"], **rep.latency(v["replies"]),
+                **({"stop_errors": load.stop_string_errors(v)} if k == "stop_strings" else {}),
+                **({"one_token_errors": [i for i, r in enumerate(v["replies"]) if not r.get("error")
+                                         and r.get("completion_tokens") != 1]} if k == "one_token" else {})}
+            for k, v in f.items() if isinstance(v, dict) and "replies" in v}
+        if "facts" in f:
+            s["facts"] = f["facts"]
+    if "soak" in phases and "error" not in phases["soak"]:
+        sk = phases["soak"]
+        by_kind: dict[str, list] = {}
+        for r in sk["records"]:
+            by_kind.setdefault(r["kind"], []).append(r)
+        s["soak"] = {"requests": len(sk["records"]), "memory": sk["memory"],
+                     "latency": {k: rep.latency(v) for k, v in sorted(by_kind.items())},
+                     "gaps": rep.draft_gaps(trace, after=sk["warmup_end"], limit_ms=100.0, compiles=compiles),
+                     "compiles": rep.compiles_summary(compiles, after=sk["warmup_end"])}
+    elif "soak" in phases:
+        s["soak"] = phases["soak"]
+    man = rep.manifest_snapshot(srv.manifest_dir)
+    if man is not None:
+        s["manifest"] = {"buckets": [b["batch_size"] for b in man["buckets"]],
+                         "captured": sum(b["status"] == "captured" for b in man["buckets"]),
+                         "replays": sum(b["replays"] for b in man["buckets"]),
+                         "fallbacks": sum(b["fallbacks"] for b in man["buckets"]),
+                         "oversize_fallbacks": man["oversize_fallbacks"], "serving": man.get("serving")}
+    errors = [ln.strip()[:300] for ln in srv.log_path.read_text(errors="replace").splitlines()
+              if any(w in ln for w in ("Traceback", "Error", "error:", "leak", "graphcap (GRAPHCAP_SGLANG_CHECK"))]
+    s["log_errors"] = errors[:12]
+    return s
+
+
+def texts_of(phases: dict) -> dict[str, list]:
+    """Every phase's replies, keyed for comparison across servers: `bench-c8`, `gsp`, `multiturn-kept`, ..."""
+    out: dict[str, list] = {}
+    for c, r in (phases.get("bench") or {}).items():
+        if isinstance(r, dict) and r.get("texts"):
+            out[f"bench-c{c}"] = [{"text": t} for t in r["texts"]]
+    if (phases.get("gsp") or {}).get("texts"):
+        out["gsp"] = [{"text": t} for t in phases["gsp"]["texts"]]
+    for key, v in (phases.get("multiturn") or {}).items():
+        if isinstance(v, dict) and "rounds" in v:
+            out[f"multiturn-{key}"] = [r for rnd in v["rounds"] for r in rnd]
+    for key, v in (phases.get("faults") or {}).items():
+        if isinstance(v, dict) and "replies" in v:
+            out[f"faults-{key}"] = v["replies"]
+    return out
+
+
+def comparisons(texts: dict[str, dict[str, list]]) -> dict:
+    """graphcap against stock sglang (same kind of server: plain with plain, small with small), stock against the
+    target alone, and stock against itself across concurrencies (the same requests, other batching)."""
+    out: dict = {}
+    labels = list(texts)
+    for a in labels:
+        for b in labels:
+            kind_a, kind_b = a.split("-")[0], b.split("-")[0]
+            same_pool = ("small" in a) == ("small" in b)
+            if same_pool and (kind_a, kind_b) in (("graphcap", "sglang"), ("sglang", "nospec")):
+                out[f"{a} vs {b}"] = {k: rep.replies_compared(texts[a][k], texts[b][k])
+                                      for k in texts[a] if k in texts[b] and len(texts[a][k]) == len(texts[b][k])}
+    for a in labels:
+        runs = sorted(k for k in texts[a] if k.startswith("bench-c"))
+        if a.split("-")[0] == "sglang" and len(runs) > 1:
+            out[f"{a} across concurrencies"] = {f"{runs[0]} vs {k}": rep.replies_compared(texts[a][runs[0]], texts[a][k])
+                                                for k in runs[1:]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", type=Path, required=True)
+    ap.add_argument("--servers", default="graphcap,sglang,nospec")
+    ap.add_argument("--phases", default="bench,gsp,multiturn")
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--window", type=int, default=1024, help="the checkpoint's sliding window (faults: past it)")
+    ap.add_argument("--largest-bucket", type=int, default=None, help="faults: default sglang's cuda_graph_max_bs")
+    ap.add_argument("--small-pool", type=int, default=24576, help="KV tokens of a -small server")
+    ap.add_argument("--soak-s", type=float, default=480.0)
+    ap.add_argument("--soak-concurrency", type=int, default=32)
+    ap.add_argument("--soak-warmup-s", type=float, default=60.0, help="the soak's first seconds: warm-up")
+    ap.add_argument("--prefill-graphs", action="store_true", help="keep sglang's breakable prefill CUDA graphs")
+    ap.add_argument("--startup-timeout", type=float, default=420.0)
+    ap.add_argument("--until", type=float, default=None, help="epoch seconds: start no server after this")
+    ap.add_argument("--port", type=int, default=31000)
+    ap.add_argument("--variants-from", type=Path, default=None,
+                    help="a directory of graphcap variants files (an earlier run's manifest directory) for every "
+                         "graphcap server to compile at start-up")
+    # for tests on a CPU: a stand-in server, sglang's client with stubs for what it imports and never uses there
+    ap.add_argument("--launcher", default=" ".join(LAUNCHER), help=argparse.SUPPRESS)
+    ap.add_argument("--bench-serving", default=" ".join(load.BENCH_SERVING), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.launcher, a.bench_serving = tuple(shlex.split(a.launcher)), tuple(shlex.split(a.bench_serving))
+    try:
+        a.concurrency = [int(x) for x in a.concurrency.split(",")]
+        a.phases = [p for p in a.phases.split(",") if p]
+        bad = [p for p in a.phases if p not in PHASES]
+        if bad or any(c < 1 for c in a.concurrency):
+            raise ValueError(f"--phases from {', '.join(PHASES)}, --concurrency positive: got {bad or a.concurrency}")
+        labels = [s for s in a.servers.split(",") if s]
+        for i, label in enumerate(labels):
+            server_config(label, a.ckpt, a, a.port + i)
+    except ValueError as e:
+        print(f"sglang_server: {e}", file=sys.stderr)
+        return 2
+    a.work.mkdir(parents=True, exist_ok=True)
+    words = load.Words.load(str(a.ckpt / "target"))
+    record: dict = {"command": " ".join(sys.argv), "machine": machine(), "phases": a.phases,
+                    "concurrency": a.concurrency, "servers": {}}
+    texts: dict[str, dict] = {}
+    shared: dict = {}
+    for i, label in enumerate(labels):
+        if a.until is not None and time.time() > a.until:
+            record["servers"][label] = {"not_run": "out of the call's time"}
+            continue
+        srv = Server(server_config(label, a.ckpt, a, a.port + i), a.work, startup_timeout_s=a.startup_timeout,
+                     launcher=a.launcher)
+        if a.variants_from and srv.cfg.kind == "graphcap":  # an earlier run's variants: compiled at this start-up
+            srv.manifest_dir.mkdir(parents=True, exist_ok=True)
+            for f in a.variants_from.glob("*-variants.json"):
+                shutil.copy(f, srv.manifest_dir / f.name)
+        try:
+            srv.start()
+        except ServerFailed as e:
+            record["servers"][label] = {"failed_to_start": str(e), "log": str(srv.log_path)}
+            print(f"{label}: {e}", flush=True)
+            continue
+        print(f"{label}: up in {srv.startup_s:.0f} s", flush=True)
+        try:
+            phases = run_phases(srv, a, words, a.work, shared)
+        finally:
+            srv.stop()
+        (a.work / f"{label}-phases.json").write_text(json.dumps(phases))
+        texts[label] = texts_of(phases)
+        record["servers"][label] = summarize_server(label, srv, phases)
+        record["comparisons"] = comparisons(texts)
+        a.out.write_text(json.dumps(record, indent=1, default=str))
+        print(json.dumps({label: {k: v for k, v in record["servers"][label].items()
+                                  if k in ("startup_s", "died", "bench", "log_errors")}}, default=str)[:3000],
+              flush=True)
+    record["comparisons"] = comparisons(texts)
+    a.out.write_text(json.dumps(record, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""What the server harness makes of its runs: outputs compared between servers (same requests, greedy), latency
+percentiles, the gaps between draft calls in a server's draft trace and the Triton compiles inside them, and the GPU
+memory over a soak. Pure functions over the clients' records and the files the servers wrote; no torch, no sglang.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def compare_texts(ours: Sequence[str | None], theirs: Sequence[str | None], skip: Sequence[bool] = ()) -> dict:
+    """Request by request (the same requests in the same order): how many texts are equal, and where each other one
+    first differs (its index among whitespace-separated words, as the word-level checkpoints tokenize). `skip[i]`:
+    leave request i out (an aborted reply, an error on either side)."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"compare_texts: {len(ours)} replies against {len(theirs)}")
+    equal, diffs = 0, []
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if (skip and skip[i]) or a is None or b is None:
+            continue
+        if a == b:
+            equal += 1
+            continue
+        wa, wb = a.split(), b.split()
+        at = next((j for j, (x, y) in enumerate(zip(wa, wb)) if x != y), min(len(wa), len(wb)))
+        diffs.append({"request": i, "first_word": at, "ours": " ".join(wa[at:at + 4]), "theirs": " ".join(wb[at:at + 4]),
+                      "lengths": [len(wa), len(wb)]})
+    return {"compared": equal + len(diffs), "equal": equal, "differ": diffs}
+
+
+def replies_compared(ours: Sequence[dict], theirs: Sequence[dict]) -> dict:
+    """`compare_texts` over two servers' replies to the same requests, aborted or failed ones left out."""
+    skip = [bool(a.get("aborted") or b.get("aborted") or a.get("error") or b.get("error"))
+            for a, b in zip(ours, theirs)]
+    return compare_texts([r.get("text") for r in ours], [r.get("text") for r in theirs], skip)
+
+
+def percentiles(xs: Sequence[float], scale: float = 1e3) -> dict:
+    """p50 / p99 / max of `xs` (seconds) in ms; None values left out."""
+    v = sorted(x * scale for x in xs if x is not None)
+    if not v:
+        return {"n": 0, "p50": None, "p99": None, "max": None}
+
+    def pct(q: float) -> float:
+        return round(v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))], 3)
+    return {"n": len(v), "p50": pct(0.50), "p99": pct(0.99), "max": round(v[-1], 3)}
+
+
+def latency(replies: Sequence[dict]) -> dict:
+    """TTFT and inter-token gaps of streamed replies (aborted and failed ones left out), ms."""
+    ok = [r for r in replies if not r.get("error") and not r.get("aborted")]
+    return {"requests": len(replies), "ok": len(ok), "errors": sum(bool(r.get("error")) for r in replies),
+            "aborted": sum(bool(r.get("aborted")) for r in replies),
+            "ttft_ms": percentiles([r.get("ttft_s") for r in ok]),
+            "itl_ms": percentiles([x for r in ok for x in r.get("itl_s") or []])}
+
+
+def read_jsonl(pattern: str | Path) -> list[dict]:
+    rows = []
+    for p in sorted(glob.glob(str(pattern))):
+        with open(p) as f:
+            rows += [json.loads(ln) for ln in f if ln.strip()]
+    return rows
+
+
+def draft_gaps(trace: Sequence[dict], *, after: float, limit_ms: float, compiles: Sequence[dict] = ()) -> dict:
+    """The wall-clock gaps between consecutive draft calls of a server's draft trace (graphcap.sglang.trace: `t` per
+    call, time.perf_counter) from `after` on: their count, median, max, and every gap over `limit_ms` with the
+    Triton compiles that started inside it (graphcap.sglang.variants, same clock). A server with no request in
+    flight makes no draft call: an idle gap is a gap too, so `after`..end should hold steady load."""
+    ts = sorted(r["t"] for r in trace if "t" in r and r["t"] >= after and not r.get("profiled"))
+    gaps = [(a, b) for a, b in zip(ts, ts[1:])]
+    ms = [(b - a) * 1e3 for a, b in gaps]
+    long = []
+    for (a, b), g in zip(gaps, ms):
+        if g > limit_ms:
+            inside = [c for c in compiles if a <= c["t"] <= b]
+            long.append({"at_s": round(a - after, 3), "ms": round(g, 1),
+                         "compiles": [{"kernel": c["kernel"], "ms": round(c["ms"], 1)} for c in inside]})
+    return {"calls": len(ts), "median_ms": round(statistics.median(ms), 3) if ms else None,
+            "max_ms": round(max(ms), 1) if ms else None, "over_limit": long, "limit_ms": limit_ms}
+
+
+def compiles_summary(compiles: Sequence[dict], *, after: float | None = None) -> dict:
+    """Triton compiles in a server's scheduler: how many at start-up and while serving (the log's own split at the
+    first draft call), and those from `after` on (the harness's end of warm-up), named."""
+    late = [c for c in compiles if not c.get("preload") and after is not None and c["t"] >= after]
+    return {"preloaded": sum(bool(c.get("preload")) for c in compiles),
+            "at_startup": sum(not c.get("serving") and not c.get("preload") for c in compiles),
+            "while_serving": sum(bool(c.get("serving")) and not c.get("preload") for c in compiles),
+            "after_warmup": [{"kernel": c["kernel"], "ms": round(c["ms"], 1), "variant": c.get("variant", "")[:120]}
+                             for c in late]}
+
+
+def memory_trend(samples: Sequence[tuple[float, int]], *, after: float) -> dict | None:
+    """GPU memory in use (MiB) over a run: at the end of warm-up (`after`), the largest after it, and at the end.
+    None without samples (no NVML)."""
+    if not samples:
+        return None
+    warm = [m for t, m in samples if t >= after]
+    if not warm:
+        return None
+    return {"samples": len(samples), "at_warmup_end_mib": warm[0], "max_after_warmup_mib": max(warm),
+            "at_end_mib": warm[-1], "growth_after_warmup_mib": max(warm) - warm[0]}
+
+
+def manifest_snapshot(directory: str | Path) -> dict | None:
+    """The graphcap server's capture manifest as its JSON (the first one in `directory`), or None."""
+    for p in sorted(glob.glob(os.path.join(str(directory), "*.json"))):
+        if p.endswith("-variants.json"):
+            continue
+        try:
+            return json.loads(Path(p).read_text())
+        except (OSError, ValueError):
+            return None
+    return None

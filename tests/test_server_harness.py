@@ -1,0 +1,264 @@
+"""The server harness (bench/sglang_server.py over graphcap.bench.server, .load, .server_report) on a CPU: its pure
+parts against independent references, and whole runs against tests/fake_sglang_server.py - sglang's HTTP API over
+a "model" whose next token is the last plus one - with sglang's real benchmark client (tests/bench_serving_stubbed.py).
+A server that answers differently, stalls or dies must show in the record exactly where it did. The real server
+runs on the GPU machine (scripts/gpu-check.sh server)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcap.bench import load
+from graphcap.bench import server_report as rep
+from graphcap.bench.server import ServerConfig, server_command, server_env
+from tests.tiers import examples
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import sglang_checkpoint as ck  # noqa: E402
+
+PY = sys.executable
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# the server's command line and environment
+
+
+def test_each_kind_is_launched_with_sglangs_defaults_and_only_its_own_flags(tmp_path):
+    base = dict(model_path="/m/target", draft_model_path="/m/assistant", port=30123)
+    cmds = {k: server_command(ServerConfig(kind=k, **base), manifest_dir=tmp_path) for k in ("nospec", "sglang",
+                                                                                             "graphcap")}
+    for k, cmd in cmds.items():
+        assert cmd[1:3] == ["-m", "sglang.launch_server"]
+        assert " --attention-backend triton --page-size 64 " in " ".join(cmd) + " "
+        for default_off in ("--disable-radix-cache", "--disable-overlap-schedule", "--cuda-graph-bs",
+                            "--chunked-prefill-size", "--mem-fraction-static"):
+            assert default_off not in cmd, (k, default_off)  # sglang's defaults stay its own
+    assert "--speculative-algorithm" not in cmds["nospec"]
+    spec = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    for k in ("sglang", "graphcap"):
+        assert " ".join(spec) in " ".join(cmds[k])
+    assert "--enable-draft-graph-capture" in cmds["graphcap"] and "--enable-draft-graph-capture" not in cmds["sglang"]
+    assert cmds["graphcap"][cmds["graphcap"].index("--draft-graph-manifest-dir") + 1] == str(tmp_path)
+    # every departure from sglang's defaults is in the record's list
+    cfg = ServerConfig(kind="graphcap", extra_args=("--max-total-tokens", "4096"), **base)
+    flags = {a for a in server_command(cfg) if a.startswith("--")}
+    named = {d.split()[0] for d in cfg.departures}
+    assert {"--enable-cache-report", "--enable-metrics", "--disable-prefill-cuda-graph", "--max-total-tokens"} <= named
+    assert named <= flags
+    assert "--disable-prefill-cuda-graph" not in server_command(ServerConfig(kind="graphcap", prefill_graphs=True,
+                                                                             **base))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kind="eagle"), "server kind"),
+    (dict(kind="sglang", draft_model_path=None), "needs the draft"),
+    (dict(kind="sglang", check=True), "check mode is graphcap's"),
+])
+def test_bad_server_configs_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ServerConfig(**{"model_path": "/m", "draft_model_path": "/d", **kw})
+
+
+def test_the_servers_environment(tmp_path):
+    base = {"GRAPHCAP_SGLANG_DRAFT_CAPTURE": '{"enabled": true}', "GRAPHCAP_SGLANG_CHECK": "1", "KEEP": "x"}
+    env = server_env(ServerConfig(kind="sglang", model_path="/m", draft_model_path="/d"), tmp_path, base)
+    assert "GRAPHCAP_SGLANG_DRAFT_CAPTURE" not in env and "GRAPHCAP_SGLANG_CHECK" not in env  # only the flag
+    assert env["GRAPHCAP_SGLANG_TRACE"] == str(tmp_path) and env["KEEP"] == "x"
+    env = server_env(ServerConfig(kind="graphcap", model_path="/m", draft_model_path="/d", check=True), None, {})
+    assert env["GRAPHCAP_SGLANG_CHECK"] == "1" and "GRAPHCAP_SGLANG_TRACE" not in env
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# the report's arithmetic
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(texts=st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=30), min_size=1, max_size=12), data=st.data())
+def test_compare_texts_finds_each_first_differing_word(texts, data):
+    ours = [" ".join(f"w{i}" for i in t) for t in texts]
+    theirs, want = list(ours), {}
+    for i, t in enumerate(texts):
+        if data.draw(st.booleans(), label=f"change {i}"):
+            j = data.draw(st.integers(0, len(t) - 1), label=f"word {i}")
+            words = ours[i].split()
+            words[j] = "other"
+            theirs[i], want[i] = " ".join(words), j
+    skip = [data.draw(st.booleans(), label="skip") for _ in texts]
+    r = rep.compare_texts(ours, theirs, skip)
+    expect = {i: j for i, j in want.items() if not skip[i]}
+    assert {d["request"]: d["first_word"] for d in r["differ"]} == expect
+    assert r["compared"] == sum(not s for s in skip) and r["equal"] == r["compared"] - len(expect)
+
+
+def test_compare_texts_a_shorter_reply_differs_where_it_ends():
+    r = rep.compare_texts(["w1 w2 w3", "w1"], ["w1 w2", "w1"])
+    assert r["differ"] == [{"request": 0, "first_word": 2, "ours": "w3", "theirs": "", "lengths": [3, 2]}]
+    with pytest.raises(ValueError, match="2 replies against 1"):
+        rep.compare_texts(["a", "b"], ["a"])
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(xs=st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=300))
+def test_percentiles_are_nearest_rank(xs):
+    p = rep.percentiles(xs)
+    v = sorted(x * 1e3 for x in xs)
+    for q, key in ((0.5, "p50"), (0.99, "p99")):  # nearest rank: the smallest value with >= q of them at or below
+        want = next(x for x in v if sum(y <= x for y in v) >= q * len(v))
+        assert p[key] == pytest.approx(round(want, 3))
+    assert p["max"] == pytest.approx(round(v[-1], 3)) and p["n"] == len(xs)
+    assert rep.percentiles([]) == {"n": 0, "p50": None, "p99": None, "max": None}
+
+
+def test_draft_gaps_names_each_long_gap_with_the_compiles_inside_it():
+    rng = random.Random(0)
+    t, calls = 100.0, []
+    for i in range(400):
+        t += 0.004 + rng.random() * 0.002
+        if i in (150, 300):
+            t += 0.25 if i == 150 else 0.12
+        calls.append({"t": t, "rids": ["a"]})
+    compiles = [{"kernel": "m:k", "t": calls[150]["t"] - 0.1, "ms": 240.0}, {"kernel": "m:early", "t": 100.0, "ms": 9}]
+    profiled = {"t": calls[200]["t"] + 1e-4, "profiled": True}  # a profiled call is no call of the timing
+    g = rep.draft_gaps(calls + [profiled], after=calls[20]["t"], limit_ms=100, compiles=compiles)
+    assert g["calls"] == 380
+    gap_ms = [round((calls[i]["t"] - calls[i - 1]["t"]) * 1e3) for i in (150, 300)]
+    assert [(round(x["ms"]), [c["kernel"] for c in x["compiles"]]) for x in g["over_limit"]] == \
+        [(gap_ms[0], ["m:k"]), (gap_ms[1], [])]
+    ms = [(b["t"] - a["t"]) * 1e3 for a, b in zip(calls[20:], calls[21:])]
+    assert g["median_ms"] == pytest.approx(round(statistics.median(ms), 3))
+
+
+def test_memory_and_compiles_summaries():
+    samples = [(0.0, 1000), (1.0, 5000), (2.0, 5100), (3.0, 5050), (4.0, 5300)]
+    assert rep.memory_trend(samples, after=1.5) == {"samples": 5, "at_warmup_end_mib": 5100,
+                                                    "max_after_warmup_mib": 5300, "at_end_mib": 5300,
+                                                    "growth_after_warmup_mib": 200}
+    assert rep.memory_trend([], after=0) is None
+    compiles = [{"kernel": "a", "t": 1, "ms": 5, "serving": False}, {"kernel": "b", "t": 2, "ms": 400, "serving": True},
+                {"kernel": "c", "t": 3, "ms": 2, "serving": True, "preload": True},
+                {"kernel": "d", "t": 9, "ms": 300, "serving": True, "variant": "d[bs1]"}]
+    s = rep.compiles_summary(compiles, after=5)
+    assert (s["preloaded"], s["at_startup"], s["while_serving"]) == (1, 1, 2)
+    assert s["after_warmup"] == [{"kernel": "d", "ms": 300, "variant": "d[bs1]"}]
+
+
+def test_stop_string_errors_compares_with_the_free_continuation():
+    fault = {"stops": ["w9", None, "w19"],
+             "free": [{"text": " ".join(f"w{i}" for i in range(20))}, {"text": "w1"},
+                      {"text": " ".join(f"w{i}" for i in range(10, 30))}],
+             "replies": [{"text": " ".join(f"w{i}" for i in range(9))}, {"text": "anything"},
+                         {"text": "w10 w11"}]}
+    errs = load.stop_string_errors(fault)
+    assert len(errs) == 1 and errs[0].startswith("request 2:")
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# whole runs against the stand-in server
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("ck")
+    for name in ("target", "assistant"):
+        (d / name).mkdir()
+        ck.write_tokenizer(d / name, 2048, 8192)
+    return d
+
+
+def harness(ckpt: Path, work: Path, *args: str, env: dict | None = None, port: int) -> tuple[int, dict, str]:
+    cmd = [PY, str(ROOT / "bench" / "sglang_server.py"), "--ckpt", str(ckpt), "--work", str(work),
+           "--out", str(work / "server.json"), "--port", str(port), "--window", "64", "--largest-bucket", "8",
+           "--launcher", f"{PY} {ROOT / 'tests' / 'fake_sglang_server.py'}",
+           "--bench-serving", f"{PY} {ROOT / 'tests' / 'bench_serving_stubbed.py'}", *args]
+    e = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=600, cwd=str(work))
+    out = json.loads((work / "server.json").read_text()) if (work / "server.json").exists() else {}
+    return p.returncode, out, p.stdout + p.stderr
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.subprocess
+def test_a_server_that_answers_differently_is_named_where_it_does(ckpt, tmp_path):
+    """graphcap's (stand-in) server answers one request one token off from its third token: the comparison with
+    stock's names that request at that word, in the multi-turn phase where it happened, and nothing else; faults
+    leave both servers answering; one-token and stop-string requests are checked."""
+    rc, out, log = harness(ckpt, tmp_path, "--servers", "graphcap,sglang", "--phases", "multiturn,faults",
+                           env={"FAKE_SGLANG_DIVERGE": "3"}, port=free_port())
+    assert rc == 0, log
+    cmp = out["comparisons"]["graphcap vs sglang"]
+    kept = cmp["multiturn-kept"]
+    assert kept["compared"] == 32 and [(d["request"], d["first_word"]) for d in kept["differ"]] == [(3, 2)]
+    assert all(not v["differ"] for k, v in cmp.items() if k != "multiturn-kept"), cmp
+    for label in ("graphcap", "sglang"):
+        s = out["servers"][label]
+        assert s["died"] is None and all(s["alive_after"].values())
+        faults = s["faults"]
+        assert faults["aborts"]["aborted"] == 48 and faults["aborts"]["ok"] == 16
+        assert faults["one_token"]["one_token_errors"] == []
+        assert faults["stop_strings"]["stop_errors"] == []
+        assert faults["over_largest_bucket"]["requests"] == 8 + 16
+        rounds = s["multiturn"]["kept"]
+        assert [r["round"] for r in rounds] == [1, 2, 3, 4]
+        assert all(r["cached_tokens"] > 0 for r in rounds[1:])  # each later turn reuses the conversation so far
+    assert out["servers"]["graphcap"]["manifest"]["buckets"] == [1, 8, 24]
+
+
+@pytest.mark.subprocess
+def test_a_stall_in_the_soak_is_placed_with_its_compile(ckpt, tmp_path):
+    rc, out, log = harness(ckpt, tmp_path, "--servers", "graphcap", "--phases", "soak", "--soak-s", "4",
+                           "--soak-warmup-s", "0.3", "--soak-concurrency", "4",
+                           env={"FAKE_SGLANG_STALL_AT": "400"}, port=free_port())
+    assert rc == 0, log
+    soak = out["servers"]["graphcap"]["soak"]
+    assert soak["requests"] > 20 and {"random", "turn"} <= set(soak["latency"])
+    over = soak["gaps"]["over_limit"]
+    assert len(over) == 1 and over[0]["ms"] >= 290, soak["gaps"]
+    assert over[0]["compiles"] == [{"kernel": "fake.kernels:_late", "ms": 290.0}]
+    assert soak["compiles"]["after_warmup"][0]["kernel"] == "fake.kernels:_late"
+
+
+@pytest.mark.subprocess
+def test_a_server_that_dies_is_recorded_with_why_and_the_run_goes_on(ckpt, tmp_path):
+    rc, out, log = harness(ckpt, tmp_path, "--servers", "graphcap,nospec", "--phases", "faults,multiturn",
+                           env={"FAKE_SGLANG_EXIT_AT": "60"}, port=free_port())
+    assert rc == 0, log
+    for label in ("graphcap", "nospec"):
+        s = out["servers"][label]
+        assert s["died"] and "multiturn" not in (s["seconds"] or {}), s  # stopped after the phase it died in
+
+
+@pytest.mark.subprocess
+def test_sglangs_own_client_runs_and_its_numbers_are_kept(ckpt, tmp_path):
+    """sglang.bench_serving, its random dataset from the harness's own ShareGPT file, the same requests at two
+    concurrencies, then its generated-shared-prefix dataset: throughput, TPOT/ITL/TTFT, acceptance and cached
+    tokens in the record; the stock server's texts compared across the two concurrencies."""
+    rc, out, log = harness(ckpt, tmp_path, "--servers", "sglang", "--phases", "bench,gsp", "--concurrency", "1,3",
+                           "--num-prompts", "5", "--input-len", "48", "--output-len", "12", port=free_port())
+    assert rc == 0, log
+    s = out["servers"]["sglang"]
+    for c in ("1", "3"):
+        b = s["bench"][c]
+        assert b["completed"] == 5 and b["failed_requests"] == 0 and b["max_concurrency"] == int(c), b
+        assert b["output_throughput"] > 0 and b["median_tpot_ms"] > 0 and b["accept_length"] == 2.5
+    assert s["gsp"]["completed"] == 32 and s["gsp"]["cached_tokens"] > 0
+    across = out["comparisons"]["sglang across concurrencies"]["bench-c1 vs bench-c3"]
+    assert across["compared"] == 5 and across["equal"] == 5
