@@ -25,8 +25,10 @@ gpu_setup() {
   # ~550-950 of torch's sources, 2.4-3.0 s of every capture start), where a pip-installed torch has them
   export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$WORK/pycache}
   unset PYTHONDONTWRITEBYTECODE
-  if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/sglang ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  # the carried wheels, installed again on a warm machine when the set changed
+  if ls .whl/*.whl >/dev/null 2>&1 && [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$(ls .whl | sha1sum)" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+      && ls .whl | sha1sum > /tmp/site/.wheels
   fi
   [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

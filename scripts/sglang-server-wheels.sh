@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# What sglang 0.5.23's HTTP server imports beyond its engine and the GPU machine lacks, as Python 3.12 wheels into
+# ./.whl (beside ../shared/tools/sglang-wheels-for-device.sh's): soundfile (its OpenAI audio endpoints import it at
+# module level; the wheel bundles libsndfile) and its cffi. About 2 MB.
+set -euo pipefail
+dest=${1:-.whl}
+mkdir -p "$dest"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform any -d "$dest" soundfile==0.13.1 cffi==2.0.0 pycparser==2.23
+du -sh "$dest"
