@@ -102,6 +102,9 @@ def run_phases(srv: Server, args: argparse.Namespace, words: load.Words, work: P
     tok = cfg.model_path
     for phase in args.phases:
         t0 = time.perf_counter()
+        if (args.deadline is not None and time.time() > args.deadline) or (phase == "soak" and cfg.kind != "graphcap"):
+            out.setdefault("not_run", []).append(phase)  # past the call's time; or a soak, which is the flag's
+            continue
         try:
             if phase == "bench":
                 data = shared.setdefault("sharegpt", load.write_sharegpt(work / "sharegpt.json", words, seed=7))
@@ -140,8 +143,10 @@ def run_phases(srv: Server, args: argparse.Namespace, words: load.Words, work: P
                 out[phase]["facts"] = facts
             elif phase == "soak":
                 start = time.perf_counter()
+                duration = args.soak_s if args.deadline is None else min(args.soak_s, args.deadline - time.time())
+                out["soak_s"] = duration
                 with MemorySampler() as mem:
-                    recs = asyncio.run(load.sustained(url, model, words, duration_s=args.soak_s,
+                    recs = asyncio.run(load.sustained(url, model, words, duration_s=duration,
                                                       concurrency=args.soak_concurrency, seed=13))
                 out[phase] = {"start": start, "warmup_end": start + args.soak_warmup_s, "records": recs,
                               "memory": rep.memory_trend(mem.samples, after=start + args.soak_warmup_s),
@@ -162,6 +167,7 @@ def summarize_server(label: str, srv: Server, phases: dict) -> dict:
     trace = rep.read_jsonl(srv.trace_dir / "draft-trace-*.jsonl")
     s: dict = {"command": (srv.work / f"{label}.cmd").read_text().strip(), "departures": srv.cfg.departures,
                "check_mode": srv.cfg.check, "startup_s": srv.startup_s, "seconds": phases.get("seconds"),
+               "not_run": phases.get("not_run"), "soak_s": phases.get("soak_s"),
                "alive_after": phases.get("alive_after"), "died": phases.get("died"),
                "compiles": rep.compiles_summary(compiles), "draft_calls": len(trace)}
     for name in ("bench", "gsp"):
@@ -267,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-graphs", action="store_true", help="keep sglang's breakable prefill CUDA graphs")
     ap.add_argument("--startup-timeout", type=float, default=420.0)
     ap.add_argument("--until", type=float, default=None, help="epoch seconds: start no server after this")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="epoch seconds: start no phase after this; a soak ends by then")
     ap.add_argument("--port", type=int, default=31000)
     ap.add_argument("--variants-from", type=Path, default=None,
                     help="a directory of graphcap variants files (an earlier run's manifest directory) for every "

@@ -47,7 +47,8 @@
 #                                 pair: SERVER_SERVERS (graphcap,sglang,nospec; -small: a small KV pool, -check: graphcap's
 #                                 check mode), SERVER_PHASES (bench,gsp,multiturn; faults, soak), SERVER_CONCURRENCY
 #                                 (1,8,32), SERVER_SOAK_S (480), SERVER_PREFILL_GRAPHS=1 (sglang's prefill graphs kept),
-#                                 SERVER_BUDGET_S (480: no server starts after that), SERVER_VARIANTS_FROM (a directory in
+#                                 SERVER_BUDGET_S (480: no server starts after that; SERVER_DEADLINE_S: no phase starts
+#                                 after that, a soak ends by then), SERVER_VARIANTS_FROM (a directory in
 #                                 the tree holding an earlier call's graphcap variants files), SERVER_FRESH_TRITON=1 (an
 #                                 empty Triton cache for this stage). sglang's Python radix-tree core (its Rust one is built
 #                                 for another torch); datasets stubbed where missing (tests/bench_serving_stubbed.py)
@@ -218,6 +219,7 @@ case $1 in
     export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=${SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND:-python}
     [ "${SERVER_FRESH_TRITON:-0}" = 1 ] && export TRITON_CACHE_DIR=$WORK/triton-server-$(date +%s)
     local until=$(( $(date +%s) + ${SERVER_BUDGET_S:-480} )) bs=() extra=()
+    [ -n "${SERVER_DEADLINE_S:-}" ] && extra+=(--deadline "$(( $(date +%s) + SERVER_DEADLINE_S ))")
     python3 -c 'import datasets' 2>/dev/null || bs=(--bench-serving "python3 tests/bench_serving_stubbed.py")
     [ "${SERVER_PREFILL_GRAPHS:-0}" = 1 ] && extra+=(--prefill-graphs)
     [ -n "${SERVER_VARIANTS_FROM:-}" ] && extra+=(--variants-from "$SERVER_VARIANTS_FROM")

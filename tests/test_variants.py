@@ -14,6 +14,17 @@ import torch
 from graphcap import manifest as mf
 from graphcap.sglang import variants as v
 
+try:  # a kernel at module level, as sglang's are (the GPU test compiles, records and preloads it)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+except ImportError:
+    add_one = None
+
 
 class Clock:
     def __init__(self) -> None:
@@ -70,10 +81,13 @@ def test_save_merges_and_preload_compiles_each_recorded_variant(tmp_path, monkey
     compile_(first, clock, "sglang.b:k2", "bs1", 0.3)
     assert first.save(path) and not first.save(path)  # nothing new the second time
     second = v.VariantLog(clock=clock)
+    second.on_draft()
     compile_(second, clock, "sglang.b:k2", "bs1", 0.3)  # a variant the file already has
     compile_(second, clock, "sglang.c:k3", "x", 0.3)
+    compile_(second, clock, "sglang.a:k1", "bs8", 0.3)  # first met while serving this time
     assert second.save(path)
     data = json.loads(path.read_text())
+    # what a start-up compiled (k1 at bs8 in the first process) is recorded only once serving met it first
     assert {k: len(s) for k, s in data["variants"].items()} == {"sglang.a:k1": 2, "sglang.b:k2": 1, "sglang.c:k3": 1}
 
     loaded: list[tuple[str, str]] = []
@@ -102,6 +116,7 @@ def test_an_unreadable_variants_file_preloads_nothing_and_is_replaced(tmp_path, 
     clock = Clock()
     log = v.VariantLog(clock=clock)
     assert log.preload(path) == 0 and log.preload_failed == 0
+    log.on_draft()
     compile_(log, clock, "m:k", "a", 0.1)
     assert log.save(path)
     assert list(json.loads(path.read_text())["variants"]) == ["m:k"]
@@ -112,6 +127,28 @@ def test_another_tritons_file_is_not_preloaded(tmp_path, monkeypatch):
     path.write_text(json.dumps({"format": v.FORMAT, "triton": "0.0.0", "variants": {"m:k": ["{}"]}}))
     monkeypatch.setattr(v, "_jit_function", lambda k: pytest.fail("nothing is preloaded from another Triton"))
     assert v.VariantLog().preload(path) == 0
+
+
+def _plain(x_ptr):  # a kernel body for the lookup test (never compiled)
+    pass
+
+
+def test_a_kernel_is_found_by_module_and_name_through_its_wrappers(monkeypatch):
+    """Where Triton keeps no registry (or not this kernel), the kernel is found by its module and qualified name,
+    through autotune/heuristics wrappers (`.fn`); a kernel gone from the module, or its module, is None."""
+    import sys
+    import types
+
+    from triton.runtime import jit
+
+    jf = jit.JITFunction(_plain)
+    mod = types.ModuleType("graphcap_test_kernels")
+    mod.ns = SimpleNamespace(tuned=SimpleNamespace(fn=SimpleNamespace(fn=jf)))
+    monkeypatch.setitem(sys.modules, "graphcap_test_kernels", mod)
+    monkeypatch.setattr(jit, "_triton_jit_function_registry", {}, raising=False)
+    assert v._jit_function("graphcap_test_kernels:ns.tuned") is jf
+    assert v._jit_function("graphcap_test_kernels:ns.gone") is None
+    assert v._jit_function("graphcap_no_such_module:k") is None
 
 
 def test_variants_path_sits_beside_the_manifest_and_is_not_listed_as_one(tmp_path):
@@ -159,22 +196,16 @@ def test_a_preloaded_variant_is_not_compiled_at_launch(tmp_path, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import triton
-    import triton.language as tl
 
     for hook in ("jit_cache_hook", "jit_post_compile_hook"):  # restored after the test
         monkeypatch.setattr(triton.knobs.runtime, hook, getattr(triton.knobs.runtime, hook))
-
-    @triton.jit
-    def add_one(x_ptr, n, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
-
+    # add_one is at this module's level, as sglang's kernels are: preload finds it by module and name
     log = v.install(v.VariantLog())
     x = torch.randn(1000, device="cuda")
     add_one[(4,)](x, 1000, BLOCK=256)
     log.on_draft()
     add_one[(8,)](x, 1000, BLOCK=128)  # a new constexpr: a new variant, compiled while serving
-    assert [r.kernel.endswith("add_one") for r in log.summary().late] == [True]
+    assert [r.kernel.rsplit(":", 1)[1] for r in log.summary().late] == ["add_one"]
     path = tmp_path / "v.json"
     assert log.save(path)
     for cache in add_one.device_caches.values():

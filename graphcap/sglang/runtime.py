@@ -278,6 +278,9 @@ class GraphcapDraftRuntime:
                                     name=name, steps=self.steps, parallel=sglang_parallel(w))
         self.attach(graphs)
         graphs.serving = self.serving_record
+        # The window rebuild is graphcap's one kernel outside the graphs (a request joins): compiled now, on a row no
+        # request holds yet (its length is 0 and stays 0), not at the first join
+        self.window.reset([0], [0], checked=False)
         vlog = variants.PROCESS
         if vlog is not None and graphs.manifest_path:  # every variant the last run needed, compiled before serving
             path = variants.variants_path(graphs.manifest_path)

@@ -118,10 +118,10 @@ class VariantLog:
     # -- the variants file ---------------------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> bool:
-        """Merge the variants compiled by a launch in this process into `path` (atomically); False when nothing is
-        new since the last save. The file keeps the Triton version and target its specializations are for."""
-        with self._lock:
-            new = [r for r in self.records[self._saved:] if r.spec and not r.preload]
+        """Merge the variants compiled by a launch while serving into `path` (atomically); False when nothing is new
+        since the last save. The file keeps the Triton version its specializations are for."""
+        with self._lock:  # what a start-up compiles anyway is not recorded: what serving met first is
+            new = [r for r in self.records[self._saved:] if r.spec and r.serving and not r.preload]
             upto = len(self.records)
         if not new:
             self._saved = upto
@@ -235,16 +235,23 @@ def _hashable(key) -> object:
 
 
 def _jit_function(kernel: str):
-    """Triton's JITFunction registered as `kernel` ("<module>:<qualname>"), importing its module if needed."""
+    """Triton's JITFunction `kernel` ("<module>:<qualname>"): from Triton's registry where this Triton keeps one, else
+    its module (imported if need be) and the qualified name, through any autotune/heuristics wrapper (`.fn`)."""
     from triton.runtime import jit
 
-    registry = getattr(jit, "_triton_jit_function_registry", {})
-    if kernel not in registry:
-        try:
-            importlib.import_module(kernel.split(":", 1)[0])
-        except Exception:
-            return None
-    return registry.get(kernel)
+    found = getattr(jit, "_triton_jit_function_registry", {}).get(kernel)
+    if found is not None:
+        return found
+    module, _, qualname = kernel.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except Exception:  # gone from this sglang, or a function's local kernel
+        return None
+    while not isinstance(obj, jit.JITFunction) and hasattr(obj, "fn"):
+        obj = obj.fn
+    return obj if isinstance(obj, jit.JITFunction) else None
 
 
 def _triton_version() -> str | None:
