@@ -43,9 +43,10 @@
 #                                 ENGINE_SPEED_ENGINES=sglang,graphcap: leave the target alone out; ENGINE_REPEATS;
 #                                 ENGINE_CONTEXT: the prompts' length, default 2048; ENGINE_PROJECTIONS=graphcap,sglang:
 #                                 graphcap once per --draft-graph-projections value)
+#   scripts/gpu-check.sh int8-gemm  the stand-in's int8_scaled_mm: its GPU tests, bench/int8_gemm.py (INT8_GEMM_ARGS)
 # Several stages run in one call in order: scripts/gpu-check.sh unit bench. Logs: $GPU_WORK/logs (default
 # /tmp/graphcap-gpu), packed into $OUT/gpu-<stages joined by ->.tar.gz (default OUT=out/gpu).
-STAGES="unit tests bench capture engine-check engine-speed user-scale user-setup"
+STAGES="unit tests bench capture engine-check engine-speed user-scale user-setup int8-gemm"
 DEFAULT_STAGE=unit
 PACK_NAME=gpu
 source "$(dirname "$0")/gpu-lib.sh"
@@ -202,6 +203,13 @@ case $1 in
     ;;
   user-setup)  # issue 42: the user's sglang versions, draft steps and an A100's kernel paths, on the tiny pair
     user_setup
+    ;;
+  int8-gemm)  # sgl_kernel's W8A8 int8 GEMM as the stand-in runs it, at Gemma-4-31B's projection shapes: its GPU tests,
+    # then bench/int8_gemm.py against the int8 weight-read floor and torch._int_mm (INT8_GEMM_ARGS: the bench's options
+    # besides --out, e.g. --candidates to time every candidate config, or --ms / --shapes for a shorter run)
+    step int8-gemm-gpu python3 -m pytest -q -rs -m gpu tests/test_int8_gemm.py
+    STEP_LIMIT=${STEP_LIMIT:-480} step int8-gemm python3 bench/int8_gemm.py --out "$LOG/int8-gemm.json" \
+      ${INT8_GEMM_ARGS:-}
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
