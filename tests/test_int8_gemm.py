@@ -36,6 +36,7 @@ from tiers import examples
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORT = ROOT / "tests" / "support"
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+HAS_COMPRESSED_TENSORS = importlib.util.find_spec("compressed_tensors") is not None  # the scheme's import needs it
 
 
 def load_module(name: str, path: Path) -> ModuleType:
@@ -426,6 +427,7 @@ def run_python(code: str) -> str:
 @pytest.mark.subprocess
 @pytest.mark.sglang
 @pytest.mark.skipif(not HAS_SGLANG, reason="the real sglang package is not installed (make test installs it)")
+@pytest.mark.skipif(not HAS_COMPRESSED_TENSORS, reason="the compressed-tensors package is not installed")
 def test_sglang_compressed_tensors_w8a8_int8_runs_on_the_standin():
     """sglang's `CompressedTensorsW8A8Int8` (per-channel weights, dynamic per-token activations) with its CUDA
     branch taken (module reloaded with is_cuda() true: it binds `sgl_kernel.int8_scaled_mm`, the stand-in's):
