@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from graphcap.kernels import twins_on_cpu
 from graphcap.kernels.arch import SM80, SM90
-from tiers import examples
+from tiers import examples, thorough
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORT = ROOT / "tests" / "support"
@@ -70,29 +70,29 @@ K_DIMS = st.integers(1, 32).map(lambda i: 16 * i)  # K % 16 == 0
 
 def nonzero_int8(g: torch.Generator, *shape: int) -> torch.Tensor:
     """Random int8 over its whole range, -128 included, never 0 (a zero would hide a dropped or misplaced term)."""
-    t = torch.randint(-128, 128, shape, generator=g, dtype=torch.int16)
+    t = torch.randint(-128, 128, shape, generator=g, dtype=torch.int16, device=g.device)
     return t.masked_fill(t == 0, 1).to(torch.int8)
 
 
 def scales(g: torch.Generator, n: int) -> torch.Tensor:
     """n fp32 scales of either sign, magnitudes 1e-4..1e-2 (per-token and per-channel scales of an int8 model)."""
-    mag = 10.0 ** (torch.rand(n, 1, generator=g) * 2 - 4)
-    return mag * torch.where(torch.rand(n, 1, generator=g) < 0.2, -1.0, 1.0)
+    mag = 10.0 ** (torch.rand(n, 1, generator=g, device=g.device) * 2 - 4)
+    return mag * torch.where(torch.rand(n, 1, generator=g, device=g.device) < 0.2, -1.0, 1.0)
 
 
 def make(seed: int, m: int, n: int, k: int, out_dtype: torch.dtype = torch.bfloat16, bias: bool = False,
          device: str = "cpu", a_pad: int = 0, b_pad: int = 0) -> dict:
-    """One call's arguments as sglang passes them: mat_a [M, K] (row stride K + a_pad), mat_b = w.t() of a weight
-    [N, K] (column stride K + b_pad), scales [M, 1] and [N, 1], bias [N] of out_dtype or None."""
-    g = torch.Generator().manual_seed(seed)
+    """One call's arguments as sglang passes them, drawn on `device`: mat_a [M, K] (row stride K + a_pad), mat_b =
+    w.t() of a weight [N, K] (column stride K + b_pad), scales [M, 1] and [N, 1], bias [N] of out_dtype or None."""
+    g = torch.Generator(device=device).manual_seed(seed)
     a = nonzero_int8(g, m, k + a_pad)[:, :k]
     w = nonzero_int8(g, n, k + b_pad)[:, :k]
     xs, ws = scales(g, m), scales(g, n)
-    b = (torch.randn(n, generator=g) * 4).to(out_dtype) if bias else None
-    if b is not None:
+    b = None
+    if bias:
+        b = (torch.randn(n, generator=g, device=device) * 4).to(out_dtype)
         b = b.masked_fill(b == 0, 1.0)
-    to = (lambda t: t.to(device) if t is not None else None)
-    return dict(mat_a=to(a), mat_b=to(w).t(), scales_a=to(xs), scales_b=to(ws), out_dtype=out_dtype, bias=to(b))
+    return dict(mat_a=a, mat_b=w.t(), scales_a=xs, scales_b=ws, out_dtype=out_dtype, bias=b)
 
 
 def reference(args: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,7 +338,7 @@ def test_plan_per_31b_shape():
     assert names(32) == {"qkv_sliding": "n64k256s1w4st4", "o_sliding": "n64k256s2w4st4",
                          "qkv_full": "n64k256s1w4st4", "o_full": "n64k256s2w4st4", "gate_up": "n64k256s1w4st4",
                          "down": "n64k256s2w4st4"}
-    assert names(48) == names(64) == {k: v.replace("st4", "st3") for k, v in names(32).items()}
+    assert names(48) == names(64) == {k: v.replace("w4st4", "w8st3") for k, v in names(32).items()}
     assert ig.plan(2048, 43008, 5376, SM90).name == "m128n128k128s1w8st3"  # prefill: tiled rows
     assert ig.plan(8, 5376, 8192) is ig.plan(8, 5376, 8192)  # cached, pure
 
@@ -351,6 +351,74 @@ def test_every_candidate_fits_shared_memory(arch):
                 assert ig.pipeline_smem(cfg, m, arch) <= arch.smem_per_block - ig.SMEM_MARGIN, (m, n, k, cfg.name)
                 k_split, n_splits = ig.splits(k, cfg)
                 assert k_split % cfg.block_k == 0 and (n_splits - 1) * k_split < k <= n_splits * k_split
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compiled for the GPUs (Triton's compiler and its bundled ptxas, no GPU: tests/sm90.py)
+
+COMPILE = """
+import importlib.util, sys
+import triton
+from graphcap.kernels import arch
+spec = importlib.util.spec_from_file_location("ig", PATH)
+ig = importlib.util.module_from_spec(spec)
+sys.modules["ig"] = ig
+spec.loader.exec_module(ig)
+plans = getattr(arch, PLAN_ARCH)
+sm90_order = CAPABILITY >= 90 and not ARCH  # the order the op takes on this target
+divisible = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12)}
+seen = set()
+for n, k in SHAPES:
+    for m in ROWS:
+        configs = ig.candidates(m, n, k, plans) if ALL else (ig.plan(m, n, k, plans),)
+        for cfg in configs:
+            bm, split = ig.rows_block(m, cfg), ig.splits(k, cfg)[1] > 1
+            # the real shapes' variant (tiles dividing N and K) of every config; the first config also without a
+            # bias and with masked tiles (which may spill a little on sm_80: never at these shapes)
+            for bias, even in ((True, True),) if seen else ((True, True), (False, True), (True, False)):
+                if (cfg, bm, split, bias, even) in seen:
+                    continue
+                seen.add((cfg, bm, split, bias, even))
+                types = dict(a="*i8", b="*i8", xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16",
+                             out="*i32" if split else "*bf16")
+                consts = dict(BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, HAS_BIAS=bias,
+                              SM90=sm90_order, EVEN_K=even, EVEN_N=even, INTERPRET=False)
+                compile(ig._int8_mm_kernel, types, consts, cfg.num_warps, cfg.num_stages, divisible,
+                        max_spill=0 if even else 64)
+for bias in (False, True):
+    types = dict(ws="*i32", xs_ptr="*fp32", ws_ptr="*fp32", bias_ptr="*bf16", out="*bf16")
+    consts = dict(BLOCK=ig.SPLITK_EPILOGUE_BLOCK, HAS_BIAS=bias, SM90=sm90_order, INTERPRET=False)
+    compile(ig._int8_splitk_epilogue_kernel, types, consts, 4, 1, None, max_spill=0)
+print("compiled", len(seen) + 2)
+"""
+
+
+def compile_int8(target, tmp_path: Path, every: bool) -> str:
+    from sm90 import compile_for
+
+    head = (f"PATH = {str(SUPPORT / 'sgl_kernel' / 'int8_gemm.py')!r}\nSHAPES = {list(SHAPES.values())!r}\n"
+            f"ROWS = {(*bench.DEFAULT_MS, 300)!r}\nALL = {every}\n")
+    return compile_for(head + COMPILE, tmp_path, target)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("target", ["sm90", "sm80", thorough("sm80-on-sm90")])
+def test_plans_compile_for_the_gpus(target, tmp_path):
+    """The configs the plan launches at the 31B shapes (decode rows and a prefill), with and without a bias and
+    partial tiles, and the split-K epilogue, compiled for an H100/H200, an A100 and an H200 under
+    GRAPHCAP_KERNEL_PATHS=sm80 (no wgmma there): within the shared memory, no register spills."""
+    import sm90
+
+    compile_int8({t.name: t for t in (sm90.SM90, sm90.SM80, sm90.SM80_ON_SM90)}[target], tmp_path, every=False)
+
+
+@pytest.mark.subprocess
+@pytest.mark.thorough
+@pytest.mark.parametrize("target", ["sm90", "sm80"])
+def test_every_candidate_compiles_for_the_gpus(target, tmp_path):
+    import sm90
+
+    compile_int8({t.name: t for t in (sm90.SM90, sm90.SM80)}[target], tmp_path, every=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -144,9 +144,10 @@ def _plan(m: int, n: int, k: int, arch: GpuArch) -> Config:
     while n_blocks * split < arch.sm_count and split < 8 and k // (2 * split) >= MIN_SPLIT_K:
         split *= 2
     # K steps of 256 bytes per weight row. Pipeline depth: ~3 tiles in flight per program; a fifth stage where a
-    # narrow unsplit shape leaves 1-2 programs per SM; three where 64 rows of x double the tiles.
+    # narrow unsplit shape leaves 1-2 programs per SM; three where 64 rows of x double the tiles, and 8 warps to
+    # hold the 64 x 64 accumulator (with 4, sm_80's mma.sync lowering spills).
     stages = 3 if block_m > 32 else 5 if block_n == 32 else 4
-    return fit(Config(block_n, 256, split, 4, stages), m, arch)
+    return fit(Config(block_n, 256, split, 8 if block_m > 32 else 4, stages), m, arch)
 
 
 # Variations a bench times around the plan (bench/int8_gemm.py --candidates): tile widths, K steps, splits, depths.
@@ -163,7 +164,10 @@ def candidates(m: int, n: int, k: int, arch: GpuArch | None = None) -> tuple[Con
         return (first,)
     out = [first]
     for v in _VARIANTS:
-        c = fit(Config(*v), m, arch)
+        c = Config(*v)
+        if m > 32:  # 64 rows of x: 8 warps hold the accumulator without spilling (as the plan's)
+            c = replace(c, num_warps=8)
+        c = fit(c, m, arch)
         if c not in out:
             out.append(c)
     return tuple(out)
