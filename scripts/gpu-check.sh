@@ -52,9 +52,10 @@
 #                                 the tree holding an earlier call's graphcap variants files), SERVER_FRESH_TRITON=1 (an
 #                                 empty Triton cache for this stage). sglang's Python radix-tree core (its Rust one is built
 #                                 for another torch); datasets stubbed where missing (tests/bench_serving_stubbed.py)
+#   scripts/gpu-check.sh int8-gemm  the stand-in's int8_scaled_mm: its GPU tests, bench/int8_gemm.py (INT8_GEMM_ARGS)
 # Several stages run in one call in order: scripts/gpu-check.sh unit bench. Logs: $GPU_WORK/logs (default
 # /tmp/graphcap-gpu), packed into $OUT/gpu-<stages joined by ->.tar.gz (default OUT=out/gpu).
-STAGES="unit tests bench capture engine-check engine-speed user-scale user-setup server"
+STAGES="unit tests bench capture engine-check engine-speed user-scale user-setup server int8-gemm"
 DEFAULT_STAGE=unit
 PACK_NAME=gpu
 source "$(dirname "$0")/gpu-lib.sh"
@@ -233,6 +234,13 @@ case $1 in
     for p in "$WORK"/server/*.log "$WORK"/server/manifests-*/*.json "$WORK"/server/trace-*/compiles-*.jsonl; do
       [ -f "$p" ] && tail -c 300000 "$p" > "$LOG/server-files/$(basename "$(dirname "$p")")-$(basename "$p")"
     done
+    ;;
+  int8-gemm)  # sgl_kernel's W8A8 int8 GEMM as the stand-in runs it, at Gemma-4-31B's projection shapes: its GPU tests,
+    # then bench/int8_gemm.py against the int8 weight-read floor and torch._int_mm (INT8_GEMM_ARGS: the bench's options
+    # besides --out, e.g. --candidates to time every candidate config, or --ms / --shapes for a shorter run)
+    step int8-gemm-gpu python3 -m pytest -q -rs -m gpu tests/test_int8_gemm.py
+    STEP_LIMIT=${STEP_LIMIT:-480} step int8-gemm python3 bench/int8_gemm.py --out "$LOG/int8-gemm.json" \
+      ${INT8_GEMM_ARGS:-}
     ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac

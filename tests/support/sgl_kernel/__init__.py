@@ -43,6 +43,8 @@ from graphcap.kernels.spec_tree_ops import (  # noqa: F401 - re-exported under s
     build_tree_kernel_efficient,
     verify_tree_greedy,
 )
+# sgl_kernel's W8A8 int8 GEMM (sglang's compressed-tensors / w8a8_int8 linear layers): docs/sglang-standin.md
+from sgl_kernel.int8_gemm import int8_scaled_mm  # noqa: F401 - sgl_kernel's name
 
 __version__ = "0.4.9"
 _SCOPE = "graphcap's engine harness covers only the Gemma 4 frozen-KV MTP path"
