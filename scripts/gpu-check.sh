@@ -50,7 +50,8 @@
 #                                 SERVER_BUDGET_S (480: no server starts after that; SERVER_DEADLINE_S: no phase starts
 #                                 after that, a soak ends by then), SERVER_VARIANTS_FROM (a directory in
 #                                 the tree holding an earlier call's graphcap variants files), SERVER_FRESH_TRITON=1 (an
-#                                 empty Triton cache for this stage). sglang's Python radix-tree core (its Rust one is built
+#                                 empty Triton cache for this stage), SERVER_SGLANG=0.5.18 (that sglang, from .whl-0.5.18
+#                                 as user-setup installs it). sglang's Python radix-tree core (its Rust one is built
 #                                 for another torch); datasets stubbed where missing (tests/bench_serving_stubbed.py)
 #   scripts/gpu-check.sh int8-gemm  the stand-in's int8_scaled_mm: its GPU tests, bench/int8_gemm.py (INT8_GEMM_ARGS)
 # Several stages run in one call in order: scripts/gpu-check.sh unit bench. Logs: $GPU_WORK/logs (default
@@ -224,6 +225,14 @@ case $1 in
     python3 -c 'import datasets' 2>/dev/null || bs=(--bench-serving "python3 tests/bench_serving_stubbed.py")
     [ "${SERVER_PREFILL_GRAPHS:-0}" = 1 ] && extra+=(--prefill-graphs)
     [ -n "${SERVER_VARIANTS_FROM:-}" ] && extra+=(--variants-from "$SERVER_VARIANTS_FROM")
+    if [ -n "${SERVER_SGLANG:-}" ]; then  # another sglang for every server (0.5.18: from .whl-0.5.18, as user-setup)
+      local site; site=$(user_setup_site "$SERVER_SGLANG") || exit 1
+      if [ -n "$site" ]; then
+        export PYTHONPATH=$site:$PYTHONPATH
+        { [ -d "$site/flashinfer" ] || ls ".whl-$SERVER_SGLANG"/flashinfer_standin-*.whl >/dev/null 2>&1; } \
+          && export SGLANG_IS_FLASHINFER_AVAILABLE=false
+      fi
+    fi
     [ -f "$WORK/ckpt-ds/target/tokenizer.json" ] || step ckpt-draft-shapes python3 bench/sglang_checkpoint.py \
       --size draft-shapes --out "$WORK/ckpt-ds" --device cuda
     STEP_LIMIT=${STEP_LIMIT:-580} step server python3 bench/sglang_server.py --ckpt "$WORK/ckpt-ds" \
