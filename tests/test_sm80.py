@@ -23,13 +23,16 @@ from sm90 import SM80_ON_SM90, SM90 as TARGET_SM90, Target, compile_for
 from tiers import examples
 from test_spec_tree_ops import FAST_TOPK_SCRIPT, SPEC_TREE_OPS_SCRIPT
 
-KERNELS = Path(__file__).resolve().parents[1] / "graphcap" / "kernels"
+ROOT = Path(__file__).resolve().parents[1]
+# where Triton kernels live: graphcap's, and the sgl_kernel stand-in's own (tests/support/sgl_kernel)
+KERNEL_DIRS = (ROOT / "graphcap" / "kernels", ROOT / "tests" / "support" / "sgl_kernel")
 
 # ---------------------------------------------------------------------------------------------------------------
-# Compile scripts, one per graphcap/kernels file that holds Triton kernels (KERNEL_SCRIPTS). Each runs after
-# tests/sm90.py's prelude (compile(), CAPABILITY, ARCH, PLAN_ARCH: the description the planners plan for) and
-# COMMON, compiles its kernels as the planners and launches choose them at the Gemma 4 draft's shapes (THOROUGH:
-# every variant, dtype and candidate as well) and prints "compiled <count>". A new kernel file adds one here.
+# Compile scripts, one per file of KERNEL_DIRS that holds Triton kernels (KERNEL_SCRIPTS, keyed by its path in the
+# repo). Each runs after tests/sm90.py's prelude (compile(), CAPABILITY, ARCH, PLAN_ARCH: the description the planners
+# plan for) and COMMON, compiles its kernels as the planners and launches choose them at the Gemma 4 draft's shapes
+# (THOROUGH: every variant, dtype and candidate as well) and prints "compiled <count>". A new kernel file adds one
+# here.
 
 COMMON = """
 import torch
@@ -264,12 +267,13 @@ for heads, kv_heads, d, max_len in ((32, 16, 256, 1023), (32, 4, 512, 8192)):  #
 print("compiled", n)
 """
 
-KERNEL_SCRIPTS = {
-    "attention_kernels.py": ATTENTION, "skinny_gemm_kernels.py": SKINNY_GEMM, "centroid_head.py": CENTROID_HEAD,
-    "small_topk.py": SMALL_TOPK, "candidate_pick.py": CANDIDATE_PICK, "fused_ops.py": FUSED_OPS,
-    "layer_fusions.py": LAYER_FUSIONS, "window_update.py": WINDOW_UPDATE,
-    "fast_topk.py": FAST_TOPK_SCRIPT, "spec_tree_ops.py": SPEC_TREE_OPS_SCRIPT,  # shared with test_spec_tree_ops.py
-    "verify_attention.py": VERIFY_ATTENTION,
+KERNEL_SCRIPTS = {f"graphcap/kernels/{name}": script for name, script in (
+    ("attention_kernels.py", ATTENTION), ("skinny_gemm_kernels.py", SKINNY_GEMM), ("centroid_head.py", CENTROID_HEAD),
+    ("small_topk.py", SMALL_TOPK), ("candidate_pick.py", CANDIDATE_PICK), ("fused_ops.py", FUSED_OPS),
+    ("layer_fusions.py", LAYER_FUSIONS), ("window_update.py", WINDOW_UPDATE), ("verify_attention.py", VERIFY_ATTENTION),
+)} | {  # shared with test_spec_tree_ops.py
+    "tests/support/sgl_kernel/top_k.py": FAST_TOPK_SCRIPT,
+    "tests/support/sgl_kernel/speculative.py": SPEC_TREE_OPS_SCRIPT,
 }
 # kernel files being written as this test was: their owners add their scripts here and take them off this list
 PENDING: set[str] = set()
@@ -305,7 +309,8 @@ def compile_scripts(names: list[str], target: Target, thorough: bool, tmp_path: 
 
 
 def test_every_kernel_file_has_a_compile_script():
-    with_kernels = {p.name for p in KERNELS.glob("*.py") if "@triton.jit" in p.read_text()}
+    with_kernels = {p.relative_to(ROOT).as_posix() for d in KERNEL_DIRS for p in d.rglob("*.py")
+                    if "@triton.jit" in p.read_text()}
     missing = with_kernels - set(KERNEL_SCRIPTS) - PENDING
     assert not missing, f"add a compile script to tests/test_sm80.py KERNEL_SCRIPTS for {sorted(missing)}"
     assert set(KERNEL_SCRIPTS) <= with_kernels
@@ -319,7 +324,7 @@ def test_kernels_compile_for_sm80(tmp_path):
 def test_switch_lowers_for_sm80_on_sm90(tmp_path):
     """An H200 under GRAPHCAP_KERNEL_PATHS=sm80 (Triton lowering for 80, ptxas for sm_90a): the skinny GEMM - the
     kernels with a tl.dot that sm_90 makes a wgmma - uses mma.sync, with an A100's plans and shared memory."""
-    compile_scripts(["skinny_gemm_kernels.py"], SM80_ON_SM90, False, tmp_path)
+    compile_scripts(["graphcap/kernels/skinny_gemm_kernels.py"], SM80_ON_SM90, False, tmp_path)
 
 
 @pytest.mark.thorough

@@ -1,8 +1,8 @@
 """The two EAGLE tree ops sglang 0.5.18 launches from `sgl_kernel` on CUDA (0.5.23 has its own JIT kernels), one
 Triton kernel each, beside a plain-torch twin (`*_torch`, serial Python over the batch: the tests' reference and the
 fallback where Triton cannot run). Names, argument order, dtypes and in-place outputs are sgl_kernel's
-(`sgl_kernel/speculative.py`; the CUDA kernels `build_tree_efficient`, `VerifyTreeGreedy`). `fast_topk`, the third
-op, is in `graphcap.kernels.fast_topk`.
+(`sgl_kernel/speculative.py`, whose name this module takes; the CUDA kernels `build_tree_efficient`,
+`VerifyTreeGreedy`). `fast_topk`, the third op, is in `top_k` beside it.
 
 Tree layout (built by sglang's `organize_draft_results` from the draft loop's top-k): request b's tree has D =
 `draft_token_num` nodes; node 0 is the root (the bonus token), node i >= 1 the draft token whose index in the
@@ -39,7 +39,8 @@ walk stops at the first level with none. Writes `accept_index[b, k]` (the accept
 at k = 0), `accept_token_num[b]` (drafts accepted) and `predicts[r] = target_predict[r]` at each accepted retrieve
 index r (the root's included); other entries stay as they were. Any tree shape (topk > 1 too).
 
-Checks are static (shapes, dtypes, devices, strides), never a GPU value: both ops launch without a sync.
+Checks are static (shapes, dtypes, devices, strides), never a GPU value: both ops launch without a sync. It imports
+nothing of the stand-in package, so tests load it in their own process without it (tests/standin_ops.py).
 """
 from __future__ import annotations
 
