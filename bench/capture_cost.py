@@ -33,7 +33,7 @@ from graphcap.bench.options import OneLineParser, server_compile
 from graphcap.bench.environment import environment, summary_line
 from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import time_call
-from graphcap.engine.backends import GRAPH_BACKENDS
+from graphcap.backends import GRAPH_BACKENDS
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import AddressGuard, check_batch_inputs
 from graphcap.models import DraftLoop, FrozenKVDraft

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from graphcap import manifest as mf
-from graphcap.engine.backends import COMPILED_BACKENDS
+from graphcap.backends import COMPILED_BACKENDS
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import CaptureError
 from graphcap.sglang import linear as sglang_linear
