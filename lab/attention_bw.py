@@ -36,7 +36,7 @@ from graph_timing import copy_bandwidth, flush_buffer, in_graph_ms
 from graphcap.bench import environment as bench_env
 from graphcap.bench import timing
 from graphcap.bench.options import OneLineParser
-from graphcap.kernels.attention import (
+from graphcap.kernels.attention.decode import (
     decode_attention,
     decode_attention_with_config,
     default_config,

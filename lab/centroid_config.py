@@ -1,4 +1,4 @@
-"""The centroid head's scoring kernel (`graphcap/kernels/centroid_head.py`) over its launch configurations: tokens per
+"""The centroid head's scoring kernel (`graphcap/kernels/head/centroid.py`) over its launch configurations: tokens per
 program (BLOCK_T), hidden columns per loop iteration (BLOCK_H) and warps, at the spec's head (2048 clusters of 128
 tokens, hidden 1536, top 32 per row: a row's choices read 12.6 MB of lm_head rows) and batches 1..64.
 
@@ -25,7 +25,7 @@ import torch
 
 from graphcap.bench import environment as bench_env
 from graphcap.bench.options import OneLineParser
-from graphcap.kernels.centroid_head import BLOCK_H, BLOCK_T, NUM_WARPS, _launch
+from graphcap.kernels.head.centroid import BLOCK_H, BLOCK_T, NUM_WARPS, _launch
 
 CLUSTERS, TOKENS, HIDDEN, TOP = 2048, 128, 1536, 32
 DISTRIBUTIONS = ("uniform", "shared")

@@ -1,6 +1,7 @@
 """Warps per program of graphcap's one-program-per-row kernels, at the draft's sizes: the small top-k (33 of 2048 centroid
-scores, 2 of 4096 candidate logits, fp32; `graphcap/kernels/small_topk.py`) and the layer's two norm chains over a
-1536-wide bf16 row (`norm_add_norm`, `norm_add_scale_norm`; `graphcap/kernels/layer_fusions.py`), batches 1..64.
+scores, 2 of 4096 candidate logits, fp32; `graphcap/kernels/head/small_topk.py`) and the layer's two norm chains over
+a 1536-wide bf16 row (`norm_add_norm`, `norm_add_scale_norm`; `graphcap/kernels/elementwise/layer_fusions.py`),
+batches 1..64.
 
 Each launch runs inside a CUDA graph among 256 MB reads (lab/graph_timing.py's in_graph_us), as the draft iteration
 runs it. A warp count changes no top-k result (an argmax per round, ties to the smallest index) and may change a norm's
@@ -20,8 +21,8 @@ import triton
 
 from graphcap.bench import environment as bench_env
 from graphcap.bench.options import OneLineParser
-from graphcap.kernels import layer_fusions as lf
-from graphcap.kernels import small_topk as st
+from graphcap.kernels.elementwise import layer_fusions as lf
+from graphcap.kernels.head import small_topk as st
 
 HIDDEN, EPS = 1536, 1e-6
 TOPK = ((2048, 33), (4096, 2))

@@ -43,7 +43,7 @@ def test_standin_provides_the_ops_and_raises_for_the_rest():
         import importlib.metadata, math
         import pytest, torch
         import sgl_kernel
-        from graphcap.kernels import fused_ops
+        from graphcap.kernels.elementwise import fused_ops
 
         assert sgl_kernel.__file__.startswith({str(SUPPORT)!r}), sgl_kernel.__file__
         assert importlib.metadata.version("sglang-kernel") == "0.4.9"

@@ -25,10 +25,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import graphcap.kernels.skinny_gemm as sg
-import graphcap.kernels.skinny_gemm_kernels as sgk
+import graphcap.kernels.gemm.skinny as sg
+import graphcap.kernels.gemm.skinny_kernels as sgk
 from graphcap.kernels import twins_on_cpu
-from graphcap.kernels.skinny_gemm import (
+from graphcap.kernels.gemm.skinny import (
     CANDIDATES, MAX_M, Config, SkinnyGemmError, skinny_gate_up_gelu, skinny_gate_up_gelu_torch, skinny_linear,
     skinny_linear_torch,
 )
@@ -392,8 +392,8 @@ SM90_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import graphcap.kernels.skinny_gemm as sg
-import graphcap.kernels.skinny_gemm_kernels as sgk
+import graphcap.kernels.gemm.skinny as sg
+import graphcap.kernels.gemm.skinny_kernels as sgk
 
 ARGS = ["x", "w", "y", "out", "counters", "M", "N", "K", "k_split", "stride_xm", "stride_wn", "stride_ym", "stride_ys",
         "stride_om"]
@@ -450,7 +450,7 @@ def test_every_candidate_compiles_for_sm90(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GPU: the Gemma 4 assistant's shapes (docstring of graphcap/kernels/skinny_gemm.py)
+# GPU: the Gemma 4 assistant's shapes (docstring of graphcap/kernels/gemm/skinny.py)
 
 GEMMA = {"q_proj_sliding": (8192, 1536), "q_proj_full": (16384, 1536), "o_proj_sliding": (1536, 8192),
          "o_proj_full": (1536, 16384), "down": (1536, 6144), "pre_proj": (1536, 10752), "centroids": (2048, 1536)}

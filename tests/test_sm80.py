@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import graphcap.kernels.skinny_gemm as sg
+import graphcap.kernels.gemm.skinny as sg
 from graphcap.kernels import arch
 from graphcap.kernels.arch import SM80, SM90, GpuArch
-from graphcap.kernels.attention_plan import default_config, plan_attention, program_smem, target_programs
+from graphcap.kernels.attention.plan import default_config, plan_attention, program_smem, target_programs
 from sm90 import SM80 as TARGET_SM80
 from sm90 import SM80_ON_SM90, SM90 as TARGET_SM90, Target, compile_for
 from tiers import examples
@@ -43,8 +43,8 @@ n = 0
 """
 
 ATTENTION = """
-from graphcap.kernels import attention_kernels as A
-from graphcap.kernels.attention_plan import plan_attention, query_block
+from graphcap.kernels.attention import decode_kernels as A
+from graphcap.kernels.attention.plan import plan_attention, query_block
 
 TORCH = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
 seen = set()
@@ -84,8 +84,8 @@ print("compiled", n)
 """
 
 SKINNY_GEMM = """
-import graphcap.kernels.skinny_gemm as sg
-import graphcap.kernels.skinny_gemm_kernels as sgk
+import graphcap.kernels.gemm.skinny as sg
+import graphcap.kernels.gemm.skinny_kernels as sgk
 
 ARGS = ["x", "w", "y", "out", "counters", "M", "N", "K", "k_split", "stride_xm", "stride_wn", "stride_ym",
         "stride_ys", "stride_om"]
@@ -143,7 +143,7 @@ print("compiled", n + 1)
 """
 
 CENTROID_HEAD = """
-from graphcap.kernels import centroid_head as C
+from graphcap.kernels.head import centroid as C
 
 for dt in DTYPES:
     for k, t, h in ((32, 128, 1536),) + (((4, 4, 32), (32, 128, 5376)) if THOROUGH else ()):  # top 32 of 2048 x 128
@@ -156,7 +156,7 @@ print("compiled", n)
 """
 
 SMALL_TOPK = """
-from graphcap.kernels import small_topk as S
+from graphcap.kernels.head import small_topk as S
 
 for dt in DTYPES:
     for rows, k in ((2048, 32), (4096, 2)) + (((2048, 33), (8192, S.MAX_K), (16, 1)) if THOROUGH else ()):
@@ -169,7 +169,7 @@ print("compiled", n)
 """
 
 CANDIDATE_PICK = """
-from graphcap.kernels import candidate_pick as P
+from graphcap.kernels.head import candidate_pick as P
 
 for dt in DTYPES:
     for rows, t in ((4096, 128),) + (((P.MAX_N, 128), (16, 4)) if THOROUGH else ()):  # 32 clusters x 128 tokens
@@ -182,7 +182,7 @@ print("compiled", n)
 """
 
 FUSED_OPS = """
-from graphcap.kernels import fused_ops as F
+from graphcap.kernels.elementwise import fused_ops as F
 
 for dt in DTYPES:
     types = dict(x="*" + dt, res="*" + dt, out="*" + dt, w="*" + dt, eps="fp32", q="*" + dt, k="*" + dt,
@@ -205,7 +205,7 @@ print("compiled", n)
 """
 
 LAYER_FUSIONS = """
-from graphcap.kernels import layer_fusions as L
+from graphcap.kernels.elementwise import layer_fusions as L
 
 for dt in DTYPES + (() if THOROUGH else ("fp32",)):  # the draft's rows; fp32 as the tiny spec runs
     types = {name: "*" + dt for name in ("x", "res", "w_x", "w_sum", "w_out", "scalar", "normed", "total", "out",
@@ -222,7 +222,7 @@ print("compiled", n)
 """
 
 WINDOW_UPDATE = """
-from graphcap.kernels import window_update as W
+from graphcap.kernels.window import update as W
 
 for ring in ("i32", "i64") if THOROUGH else ("i32",):
     types = dict(ring="*" + ring, seq_lens="*i32", req_to_token="*i32", full_to_swa="*i64", slots="*i64",
@@ -237,7 +237,7 @@ print("compiled", n)
 """
 
 VERIFY_ATTENTION = """
-from graphcap.kernels import verify_attention as V
+from graphcap.kernels.attention import verify as V
 
 TORCH = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
 seen = set()
@@ -268,9 +268,10 @@ print("compiled", n)
 """
 
 KERNEL_SCRIPTS = {f"graphcap/kernels/{name}": script for name, script in (
-    ("attention_kernels.py", ATTENTION), ("skinny_gemm_kernels.py", SKINNY_GEMM), ("centroid_head.py", CENTROID_HEAD),
-    ("small_topk.py", SMALL_TOPK), ("candidate_pick.py", CANDIDATE_PICK), ("fused_ops.py", FUSED_OPS),
-    ("layer_fusions.py", LAYER_FUSIONS), ("window_update.py", WINDOW_UPDATE), ("verify_attention.py", VERIFY_ATTENTION),
+    ("attention/decode_kernels.py", ATTENTION), ("attention/verify.py", VERIFY_ATTENTION),
+    ("gemm/skinny_kernels.py", SKINNY_GEMM), ("head/centroid.py", CENTROID_HEAD), ("head/small_topk.py", SMALL_TOPK),
+    ("head/candidate_pick.py", CANDIDATE_PICK), ("elementwise/fused_ops.py", FUSED_OPS),
+    ("elementwise/layer_fusions.py", LAYER_FUSIONS), ("window/update.py", WINDOW_UPDATE),
 )} | {  # shared with test_spec_tree_ops.py
     "tests/support/sgl_kernel/top_k.py": FAST_TOPK_SCRIPT,
     "tests/support/sgl_kernel/speculative.py": SPEC_TREE_OPS_SCRIPT,
@@ -324,7 +325,7 @@ def test_kernels_compile_for_sm80(tmp_path):
 def test_switch_lowers_for_sm80_on_sm90(tmp_path):
     """An H200 under GRAPHCAP_KERNEL_PATHS=sm80 (Triton lowering for 80, ptxas for sm_90a): the skinny GEMM - the
     kernels with a tl.dot that sm_90 makes a wgmma - uses mma.sync, with an A100's plans and shared memory."""
-    compile_scripts(["graphcap/kernels/skinny_gemm_kernels.py"], SM80_ON_SM90, False, tmp_path)
+    compile_scripts(["graphcap/kernels/gemm/skinny_kernels.py"], SM80_ON_SM90, False, tmp_path)
 
 
 @pytest.mark.thorough
@@ -475,8 +476,8 @@ def test_compile_cache_key_tells_the_switch(paths, monkeypatch):
 
 GPU_SCRIPT = """
 import torch
-import graphcap.kernels.skinny_gemm as sg
-import graphcap.kernels.skinny_gemm_kernels as sgk
+import graphcap.kernels.gemm.skinny as sg
+import graphcap.kernels.gemm.skinny_kernels as sgk
 from graphcap.kernels import arch
 
 assert arch.device_arch("cuda") == arch.SM80.within(arch._native(torch.cuda.current_device()))

@@ -18,9 +18,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import graphcap.kernels.small_topk as small_topk_mod
+import graphcap.kernels.head.small_topk as small_topk_mod
 from graphcap.kernels import twins_on_cpu
-from graphcap.kernels.small_topk import MAX_K, MAX_N, SmallTopkError, small_topk, topk_torch
+from graphcap.kernels.head.small_topk import MAX_K, MAX_N, SmallTopkError, small_topk, topk_torch
 from tiers import examples
 
 SETTINGS = dict(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

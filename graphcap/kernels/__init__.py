@@ -1,4 +1,6 @@
-"""Triton kernels, each beside its plain-torch twin.
+"""Triton kernels, each beside its plain-torch twin, grouped by what they compute: `attention` (decode, verify, their
+plan), `gemm` (the skinny GEMM), `head` (the draft head's scores, top-ks and pick), `elementwise` (norms, adds, gated
+activations, rotary) and `window` (the window ring's updates). Here: where a kernel runs (`use_triton`).
 
 A kernel runs where Triton can run it: on CUDA tensors, or on CPU tensors under `TRITON_INTERPRET=1` (how CI checks
 the kernels themselves). Elsewhere the op falls back to its twin, which is also the tests' reference.

@@ -39,7 +39,7 @@ from graphcap.sglang.config import FLAG, DraftCaptureConfigError, DraftCaptureOp
 from graphcap.sglang.loop import GraphcapDraftAttention, SglangAssistantLoop
 from graphcap.sglang.slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
 from graphcap.engine.iteration import DraftOutput
-from graphcap.kernels.skinny_gemm import KERNEL_ROWS
+from graphcap.kernels.gemm.skinny import KERNEL_ROWS
 from graphcap.engine.observers import LoggingProgress
 from graphcap.window import WindowBuffers
 

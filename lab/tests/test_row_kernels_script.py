@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lab_scripts import load_lab_script
-from graphcap.kernels import layer_fusions as lf
-from graphcap.kernels import small_topk as st
+from graphcap.kernels.elementwise import layer_fusions as lf
+from graphcap.kernels.head import small_topk as st
 
 bench = load_lab_script("row_kernels")
 

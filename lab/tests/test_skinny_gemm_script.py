@@ -14,9 +14,9 @@ from lab_scripts import LAB_DIR, load_lab_script
 from test_skinny_gemm import OVERFLOW_OK, SETTINGS, make
 from tiers import examples
 
-import graphcap.kernels.skinny_gemm as sg
-import graphcap.kernels.skinny_gemm_kernels as sgk
-from graphcap.kernels.skinny_gemm import CANDIDATES, Config
+import graphcap.kernels.gemm.skinny as sg
+import graphcap.kernels.gemm.skinny_kernels as sgk
+from graphcap.kernels.gemm.skinny import CANDIDATES, Config
 
 BENCH = LAB_DIR / "skinny_gemm.py"
 

@@ -7,7 +7,7 @@ subprocesses that import it too). The `sglang_kernel-0.4.9.dist-info` next to th
 check (`importlib.metadata.version("sglang-kernel") >= 0.4.9`, srt/entrypoints/engine.py).
 
 Provided, with sgl_kernel's names, signatures and semantics (docs/sglang-standin.md has the call sites):
-- compute ops from `graphcap.kernels.fused_ops`, one Triton kernel per call: rmsnorm, fused_add_rmsnorm,
+- compute ops from `graphcap.kernels.elementwise.fused_ops`, one Triton kernel per call: rmsnorm, fused_add_rmsnorm,
   gemma_rmsnorm, gemma_fused_add_rmsnorm, gelu_tanh_and_mul, gelu_and_mul, silu_and_mul,
   apply_rope_with_cos_sin_cache_inplace;
 - the speculative-decoding ops sglang 0.5.18 takes from sgl_kernel on CUDA (0.5.23 has its own), one Triton kernel
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from graphcap.kernels.fused_ops import (  # noqa: F401 - re-exported under sgl_kernel's names
+from graphcap.kernels.elementwise.fused_ops import (  # noqa: F401 - re-exported under sgl_kernel's names
     apply_rope_with_cos_sin_cache_inplace,
     fused_add_rmsnorm,
     gelu_and_mul,

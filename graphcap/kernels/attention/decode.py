@@ -16,11 +16,11 @@ correct for every page size; a page size > 1 only makes neighbouring locations c
 system but is never assumed.
 
 The kernels - split-KV "flash-decoding": a split kernel, then a combine kernel - and their plain-torch twin
-`decode_attention_torch` (the CPU path and a test reference) are in graphcap.kernels.attention_kernels.
+`decode_attention_torch` (the CPU path and a test reference) are in graphcap.kernels.attention.decode_kernels.
 
 Grid and temporaries depend only on static shapes (B, H, D, num_splits), never on GPU values: the op can be captured
 in a CUDA graph and traced by torch.compile (it is a `torch.library.triton_op`). Those host-side decisions (launch
-configuration, split count, wave) are one `attention_plan.AttentionPlan`, made per bucket before anything is traced
+configuration, split count, wave) are one `plan.AttentionPlan`, made per bucket before anything is traced
 and passed to the op as ints; the launch derives only the query tiling from the shapes.
 """
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch
 from torch.library import triton_op
 
 from graphcap.kernels import use_triton
-from graphcap.kernels.fused_ops import FusedOpError
-from graphcap.kernels.layer_fusions import check_norm_rope, norm_rope_torch
-from graphcap.kernels.attention_kernels import QueryNormRope, decode_attention_torch, launch
-from graphcap.kernels.attention_plan import (  # noqa: F401 - re-exported: the op's public planning helpers
+from graphcap.kernels.elementwise.fused_ops import FusedOpError
+from graphcap.kernels.elementwise.layer_fusions import check_norm_rope, norm_rope_torch
+from graphcap.kernels.attention.decode_kernels import QueryNormRope, decode_attention_torch, launch
+from graphcap.kernels.attention.plan import (  # noqa: F401 - re-exported: the op's public planning helpers
     AttentionError,
     AttentionPlan,
     KernelConfig,
@@ -154,7 +154,7 @@ def decode_attention(
         q_args = (None, None, None, 0.0)
     if plan is None:
         if num_splits is None:
-            raise AttentionError("decode_attention: pass num_splits or a plan (attention_plan.plan_attention)")
+            raise AttentionError("decode_attention: pass num_splits or a plan (plan.plan_attention)")
         args = (num_splits, *_UNPLANNED)
     elif num_splits is not None and num_splits != plan.num_splits:
         raise AttentionError(f"decode_attention: num_splits {num_splits} != the plan's {plan.num_splits}")

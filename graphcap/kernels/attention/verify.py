@@ -5,7 +5,7 @@ Why a kernel of its own: on NVIDIA, sglang's Triton backend runs the verify thro
 (`extend_attention_fwd`: grid batch x query heads x one query tile, each program walking the whole prefix serially).
 At verify shapes - a few query tokens against a long prefix - that leaves most of the GPU idle and reads every K/V
 tile once per query head, so its cost grows with batch x min(context, window) while a decode step over the same
-prefix costs a fraction of it. Here the verify is the split-KV decode kernel (`attention_kernels`) generalised to
+prefix costs a fraction of it. Here the verify is the split-KV decode kernel (`decode_kernels`) generalised to
 `n_q` query rows per request: program (request, KV head, split) loads each K/V tile of its chunk of the prefix once
 for every query head of the GQA group and every one of the `n_q` query tokens (one tl.dot over group x n_q rows),
 splits the prefix so that a small batch still fills the GPU, and the first split of a request also attends to the
@@ -32,9 +32,9 @@ import triton
 import triton.language as tl
 
 from graphcap.kernels import use_triton
-from graphcap.kernels.attention_kernels import LOG2E, _combine_kernel, split_scratch
+from graphcap.kernels.attention.decode_kernels import LOG2E, _combine_kernel, split_scratch
 from graphcap.kernels.arch import GpuArch, device_arch
-from graphcap.kernels.attention_plan import AttentionError, AttentionPlan, plan_attention
+from graphcap.kernels.attention.plan import AttentionError, AttentionPlan, plan_attention
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -71,7 +71,7 @@ def verify_attention_torch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Triton kernel (the combine is attention_kernels._combine_kernel, one query token per row)
+# Triton kernel (the combine is decode_kernels._combine_kernel, one query token per row)
 
 
 @triton.jit
@@ -302,7 +302,7 @@ def verify_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
         H=h, GROUP=h // hkv, HEADS=plan.heads, HEAD_TILES=plan.head_tiles, NQ=n_q, D=d, BLOCK_D=block_d,
         BLOCK_M=plan.block_m, BLOCK_N=ap.block_n, BLOCK_E=max(16, triton.next_power_of_2(n_q)), SINGLE=single,
-        # Triton's interpreter computes bf16/fp16 dots wrongly (attention_kernels says so): fp32 tiles there
+        # Triton's interpreter computes bf16/fp16 dots wrongly (decode_kernels says so): fp32 tiles there
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
         num_warps=ap.num_warps, num_stages=ap.num_stages,
     )

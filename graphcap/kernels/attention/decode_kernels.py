@@ -1,5 +1,5 @@
-"""The Triton kernels of `graphcap.kernels.attention` (the op, its checks and its planning live there and in
-attention_plan), their launch, and their plain-torch twin.
+"""The Triton kernels of `graphcap.kernels.attention.decode` (the op, its checks and its planning live there and in
+plan), their launch, and their plain-torch twin.
 
 Kernel ("flash-decoding", split-KV):
 1. `_split_kernel`, grid (B, Hkv * head_tiles, num_splits): program (b, kv head, split) covers a contiguous chunk of
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from graphcap.kernels.attention_plan import AttentionPlan, query_block
+from graphcap.kernels.attention.plan import AttentionPlan, query_block
 
 LOG2E = 1.4426950408889634
 

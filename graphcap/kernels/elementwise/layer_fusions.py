@@ -1,7 +1,7 @@
 """The draft layer's chains of small ops, each one Triton kernel, beside its torch twin.
 
-sglang (and graphcap.kernels.fused_ops, which launches what sglang launches) runs one kernel per norm. In the draft
-layer the norms come in chains, each link reading what the one before wrote, so a chain is one pass over a row:
+sglang (and `fused_ops` beside this module, which launches what sglang launches) runs one kernel per norm. In the
+draft layer the norms come in chains, each link reading what the one before wrote, so a chain is one pass over a row:
 - `norm_rope(q, weight, cos, sin, slots, lens)`: every query head's RMSNorm, then its rotary (NeoX halves: a head's
   element i pairs with i + D/2) at the row's query position, read from the position tables in the kernel - the
   layer's q_norm and rope. The position is the draft's (its last token's, lens[slots[b]] - 1), found in the kernel
@@ -29,7 +29,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
-from graphcap.kernels.fused_ops import DTYPES, FusedOpError, _same_device, _tensor
+from graphcap.kernels.elementwise.fused_ops import DTYPES, FusedOpError, _same_device, _tensor
 
 __all__ = ["norm_rope", "norm_add_norm", "norm_add_scale_norm", "norm_rope_torch", "norm_add_norm_torch",
            "norm_add_scale_norm_torch", "query_positions"]

@@ -1,4 +1,4 @@
-"""Host-side planning for `graphcap.kernels.attention` (FlashInfer's split of planning from the run): the launch
+"""Host-side planning for `graphcap.kernels.attention.decode` (FlashInfer's split of planning from the run): the launch
 configuration, the split count per capture bucket and the query-head tiling.
 Everything here depends on static numbers only (shapes, the device's properties), never on GPU values. `plan_attention`
 turns them into one `AttentionPlan` per bucket, on the host, before anything is traced or captured; the op takes the

@@ -18,7 +18,7 @@ split-K reduction kernel, plus (gate/up) a separate gelu-mul kernel that reads t
 - Narrow shapes (N = 1536, K up to 16384: o_proj, down, pre_proj) cannot fill 132 SMs with N-blocks alone, so they
   split K: program (n, s) writes its fp32 partial to a workspace [S, M, N], and the S partials are summed in order
   s = 0..S-1 and rounded once - by a second kernel, or (Config.fixup) in the same kernel by the last split of each
-  n-block to arrive, which an atomic counter per n-block tells (`skinny_gemm_kernels.prepare_fixup`). Either way
+  n-block to arrive, which an atomic counter per n-block tells (`skinny_kernels.prepare_fixup`). Either way
   deterministic: the same bits on every call, as replay-vs-compiled equality needs (the atomics only count; they add
   nothing).
 - One row of a narrow shape (class m1-narrow) runs as a GEMV instead (Config.gemv): a program per 4 output columns
@@ -32,7 +32,7 @@ The ops are opaque `torch.library.custom_op`s (with fake implementations): torch
 `cublas_above=R` sends calls of more than R rows to cuBLAS instead (gate/up: cuBLAS, then graphcap's gelu-mul
 kernel), decided in the op's body at run time, where M is a plain int also under one compile for every batch (the
 draft loop's op set uses the kernel only for the shape classes and batches it measured faster at: `KERNEL_ROWS`).
-The Triton kernels and the split-K counters live in graphcap.kernels.skinny_gemm_kernels; this module plans, checks,
+The Triton kernels and the split-K counters live in graphcap.kernels.gemm.skinny_kernels; this module plans, checks,
 launches and registers them. `skinny_linear_torch` / `skinny_gate_up_gelu_torch` are the plain-torch twins (cuBLAS +
 an fp32 gelu-mul): the tests' reference and the fallback where Triton does not run.
 """
@@ -45,11 +45,11 @@ from typing import NamedTuple
 import torch
 import triton
 
-from graphcap.kernels import skinny_gemm_kernels as kernels
+from graphcap.kernels.gemm import skinny_kernels as kernels
 from graphcap.kernels import use_triton
 from graphcap.kernels.arch import SM90, GpuArch, device_arch
-from graphcap.kernels.fused_ops import gelu_tanh_and_mul
-from graphcap.kernels.skinny_gemm_kernels import fixup_counters
+from graphcap.kernels.elementwise.fused_ops import gelu_tanh_and_mul
+from graphcap.kernels.gemm.skinny_kernels import fixup_counters
 
 DTYPES = (torch.bfloat16, torch.float16)
 MAX_M = 64  # rows per call: above this a GEMM is no longer a weight read
@@ -81,7 +81,7 @@ class Config(NamedTuple):
 # wide N >= NARROW_N, or narrow),
 # the first of each the one `plan` picks. Sized for an H200 (132 SMs, ~228 KB shared memory per SM): 8-32 KB of
 # weights per pipeline stage, 3-4 stages, and at least ~2 programs per SM. Each class's first is the fastest of its
-# candidates at the draft's shapes in bench/skinny_gemm.py's sweep on the H200 (docs/results.md, the skinny GEMM).
+# candidates at the draft's shapes in lab/skinny_gemm.py's sweep on the H200 (docs/results.md, the skinny GEMM).
 # Every candidate fits an A100's 163 KiB per block too (Triton stages one copy fewer there: `pipeline_smem`); none
 # was timed on one.
 _FIXUP = (Config(64, 128, 8, 4, 4, fixup=True), Config(32, 256, 4, 4, 4, fixup=True),
@@ -102,7 +102,7 @@ _BCAST = {"wide": Config(16, 128, 1, 4, 2, False), "gated": Config(16, 128, 1, 4
 # One row per program over all of K, as Inductor's tuned one-row matmul (a multiply-and-sum reduction) runs; slower
 # than the plans on the wide and gated shapes, so only m1-narrow plans one
 _GEMV = (Config(4, 1024, 1, 4, 3, False, gemv=True), Config(2, 2048, 1, 8, 2, False, gemv=True))
-# First up to 16 rows: the fastest of bench/skinny_gemm.py --grid at one row, and of the class's candidates at 1,
+# First up to 16 rows: the fastest of lab/skinny_gemm.py --grid at one row, and of the class's candidates at 1,
 # 2, 4 and 8 rows (docs/results.md, the skinny GEMM's wider search) - a fifth pipeline stage for gate/up, and for the
 # narrow shapes four splits of K with five stages. Not timed at 9-16 rows, which only SKINNY_OPS (the bench's
 # graphcap-skinny-gemm) sends to the kernel: KERNEL_ROWS stops the default op set at 8.
@@ -125,7 +125,7 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
 
 # Up to how many rows graphcap's op sets send a shape class to the kernel (its plan) rather than cuBLAS: where it made
 # the draft iteration faster on the H200 (graphcap bench and its kernel-time profile; docs/results.md, the skinny
-# GEMM). Alone (bench/skinny_gemm.py) the kernel beat cuBLAS on the wide and gate/up shapes (gate/up's margin includes
+# GEMM). Alone (lab/skinny_gemm.py) the kernel beat cuBLAS on the wide and gate/up shapes (gate/up's margin includes
 # the gelu-mul kernel cuBLAS needs after it); the wide and gated shapes won in the iteration at 8 rows and lost at 16.
 # The narrow split-K shapes: the eight-split config lost at 8 rows (0.94x in the iteration, its 27 fewer kernels -
 # cuBLAS adds a split-K reduction per call - notwithstanding); the four-split, five-stage one beats cuBLAS alone at

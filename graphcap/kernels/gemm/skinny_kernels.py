@@ -1,4 +1,4 @@
-"""The skinny GEMM's Triton kernels (graphcap.kernels.skinny_gemm: what they compute, the configs, the launch and the
+"""The skinny GEMM's Triton kernels (graphcap.kernels.gemm.skinny: what they compute, the configs, the launch and the
 ops) and the split-K arrival counters of the one-kernel split K.
 
 - `_skinny_kernel`: program (n-block, split) owns BLOCK_N output columns of all M rows over one K range, the product
