@@ -138,7 +138,7 @@ def test_bad_inputs_name_the_argument(device):
         ((w, x.t().contiguous().t(), top, t), r"x's last dimension must be contiguous"),
     ]
     if device == "cpu":
-        bad.append(((w, x, top.to("meta"), t), r"all tensors must be on one device, got \['cpu', 'meta'\]"))
+        bad.append(((w, x, top.to("meta"), t), r"lm_head, x, top must be on one device, got \['cpu', 'meta'\]"))
     for args, msg in bad:
         with pytest.raises((CentroidHeadError, RuntimeError), match=f"centroid_logits: {msg}"):
             centroid_logits(*args)

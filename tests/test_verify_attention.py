@@ -146,7 +146,7 @@ def test_bad_inputs_are_named():
     with pytest.raises(AttentionError, match="indptr has 2 entries for 2 requests"):
         verify_attention(**bad, n_q=3, sm_scale=1.0, window=0)
     bad = dict(x, indices=x["indices"].float())
-    with pytest.raises(AttentionError, match="indices must be a 1-D tensor of int32/int64"):
+    with pytest.raises(AttentionError, match="indices must be a 1-D int32/int64 tensor"):
         verify_attention(**bad, n_q=3, sm_scale=1.0, window=0)
     plan = plan_verify(2, 2, 4, 16, 2, torch.float32, "cpu", 16)
     with pytest.raises(AttentionError, match="plan is for 2 query tokens per request, got 3"):

@@ -22,11 +22,6 @@ apply_triton_arch()
 _twin_only = False
 
 
-def dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
-    """"bfloat16/float16/float32": the dtypes a kernel's argument check names in its error."""
-    return "/".join(str(d).replace("torch.", "") for d in dtypes)
-
-
 def use_triton(t: torch.Tensor) -> bool:
     if _twin_only and not t.is_cuda:
         return False

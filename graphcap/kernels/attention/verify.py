@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from graphcap.kernels import use_triton
+from graphcap.kernels.checks import check_same_device, check_tensor
 from graphcap.kernels.attention.decode_kernels import LOG2E, _combine_kernel, split_scratch
 from graphcap.kernels.arch import GpuArch, device_arch
 from graphcap.kernels.attention.plan import AttentionError, AttentionPlan, plan_attention
@@ -227,17 +228,12 @@ def plan_verify(batch: int, kv_heads: int, q_heads: int, head_dim: int, n_q: int
 
 
 def _check(q, k_new, v_new, k_pool, v_pool, indptr, indices, n_q, out) -> None:
-    def t(name, x, ndim, dtypes):
-        if not isinstance(x, torch.Tensor) or x.ndim != ndim or x.dtype not in dtypes:
-            got = f"{x.ndim}-D {x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise AttentionError(f"verify_attention: {name} must be a {ndim}-D tensor of "
-                                 f"{'/'.join(str(d).replace('torch.', '') for d in dtypes)}, got {got}")
-
+    op = "verify_attention"
     for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_pool", k_pool), ("v_pool", v_pool),
                     ("out", out)):
-        t(name, x, 3, DTYPES)
-    t("indptr", indptr, 1, INDEX_DTYPES)
-    t("indices", indices, 1, INDEX_DTYPES)
+        check_tensor(AttentionError, op, name, x, DTYPES, 3)
+    for name, x in (("indptr", indptr), ("indices", indices)):  # read one entry at a time: any stride
+        check_tensor(AttentionError, op, name, x, INDEX_DTYPES, 1, contiguous_rows=False)
     tokens, h, d = q.shape
     hkv = k_pool.shape[1]
     if k_pool.shape[1:] != (hkv, d) or v_pool.shape[1:] != (hkv, d) or k_new.shape != (tokens, hkv, d) \
@@ -251,14 +247,10 @@ def _check(q, k_new, v_new, k_pool, v_pool, indptr, indices, n_q, out) -> None:
         raise AttentionError(f"verify_attention: {tokens} query tokens are not whole requests of n_q={n_q!r}")
     if indptr.shape[0] < tokens // n_q + 1:
         raise AttentionError(f"verify_attention: indptr has {indptr.shape[0]} entries for {tokens // n_q} requests")
-    if len({x.device for x in (q, k_new, v_new, k_pool, v_pool, indptr, indices, out)}) != 1:
-        raise AttentionError("verify_attention: all tensors must be on one device")
+    check_same_device(AttentionError, op, q=q, k_new=k_new, v_new=v_new, k_pool=k_pool, v_pool=v_pool,
+                      indptr=indptr, indices=indices, out=out)
     if k_pool.dtype != v_pool.dtype:
         raise AttentionError(f"verify_attention: k_pool {k_pool.dtype} and v_pool {v_pool.dtype} differ")
-    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_pool", k_pool), ("v_pool", v_pool),
-                    ("out", out)):
-        if x.stride(-1) != 1:
-            raise AttentionError(f"verify_attention: {name}'s last dimension must be contiguous (stride 1)")
 
 
 def verify_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,

@@ -48,6 +48,7 @@ import triton
 from graphcap.kernels.gemm import skinny_kernels as kernels
 from graphcap.kernels import use_triton
 from graphcap.kernels.arch import SM90, GpuArch, device_arch
+from graphcap.kernels.checks import check_same_device, check_tensor
 from graphcap.kernels.elementwise.fused_ops import gelu_tanh_and_mul
 from graphcap.kernels.gemm.skinny_kernels import fixup_counters
 
@@ -198,12 +199,8 @@ def _splits(k: int, cfg: Config) -> tuple[int, int]:
 
 def _check(op: str, x: object, w: object, gated: bool, out: object = None) -> tuple[int, int]:
     """(M, output columns) of a valid call; SkinnyGemmError naming op and argument otherwise."""
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor):
-            raise SkinnyGemmError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 2 or t.dtype not in DTYPES:
-            raise SkinnyGemmError(f"{op}: {name} must be a 2-D bfloat16/float16 tensor, "
-                                  f"got {t.ndim}-D {t.dtype} {tuple(t.shape)}")
+    check_tensor(SkinnyGemmError, op, "x", x, DTYPES, 2)
+    check_tensor(SkinnyGemmError, op, "w", w, DTYPES, 2, contiguous_rows=False)  # w: contiguous whole, below
     if x.dtype != w.dtype:
         raise SkinnyGemmError(f"{op}: x ({x.dtype}) and w ({w.dtype}) dtypes differ")
     if x.shape[1] != w.shape[1]:
@@ -212,12 +209,9 @@ def _check(op: str, x: object, w: object, gated: bool, out: object = None) -> tu
         raise SkinnyGemmError(f"{op}: x has {x.shape[0]} rows, at most MAX_M = {MAX_M} are supported")
     if not w.is_contiguous():
         raise SkinnyGemmError(f"{op}: w must be contiguous, got strides {w.stride()}")
-    if x.numel() and x.stride(1) != 1:
-        raise SkinnyGemmError(f"{op}: x's last dimension must be contiguous (stride 1), got strides {x.stride()}")
     if gated and w.shape[0] % 2:
         raise SkinnyGemmError(f"{op}: w must stack gate and up rows ([2I, K]), got an odd {w.shape[0]} rows")
-    if x.device != w.device:
-        raise SkinnyGemmError(f"{op}: x ({x.device}) and w ({w.device}) must be on one device")
+    check_same_device(SkinnyGemmError, op, x=x, w=w)
     shape = (x.shape[0], w.shape[0] // 2 if gated else w.shape[0])
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype != x.dtype or tuple(out.shape) != shape \

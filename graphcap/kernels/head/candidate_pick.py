@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from graphcap.kernels import dtype_names, use_triton
+from graphcap.kernels import use_triton
+from graphcap.kernels.checks import check_same_device, check_tensor
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -37,13 +38,10 @@ class CandidatePickError(ValueError):
 
 def _check(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tensor, tokens_per_cluster: int) -> None:
     """Static checks only (shapes, dtypes, devices, strides): nothing that reads a GPU value."""
-    for name, t, ndim, dtypes in (("values", values, 2, DTYPES), ("top", top, 2, INDEX_DTYPES),
-                                  ("token_ordering", token_ordering, 1, INDEX_DTYPES)):
-        if not isinstance(t, torch.Tensor):
-            raise CandidatePickError(f"candidate_greedy: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != ndim or t.dtype not in dtypes:
-            raise CandidatePickError(f"candidate_greedy: {name} must be a {ndim}-D {dtype_names(dtypes)} tensor, "
-                                     f"got {t.ndim}-D {t.dtype} {tuple(t.shape)}")
+    op = "candidate_greedy"
+    check_tensor(CandidatePickError, op, "values", values, DTYPES, 2)
+    check_tensor(CandidatePickError, op, "top", top, INDEX_DTYPES, 2)
+    check_tensor(CandidatePickError, op, "token_ordering", token_ordering, INDEX_DTYPES, 1)
     if isinstance(tokens_per_cluster, bool) or not isinstance(tokens_per_cluster, int) or tokens_per_cluster < 1:
         raise CandidatePickError(f"candidate_greedy: tokens_per_cluster must be an int >= 1, "
                                  f"got {tokens_per_cluster!r}")
@@ -56,12 +54,7 @@ def _check(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tensor
     if token_ordering.shape[0] % tokens_per_cluster:
         raise CandidatePickError(f"candidate_greedy: tokens_per_cluster {tokens_per_cluster} must divide "
                                  f"token_ordering's {token_ordering.shape[0]} entries")
-    devs = {t.device for t in (values, top, token_ordering)}
-    if len(devs) != 1:
-        raise CandidatePickError(f"candidate_greedy: all tensors must be on one device, got {sorted(map(str, devs))}")
-    for name, t in (("values", values), ("top", top), ("token_ordering", token_ordering)):
-        if t.numel() and t.stride(-1) != 1:
-            raise CandidatePickError(f"candidate_greedy: {name}'s last dimension must be contiguous (stride 1)")
+    check_same_device(CandidatePickError, op, values=values, top=top, token_ordering=token_ordering)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from graphcap.kernels import dtype_names, use_triton
+from graphcap.kernels import use_triton
+from graphcap.kernels.checks import check_tensor
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_N = 8192  # the longest row held in registers (fp32 keys: 32 per thread at 8 warps)
@@ -48,16 +49,10 @@ class SmallTopkError(ValueError):
 
 def _check(x: torch.Tensor, k: int) -> None:
     """Static checks only (shape, dtype, stride, k): nothing that reads a GPU value."""
-    if not isinstance(x, torch.Tensor):
-        raise SmallTopkError(f"small_topk: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.ndim != 2 or x.dtype not in DTYPES:
-        raise SmallTopkError(f"small_topk: x must be a 2-D {dtype_names(DTYPES)} tensor, "
-                             f"got {x.ndim}-D {x.dtype} {tuple(x.shape)}")
+    check_tensor(SmallTopkError, "small_topk", "x", x, DTYPES, 2)
     n = x.shape[1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise SmallTopkError(f"small_topk: k must be an int in [1, {n}] (x's last dimension), got {k!r}")
-    if x.numel() and x.stride(1) != 1:
-        raise SmallTopkError("small_topk: x's last dimension must be contiguous (stride 1)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
