@@ -35,7 +35,7 @@ GROUPS = (  # (group, substrings of the kernel name), first match wins; Inductor
     ("attention combine", ("_combine_kernel",)),
     ("window advance", ("window_advance", "_advance")),
     ("matmul (cuBLAS/CUTLASS, graphcap's skinny GEMM)", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk",
-                                                          "_skinny")),
+                                                          "skinny_kernel")),
     ("centroid head (graphcap's kernel)", ("_centroid_logits",)),
     ("topk / sort", ("topk", "sort", "radix")),
     ("layer small ops (graphcap's kernels)", ("_norm_rope", "_norm_add", "_rmsnorm", "_act_mul")),

@@ -58,19 +58,19 @@ def main(argv=None) -> int:
         g = torch.Generator(device="cuda").manual_seed(batch)
         for n, k in TOPK:
             x = torch.randn(batch, n, generator=g, device="cuda")
-            shipped = st._num_warps(max(16, triton.next_power_of_2(n)))
-            want = st._launch(x, k)
+            shipped = st.warps_for(max(16, triton.next_power_of_2(n)))
+            want = st.launch(x, k)
             timed = {}
             for w in warps:
-                got = st._launch(x, k, w)
+                got = st.launch(x, k, w)
                 if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
                     raise SystemExit(f"row_kernels: top-k {k} of {n} at {w} warps differs from {shipped} warps")
-                timed[w] = in_graph_us(lambda w=w: st._launch(x, k, w))
+                timed[w] = in_graph_us(lambda w=w: st.launch(x, k, w))
             record(f"small_topk {k} of {n}", batch, shipped, timed)
         x, res = (torch.randn(batch, HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(2))
         w1, w2 = (0.1 * torch.randn(HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(2))
         scalar = torch.rand(1, generator=g, device="cuda").bfloat16() + 0.5
-        shipped = lf._warps(triton.next_power_of_2(HIDDEN))
+        shipped = lf.warps_for(triton.next_power_of_2(HIDDEN))
         for kernel, fn in (("norm_add_norm", lambda w: lf.launch_norm_add_norm(x, res, w1, w2, EPS, w)),
                            ("norm_add_scale_norm",
                             lambda w: lf.launch_norm_add_scale_norm(x, w1, res, scalar, w2, EPS, w))):

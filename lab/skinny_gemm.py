@@ -90,7 +90,7 @@ def read_sums(w: torch.Tensor, cfg: Config, tma: bool) -> torch.Tensor:
     n, k = w.shape
     if n % cfg.block_n or k % cfg.block_k:
         raise ValueError(f"read_sums: w {tuple(w.shape)} is not whole tiles of {cfg.block_n} x {cfg.block_k}")
-    k_split, splits = sg._splits(k, cfg)
+    k_split, splits = sg.k_splits(k, cfg)
     out = torch.empty((n // cfg.block_n, splits), dtype=torch.float32, device=w.device)
     w_arg = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n, cfg.block_k]) if tma else w
     _read_kernel[out.shape](w_arg, out, k, k_split, w.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -103,7 +103,7 @@ def read_sums_torch(w: torch.Tensor, cfg: Config) -> torch.Tensor:
     from graphcap.kernels.gemm import skinny as sg
 
     n, k = w.shape
-    k_split, splits = sg._splits(k, cfg)
+    k_split, splits = sg.k_splits(k, cfg)
     blocks = w.double().reshape(n // cfg.block_n, cfg.block_n, k)
     return torch.stack([blocks[:, :, s * k_split:(s + 1) * k_split].sum((1, 2)) for s in range(splits)], dim=1)
 
@@ -161,7 +161,7 @@ def read_grid_configs(n: int, k: int, gated: bool) -> tuple[Config, ...]:
             for nw in (4, 8):
                 for ns in (3, 5):
                     cfg = sg.Config(bn, bk, split, nw, ns)
-                    if rows % bn or k % bk or sg._splits(k, cfg)[1] != split:
+                    if rows % bn or k % bk or sg.k_splits(k, cfg)[1] != split:
                         continue
                     if 33 <= rows // bn * split <= 16 * 132:
                         out.append(cfg)

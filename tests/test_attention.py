@@ -17,14 +17,9 @@ from graphcap.kernels import twins_on_cpu
 from sm90 import compile_for_sm90
 from test_layer_fusions import norm_rope64
 from tiers import examples, thorough
-from graphcap.kernels.attention.decode import (
-    AttentionError,
-    choose_num_splits,
-    decode_attention,
-    decode_attention_torch,
-    decode_attention_with_config,
-    default_config,
-)
+from graphcap.kernels.attention.decode import decode_attention, decode_attention_with_config
+from graphcap.kernels.attention.decode_kernels import decode_attention_torch
+from graphcap.kernels.attention.plan import AttentionError, choose_num_splits, default_config
 
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
@@ -230,7 +225,7 @@ def test_non_contiguous_query(device):
 
 def test_explicit_configs_agree(device):
     """Other tile sizes / minimum chunks (what the bench tunes) give the same answer."""
-    from graphcap.kernels.attention.decode import KernelConfig
+    from graphcap.kernels.attention.plan import KernelConfig
 
     case = make_case(11, lens=[45, 17, 2], heads=8, kv_heads=2, dim=32, window=0, dtype=torch.float32, device=device)
     ref = reference(*case)
@@ -246,7 +241,7 @@ def test_explicit_configs_agree(device):
 def test_split_adaptation_never_changes_the_answer(device, seed):
     """However the row-adaptive split count lands (enough to fill the GPU, more for long rows, capped by the static
     grid; batches of mixed lengths, empty rows), the answer is the float64 reference's."""
-    from graphcap.kernels.attention.decode import KernelConfig
+    from graphcap.kernels.attention.plan import KernelConfig
 
     g = torch.Generator().manual_seed(100 + seed)
     b = int(torch.randint(1, 6, (1,), generator=g))
@@ -271,7 +266,7 @@ def test_wave_from_the_grid_equals_the_hosts(device, batch):
     planned for the call's batch and for batch 1 (what `plan_for_any_batch` launches)."""
     import dataclasses
 
-    from graphcap.kernels.attention.decode import KernelConfig, plan_attention, wave_splits
+    from graphcap.kernels.attention.plan import KernelConfig, plan_attention, wave_splits
     from graphcap.kernels.attention.decode_kernels import launch
 
     g = torch.Generator().manual_seed(300 + batch)
@@ -352,7 +347,7 @@ def test_split_scratch_costs_no_fill_kernel_under_a_symbolic_batch():
     for any batch); the kernel's scratch must reach it as allocated - no kernel of Inductor's filling it first (a 4-D
     empty tensor got one per buffer: its strides hold max(1, S)). The kernel writes it; the answer equals eager."""
     from torch._inductor.utils import run_and_get_code
-    from graphcap.kernels.attention.decode import plan_attention
+    from graphcap.kernels.attention.plan import plan_attention
     from graphcap.kernels.attention.decode_kernels import split_scratch
 
     plan = plan_attention(None, 2, 8, torch.float32, "cpu", 1024)  # what the draft layers plan for any batch
@@ -396,7 +391,7 @@ def test_q_norm_in_the_kernel_matches_float64(impl, device, seed, ratio, dim, wi
     """`q_norm`: the raw projection normed and rotated in the split kernel (positions from the rows' own lengths,
     some past the tables' end) attends as the float64 reference over the normed, rotated q does - and as the
     kernel over layer_fusions.norm_rope's q, to the query's rounding."""
-    from graphcap.kernels.attention.decode import QueryNormRope
+    from graphcap.kernels.attention.decode_kernels import QueryNormRope
     from graphcap.kernels.elementwise.layer_fusions import norm_rope
 
     if impl == "twin" and device == "cuda":
@@ -426,7 +421,7 @@ def test_q_norm_in_the_kernel_matches_float64(impl, device, seed, ratio, dim, wi
 
 
 def test_q_norm_bad_inputs_name_the_argument():
-    from graphcap.kernels.attention.decode import QueryNormRope
+    from graphcap.kernels.attention.decode_kernels import QueryNormRope
 
     case = make_case(1, lens=[5], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device="cpu")
     q, k, v, t, s, n, w, sc = case
@@ -442,13 +437,14 @@ def test_q_norm_bad_inputs_name_the_argument():
 SM90_ATTENTION = """
 import torch
 from graphcap.kernels.attention import decode_kernels as A
-from graphcap.kernels.attention.plan import _H200_SMEM, default_config, query_block
+from graphcap.kernels.arch import SM90
+from graphcap.kernels.attention.plan import default_config, query_block
 
 TYPES = dict(q="*bf16", k_pool="*bf16", v_pool="*bf16", table="*i32", slots="*i64", lens="*i32", out="*bf16",
              part="*fp32", lse="*fp32", q_w="*bf16", cos="*fp32", sin="*fp32", sm_scale_log2="fp32", eps="fp32")
 n = 0
 for heads, kv_heads, d in ((32, 16, 256), (32, 4, 512)):  # the Gemma 4 draft's sliding and full layers
-    cfg = default_config(d, torch.bfloat16, True, _H200_SMEM)
+    cfg = default_config(d, torch.bfloat16, True, SM90.smem_per_block)
     group = heads // kv_heads
     block_g = query_block(group, d)
     for single in (True, False):
@@ -492,7 +488,7 @@ def test_bad_inputs_name_the_argument(device):
 
 
 def test_choose_num_splits():
-    from graphcap.kernels.attention.decode import splits_for, target_programs, wave_splits
+    from graphcap.kernels.attention.plan import splits_for, target_programs, wave_splits
 
     # batch x kv heads x splits fills the programs asked for without spilling past them
     assert [wave_splits(b, 4) for b in (8, 16)] == [8, 4] and wave_splits(8, 16) == 2
@@ -590,7 +586,7 @@ def test_q_norm_at_gemma4_widths_on_gpu(layer):
     """The query's norm + rotary in the split kernel at the draft's head widths (256 and 512, bf16), under a
     CUDA graph of Inductor's code: the float64 reference over the normed, rotated q, and the kernel over
     layer_fusions.norm_rope's q."""
-    from graphcap.kernels.attention.decode import QueryNormRope
+    from graphcap.kernels.attention.decode_kernels import QueryNormRope
     from graphcap.kernels.elementwise.layer_fusions import norm_rope
 
     shp = GEMMA[layer]

@@ -13,6 +13,7 @@ import torch
 import graphcap.kernels.attention.decode as attn
 import graphcap.kernels.attention.plan as ap
 from graphcap.kernels import twins_on_cpu
+from graphcap.kernels.arch import device_arch
 from graphcap.kernels.attention.plan import (
     AttentionError,
     AttentionPlan,
@@ -32,8 +33,7 @@ from tiers import thorough
 SPEC = load_spec("tiny")
 # Every function that plans (and the device queries behind them), by module: attention.py re-exports some.
 PLANNERS = ("plan_attention", "choose_num_splits", "target_programs", "default_config", "plan_config",
-            "wave_splits", "splits_for", "_device_smem", "_device_smem_of", "_device_smem_per_sm",
-            "device_sm_count", "plan_for_inputs")
+            "wave_splits", "splits_for", "device_sm_count", "plan_for_inputs")
 
 
 def forbid_planning(monkeypatch) -> list[str]:
@@ -57,7 +57,7 @@ def _old_plan(batch, kv_heads, head_dim, dtype, device):
     """What the per-call path computed (verbatim): the launch config (`_config_for`), the programs and the wave
     (`decode_kernels.launch`)."""
     on_gpu = device.type == "cuda"
-    cfg = default_config(head_dim, dtype, on_gpu, smem_bytes=ap._device_smem(device) if on_gpu else None)
+    cfg = default_config(head_dim, dtype, on_gpu, smem_bytes=device_arch(device).smem_per_block if on_gpu else None)
     programs = cfg.wave or target_programs(head_dim, dtype, device)
     return cfg, programs
 

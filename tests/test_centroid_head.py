@@ -284,9 +284,9 @@ def test_sglang_style_head_gathers_with_a_contiguous_index_and_scores_as_the_tor
 def test_other_launch_configurations_match_float64(device, config):
     """The kernel at the launch configurations lab/centroid_config.py sweeps (tokens per program, hidden columns
     per iteration, warps): the same logits within fp32 summation error, tokens and hidden not multiples of them."""
-    from graphcap.kernels.head.centroid import _launch
+    from graphcap.kernels.head.centroid import launch
 
     case = make_case(sum(config), batch=3, clusters=7, tokens=37, hidden=300, k=4, dtype=torch.bfloat16,
                      device=device)
     want, bound = reference(*case)
-    assert_near(_launch(*case, *config), want, bound, 0.0, f"kernel at {config}")
+    assert_near(launch(*case, *config), want, bound, 0.0, f"kernel at {config}")

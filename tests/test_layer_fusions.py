@@ -323,11 +323,11 @@ for width, dtype in ((1536, "*bf16"), (1536, "*fp32")):  # the draft's hidden ro
     types["eps"] = "fp32"
     block = triton.next_power_of_2(width)  # as the ops launch them
     for fn in (L._norm_add_norm_kernel, L._norm_add_scale_norm_kernel):
-        compile(fn, types, dict(BLOCK=block), L._warps(block))
+        compile(fn, types, dict(BLOCK=block), L.warps_for(block))
         n += 1
 for half in (128, 256):  # query heads of 256 and 512
     types = dict(q="*bf16", w="*bf16", cos="*fp32", sin="*fp32", slots="*i64", lens="*i32", out="*bf16", eps="fp32")
-    compile(L._norm_rope_kernel, types, dict(BLOCK=half), L._warps(half))
+    compile(L._norm_rope_kernel, types, dict(BLOCK=half), L.warps_for(half))
     n += 1
 print("compiled", n)
 """

@@ -295,8 +295,8 @@ def test_fixup_only_with_prepared_counters_else_the_sum_kernel(device, monkeypat
     cfg = Config(16, 32, 3, 4, 2, fixup=True)
     want = run(x, w, cfg._replace(fixup=False), False)
     sums = []
-    real_sum = sgk._splitk_sum_kernel
-    monkeypatch.setattr(sgk, "_splitk_sum_kernel", type("Counted", (), {
+    real_sum = sgk.splitk_sum_kernel
+    monkeypatch.setattr(sgk, "splitk_sum_kernel", type("Counted", (), {
         "__getitem__": lambda self, grid: (sums.append(grid), real_sum[grid])[1]})())
     monkeypatch.setattr(sgk, "_counters", {})
     assert torch.equal(run(x, w, cfg, False), want) and len(sums) == 1 and sgk._counters == {}  # not prepared
@@ -381,9 +381,9 @@ def test_plan_and_candidates():
             block_m = max(16, max_m) if c.dot else max_m
             rows = c.block_n * (2 if "gated" in key else 1)
             assert c.num_stages * (rows + block_m) * c.block_k * 2 <= 227 * 1024, (key, c)
-    assert sg._splits(16384, Config(32, 256, 8, 4, 4)) == (2048, 8)
-    assert sg._splits(1536, Config(32, 256, 4, 4, 4)) == (512, 3)  # no empty split
-    assert sg._splits(100, Config(32, 256, 4, 4, 4)) == (256, 1)
+    assert sg.k_splits(16384, Config(32, 256, 8, 4, 4)) == (2048, 8)
+    assert sg.k_splits(1536, Config(32, 256, 4, 4, 4)) == (512, 3)  # no empty split
+    assert sg.k_splits(100, Config(32, 256, 4, 4, 4)) == (256, 1)
 
 
 # Compiles every candidate for an H100/H200 (sm_90), no GPU needed (tests/sm90.py), with the divisibility hints a
@@ -412,7 +412,7 @@ for key, cfgs in sg.CANDIDATES.items():
                               EVEN_N=even, STAGES=cfg.num_stages)
                 sig.update({c: "constexpr" for c in consts})
                 attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 5, 6, 7, 8)}
-                k = triton.compile(ASTSource(sgk._gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                k = triton.compile(ASTSource(sgk.gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                    options=dict(num_warps=cfg.num_warps))
                 assert k.metadata.shared <= 227 * 1024, (key, cfg, k.metadata.shared)
                 assert cfg.num_stages == 1 or "cp.async" in k.asm["ptx"], (key, cfg)  # the loads pipelined
@@ -432,13 +432,13 @@ for key, cfgs in sg.CANDIDATES.items():
                               SPLITS=cfg.split_k if fixup else 1)
                 sig.update({c: "constexpr" for c in consts})
                 attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)}
-                k = triton.compile(ASTSource(sgk._skinny_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                k = triton.compile(ASTSource(sgk.skinny_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                    options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
                 assert k.metadata.shared <= 227 * 1024, (key, cfg, bm, k.metadata.shared)
                 print(key, cfg.name, bm, even, k.metadata.shared)
 sig = dict(ws="*fp32", out="*bf16", M="i32", N="i32", SPLITS="i32", stride_om="i32", BLOCK="constexpr",
            INTERPRET="constexpr")
-triton.compile(ASTSource(sgk._splitk_sum_kernel, sig, dict(BLOCK=1024, INTERPRET=False)),
+triton.compile(ASTSource(sgk.splitk_sum_kernel, sig, dict(BLOCK=1024, INTERPRET=False)),
                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 print("compiled", len(seen) + 1)
 """

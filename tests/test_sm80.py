@@ -112,7 +112,7 @@ for cfg, bm, gated in sorted(configs):
             seen.add((cfg, gated, even))
             consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, INTERPRET=False, EVEN_K=even,
                           EVEN_N=even, STAGES=cfg.num_stages)
-            k = compile(sgk._gemv_kernel, dict(x="*bf16", w="*bf16", out="*bf16"), consts, cfg.num_warps,
+            k = compile(sgk.gemv_kernel, dict(x="*bf16", w="*bf16", out="*bf16"), consts, cfg.num_warps,
                         attrs={(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 5, 6, 7, 8)},
                         max_spill=0 if even else None)
             assert cfg.num_stages == 1 or "cp.async" in k.asm["ptx"], cfg  # the loads pipelined
@@ -125,7 +125,7 @@ for cfg, bm, gated in sorted(configs):
                       EVEN_K=even, EVEN_N=even, FIXUP=fixup, SPLITS=cfg.split_k if fixup else 1)
         # masked tiles (no draft shape has them) may spill a few bytes, and so may a candidate no plan picks
         # (Triton 3.6's ptxas: 16 bytes at BLOCK_K 256 under the switch)
-        k = compile(sgk._skinny_kernel, types, consts, cfg.num_warps, cfg.num_stages, ALIGNED,
+        k = compile(sgk.skinny_kernel, types, consts, cfg.num_warps, cfg.num_stages, ALIGNED,
                     max_spill=None if not even else 0 if (cfg, bm, gated) in planned_configs else 32)
         ptx = k.asm["ptx"]
         if cfg.dot:
@@ -138,7 +138,7 @@ for cfg, bm, gated in sorted(configs):
             assert k.metadata.shared == smem or cfg.num_stages == 1 and k.metadata.shared < smem, \\
                 (cfg, bm, gated, k.metadata.shared, smem)
         n += 1
-compile(sgk._splitk_sum_kernel, dict(ws="*fp32", out="*bf16"), dict(BLOCK=1024, INTERPRET=False), 4, max_spill=0)
+compile(sgk.splitk_sum_kernel, dict(ws="*fp32", out="*bf16"), dict(BLOCK=1024, INTERPRET=False), 4, max_spill=0)
 print("compiled", n + 1)
 """
 
@@ -163,7 +163,7 @@ for dt in DTYPES:
         block = max(16, triton.next_power_of_2(rows))
         consts = dict(N=rows, K=k, BLOCK_N=block, BLOCK_K=max(2, triton.next_power_of_2(k)))
         compile(S._small_topk_kernel, dict(x="*" + dt, values="*" + dt, indices="*i64"), consts,
-                S._num_warps(block), max_spill=0)
+                S.warps_for(block), max_spill=0)
         n += 1
 print("compiled", n)
 """
@@ -176,7 +176,7 @@ for dt in DTYPES:
         block = max(16, triton.next_power_of_2(rows))
         compile(P._candidate_greedy_kernel, dict(values="*" + dt, top="*i64", token_ordering="*i64", token="*i64",
                                                  logit="*fp32"),
-                dict(N=rows, T=t, BLOCK_N=block), P._num_warps(block), max_spill=0)
+                dict(N=rows, T=t, BLOCK_N=block), P.warps_for(block), max_spill=0)
         n += 1
 print("compiled", n)
 """
@@ -213,10 +213,10 @@ for dt in DTYPES + (() if THOROUGH else ("fp32",)):  # the draft's rows; fp32 as
     types.update(eps="fp32", cos="*fp32", sin="*fp32", slots="*i64", lens="*i32")
     block = triton.next_power_of_2(1536)
     for fn in (L._norm_add_norm_kernel, L._norm_add_scale_norm_kernel):
-        compile(fn, types, dict(BLOCK=block), L._warps(block), max_spill=0)
+        compile(fn, types, dict(BLOCK=block), L.warps_for(block), max_spill=0)
         n += 1
     for half in (128, 256):  # query heads of 256 and 512
-        compile(L._norm_rope_kernel, types, dict(BLOCK=half), L._warps(half), max_spill=0)
+        compile(L._norm_rope_kernel, types, dict(BLOCK=half), L.warps_for(half), max_spill=0)
         n += 1
 print("compiled", n)
 """
@@ -488,7 +488,7 @@ for m, n, k, gated in ((4, 6144, 1536, True), (8, 8192, 1536, False)):
     out = (sg.skinny_gate_up_gelu if gated else sg.skinny_linear)(x, w)
     ref = (sg.skinny_gate_up_gelu_torch if gated else sg.skinny_linear_torch)(x.double(), w.double())
     assert (out.double() - ref).norm() / ref.norm() < 1e-2
-kernels = [k for cache in sgk._skinny_kernel.device_caches.values() for k in cache[0].values()]
+kernels = [k for cache in sgk.skinny_kernel.device_caches.values() for k in cache[0].values()]
 assert kernels and all("wgmma" not in k.asm["ptx"] and "mma.sync" in k.asm["ptx"] for k in kernels)
 print("sm80 paths", len(kernels))
 """

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from graphcap.kernels.elementwise import layer_fusions
-from graphcap.kernels.attention.decode import QueryNormRope
+from graphcap.kernels.attention.decode_kernels import QueryNormRope
 from graphcap.kernels.head.centroid import centroid_logits, centroid_logits_torch
 from graphcap.kernels.elementwise.fused_ops import gelu_tanh_and_mul, gemma_rmsnorm
 from graphcap.kernels.elementwise.layer_fusions import query_positions

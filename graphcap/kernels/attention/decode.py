@@ -35,20 +35,7 @@ from graphcap.kernels.checks import check_same_device, check_tensor
 from graphcap.kernels.elementwise.fused_ops import FusedOpError
 from graphcap.kernels.elementwise.layer_fusions import check_norm_rope, norm_rope_torch
 from graphcap.kernels.attention.decode_kernels import QueryNormRope, decode_attention_torch, launch
-from graphcap.kernels.attention.plan import (  # noqa: F401 - re-exported: the op's public planning helpers
-    AttentionError,
-    AttentionPlan,
-    KernelConfig,
-    _device_smem,
-    choose_num_splits,
-    default_config,
-    device_sm_count,
-    plan_attention,
-    query_block,
-    splits_for,
-    target_programs,
-    wave_splits,
-)
+from graphcap.kernels.attention.plan import AttentionError, AttentionPlan, KernelConfig, plan_attention
 
 MAX_SPLITS = 256
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from graphcap.kernels.arch import SM90, GpuArch, device_arch
+from graphcap.kernels.arch import GpuArch, device_arch
 
 
 class AttentionError(ValueError):
@@ -56,32 +56,15 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: 
     return cfg
 
 
-# An H100/H200's shared memory per block (227 KiB) and per SM (228 KiB): what a CPU plans for (arch.SM90)
-_H200_SMEM = SM90.smem_per_block
-_H200_SMEM_PER_SM = SM90.smem_per_sm
-
-
 def _arch(device: torch.device | None, arch: GpuArch | None) -> GpuArch:
     """`arch` where the caller describes the GPU (a CPU test of another GPU's plan), else `device`'s."""
     return arch if arch is not None else device_arch(device)
-
-
-def _device_smem_of(index: int) -> int:
-    return device_arch(torch.device("cuda", index)).smem_per_block
-
-
-def _device_smem_per_sm(device: torch.device) -> int:
-    return device_arch(device).smem_per_sm
 
 
 def device_sm_count(device: torch.device) -> int:
     """Multiprocessors of `device` (132 on an H200; a CPU plans as an H200, so CPU runs choose the GPU's splits;
     under GRAPHCAP_KERNEL_PATHS=sm80 an A100's 108)."""
     return device_arch(device).sm_count
-
-
-def _device_smem(device: torch.device | None = None) -> int:
-    return device_arch(device).smem_per_block
 
 
 def program_smem(config: KernelConfig, head_dim: int, elem_bytes: int) -> int:

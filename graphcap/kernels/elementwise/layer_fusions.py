@@ -144,7 +144,8 @@ def _norm_add_scale_norm_kernel(x, res, w_x, scalar, w_out, out, normed, n, stri
     tl.store(normed + row * stride_n + cols, y.to(dt), mask=m)
 
 
-def _warps(block: int) -> int:
+def warps_for(block: int) -> int:
+    """Warps per program for a row of `block` elements: 256 a warp, 1 to 16 (lab/row_kernels.py times others)."""
     return min(16, max(1, block // 256))
 
 
@@ -161,7 +162,7 @@ def _norm_rope_op(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin:
     block = triton.next_power_of_2(half)
     wrap_triton(_norm_rope_kernel)[(b * h,)](
         q, weight, cos, sin, slots, lens, out, h, half, cos.shape[0], q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), cos.stride(0), sin.stride(0), eps, BLOCK=block, num_warps=_warps(block),
+        out.stride(1), cos.stride(0), sin.stride(0), eps, BLOCK=block, num_warps=warps_for(block),
     )
     return out
 
@@ -177,7 +178,7 @@ def launch_norm_add_norm(x: torch.Tensor, residual: torch.Tensor, w_x: torch.Ten
     block = triton.next_power_of_2(n)
     wrap_triton(_norm_add_norm_kernel)[(rows,)](
         x, residual, w_x, w_sum, normed, total, n, x.stride(0), residual.stride(0), normed.stride(0), total.stride(0),
-        eps, BLOCK=block, num_warps=num_warps or _warps(block),
+        eps, BLOCK=block, num_warps=num_warps or warps_for(block),
     )
     return normed, total
 
@@ -194,7 +195,7 @@ def launch_norm_add_scale_norm(x: torch.Tensor, w_x: torch.Tensor, residual: tor
     block = triton.next_power_of_2(n)
     wrap_triton(_norm_add_scale_norm_kernel)[(rows,)](
         x, residual, w_x, scalar, w_out, out, normed, n, x.stride(0), residual.stride(0), out.stride(0),
-        normed.stride(0), eps, BLOCK=block, num_warps=num_warps or _warps(block),
+        normed.stride(0), eps, BLOCK=block, num_warps=num_warps or warps_for(block),
     )
     return out, normed
 

@@ -69,7 +69,7 @@ class Config(NamedTuple):
     num_stages: int
     dot: bool = True  # tl.dot (tensor cores) or broadcast multiply + sum (CUDA cores)
     fixup: bool = False  # split K: the last split of each n-block sums the partials (no second kernel)
-    gemv: bool = False  # one row per program over all of K on CUDA cores (`_gemv_kernel`; dot False, split_k 1)
+    gemv: bool = False  # one row per program over all of K on CUDA cores (`gemv_kernel`; dot False, split_k 1)
 
     @property
     def name(self) -> str:
@@ -187,7 +187,7 @@ def pipeline_smem(cfg: Config, m: int, gated: bool, elem_bytes: int = 2, arch: G
     return copies * cfg.block_k * (block_m + (2 if gated else 1) * cfg.block_n) * elem_bytes
 
 
-def _splits(k: int, cfg: Config) -> tuple[int, int]:
+def k_splits(k: int, cfg: Config) -> tuple[int, int]:
     """(K per split, a multiple of block_k; number of splits, none of them empty)."""
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     return k_split, triton.cdiv(k, k_split)
@@ -262,17 +262,17 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
         if cfg.split_k != 1 or cfg.dot or cfg.fixup:
             raise SkinnyGemmError(f"config {cfg.name}: a gemv config takes all of K on CUDA cores "
                                   "(split_k 1, dot and fixup False)")
-        kernels._gemv_kernel[(triton.cdiv(n, cfg.block_n), m)](
+        kernels.gemv_kernel[(triton.cdiv(n, cfg.block_n), m)](
             x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GATED=gated, INTERPRET=not x.is_cuda, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
             STAGES=cfg.num_stages, num_warps=cfg.num_warps)
         return out
-    k_split, splits = _splits(k, cfg)
+    k_split, splits = k_splits(k, cfg)
     block_m = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
     n_blocks = triton.cdiv(n, cfg.block_n)
     y = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     counters = fixup_counters(x.device, n_blocks) if splits > 1 and cfg.fixup else None
-    kernels._skinny_kernel[(n_blocks, splits)](
+    kernels.skinny_kernel[(n_blocks, splits)](
         x, w, y, out, counters if counters is not None else y, m, n, k, k_split, x.stride(0), w.stride(0),
         y.stride(-2), y.stride(0) if splits > 1 else 0, out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot, INTERPRET=not x.is_cuda,
@@ -280,7 +280,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
         SPLITS=splits if counters is not None else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1 and counters is None:
-        kernels._splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](y, out, m, n, splits, out.stride(0), BLOCK=1024,
+        kernels.splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](y, out, m, n, splits, out.stride(0), BLOCK=1024,
                                                                     INTERPRET=not x.is_cuda, num_warps=4)
     return out
 

@@ -96,12 +96,12 @@ def _candidate_greedy_kernel(values, top, token_ordering, token, logit, clusters
     tl.store(logit + b, best)
 
 
-def _num_warps(block_n: int) -> int:
+def warps_for(block_n: int) -> int:
     """Warps per program: ~1024 entries per warp, 1 to 16 (4096 candidates: 4 warps)."""
     return max(1, min(16, block_n // 1024))
 
 
-def _launch(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tensor,
+def launch(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tensor,
             tokens_per_cluster: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = values.shape
     token = torch.empty(rows, dtype=torch.int64, device=values.device)
@@ -111,7 +111,7 @@ def _launch(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tenso
     block_n = max(16, triton.next_power_of_2(n))
     wrap_triton(_candidate_greedy_kernel)[(rows,)](
         values, top, token_ordering, token, logit, token_ordering.shape[0] // tokens_per_cluster, values.stride(0),
-        top.stride(0), N=n, T=tokens_per_cluster, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        top.stride(0), N=n, T=tokens_per_cluster, BLOCK_N=block_n, num_warps=warps_for(block_n),
     )
     return token, logit
 
@@ -140,4 +140,4 @@ def _candidate_greedy_op(values: torch.Tensor, top: torch.Tensor, token_ordering
     _check(values, top, token_ordering, tokens_per_cluster)
     if not use_triton(values) or values.shape[1] > MAX_N:
         return candidate_greedy_torch(values, top, token_ordering, tokens_per_cluster)
-    return _launch(values, top, token_ordering, tokens_per_cluster)
+    return launch(values, top, token_ordering, tokens_per_cluster)

@@ -109,7 +109,7 @@ def _centroid_logits_kernel(
     tl.store(out + b * stride_ob + j * T + offs_t, logits, mask=offs_t < T)
 
 
-def _launch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int,
+def launch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int,
             block_t: int = BLOCK_T, block_h: int = BLOCK_H, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """The kernel's launch; the block sizes and warps are parameters for lab/centroid_config.py's sweep."""
     b, k = top.shape
@@ -150,4 +150,4 @@ def _centroid_logits_op(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tenso
     _check(lm_head, x, top, tokens_per_cluster)
     if not use_triton(x):
         return centroid_logits_torch(lm_head, x, top, tokens_per_cluster)
-    return _launch(lm_head, x, top, tokens_per_cluster)
+    return launch(lm_head, x, top, tokens_per_cluster)
