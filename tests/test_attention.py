@@ -172,7 +172,7 @@ def test_combine_kernel_matches_float64(device, seed, batch, heads, splits, dim,
     """The combine kernel alone over random partials and log-sum-exps, up to 40 splits, head widths that are and are
     not a power of two: the float64 merge of the live splits. An empty split (lse -inf) wrote no partial; its slot
     here holds NaN, which must not reach the output. A row of empty splits gives zeros."""
-    from graphcap.kernels.attention import decode_kernels as A
+    from graphcap.kernels.attention.online_softmax import combine_kernel
 
     g = torch.Generator().manual_seed(seed)
     lse = torch.randn(batch, heads, splits, generator=g) * 4
@@ -181,9 +181,8 @@ def test_combine_kernel_matches_float64(device, seed, batch, heads, splits, dim,
     part[lse == -math.inf] = math.nan
     out = torch.empty(batch, heads, dim, dtype=torch.float32)
     args = [t.to(device) for t in (part.flatten(), lse.flatten(), out)]
-    A._combine_kernel[(batch, heads)](*args, splits, out.stride(0), out.stride(1), H=heads, D=dim,
-                                      BLOCK_D=max(16, triton.next_power_of_2(dim)),
-                                      BLOCK_S=triton.next_power_of_2(splits))
+    combine_kernel[(batch, heads)](*args, splits, out.stride(0), out.stride(1), H=heads, D=dim,
+                                   BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_S=triton.next_power_of_2(splits))
     w = torch.exp2(lse.double() - lse.double().amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0))
     num = (w[..., None] * part.double().nan_to_num(0.0)).sum(-2)
     den = w.sum(-1, keepdim=True)
@@ -348,7 +347,7 @@ def test_split_scratch_costs_no_fill_kernel_under_a_symbolic_batch():
     empty tensor got one per buffer: its strides hold max(1, S)). The kernel writes it; the answer equals eager."""
     from torch._inductor.utils import run_and_get_code
     from graphcap.kernels.attention.plan import plan_attention
-    from graphcap.kernels.attention.decode_kernels import split_scratch
+    from graphcap.kernels.attention.online_softmax import split_scratch
 
     plan = plan_attention(None, 2, 8, torch.float32, "cpu", 1024)  # what the draft layers plan for any batch
     assert plan.wave == 0 and plan.max_chunk > 0 and plan.min_splits > 0  # so grid_splits follows the batch
@@ -438,6 +437,7 @@ SM90_ATTENTION = """
 import torch
 from graphcap.kernels.attention import decode_kernels as A
 from graphcap.kernels.arch import SM90
+from graphcap.kernels.attention import online_softmax as O
 from graphcap.kernels.attention.plan import default_config, query_block
 
 TYPES = dict(q="*bf16", k_pool="*bf16", v_pool="*bf16", table="*i32", slots="*i64", lens="*i32", out="*bf16",
@@ -455,7 +455,7 @@ for heads, kv_heads, d in ((32, 16, 256), (32, 4, 512)):  # the Gemma 4 draft's 
                               NORM_ROPE=norm_rope)
                 compile(A._split_kernel, TYPES, consts, cfg.num_warps, cfg.num_stages)
                 n += 1
-    compile(A._combine_kernel, dict(part="*fp32", lse="*fp32", out="*bf16"),
+    compile(O.combine_kernel, dict(part="*fp32", lse="*fp32", out="*bf16"),
             dict(H=heads, D=d, BLOCK_D=d, BLOCK_S=16), cfg.combine_warps)
     n += 1
 print("compiled", n)

@@ -74,10 +74,25 @@ for heads, kv_heads, d, max_len in ((32, 16, 256, 1024), (32, 4, 512, 32768)):  
                     compile(A._split_kernel, types, consts, p.num_warps, p.num_stages,
                             max_spill=None if dt == "fp32" else 192 if d == 512 else 0)
                     n += 1
+print("compiled", n)
+"""
+
+ONLINE_SOFTMAX = """
+from graphcap.kernels.attention import online_softmax as O
+from graphcap.kernels.attention.plan import plan_attention
+
+# the combine kernel at every split bound the decode plans launch it with (its tile step is compiled inside the
+# decode and verify kernels)
+TORCH = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
+seen = set()
+for heads, kv_heads, d, max_len in ((32, 16, 256, 1024), (32, 4, 512, 32768)):  # sliding (W) and full layers
+    for dt in DTYPES:
+        for b in (None, 1, 2, 4, 8, 16, 32, 64):
+            p = plan_attention(b, kv_heads, d, TORCH[dt], "cuda", max_len, arch=DESC)
             block_s = triton.next_power_of_2(p.num_splits)
-            if not single and (d, dt, block_s, p.combine_warps) not in seen:
+            if p.num_splits > 1 and (d, dt, block_s, p.combine_warps) not in seen:
                 seen.add((d, dt, block_s, p.combine_warps))
-                compile(A._combine_kernel, dict(part="*fp32", lse="*fp32", out="*" + dt),
+                compile(O.combine_kernel, dict(part="*fp32", lse="*fp32", out="*" + dt),
                         dict(H=heads, D=d, BLOCK_D=d, BLOCK_S=block_s), p.combine_warps, max_spill=0)
                 n += 1
 print("compiled", n)
@@ -268,7 +283,8 @@ print("compiled", n)
 """
 
 KERNEL_SCRIPTS = {f"graphcap/kernels/{name}": script for name, script in (
-    ("attention/decode_kernels.py", ATTENTION), ("attention/verify.py", VERIFY_ATTENTION),
+    ("attention/decode_kernels.py", ATTENTION), ("attention/online_softmax.py", ONLINE_SOFTMAX),
+    ("attention/verify.py", VERIFY_ATTENTION),
     ("gemm/skinny_kernels.py", SKINNY_GEMM), ("head/centroid.py", CENTROID_HEAD), ("head/small_topk.py", SMALL_TOPK),
     ("head/candidate_pick.py", CANDIDATE_PICK), ("elementwise/fused_ops.py", FUSED_OPS),
     ("elementwise/layer_fusions.py", LAYER_FUSIONS), ("window/update.py", WINDOW_UPDATE),

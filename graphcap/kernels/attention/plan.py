@@ -36,8 +36,8 @@ class KernelConfig:
 def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: int | None = None) -> KernelConfig:
     """The launch configuration the op uses.
 
-    GPU values: the best or near-best configuration of the H200 sweeps (docs/results.md#attention-kernels): BLOCK_N 32, 3 stages,
-    4 warps for head dims 256 and 512 (4 warps are 4-14% faster than 8 at D = 512).
+    GPU values: the best or near-best configuration of the H200 sweeps (docs/results.md#attention-kernels): BLOCK_N
+    32, 3 stages, 4 warps for head dims 256 and 512 (4 warps are 4-14% faster than 8 at D = 512).
     Three stages of K and V tiles need 3 x 2 x BLOCK_N x D x 2 bytes of shared memory (192 KiB at D = 512): where
     the device has less (`smem_bytes`, the current device's `arch.device_arch` when None; an A100's 163 KiB at
     D = 512), stages and then tile size step down.
@@ -82,8 +82,9 @@ def plan_config(head_dim: int, dtype: torch.dtype, device: torch.device, arch: G
 def target_programs(head_dim: int, dtype: torch.dtype, device: torch.device, arch: GpuArch | None = None) -> int:
     """Programs one attention call should launch to fill the GPU: two waves of the programs it holds at once
     (SMs x programs per SM, bounded by `program_smem`'s estimate of shared memory and by threads). Fitted to the
-    in-graph grids on the H200 (docs/results.md#attention-kernels): at D = 512 (one 3-stage program per SM) 256 programs are best
-    (288: +2%, 384: +19%); at D = 256 (two per SM) 512 programs, not 256 (40.0 vs 45.5 us at batch 8 / W = 1024).
+    in-graph grids on the H200 (docs/results.md#attention-kernels): at D = 512 (one 3-stage program per SM) 256
+    programs are best (288: +2%, 384: +19%); at D = 256 (two per SM) 512 programs, not 256 (40.0 vs 45.5 us at batch
+    8 / W = 1024).
     `arch` describes the GPU where given (else `device`'s: an H200's on a CPU)."""
     return _target_programs(head_dim, dtype, _arch(device, arch))
 
@@ -148,7 +149,8 @@ class AttentionPlan:
             if not isinstance(v, int) or v < 0:
                 raise AttentionError(f"AttentionPlan: {name} must be an int >= 0, got {v!r}")
         if self.min_splits > self.num_splits:
-            raise AttentionError(f"AttentionPlan: min_splits ({self.min_splits}) exceeds num_splits ({self.num_splits})")
+            raise AttentionError(f"AttentionPlan: min_splits ({self.min_splits}) exceeds num_splits "
+                                 f"({self.num_splits})")
 
     def launch_args(self) -> tuple[int, ...]:
         """The op's int arguments from `num_splits` on, in its order."""

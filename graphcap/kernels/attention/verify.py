@@ -33,7 +33,7 @@ import triton.language as tl
 
 from graphcap.kernels import use_triton
 from graphcap.kernels.checks import check_same_device, check_tensor
-from graphcap.kernels.attention.decode_kernels import LOG2E, _combine_kernel, split_scratch
+from graphcap.kernels.attention.online_softmax import LOG2E, combine_kernel, softmax_tile, split_scratch
 from graphcap.kernels.arch import GpuArch, device_arch
 from graphcap.kernels.attention.plan import AttentionError, AttentionPlan, plan_attention
 
@@ -72,7 +72,7 @@ def verify_attention_torch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Triton kernel (the combine is decode_kernels._combine_kernel, one query token per row)
+# Triton kernel (the combine is online_softmax.combine_kernel, one query token per row)
 
 
 @triton.jit
@@ -132,18 +132,8 @@ def _verify_split_kernel(
             s = tl.dot(qv, tl.trans(kt))
         visible = mask_n[None, :] & (offs_n[None, :] >= lo[:, None])
         s = tl.where(visible, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet in this split
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_base + loc[:, None] * stride_vp, mask=kv_mask, other=0.0)
-        if F32_DOT:
-            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(vt.dtype), vt)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = softmax_tile(s, v_base, loc, stride_vp, kv_mask, m_i, l_i, acc,
+                                     v_pool.dtype.element_ty, F32_DOT, True)  # a row may see no key yet in this split
 
     if split == 0:  # the request's own new tokens, causal: token i sees new tokens e <= i with i - e <= window
         offs_e = tl.arange(0, BLOCK_E)
@@ -158,19 +148,9 @@ def _verify_split_kernel(
             s = tl.dot(qv, tl.trans(ke))
         near = (offs_e[None, :] <= i[:, None]) & ((window <= 0) | (i[:, None] <= offs_e[None, :] + window))
         s = tl.where(mask_e[None, :] & near, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        ve = tl.load(v_new + e_rows[:, None] * stride_nt + kvh.to(tl.int64) * stride_nh + offs_d[None, :],
-                     mask=e_mask, other=0.0).to(k_pool.dtype.element_ty)
-        if F32_DOT:
-            pv = tl.dot(p, ve.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(ve.dtype), ve)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        ve = v_new + kvh.to(tl.int64) * stride_nh + offs_d[None, :]
+        m_i, l_i, acc = softmax_tile(s, ve, e_rows, stride_nt, e_mask, m_i, l_i, acc, k_pool.dtype.element_ty, F32_DOT,
+                                     True)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -240,7 +220,8 @@ def _check(q, k_new, v_new, k_pool, v_pool, indptr, indices, n_q, out) -> None:
             or v_new.shape != (tokens, hkv, d) or out.shape != q.shape:
         raise AttentionError(f"verify_attention: shapes disagree: q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, "
                              f"v_new {tuple(v_new.shape)}, k_pool {tuple(k_pool.shape)}, v_pool "
-                             f"{tuple(v_pool.shape)}, out {tuple(out.shape)} (want [T, H, D], [T, Hkv, D], [P, Hkv, D])")
+                             f"{tuple(v_pool.shape)}, out {tuple(out.shape)} "
+                             "(want [T, H, D], [T, Hkv, D], [P, Hkv, D])")
     if h % hkv:
         raise AttentionError(f"verify_attention: query heads ({h}) must be a multiple of kv heads ({hkv})")
     if not isinstance(n_q, int) or n_q < 1 or tokens % n_q:
@@ -299,7 +280,7 @@ def verify_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         num_warps=ap.num_warps, num_stages=ap.num_stages,
     )
     if not single:
-        _combine_kernel[(tokens, h)](
+        combine_kernel[(tokens, h)](
             part, lse, out, ap.num_splits, out.stride(0), out.stride(1),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(ap.num_splits),
             num_warps=ap.combine_warps, num_stages=1,
