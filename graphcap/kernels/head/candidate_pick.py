@@ -3,7 +3,7 @@ smallest vocabulary id among the tied - what `max` over the full-vocabulary row 
 returns - without that row, and without a [B, k * T] tensor of candidate ids.
 
 The head's candidates for row b: values[b, j * T + t], the logit of token `token_ordering[top[b, j] * T + t]` (the
-t-th token of the row's j-th chosen cluster; `centroid_head.centroid_logits` computes them). Per row:
+t-th token of the row's j-th chosen cluster; `centroid.centroid_logits` computes them). Per row:
 
     logit[b] = max_n values[b, n]                       (NaN where the row holds a NaN, as torch.max)
     token[b] = min { id(b, n) : values[b, n] >= logit[b] }   (every candidate where logit[b] is NaN)
