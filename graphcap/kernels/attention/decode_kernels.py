@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from graphcap.kernels.attention.online_softmax import LOG2E, combine_kernel, softmax_tile, split_scratch
+from graphcap.kernels.attention.online_softmax import LOG2E, combine_kernel, softmax_tile, split_scratch, tile_scores
 from graphcap.kernels.attention.plan import AttentionPlan, query_block
 
 
@@ -138,10 +138,7 @@ def _split_kernel(
         loc = tl.load(t_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         kt = tl.load(k_base + loc[:, None] * stride_kp, mask=kv_mask, other=0.0)
-        if F32_DOT:
-            s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(qv, tl.trans(kt))
+        s = tile_scores(qv, kt, F32_DOT)
         s = tl.where(mask_n[None, :], s * scale, float("-inf"))
         m_i, l_i, acc = softmax_tile(s, v_base, loc, stride_vp, kv_mask, m_i, l_i, acc,
                                      v_pool.dtype.element_ty, F32_DOT, False)  # every row has a key in every tile

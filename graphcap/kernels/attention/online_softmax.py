@@ -1,11 +1,11 @@
 """The online softmax both split-KV attention kernels run (decode: `decode_kernels`; verify: `verify`), in base 2:
-the step that folds one tile of keys into each query row's running max, sum and output (`softmax_tile`), the flat
-scratch a split writes its normalised partial output and log-sum-exp to (`split_scratch`), and the kernel that
-merges a row's splits (`combine_kernel`). Scores reach the step scaled by sm_scale * log2(e) (LOG2E), so exp2 is
-the exponential.
+a key tile's scores (`tile_scores`), the step that folds the tile into each query row's running max, sum and output
+(`softmax_tile`), the flat scratch a split writes its normalised partial output and log-sum-exp to
+(`split_scratch`), and the kernel that merges a row's splits (`combine_kernel`). Scores reach the step scaled by
+sm_scale * log2(e) (LOG2E), so exp2 is the exponential.
 
-`softmax_tile` is a `triton.jit` helper, which Triton inlines: each kernel runs the step's floating-point operations
-in the order the step sets them, as if written out in its loop, with no call."""
+Both steps are `triton.jit` helpers, which Triton inlines: each kernel runs their floating-point operations in the
+order they set them, as if written out in its loop, with no call."""
 from __future__ import annotations
 
 import torch
@@ -13,6 +13,17 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def tile_scores(q, k, F32_DOT: tl.constexpr):
+    """q [M, D] against a key tile k [N, D]: [M, N] fp32 dot products. F32_DOT: exact fp32 products (fp32 inputs; on
+    CPU, where Triton's interpreter gets bf16/fp16 dots wrong), else in the tiles' dtype on tensor cores."""
+    if F32_DOT:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s
 
 
 @triton.jit

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from graphcap.kernels import use_triton
 from graphcap.kernels.checks import check_same_device, check_tensor
-from graphcap.kernels.attention.online_softmax import LOG2E, combine_kernel, softmax_tile, split_scratch
+from graphcap.kernels.attention.online_softmax import LOG2E, combine_kernel, softmax_tile, split_scratch, tile_scores
 from graphcap.kernels.arch import GpuArch, device_arch
 from graphcap.kernels.attention.plan import AttentionError, AttentionPlan, plan_attention
 
@@ -126,10 +126,7 @@ def _verify_split_kernel(
         loc = tl.load(indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         kt = tl.load(k_base + loc[:, None] * stride_kp, mask=kv_mask, other=0.0)
-        if F32_DOT:
-            s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(qv, tl.trans(kt))
+        s = tile_scores(qv, kt, F32_DOT)
         visible = mask_n[None, :] & (offs_n[None, :] >= lo[:, None])
         s = tl.where(visible, s * scale, float("-inf"))
         m_i, l_i, acc = softmax_tile(s, v_base, loc, stride_vp, kv_mask, m_i, l_i, acc,
@@ -142,10 +139,7 @@ def _verify_split_kernel(
         e_mask = mask_e[:, None] & mask_d[None, :]
         ke = tl.load(k_new + e_rows[:, None] * stride_nt + kvh.to(tl.int64) * stride_nh + offs_d[None, :],
                      mask=e_mask, other=0.0).to(k_pool.dtype.element_ty)
-        if F32_DOT:
-            s = tl.dot(qv.to(tl.float32), tl.trans(ke.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(qv, tl.trans(ke))
+        s = tile_scores(qv, ke, F32_DOT)
         near = (offs_e[None, :] <= i[:, None]) & ((window <= 0) | (i[:, None] <= offs_e[None, :] + window))
         s = tl.where(mask_e[None, :] & near, s * scale, float("-inf"))
         ve = v_new + kvh.to(tl.int64) * stride_nh + offs_d[None, :]
