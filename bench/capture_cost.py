@@ -32,8 +32,8 @@ from graphcap import manifest as mf
 from graphcap.bench.options import OneLineParser, server_compile
 from graphcap.bench.environment import environment, summary_line
 from graphcap.bench.state import make_target_state
-from graphcap.bench.timing import time_call
-from graphcap.engine.backends import GRAPH_BACKENDS
+from graphcap.bench.timing import median_p90, time_call
+from graphcap.backends import GRAPH_BACKENDS
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import AddressGuard, check_batch_inputs
 from graphcap.models import DraftLoop, FrozenKVDraft
@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                     sample = dataclasses.replace(sample, host_ms=(time.perf_counter() - t0) / 20 * 1e3)
                 host.append(sample.host_ms * 1e3)
                 gpu.append(sample.gpu_ms)
-            res[kind] = {"gpu_ms": statistics.median(gpu), "host_us": statistics.median(host),
-                         "host_us_p90": sorted(host)[int(0.9 * (len(host) - 1))]}
+            host_med, host_p90 = median_p90(host)
+            res[kind] = {"gpu_ms": statistics.median(gpu), "host_us": host_med, "host_us_p90": host_p90}
         if name != "eager":
             r.flush()
     rows = []

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from types import SimpleNamespace
 
 import torch
 from tabulate import tabulate
 
-from graphcap.bench.timing import collector_off
+from graphcap.bench.timing import call_us
 from graphcap.engine.capture import DraftGraphs
 from graphcap.sglang.config import DraftCaptureOptions
 from graphcap.sglang.runtime import CHECK_ENV, GraphcapDraftRuntime, bind_window
@@ -109,20 +107,6 @@ def batch_of(rt, wb, b: int, device: str, seed: int):
     return batch
 
 
-def per_call_us(fn, iters: int) -> tuple[float, float]:
-    for _ in range(200):
-        fn()
-    samples = []
-    clock = time.perf_counter_ns
-    with collector_off():
-        for _ in range(iters):
-            t0 = clock()
-            fn()
-            samples.append(clock() - t0)
-    samples.sort()
-    return statistics.median(samples) / 1e3, samples[int(0.9 * (len(samples) - 1))] / 1e3
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,8,32")
@@ -141,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         rt, wb, with_ctx = build(a.device, mode == "check", rows=max(BUCKETS) + 8, width=256, window=16)
         for b in batches:
             batch = batch_of(rt, wb, b, a.device, seed=b)
-            med, p90 = per_call_us(lambda: rt.iterate(batch), a.iters)
+            med, p90 = call_us(lambda: rt.iterate(batch), a.iters)
             rows.append([mode, b, f"{med:.1f}", f"{p90:.1f}"])
     commit = os.environ.get("GRAPHCAP_COMMIT", "?")
     print(f"graphcap {commit} from {os.path.dirname(sys.modules['graphcap'].__file__)}, torch {torch.__version__}, "

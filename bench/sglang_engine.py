@@ -48,7 +48,7 @@ import time
 
 from graphcap.bench.served import (failure, machine, read_trace, run_stoppable,  # shared parts
                                    sglang_engine_kwargs, timed_draft_ms)
-from graphcap.engine.backends import GRAPH_BACKENDS
+from graphcap.backends import GRAPH_BACKENDS
 from graphcap.sglang.compat import sglang_version
 from graphcap.sglang.config import PROJECTIONS, UNSERVED_BACKENDS
 
@@ -558,7 +558,7 @@ def run(a: argparse.Namespace) -> int:
         else:
             pool.update(flush_manifest=True)
         base = launch(cfg("sglang", "sglang", cases, **pool))
-        from graphcap.sglang.config import DEFAULT_BACKEND
+        from graphcap.sglang.config import PLUGIN_DEFAULT_BACKEND as DEFAULT_BACKEND
 
         ran = not base.get("crashed") and not base.get("not_run")
         btrace = read_trace(base["config"]["trace_dir"]) if ran else []

@@ -23,7 +23,7 @@ import torch
 
 from graphcap.bench import environment as bench_env
 from graphcap.bench.timing import do_bench_ms
-from graphcap.kernels.verify_attention import plan_verify, verify_attention
+from graphcap.kernels.attention.verify import plan_verify, verify_attention
 
 LAYERS = {"sliding": dict(hkv=16, d=256, window=1023), "full": dict(hkv=4, d=512, window=0)}
 Q_HEADS = 32

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from graphcap.version import VERSION as __version__
 
 _EXPORTS = {
     "CaptureSpec": "graphcap.spec",

@@ -23,9 +23,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, with_config
 
-from graphcap.engine.backends import ALL_BACKENDS  # no torch: `graphcap inspect` stays light
 from graphcap.atomic import write_atomic
+from graphcap.backends import ALL_BACKENDS  # no torch: `graphcap inspect` stays light
 from graphcap.errors import GraphcapInputError
+from graphcap.version import VERSION
 
 FORMAT_VERSION = 1
 STATUSES = ("captured", "failed", "pending")
@@ -223,15 +224,13 @@ def environment() -> dict[str, Any]:
 
     import torch
 
-    import graphcap
-
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     try:
         triton_version: str | None = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         triton_version = None
     return dict(device=device, driver=nvidia_driver_version(), torch_version=str(torch.__version__),
-                triton_version=triton_version, graphcap_version=graphcap.__version__)
+                triton_version=triton_version, graphcap_version=VERSION)
 
 
 def nvidia_driver_version() -> str | None:

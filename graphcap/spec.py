@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, with_config
 
-from graphcap.engine.backends import DEFAULT_BACKEND, GRAPH_BACKENDS
+from graphcap.backends import GRAPH_BACKENDS, SPEC_DEFAULT_BACKEND
 from graphcap.errors import GraphcapInputError
 
 if sys.version_info >= (3, 11):
@@ -78,7 +78,7 @@ class CaptureSettings:
     buckets: Annotated[tuple[Positive, ...], Field(min_length=1)]  # batch sizes captured, strictly increasing
     max_slots: Positive  # request-pool rows (sglang's max_running_requests)
     max_context: Positive  # req_to_token row width
-    backend: Literal[GRAPH_BACKENDS] = DEFAULT_BACKEND  # graphcap.engine.backends describes each
+    backend: Literal[GRAPH_BACKENDS] = SPEC_DEFAULT_BACKEND  # graphcap.backends describes each
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from graphcap.kernels.window_update import window_advance, window_reset
+from graphcap.kernels.window.update import window_advance, window_reset
 
 IntsLike = torch.Tensor | Sequence[int]
 

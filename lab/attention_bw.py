@@ -36,12 +36,8 @@ from graph_timing import copy_bandwidth, flush_buffer, in_graph_ms
 from graphcap.bench import environment as bench_env
 from graphcap.bench import timing
 from graphcap.bench.options import OneLineParser
-from graphcap.kernels.attention import (
-    decode_attention,
-    decode_attention_with_config,
-    default_config,
-    plan_attention,
-)
+from graphcap.kernels.attention.decode import decode_attention, decode_attention_with_config
+from graphcap.kernels.attention.plan import default_config, plan_attention
 
 PAGE = 64
 DEVICE = "cuda"  # "cpu" only for --cpu-smoke (the script's logic under TRITON_INTERPRET=1; timings meaningless)

@@ -4,7 +4,7 @@ counts x minimum chunks for the two best) and the full grid (every tile config x
 is skipped from then on and noted."""
 from __future__ import annotations
 
-from graphcap.kernels.attention import KernelConfig
+from graphcap.kernels.attention.plan import KernelConfig
 
 TUNE = {  # (block_n, num_warps, num_stages)
     "sliding": [(32, 4, 3), (32, 4, 2), (64, 4, 2), (64, 8, 2), (16, 4, 2), (32, 8, 3)],

@@ -1,4 +1,4 @@
-"""The centroid head's scoring kernel (`graphcap/kernels/centroid_head.py`) over its launch configurations: tokens per
+"""The centroid head's scoring kernel (`graphcap/kernels/head/centroid.py`) over its launch configurations: tokens per
 program (BLOCK_T), hidden columns per loop iteration (BLOCK_H) and warps, at the spec's head (2048 clusters of 128
 tokens, hidden 1536, top 32 per row: a row's choices read 12.6 MB of lm_head rows) and batches 1..64.
 
@@ -25,7 +25,7 @@ import torch
 
 from graphcap.bench import environment as bench_env
 from graphcap.bench.options import OneLineParser
-from graphcap.kernels.centroid_head import BLOCK_H, BLOCK_T, NUM_WARPS, _launch
+from graphcap.kernels.head.centroid import BLOCK_H, BLOCK_T, NUM_WARPS, launch
 
 CLUSTERS, TOKENS, HIDDEN, TOP = 2048, 128, 1536, 32
 DISTRIBUTIONS = ("uniform", "shared")
@@ -68,11 +68,11 @@ def main(argv=None) -> int:
             g = torch.Generator(device="cuda").manual_seed(batch)
             x = torch.randn(batch, HIDDEN, generator=g, device="cuda", dtype=torch.bfloat16)
             top = choices(batch, dist, g)
-            shipped = _launch(lm_head, x, top, TOKENS, *SHIPPED)
-            us = {name(SHIPPED): in_graph_us(lambda: _launch(lm_head, x, top, TOKENS, *SHIPPED))}
+            shipped = launch(lm_head, x, top, TOKENS, *SHIPPED)
+            us = {name(SHIPPED): in_graph_us(lambda: launch(lm_head, x, top, TOKENS, *SHIPPED))}
             for config in configs if dist == "uniform" else ():
-                torch.testing.assert_close(_launch(lm_head, x, top, TOKENS, *config), shipped, rtol=1e-4, atol=1e-4)
-                us[name(config)] = in_graph_us(lambda c=config: _launch(lm_head, x, top, TOKENS, *c))
+                torch.testing.assert_close(launch(lm_head, x, top, TOKENS, *config), shipped, rtol=1e-4, atol=1e-4)
+                us[name(config)] = in_graph_us(lambda c=config: launch(lm_head, x, top, TOKENS, *c))
             distinct = int(torch.unique(top).numel())
             row = {"batch": batch, "distribution": dist, "distinct_clusters": distinct,
                    "us": {k: round(v, 2) for k, v in us.items()},

@@ -83,8 +83,9 @@ case $1 in
       gzip -f "$LOG/profile-b8-code.txt"
     fi
     ;;
-  splits)  # the split rule (attention_plan.target_programs): every split count at the default tiles, timed in-graph,
-    # sliding and full layers over the batches; then the defaults at all 84 points in-graph beside sglang's kernel
+  splits)  # the split rule (graphcap.kernels.attention.plan.target_programs): every split count at the default tiles,
+    # timed in-graph, sliding and full layers over the batches; then the defaults at all 84 points in-graph beside
+    # sglang's kernel
     step attention-split-sweep-sliding python3 lab/attention_bw.py --grid-splits --no-sglang --l2 in-graph \
       --rep-ms 5 --budget-s 400 --layers sliding --batches 1,2,4,8,16,32 --contexts 2048 \
       --out "$LOG/attention-split-sweep-sliding"

@@ -27,9 +27,9 @@ import triton.language as tl
 
 from graphcap.bench import environment as bench_env
 from graphcap.bench.options import OneLineParser
-from graphcap.kernels.attention import decode_attention
-from graphcap.kernels.attention_plan import plan_attention
-from graphcap.kernels.skinny_gemm import skinny_linear
+from graphcap.kernels.attention.decode import decode_attention
+from graphcap.kernels.attention.plan import plan_attention
+from graphcap.kernels.gemm.skinny import skinny_linear
 
 SHAPES = {"o_proj_sliding": (1536, 8192), "down": (1536, 6144), "q_proj_sliding": (8192, 1536)}
 

@@ -14,7 +14,8 @@ compute their share of the output from h. Timed as:
 - `phases as two launches`: the same two phases launched as two kernels (no barrier): what the barrier itself costs
   or saves against the launch between them, the phases' own speed aside;
 - `persistent, down split K 4` / `8`: the down phase's blocks split over K as well (384 / 768 units for the 132
-  programs), each block's last split to arrive summing the partials in order (skinny_gemm_kernels' one-kernel split K).
+  programs), each block's last split to arrive summing the partials in order (graphcap.kernels.gemm.skinny_kernels'
+  one-kernel split K).
 Each timed inside a CUDA graph among 256 MB reads (lab/graph_timing.py's in_graph_us); every output is checked
 against a float64 computation (bf16 tolerance), and one that is off is reported and not timed. Not part of graphcap's
 draft loop.
@@ -37,7 +38,8 @@ SPIN_LIMIT = 1 << 20  # a barrier that never fills (a bug) gives wrong numbers, 
 
 @triton.jit
 def _gate_up_block(x, w, h, blk, I, K, BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
-    # h[n] = gelu_tanh(w[n] . x) * (w[n + I] . x) for n in block blk (skinny_gemm_kernels' gated math and rounding)
+    # h[n] = gelu_tanh(w[n] . x) * (w[n + I] . x) for n in block blk (graphcap.kernels.gemm.skinny_kernels' gated math
+    # and rounding)
     offs_n = blk * BN + tl.arange(0, BN)
     offs_m = tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
@@ -60,7 +62,7 @@ def _down_unit(h, w, y, part, cnt, unit, N, K, w0, BN: tl.constexpr, BK: tl.cons
     # unit = (block blk of BN output rows, K split s of S): y[n] = w[n] . h over K range s; h written by other
     # programs: read past L1 (.cg). With FIRST_LOADED the range's first tile of w is w0, loaded by the caller. S > 1:
     # the partial goes to part[s], and the block's last split to arrive (cnt[blk] counts them) sums part[0..S-1] in
-    # order and stores y (skinny_gemm_kernels' one-kernel split K).
+    # order and stores y (graphcap.kernels.gemm.skinny_kernels' one-kernel split K).
     blk = unit // S
     s = unit % S
     k_lo = s * (K // S)
@@ -169,8 +171,8 @@ def main(argv=None) -> int:
         ap.error("needs a CUDA device (a grid-wide barrier runs only there)")
     from graph_timing import copy_bandwidth, in_graph_us
 
-    from graphcap.kernels.skinny_gemm import skinny_gate_up_gelu, skinny_linear
-    from graphcap.kernels.skinny_gemm_kernels import prepare_fixup
+    from graphcap.kernels.gemm.skinny import skinny_gate_up_gelu, skinny_linear
+    from graphcap.kernels.gemm.skinny_kernels import prepare_fixup
 
     dev = torch.device("cuda")
     prepare_fixup(dev)

@@ -32,10 +32,10 @@ from graphcap.window import WindowBuffers
 INDUCTOR = "Inductor fused (norms, rope, gathers, head)"
 GROUPS = (  # (group, substrings of the kernel name), first match wins; Inductor's own kernels first (group_of)
     ("attention split-KV", ("_split_kernel",)),
-    ("attention combine", ("_combine_kernel",)),
+    ("attention combine", ("combine_kernel",)),
     ("window advance", ("window_advance", "_advance")),
     ("matmul (cuBLAS/CUTLASS, graphcap's skinny GEMM)", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "splitk",
-                                                          "_skinny")),
+                                                          "skinny_kernel")),
     ("centroid head (graphcap's kernel)", ("_centroid_logits",)),
     ("topk / sort", ("topk", "sort", "radix")),
     ("layer small ops (graphcap's kernels)", ("_norm_rope", "_norm_add", "_rmsnorm", "_act_mul")),

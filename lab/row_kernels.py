@@ -1,6 +1,7 @@
 """Warps per program of graphcap's one-program-per-row kernels, at the draft's sizes: the small top-k (33 of 2048 centroid
-scores, 2 of 4096 candidate logits, fp32; `graphcap/kernels/small_topk.py`) and the layer's two norm chains over a
-1536-wide bf16 row (`norm_add_norm`, `norm_add_scale_norm`; `graphcap/kernels/layer_fusions.py`), batches 1..64.
+scores, 2 of 4096 candidate logits, fp32; `graphcap/kernels/head/small_topk.py`) and the layer's two norm chains over
+a 1536-wide bf16 row (`norm_add_norm`, `norm_add_scale_norm`; `graphcap/kernels/elementwise/layer_fusions.py`),
+batches 1..64.
 
 Each launch runs inside a CUDA graph among 256 MB reads (lab/graph_timing.py's in_graph_us), as the draft iteration
 runs it. A warp count changes no top-k result (an argmax per round, ties to the smallest index) and may change a norm's
@@ -20,8 +21,8 @@ import triton
 
 from graphcap.bench import environment as bench_env
 from graphcap.bench.options import OneLineParser
-from graphcap.kernels import layer_fusions as lf
-from graphcap.kernels import small_topk as st
+from graphcap.kernels.elementwise import layer_fusions as lf
+from graphcap.kernels.head import small_topk as st
 
 HIDDEN, EPS = 1536, 1e-6
 TOPK = ((2048, 33), (4096, 2))
@@ -57,19 +58,19 @@ def main(argv=None) -> int:
         g = torch.Generator(device="cuda").manual_seed(batch)
         for n, k in TOPK:
             x = torch.randn(batch, n, generator=g, device="cuda")
-            shipped = st._num_warps(max(16, triton.next_power_of_2(n)))
-            want = st._launch(x, k)
+            shipped = st.warps_for(max(16, triton.next_power_of_2(n)))
+            want = st.launch(x, k)
             timed = {}
             for w in warps:
-                got = st._launch(x, k, w)
+                got = st.launch(x, k, w)
                 if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
                     raise SystemExit(f"row_kernels: top-k {k} of {n} at {w} warps differs from {shipped} warps")
-                timed[w] = in_graph_us(lambda w=w: st._launch(x, k, w))
+                timed[w] = in_graph_us(lambda w=w: st.launch(x, k, w))
             record(f"small_topk {k} of {n}", batch, shipped, timed)
         x, res = (torch.randn(batch, HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(2))
         w1, w2 = (0.1 * torch.randn(HIDDEN, generator=g, device="cuda").bfloat16() for _ in range(2))
         scalar = torch.rand(1, generator=g, device="cuda").bfloat16() + 0.5
-        shipped = lf._warps(triton.next_power_of_2(HIDDEN))
+        shipped = lf.warps_for(triton.next_power_of_2(HIDDEN))
         for kernel, fn in (("norm_add_norm", lambda w: lf.launch_norm_add_norm(x, res, w1, w2, EPS, w)),
                            ("norm_add_scale_norm",
                             lambda w: lf.launch_norm_add_scale_norm(x, w1, res, scalar, w2, EPS, w))):

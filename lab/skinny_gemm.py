@@ -5,7 +5,7 @@ Contestants per (shape, M), all bf16 with fp32 accumulation:
 - cublas: `x @ w.t()`; for gate_up, `x @ w.t()` then graphcap's gelu_tanh_and_mul kernel (two kernels, or more
   where cuBLAS splits K) - what the draft runs today.
 - inductor: torch.compile(mode="max-autotune-no-cudagraphs") of the same expression (gate_up: chunk, gelu-tanh, mul).
-- plan: graphcap.kernels.skinny_gemm's registered op (the config `plan` picks); <config>: each candidate of the
+- plan: graphcap.kernels.gemm.skinny's registered op (the config `plan` picks); <config>: each candidate of the
   shape's class through `launch` (with --grid: every config of `grid_configs` instead, a wider search than the
   table's candidates - tiles, warps, pipeline depths, CUDA-core configs and, for the narrow shapes, split counts;
   with --configs: the configs named, e.g. n16k256s1w4st8,n64k128s4w4st5-fixup).
@@ -51,7 +51,7 @@ from graphcap.bench import timing
 from graphcap.bench.options import OneLineParser
 
 if TYPE_CHECKING:
-    from graphcap.kernels.skinny_gemm import Config
+    from graphcap.kernels.gemm.skinny import Config
 
 # name: (N, K, gated); gated N is I, the output width (w is [2I, K]). post_proj is the draft's other matmul;
 # head_proj is post_proj and the centroids stacked, as graphcap's loop runs them (one GEMM, merge_head_proj).
@@ -85,12 +85,12 @@ def _read_kernel(w, out, K, k_split, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 def read_sums(w: torch.Tensor, cfg: Config, tma: bool) -> torch.Tensor:
     """`_read_kernel` over w [N, K] with cfg's grid: [N / block_n, splits] fp32 sums of each program's tiles."""
-    from graphcap.kernels import skinny_gemm as sg
+    from graphcap.kernels.gemm import skinny as sg
 
     n, k = w.shape
     if n % cfg.block_n or k % cfg.block_k:
         raise ValueError(f"read_sums: w {tuple(w.shape)} is not whole tiles of {cfg.block_n} x {cfg.block_k}")
-    k_split, splits = sg._splits(k, cfg)
+    k_split, splits = sg.k_splits(k, cfg)
     out = torch.empty((n // cfg.block_n, splits), dtype=torch.float32, device=w.device)
     w_arg = TensorDescriptor(w, list(w.shape), list(w.stride()), [cfg.block_n, cfg.block_k]) if tma else w
     _read_kernel[out.shape](w_arg, out, k, k_split, w.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -100,10 +100,10 @@ def read_sums(w: torch.Tensor, cfg: Config, tma: bool) -> torch.Tensor:
 
 def read_sums_torch(w: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Twin of read_sums: the same blocks' sums in float64."""
-    from graphcap.kernels import skinny_gemm as sg
+    from graphcap.kernels.gemm import skinny as sg
 
     n, k = w.shape
-    k_split, splits = sg._splits(k, cfg)
+    k_split, splits = sg.k_splits(k, cfg)
     blocks = w.double().reshape(n // cfg.block_n, cfg.block_n, k)
     return torch.stack([blocks[:, :, s * k_split:(s + 1) * k_split].sum((1, 2)) for s in range(splits)], dim=1)
 
@@ -132,7 +132,7 @@ def grid_configs(m: int, n: int, k: int, gated: bool) -> tuple[Config, ...]:
     whatever fits the shared memory (`pipeline_smem`) and leaves no split empty. The shape class's own candidates
     come first (the table's configs are timed in the same run), the rest in a fixed shuffled order: a run cut by its
     budget has sampled the whole grid evenly rather than its first corner."""
-    from graphcap.kernels import skinny_gemm as sg
+    from graphcap.kernels.gemm import skinny as sg
 
     narrow = not gated and n < sg.NARROW_N
     splits = (4, 8, 16) if narrow else (1,)
@@ -152,7 +152,7 @@ def grid_configs(m: int, n: int, k: int, gated: bool) -> tuple[Config, ...]:
 def read_grid_configs(n: int, k: int, gated: bool) -> tuple[Config, ...]:
     """--read-grids sweep for one shape: the read kernel's tiles x splits x warps x depths over whole tiles, from a
     quarter of a wave to 16 waves of 132 programs (the read kernel ignores M, so one sweep per shape)."""
-    from graphcap.kernels import skinny_gemm as sg
+    from graphcap.kernels.gemm import skinny as sg
 
     rows = 2 * n if gated else n
     out = []
@@ -161,7 +161,7 @@ def read_grid_configs(n: int, k: int, gated: bool) -> tuple[Config, ...]:
             for nw in (4, 8):
                 for ns in (3, 5):
                     cfg = sg.Config(bn, bk, split, nw, ns)
-                    if rows % bn or k % bk or sg._splits(k, cfg)[1] != split:
+                    if rows % bn or k % bk or sg.k_splits(k, cfg)[1] != split:
                         continue
                     if 33 <= rows // bn * split <= 16 * 132:
                         out.append(cfg)
@@ -170,7 +170,7 @@ def read_grid_configs(n: int, k: int, gated: bool) -> tuple[Config, ...]:
 
 def parse_config(name: str) -> Config:
     """The Config whose `name` is `name` (n<block_n>k<block_k>s<split_k>w<warps>st<stages>[-bcast|-gemv][-fixup])."""
-    from graphcap.kernels import skinny_gemm as sg
+    from graphcap.kernels.gemm import skinny as sg
 
     hit = re.fullmatch(r"n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)(-bcast|-gemv)?(-fixup)?", name)
     if hit is None:
@@ -185,8 +185,8 @@ def parse_config(name: str) -> Config:
 def contestants(x: torch.Tensor, gated: bool, n: int, inductor: bool, wide_grid: bool = False,
                 ceiling: bool = False, configs: tuple[Config, ...] | None = None,
                 read_grids: tuple[Config, ...] = ()) -> dict[str, Callable]:
-    from graphcap.kernels import skinny_gemm as sg
-    from graphcap.kernels.fused_ops import gelu_tanh_and_mul
+    from graphcap.kernels.gemm import skinny as sg
+    from graphcap.kernels.elementwise.fused_ops import gelu_tanh_and_mul
 
     def expr(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if not gated:
@@ -222,7 +222,7 @@ def measure(name: str, m: int, ws: list[torch.Tensor], x: torch.Tensor, gated: b
             copy_gbs: float, which: set[str] | None, inductor: bool, wide_grid: bool = False,
             deadline: float = math.inf, ceiling: bool = False, configs: tuple[Config, ...] | None = None,
             read_grids: tuple[Config, ...] = ()) -> list[dict]:
-    from graphcap.kernels import skinny_gemm as sg
+    from graphcap.kernels.gemm import skinny as sg
 
     k = x.shape[1]
     moved = ws[0].numel() * 2 + x.numel() * 2 + m * n * 2  # bytes read (weights, x) + written (out)
@@ -374,7 +374,7 @@ def main() -> None:
     rows: list[dict] = []
     notes: list[str] = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    from graphcap.kernels.skinny_gemm_kernels import prepare_fixup
+    from graphcap.kernels.gemm.skinny_kernels import prepare_fixup
 
     prepare_fixup("cuda")  # the one-kernel split K's counters (without them its configs run the sum kernel)
     for inductor in [False] + ([] if args.no_inductor else [True]):  # ours and cuBLAS everywhere first

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from graphcap.bench.environment import environment, summary_line
 from graphcap.bench.options import OneLineParser
 from graphcap.bench.timing import do_bench_ms, host_us
-from graphcap.kernels.window_update import window_reset
+from graphcap.kernels.window.update import window_reset
 from graphcap.window import WindowBuffers
 
 

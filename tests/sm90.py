@@ -102,7 +102,9 @@ def compile_for(script: str, tmp_path: Path, target: Target = SM90) -> str:
         pytest.skip("this Triton has no bundled ptxas")
     drop = ("TRITON_INTERPRET", "TRITON_OVERRIDE_ARCH", "GRAPHCAP_KERNEL_PATHS")  # the target says what to compile
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    path = (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH"))  # the repo, then the machine's
+    repo = Path(__file__).resolve().parents[1]
+    # the repo, the sgl_kernel stand-in (its kernels import as sgl_kernel's modules), then the machine's
+    path = (str(repo), str(repo / "tests" / "support"), os.environ.get("PYTHONPATH"))
     env.update(PYTHONPATH=os.pathsep.join(p for p in path if p), TRITON_CACHE_DIR=str(tmp_path / target.name),
                TRITON_DUMP_PTXAS_LOG="1", TRITON_DEFAULT_FP_FUSION="1")  # fusion: Triton 3.9's default, unwarned
     head = (f"CAPABILITY = {target.capability}\nSMEM_LIMIT = {target.smem_limit}\nARCH = {target.arch!r}\n"

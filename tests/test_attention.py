@@ -17,14 +17,9 @@ from graphcap.kernels import twins_on_cpu
 from sm90 import compile_for_sm90
 from test_layer_fusions import norm_rope64
 from tiers import examples, thorough
-from graphcap.kernels.attention import (
-    AttentionError,
-    choose_num_splits,
-    decode_attention,
-    decode_attention_torch,
-    decode_attention_with_config,
-    default_config,
-)
+from graphcap.kernels.attention.decode import decode_attention, decode_attention_with_config
+from graphcap.kernels.attention.decode_kernels import decode_attention_torch
+from graphcap.kernels.attention.plan import AttentionError, choose_num_splits, default_config
 
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
@@ -177,7 +172,7 @@ def test_combine_kernel_matches_float64(device, seed, batch, heads, splits, dim,
     """The combine kernel alone over random partials and log-sum-exps, up to 40 splits, head widths that are and are
     not a power of two: the float64 merge of the live splits. An empty split (lse -inf) wrote no partial; its slot
     here holds NaN, which must not reach the output. A row of empty splits gives zeros."""
-    from graphcap.kernels import attention_kernels as A
+    from graphcap.kernels.attention.online_softmax import combine_kernel
 
     g = torch.Generator().manual_seed(seed)
     lse = torch.randn(batch, heads, splits, generator=g) * 4
@@ -186,9 +181,8 @@ def test_combine_kernel_matches_float64(device, seed, batch, heads, splits, dim,
     part[lse == -math.inf] = math.nan
     out = torch.empty(batch, heads, dim, dtype=torch.float32)
     args = [t.to(device) for t in (part.flatten(), lse.flatten(), out)]
-    A._combine_kernel[(batch, heads)](*args, splits, out.stride(0), out.stride(1), H=heads, D=dim,
-                                      BLOCK_D=max(16, triton.next_power_of_2(dim)),
-                                      BLOCK_S=triton.next_power_of_2(splits))
+    combine_kernel[(batch, heads)](*args, splits, out.stride(0), out.stride(1), H=heads, D=dim,
+                                   BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_S=triton.next_power_of_2(splits))
     w = torch.exp2(lse.double() - lse.double().amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0))
     num = (w[..., None] * part.double().nan_to_num(0.0)).sum(-2)
     den = w.sum(-1, keepdim=True)
@@ -199,7 +193,7 @@ def test_combine_kernel_matches_float64(device, seed, batch, heads, splits, dim,
 def test_every_argument_reaches_the_registered_op(monkeypatch):
     """torch 2.11's custom-op wrapper failed (IndexError) on a mutated argument left to its default: the public
     function passes all of the op's arguments, positionally."""
-    import graphcap.kernels.attention as attn
+    import graphcap.kernels.attention.decode as attn
 
     schema = torch.ops.graphcap.decode_attention.default._schema
     seen = []
@@ -230,7 +224,7 @@ def test_non_contiguous_query(device):
 
 def test_explicit_configs_agree(device):
     """Other tile sizes / minimum chunks (what the bench tunes) give the same answer."""
-    from graphcap.kernels.attention import KernelConfig
+    from graphcap.kernels.attention.plan import KernelConfig
 
     case = make_case(11, lens=[45, 17, 2], heads=8, kv_heads=2, dim=32, window=0, dtype=torch.float32, device=device)
     ref = reference(*case)
@@ -246,7 +240,7 @@ def test_explicit_configs_agree(device):
 def test_split_adaptation_never_changes_the_answer(device, seed):
     """However the row-adaptive split count lands (enough to fill the GPU, more for long rows, capped by the static
     grid; batches of mixed lengths, empty rows), the answer is the float64 reference's."""
-    from graphcap.kernels.attention import KernelConfig
+    from graphcap.kernels.attention.plan import KernelConfig
 
     g = torch.Generator().manual_seed(100 + seed)
     b = int(torch.randint(1, 6, (1,), generator=g))
@@ -271,8 +265,8 @@ def test_wave_from_the_grid_equals_the_hosts(device, batch):
     planned for the call's batch and for batch 1 (what `plan_for_any_batch` launches)."""
     import dataclasses
 
-    from graphcap.kernels.attention import KernelConfig, plan_attention, wave_splits
-    from graphcap.kernels.attention_kernels import launch
+    from graphcap.kernels.attention.plan import KernelConfig, plan_attention, wave_splits
+    from graphcap.kernels.attention.decode_kernels import launch
 
     g = torch.Generator().manual_seed(300 + batch)
     lens = torch.randint(0, 200, (batch,), generator=g).tolist()
@@ -352,8 +346,8 @@ def test_split_scratch_costs_no_fill_kernel_under_a_symbolic_batch():
     for any batch); the kernel's scratch must reach it as allocated - no kernel of Inductor's filling it first (a 4-D
     empty tensor got one per buffer: its strides hold max(1, S)). The kernel writes it; the answer equals eager."""
     from torch._inductor.utils import run_and_get_code
-    from graphcap.kernels.attention import plan_attention
-    from graphcap.kernels.attention_kernels import split_scratch
+    from graphcap.kernels.attention.plan import plan_attention
+    from graphcap.kernels.attention.online_softmax import split_scratch
 
     plan = plan_attention(None, 2, 8, torch.float32, "cpu", 1024)  # what the draft layers plan for any batch
     assert plan.wave == 0 and plan.max_chunk > 0 and plan.min_splits > 0  # so grid_splits follows the batch
@@ -396,8 +390,8 @@ def test_q_norm_in_the_kernel_matches_float64(impl, device, seed, ratio, dim, wi
     """`q_norm`: the raw projection normed and rotated in the split kernel (positions from the rows' own lengths,
     some past the tables' end) attends as the float64 reference over the normed, rotated q does - and as the
     kernel over layer_fusions.norm_rope's q, to the query's rounding."""
-    from graphcap.kernels.attention import QueryNormRope
-    from graphcap.kernels.layer_fusions import norm_rope
+    from graphcap.kernels.attention.decode_kernels import QueryNormRope
+    from graphcap.kernels.elementwise.layer_fusions import norm_rope
 
     if impl == "twin" and device == "cuda":
         pytest.skip("the twin is the CPU path")
@@ -426,7 +420,7 @@ def test_q_norm_in_the_kernel_matches_float64(impl, device, seed, ratio, dim, wi
 
 
 def test_q_norm_bad_inputs_name_the_argument():
-    from graphcap.kernels.attention import QueryNormRope
+    from graphcap.kernels.attention.decode_kernels import QueryNormRope
 
     case = make_case(1, lens=[5], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32, device="cpu")
     q, k, v, t, s, n, w, sc = case
@@ -441,14 +435,16 @@ def test_q_norm_bad_inputs_name_the_argument():
 
 SM90_ATTENTION = """
 import torch
-from graphcap.kernels import attention_kernels as A
-from graphcap.kernels.attention_plan import _H200_SMEM, default_config, query_block
+from graphcap.kernels.attention import decode_kernels as A
+from graphcap.kernels.arch import SM90
+from graphcap.kernels.attention import online_softmax as O
+from graphcap.kernels.attention.plan import default_config, query_block
 
 TYPES = dict(q="*bf16", k_pool="*bf16", v_pool="*bf16", table="*i32", slots="*i64", lens="*i32", out="*bf16",
              part="*fp32", lse="*fp32", q_w="*bf16", cos="*fp32", sin="*fp32", sm_scale_log2="fp32", eps="fp32")
 n = 0
 for heads, kv_heads, d in ((32, 16, 256), (32, 4, 512)):  # the Gemma 4 draft's sliding and full layers
-    cfg = default_config(d, torch.bfloat16, True, _H200_SMEM)
+    cfg = default_config(d, torch.bfloat16, True, SM90.smem_per_block)
     group = heads // kv_heads
     block_g = query_block(group, d)
     for single in (True, False):
@@ -459,7 +455,7 @@ for heads, kv_heads, d in ((32, 16, 256), (32, 4, 512)):  # the Gemma 4 draft's 
                               NORM_ROPE=norm_rope)
                 compile(A._split_kernel, TYPES, consts, cfg.num_warps, cfg.num_stages)
                 n += 1
-    compile(A._combine_kernel, dict(part="*fp32", lse="*fp32", out="*bf16"),
+    compile(O.combine_kernel, dict(part="*fp32", lse="*fp32", out="*bf16"),
             dict(H=heads, D=d, BLOCK_D=d, BLOCK_S=16), cfg.combine_warps)
     n += 1
 print("compiled", n)
@@ -492,7 +488,7 @@ def test_bad_inputs_name_the_argument(device):
 
 
 def test_choose_num_splits():
-    from graphcap.kernels.attention import splits_for, target_programs, wave_splits
+    from graphcap.kernels.attention.plan import splits_for, target_programs, wave_splits
 
     # batch x kv heads x splits fills the programs asked for without spilling past them
     assert [wave_splits(b, 4) for b in (8, 16)] == [8, 4] and wave_splits(8, 16) == 2
@@ -526,7 +522,7 @@ def test_choose_num_splits():
 def test_target_programs_are_two_waves_of_what_fits_in_shared_memory(head_dim, dtype):
     """CPU plans as an H200 would (132 SMs, 228 KiB of shared memory per SM): target_programs is twice the SMs
     times the most programs whose tiles fit in one SM's shared memory together (and within its 2048 threads)."""
-    from graphcap.kernels.attention_plan import plan_config, program_smem, target_programs
+    from graphcap.kernels.attention.plan import plan_config, program_smem, target_programs
 
     cpu = torch.device("cpu")
     cfg = plan_config(head_dim, dtype, cpu)
@@ -590,8 +586,8 @@ def test_q_norm_at_gemma4_widths_on_gpu(layer):
     """The query's norm + rotary in the split kernel at the draft's head widths (256 and 512, bf16), under a
     CUDA graph of Inductor's code: the float64 reference over the normed, rotated q, and the kernel over
     layer_fusions.norm_rope's q."""
-    from graphcap.kernels.attention import QueryNormRope
-    from graphcap.kernels.layer_fusions import norm_rope
+    from graphcap.kernels.attention.decode_kernels import QueryNormRope
+    from graphcap.kernels.elementwise.layer_fusions import norm_rope
 
     shp = GEMMA[layer]
     lens = _gemma_lens(8, 8)

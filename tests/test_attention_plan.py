@@ -1,4 +1,4 @@
-"""One attention plan per bucket (graphcap.kernels.attention_plan.plan_attention): it decides exactly what the
+"""One attention plan per bucket (graphcap.kernels.attention.plan.plan_attention): it decides exactly what the
 per-call planning decided (split counts, launch configuration, wave), and it is made on the host before capture -
 a compiled draft step (the reference loop, one compile per bucket or one for every bucket, and the sglang plugin's
 attention) calls no planner while it is traced or run."""
@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import graphcap.kernels.attention as attn
-import graphcap.kernels.attention_plan as ap
+import graphcap.kernels.attention.decode as attn
+import graphcap.kernels.attention.plan as ap
 from graphcap.kernels import twins_on_cpu
-from graphcap.kernels.attention_plan import (
+from graphcap.kernels.arch import device_arch
+from graphcap.kernels.attention.plan import (
     AttentionError,
     AttentionPlan,
     choose_num_splits,
@@ -32,8 +33,7 @@ from tiers import thorough
 SPEC = load_spec("tiny")
 # Every function that plans (and the device queries behind them), by module: attention.py re-exports some.
 PLANNERS = ("plan_attention", "choose_num_splits", "target_programs", "default_config", "plan_config",
-            "wave_splits", "splits_for", "_device_smem", "_device_smem_of", "_device_smem_per_sm",
-            "device_sm_count", "plan_for_inputs")
+            "wave_splits", "splits_for", "device_sm_count", "plan_for_inputs")
 
 
 def forbid_planning(monkeypatch) -> list[str]:
@@ -55,9 +55,9 @@ def forbid_planning(monkeypatch) -> list[str]:
 
 def _old_plan(batch, kv_heads, head_dim, dtype, device):
     """What the per-call path computed (verbatim): the launch config (`_config_for`), the programs and the wave
-    (`attention_kernels.launch`)."""
+    (`decode_kernels.launch`)."""
     on_gpu = device.type == "cuda"
-    cfg = default_config(head_dim, dtype, on_gpu, smem_bytes=ap._device_smem(device) if on_gpu else None)
+    cfg = default_config(head_dim, dtype, on_gpu, smem_bytes=device_arch(device).smem_per_block if on_gpu else None)
     programs = cfg.wave or target_programs(head_dim, dtype, device)
     return cfg, programs
 
@@ -67,7 +67,7 @@ def test_plan_equals_what_the_per_call_path_computed(device, dtype):
     """Over a grid of (batch, kv heads, head dim, max_len): the plan's split count is the sglang plugin's old
     `splits_for` and the reference model's old `choose_num_splits(batch or grid batch 1, Hkv, max_len,
     target_programs)` (wherever those two agreed: all but fp32 at head dim 512); its launch configuration, programs
-    and wave are what `attention_kernels.launch` derived per call."""
+    and wave are what `decode_kernels.launch` derived per call."""
     dev = torch.device(device)
     for b, hkv, d, n in itertools.product((1, 2, 3, 5, 8, 16, 32, 64, 256), (1, 2, 4, 8, 16), (64, 128, 256, 512),
                                           (1, 16, 100, 1024, 2048, 8192, 32768, 262144)):

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphcap.kernels import twins_on_cpu
-from graphcap.kernels.candidate_pick import (NO_TOKEN, CandidatePickError, candidate_greedy,
+from graphcap.kernels.head.candidate_pick import (NO_TOKEN, CandidatePickError, candidate_greedy,
                                              candidate_greedy_torch)
 from tiers import examples
 

@@ -8,7 +8,6 @@ import stat
 import pytest
 import torch
 
-import graphcap
 from graphcap.engine import compile_cache as cc
 
 BASE = dict(spec_hash="c5014fdd5fe74bb2", backend="compile", buckets=(1, 2, 4), dynamic_batch=False, device="cpu")
@@ -30,7 +29,7 @@ def test_key_is_stable_and_covers_what_must_miss(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     assert cc.cache_key(**BASE) != k
     monkeypatch.undo()
-    monkeypatch.setattr(graphcap, "__version__", "9.9.9")
+    monkeypatch.setattr(cc, "VERSION", "9.9.9")
     assert cc.cache_key(**BASE) != k
     monkeypatch.undo()
     assert cc.cache_key(**BASE) == k

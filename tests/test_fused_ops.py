@@ -1,5 +1,6 @@
-"""graphcap.kernels.fused_ops (the ops sglang's Gemma layers take from sgl_kernel): each Triton kernel (interpreted on
-CPU, native on CUDA) against its torch twin and against float64 math written here, in-place semantics included.
+"""graphcap.kernels.elementwise.fused_ops (the ops sglang's Gemma layers take from sgl_kernel): each Triton kernel
+(interpreted on CPU, native on CUDA) against its torch twin and against float64 math written here, in-place semantics
+included.
 
 Tolerances: fp32 2e-5 relative. bf16 about one unit in the last place (2**-7 relative): on CPU Triton's interpreter
 truncates fp32 -> bf16 where CUDA and torch round to nearest, so kernel and twin may differ by one ulp there.
@@ -14,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphcap.kernels import fused_ops as F
+from graphcap.kernels.elementwise import fused_ops as F
 from graphcap.kernels import twins_on_cpu
 from tiers import examples
 

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
-import textwrap
 from fractions import Fraction
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +29,8 @@ from hypothesis import strategies as st
 from graphcap.kernels import twins_on_cpu
 from graphcap.kernels.arch import SM80, SM90
 from tiers import examples, thorough
+
+from standin_ops import run_with_standin
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORT = ROOT / "tests" / "support"
@@ -481,15 +480,6 @@ def test_bench_needs_cuda(tmp_path, capsys):
 # in sglang's W8A8 int8 scheme, through the stand-in package (a process of its own)
 
 
-def run_python(code: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-6000:]}"
-    return r.stdout
 
 
 @pytest.mark.subprocess
@@ -502,7 +492,7 @@ def test_sglang_compressed_tensors_w8a8_int8_runs_on_the_standin():
     create_weights, process_weights_after_loading (the weight kept as w.t(), column-major) and apply_weights give the
     float64 result of its per-token quantized input. On a CPU sglang's Triton `per_token_quant_int8` cannot run in
     Triton's interpreter (libdevice.round), so its torch twin from sglang.test.cpu_test_utils stands in for it."""
-    out = run_python(f"""
+    out = run_with_standin(f"""
         import importlib, sys
         sys.path.insert(0, {str(ROOT / "tests" / "sglang_isolated")!r})
         from _sglang_env import install_torchvision_stub

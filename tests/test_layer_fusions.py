@@ -1,5 +1,6 @@
-"""graphcap.kernels.layer_fusions (the draft layer's norm chains, one kernel each) against their torch twins and against
-float64 math written here; the op set built on them (LAYER_KERNEL_OPS) against the torch set on the same model.
+"""graphcap.kernels.elementwise.layer_fusions (the draft layer's norm chains, one kernel each) against their torch
+twins and against float64 math written here; the op set built on them (LAYER_KERNEL_OPS) against the torch set on
+the same model.
 
 Tolerances: fp32 2e-5 relative. bf16: the kernels round after each link of a chain as the reference does, and on CPU
 Triton's interpreter truncates fp32 -> bf16 where torch rounds to nearest, so a link may differ by one ulp and the
@@ -16,9 +17,9 @@ from hypothesis import strategies as st
 
 import graphcap.models.draft_ops as draft_ops
 import graphcap.models.frozen_kv_draft as frozen_kv_draft
-from graphcap.kernels import layer_fusions as L
+from graphcap.kernels.elementwise import layer_fusions as L
 from graphcap.kernels import twins_on_cpu
-from graphcap.kernels.fused_ops import FusedOpError
+from graphcap.kernels.elementwise.fused_ops import FusedOpError
 from graphcap.models import DraftLoop
 from graphcap.models.draft_ops import LAYER_KERNEL_OPS, TORCH_OPS
 from graphcap.window import WindowBuffers
@@ -314,7 +315,7 @@ def test_layer_kernel_op_set_drafts_what_the_torch_ops_draft(device, monkeypatch
 
 
 SM90_LAYER_FUSIONS = """
-from graphcap.kernels import layer_fusions as L
+from graphcap.kernels.elementwise import layer_fusions as L
 
 n = 0
 for width, dtype in ((1536, "*bf16"), (1536, "*fp32")):  # the draft's hidden rows
@@ -322,11 +323,11 @@ for width, dtype in ((1536, "*bf16"), (1536, "*fp32")):  # the draft's hidden ro
     types["eps"] = "fp32"
     block = triton.next_power_of_2(width)  # as the ops launch them
     for fn in (L._norm_add_norm_kernel, L._norm_add_scale_norm_kernel):
-        compile(fn, types, dict(BLOCK=block), L._warps(block))
+        compile(fn, types, dict(BLOCK=block), L.warps_for(block))
         n += 1
 for half in (128, 256):  # query heads of 256 and 512
     types = dict(q="*bf16", w="*bf16", cos="*fp32", sin="*fp32", slots="*i64", lens="*i32", out="*bf16", eps="fp32")
-    compile(L._norm_rope_kernel, types, dict(BLOCK=half), L._warps(half))
+    compile(L._norm_rope_kernel, types, dict(BLOCK=half), L.warps_for(half))
     n += 1
 print("compiled", n)
 """

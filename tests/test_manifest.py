@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphcap.engine.backends import ALL_BACKENDS
+from graphcap.backends import ALL_BACKENDS
 from graphcap.manifest import (
     FORMAT_VERSION, STATUSES, BucketRecord, Manifest, ManifestError, Parallel, default_manifest_dir, environment,
     list_manifests, manifest_path, read_manifest, write_manifest,

@@ -206,7 +206,7 @@ def test_layer_regions_trace_one_body_per_layer_shape_and_draft_the_same(device)
 
 
 class _Calls:
-    """graphcap.kernels.fused_ops, counting the calls of each function."""
+    """graphcap.kernels.elementwise.fused_ops, counting the calls of each function."""
 
     def __init__(self, mod):
         self.mod, self.calls = mod, {}
@@ -272,7 +272,7 @@ def test_fused_op_set_drafts_what_the_torch_ops_draft(device, sglang_post_norm):
 
 def test_skinny_gemm_op_set_runs_every_projection_through_the_kernel_and_drafts_the_same(device, monkeypatch):
     """SKINNY_OPS (the bench's graphcap-skinny-gemm): every projection of a bf16 model goes through
-    graphcap.kernels.skinny_gemm - per step pre_proj, q / o / down of each layer, the centroid scores with post_proj
+    graphcap.kernels.gemm.skinny - per step pre_proj, q / o / down of each layer, the centroid scores with post_proj
     (one call, merge_head_proj) as skinny_linear, each layer's gate/up with its gelu-mul as skinny_gate_up_gelu - and
     it drafts as close to the
     float32 model (same seed) as the bf16 cuBLAS set does: the first step's tokens wherever the float32 margin is
@@ -394,7 +394,7 @@ def test_query_norm_in_the_attention_or_as_its_own_kernel_drafts_the_same(device
     (QNORM_KERNEL_OPS, the bench's graphcap-qnorm-kernel) the norm_rope kernel runs before the attention, once per
     layer call, and the attention takes the normed query. The same math and roundings either way: the loop drafts
     the same tokens, and scores, margins and hidden states to fp32 rounding."""
-    import graphcap.kernels.layer_fusions as lf
+    import graphcap.kernels.elementwise.layer_fusions as lf
     from graphcap.models.draft_ops import DEFAULT_OPS, QNORM_KERNEL_OPS
 
     calls = []
@@ -419,7 +419,7 @@ def test_default_op_set_routes_each_projection_by_its_shape_class(monkeypatch):
     class's KERNEL_ROWS (capped by skinny_rows), and a class with 0 rows, a float32 input or more than MAX_M rows
     straight to cuBLAS (no op at all); the other sets keep their fixed rule. Whatever the route, the result is the
     projection (the ops' twins here)."""
-    import graphcap.kernels.skinny_gemm as sg
+    import graphcap.kernels.gemm.skinny as sg
     import graphcap.models.draft_ops as draft_ops
     from graphcap.models.draft_ops import LAYER_KERNEL_OPS, SKINNY_4ROWS_OPS
 
@@ -449,7 +449,7 @@ def test_binding_an_op_set_with_the_skinny_gemm_makes_its_split_k_counters(monke
     """A loop whose op set sends projections to the skinny GEMM makes the one-kernel split K's counters on the
     model's device when it binds - before anything compiles or captures (a call never makes them: inside a graph's
     warm-up they would come from the graph's memory pool); the torch set, which never calls the kernel, makes none."""
-    import graphcap.kernels.skinny_gemm_kernels as sgk
+    import graphcap.kernels.gemm.skinny_kernels as sgk
     from graphcap.models.draft_ops import LAYER_KERNEL_OPS
 
     spec = load_spec("tiny")

@@ -4,19 +4,16 @@ the stand-in (or sglang)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 try:
     import tomllib
 except ImportError:  # Python < 3.11
     import tomli as tomllib
+
+from standin_ops import run_with_standin
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORT = ROOT / "tests" / "support"
@@ -24,26 +21,15 @@ HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 MESSAGE = ("is not provided (graphcap's engine harness covers only the Gemma 4 frozen-KV MTP path)")
 
 
-def run_python(code: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"}
-    # the stand-in and the repo first; the environment's own path kept after them (where a machine keeps its
-    # packages, sglang among them, on PYTHONPATH)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT), str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-6000:]}"
-    return r.stdout
 
 
 @pytest.mark.subprocess
 def test_standin_provides_the_ops_and_raises_for_the_rest():
-    out = run_python(f"""
+    out = run_with_standin(f"""
         import importlib.metadata, math
         import pytest, torch
         import sgl_kernel
-        from graphcap.kernels import fused_ops
+        from graphcap.kernels.elementwise import fused_ops
 
         assert sgl_kernel.__file__.startswith({str(SUPPORT)!r}), sgl_kernel.__file__
         assert importlib.metadata.version("sglang-kernel") == "0.4.9"
@@ -123,7 +109,7 @@ def test_standin_provides_the_ops_and_raises_for_the_rest():
 def test_sglang_imports_and_passes_its_version_check_with_the_standin():
     """On this CPU machine sglang takes its CPU branches; the imports must still succeed with the stand-in present,
     and sglang's own start-up check (srt/entrypoints/engine.py) must accept the stand-in's dist-info."""
-    out = run_python(f"""
+    out = run_with_standin(f"""
         import sys
         sys.path.insert(0, {str(ROOT / "tests" / "sglang_isolated")!r})
         from _sglang_env import install_torchvision_stub
@@ -147,7 +133,7 @@ def test_sglang_cuda_norm_paths_call_the_standin():
     stand-in's kernels run interpreted) binds the stand-in's rmsnorm / fused_add_rmsnorm / gemma_rmsnorm /
     gemma_fused_add_rmsnorm, and its forward_cuda - exactly the calls a Gemma 4 run makes - agrees with sglang's own
     forward_native."""
-    out = run_python(f"""
+    out = run_with_standin(f"""
         import sys
         sys.path.insert(0, {str(ROOT / "tests" / "sglang_isolated")!r})
         from _sglang_env import install_torchvision_stub

@@ -146,8 +146,9 @@ def test_value_survives_pickling_into_a_fresh_interpreter(fresh, tmp_path):
                        env=dict(os.environ))
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     out = json.loads(r.stdout.decode().strip().splitlines()[-1])
-    assert json.loads(out["opts"]) == {"enabled": True, "backend": plugin.DEFAULT_BACKEND, "manifest_dir": str(tmp_path),
-                                       "projections": "graphcap", "verify_attention": "graphcap"}
+    assert json.loads(out["opts"]) == {"enabled": True, "backend": plugin.PLUGIN_DEFAULT_BACKEND,
+                                       "manifest_dir": str(tmp_path), "projections": "graphcap",
+                                       "verify_attention": "graphcap"}
     assert out["algo"] == "NEXTN"
     # Not a scheduler process (sglang.srt.managers.scheduler not imported): only the start-up check is added.
     assert plugin.CHECK_SERVER_ARGS in out["hooks"]

@@ -14,22 +14,25 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import graphcap.kernels.skinny_gemm as sg
+import graphcap.kernels.gemm.skinny as sg
 from graphcap.kernels import arch
 from graphcap.kernels.arch import SM80, SM90, GpuArch
-from graphcap.kernels.attention_plan import default_config, plan_attention, program_smem, target_programs
+from graphcap.kernels.attention.plan import default_config, plan_attention, program_smem, target_programs
 from sm90 import SM80 as TARGET_SM80
 from sm90 import SM80_ON_SM90, SM90 as TARGET_SM90, Target, compile_for
 from tiers import examples
 from test_spec_tree_ops import FAST_TOPK_SCRIPT, SPEC_TREE_OPS_SCRIPT
 
-KERNELS = Path(__file__).resolve().parents[1] / "graphcap" / "kernels"
+ROOT = Path(__file__).resolve().parents[1]
+# where Triton kernels live: graphcap's, and the sgl_kernel stand-in's own (tests/support/sgl_kernel)
+KERNEL_DIRS = (ROOT / "graphcap" / "kernels", ROOT / "tests" / "support" / "sgl_kernel")
 
 # ---------------------------------------------------------------------------------------------------------------
-# Compile scripts, one per graphcap/kernels file that holds Triton kernels (KERNEL_SCRIPTS). Each runs after
-# tests/sm90.py's prelude (compile(), CAPABILITY, ARCH, PLAN_ARCH: the description the planners plan for) and
-# COMMON, compiles its kernels as the planners and launches choose them at the Gemma 4 draft's shapes (THOROUGH:
-# every variant, dtype and candidate as well) and prints "compiled <count>". A new kernel file adds one here.
+# Compile scripts, one per file of KERNEL_DIRS that holds Triton kernels (KERNEL_SCRIPTS, keyed by its path in the
+# repo). Each runs after tests/sm90.py's prelude (compile(), CAPABILITY, ARCH, PLAN_ARCH: the description the planners
+# plan for) and COMMON, compiles its kernels as the planners and launches choose them at the Gemma 4 draft's shapes
+# (THOROUGH: every variant, dtype and candidate as well) and prints "compiled <count>". A new kernel file adds one
+# here.
 
 COMMON = """
 import torch
@@ -40,8 +43,8 @@ n = 0
 """
 
 ATTENTION = """
-from graphcap.kernels import attention_kernels as A
-from graphcap.kernels.attention_plan import plan_attention, query_block
+from graphcap.kernels.attention import decode_kernels as A
+from graphcap.kernels.attention.plan import plan_attention, query_block
 
 TORCH = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
 seen = set()
@@ -71,18 +74,33 @@ for heads, kv_heads, d, max_len in ((32, 16, 256, 1024), (32, 4, 512, 32768)):  
                     compile(A._split_kernel, types, consts, p.num_warps, p.num_stages,
                             max_spill=None if dt == "fp32" else 192 if d == 512 else 0)
                     n += 1
+print("compiled", n)
+"""
+
+ONLINE_SOFTMAX = """
+from graphcap.kernels.attention import online_softmax as O
+from graphcap.kernels.attention.plan import plan_attention
+
+# the combine kernel at every split bound the decode plans launch it with (its tile step is compiled inside the
+# decode and verify kernels)
+TORCH = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
+seen = set()
+for heads, kv_heads, d, max_len in ((32, 16, 256, 1024), (32, 4, 512, 32768)):  # sliding (W) and full layers
+    for dt in DTYPES:
+        for b in (None, 1, 2, 4, 8, 16, 32, 64):
+            p = plan_attention(b, kv_heads, d, TORCH[dt], "cuda", max_len, arch=DESC)
             block_s = triton.next_power_of_2(p.num_splits)
-            if not single and (d, dt, block_s, p.combine_warps) not in seen:
+            if p.num_splits > 1 and (d, dt, block_s, p.combine_warps) not in seen:
                 seen.add((d, dt, block_s, p.combine_warps))
-                compile(A._combine_kernel, dict(part="*fp32", lse="*fp32", out="*" + dt),
+                compile(O.combine_kernel, dict(part="*fp32", lse="*fp32", out="*" + dt),
                         dict(H=heads, D=d, BLOCK_D=d, BLOCK_S=block_s), p.combine_warps, max_spill=0)
                 n += 1
 print("compiled", n)
 """
 
 SKINNY_GEMM = """
-import graphcap.kernels.skinny_gemm as sg
-import graphcap.kernels.skinny_gemm_kernels as sgk
+import graphcap.kernels.gemm.skinny as sg
+import graphcap.kernels.gemm.skinny_kernels as sgk
 
 ARGS = ["x", "w", "y", "out", "counters", "M", "N", "K", "k_split", "stride_xm", "stride_wn", "stride_ym",
         "stride_ys", "stride_om"]
@@ -109,7 +127,7 @@ for cfg, bm, gated in sorted(configs):
             seen.add((cfg, gated, even))
             consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, INTERPRET=False, EVEN_K=even,
                           EVEN_N=even, STAGES=cfg.num_stages)
-            k = compile(sgk._gemv_kernel, dict(x="*bf16", w="*bf16", out="*bf16"), consts, cfg.num_warps,
+            k = compile(sgk.gemv_kernel, dict(x="*bf16", w="*bf16", out="*bf16"), consts, cfg.num_warps,
                         attrs={(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 5, 6, 7, 8)},
                         max_spill=0 if even else None)
             assert cfg.num_stages == 1 or "cp.async" in k.asm["ptx"], cfg  # the loads pipelined
@@ -122,7 +140,7 @@ for cfg, bm, gated in sorted(configs):
                       EVEN_K=even, EVEN_N=even, FIXUP=fixup, SPLITS=cfg.split_k if fixup else 1)
         # masked tiles (no draft shape has them) may spill a few bytes, and so may a candidate no plan picks
         # (Triton 3.6's ptxas: 16 bytes at BLOCK_K 256 under the switch)
-        k = compile(sgk._skinny_kernel, types, consts, cfg.num_warps, cfg.num_stages, ALIGNED,
+        k = compile(sgk.skinny_kernel, types, consts, cfg.num_warps, cfg.num_stages, ALIGNED,
                     max_spill=None if not even else 0 if (cfg, bm, gated) in planned_configs else 32)
         ptx = k.asm["ptx"]
         if cfg.dot:
@@ -135,12 +153,12 @@ for cfg, bm, gated in sorted(configs):
             assert k.metadata.shared == smem or cfg.num_stages == 1 and k.metadata.shared < smem, \\
                 (cfg, bm, gated, k.metadata.shared, smem)
         n += 1
-compile(sgk._splitk_sum_kernel, dict(ws="*fp32", out="*bf16"), dict(BLOCK=1024, INTERPRET=False), 4, max_spill=0)
+compile(sgk.splitk_sum_kernel, dict(ws="*fp32", out="*bf16"), dict(BLOCK=1024, INTERPRET=False), 4, max_spill=0)
 print("compiled", n + 1)
 """
 
 CENTROID_HEAD = """
-from graphcap.kernels import centroid_head as C
+from graphcap.kernels.head import centroid as C
 
 for dt in DTYPES:
     for k, t, h in ((32, 128, 1536),) + (((4, 4, 32), (32, 128, 5376)) if THOROUGH else ()):  # top 32 of 2048 x 128
@@ -153,33 +171,33 @@ print("compiled", n)
 """
 
 SMALL_TOPK = """
-from graphcap.kernels import small_topk as S
+from graphcap.kernels.head import small_topk as S
 
 for dt in DTYPES:
     for rows, k in ((2048, 32), (4096, 2)) + (((2048, 33), (8192, S.MAX_K), (16, 1)) if THOROUGH else ()):
         block = max(16, triton.next_power_of_2(rows))
         consts = dict(N=rows, K=k, BLOCK_N=block, BLOCK_K=max(2, triton.next_power_of_2(k)))
         compile(S._small_topk_kernel, dict(x="*" + dt, values="*" + dt, indices="*i64"), consts,
-                S._num_warps(block), max_spill=0)
+                S.warps_for(block), max_spill=0)
         n += 1
 print("compiled", n)
 """
 
 CANDIDATE_PICK = """
-from graphcap.kernels import candidate_pick as P
+from graphcap.kernels.head import candidate_pick as P
 
 for dt in DTYPES:
     for rows, t in ((4096, 128),) + (((P.MAX_N, 128), (16, 4)) if THOROUGH else ()):  # 32 clusters x 128 tokens
         block = max(16, triton.next_power_of_2(rows))
         compile(P._candidate_greedy_kernel, dict(values="*" + dt, top="*i64", token_ordering="*i64", token="*i64",
                                                  logit="*fp32"),
-                dict(N=rows, T=t, BLOCK_N=block), P._num_warps(block), max_spill=0)
+                dict(N=rows, T=t, BLOCK_N=block), P.warps_for(block), max_spill=0)
         n += 1
 print("compiled", n)
 """
 
 FUSED_OPS = """
-from graphcap.kernels import fused_ops as F
+from graphcap.kernels.elementwise import fused_ops as F
 
 for dt in DTYPES:
     types = dict(x="*" + dt, res="*" + dt, out="*" + dt, w="*" + dt, eps="fp32", q="*" + dt, k="*" + dt,
@@ -202,7 +220,7 @@ print("compiled", n)
 """
 
 LAYER_FUSIONS = """
-from graphcap.kernels import layer_fusions as L
+from graphcap.kernels.elementwise import layer_fusions as L
 
 for dt in DTYPES + (() if THOROUGH else ("fp32",)):  # the draft's rows; fp32 as the tiny spec runs
     types = {name: "*" + dt for name in ("x", "res", "w_x", "w_sum", "w_out", "scalar", "normed", "total", "out",
@@ -210,16 +228,16 @@ for dt in DTYPES + (() if THOROUGH else ("fp32",)):  # the draft's rows; fp32 as
     types.update(eps="fp32", cos="*fp32", sin="*fp32", slots="*i64", lens="*i32")
     block = triton.next_power_of_2(1536)
     for fn in (L._norm_add_norm_kernel, L._norm_add_scale_norm_kernel):
-        compile(fn, types, dict(BLOCK=block), L._warps(block), max_spill=0)
+        compile(fn, types, dict(BLOCK=block), L.warps_for(block), max_spill=0)
         n += 1
     for half in (128, 256):  # query heads of 256 and 512
-        compile(L._norm_rope_kernel, types, dict(BLOCK=half), L._warps(half), max_spill=0)
+        compile(L._norm_rope_kernel, types, dict(BLOCK=half), L.warps_for(half), max_spill=0)
         n += 1
 print("compiled", n)
 """
 
 WINDOW_UPDATE = """
-from graphcap.kernels import window_update as W
+from graphcap.kernels.window import update as W
 
 for ring in ("i32", "i64") if THOROUGH else ("i32",):
     types = dict(ring="*" + ring, seq_lens="*i32", req_to_token="*i32", full_to_swa="*i64", slots="*i64",
@@ -234,7 +252,7 @@ print("compiled", n)
 """
 
 VERIFY_ATTENTION = """
-from graphcap.kernels import verify_attention as V
+from graphcap.kernels.attention import verify as V
 
 TORCH = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)
 seen = set()
@@ -264,12 +282,15 @@ for heads, kv_heads, d, max_len in ((32, 16, 256, 1023), (32, 4, 512, 8192)):  #
 print("compiled", n)
 """
 
-KERNEL_SCRIPTS = {
-    "attention_kernels.py": ATTENTION, "skinny_gemm_kernels.py": SKINNY_GEMM, "centroid_head.py": CENTROID_HEAD,
-    "small_topk.py": SMALL_TOPK, "candidate_pick.py": CANDIDATE_PICK, "fused_ops.py": FUSED_OPS,
-    "layer_fusions.py": LAYER_FUSIONS, "window_update.py": WINDOW_UPDATE,
-    "fast_topk.py": FAST_TOPK_SCRIPT, "spec_tree_ops.py": SPEC_TREE_OPS_SCRIPT,  # shared with test_spec_tree_ops.py
-    "verify_attention.py": VERIFY_ATTENTION,
+KERNEL_SCRIPTS = {f"graphcap/kernels/{name}": script for name, script in (
+    ("attention/decode_kernels.py", ATTENTION), ("attention/online_softmax.py", ONLINE_SOFTMAX),
+    ("attention/verify.py", VERIFY_ATTENTION),
+    ("gemm/skinny_kernels.py", SKINNY_GEMM), ("head/centroid.py", CENTROID_HEAD), ("head/small_topk.py", SMALL_TOPK),
+    ("head/candidate_pick.py", CANDIDATE_PICK), ("elementwise/fused_ops.py", FUSED_OPS),
+    ("elementwise/layer_fusions.py", LAYER_FUSIONS), ("window/update.py", WINDOW_UPDATE),
+)} | {  # shared with test_spec_tree_ops.py
+    "tests/support/sgl_kernel/top_k.py": FAST_TOPK_SCRIPT,
+    "tests/support/sgl_kernel/speculative.py": SPEC_TREE_OPS_SCRIPT,
 }
 # kernel files being written as this test was: their owners add their scripts here and take them off this list
 PENDING: set[str] = set()
@@ -305,7 +326,8 @@ def compile_scripts(names: list[str], target: Target, thorough: bool, tmp_path: 
 
 
 def test_every_kernel_file_has_a_compile_script():
-    with_kernels = {p.name for p in KERNELS.glob("*.py") if "@triton.jit" in p.read_text()}
+    with_kernels = {p.relative_to(ROOT).as_posix() for d in KERNEL_DIRS for p in d.rglob("*.py")
+                    if "@triton.jit" in p.read_text()}
     missing = with_kernels - set(KERNEL_SCRIPTS) - PENDING
     assert not missing, f"add a compile script to tests/test_sm80.py KERNEL_SCRIPTS for {sorted(missing)}"
     assert set(KERNEL_SCRIPTS) <= with_kernels
@@ -319,7 +341,7 @@ def test_kernels_compile_for_sm80(tmp_path):
 def test_switch_lowers_for_sm80_on_sm90(tmp_path):
     """An H200 under GRAPHCAP_KERNEL_PATHS=sm80 (Triton lowering for 80, ptxas for sm_90a): the skinny GEMM - the
     kernels with a tl.dot that sm_90 makes a wgmma - uses mma.sync, with an A100's plans and shared memory."""
-    compile_scripts(["skinny_gemm_kernels.py"], SM80_ON_SM90, False, tmp_path)
+    compile_scripts(["graphcap/kernels/gemm/skinny_kernels.py"], SM80_ON_SM90, False, tmp_path)
 
 
 @pytest.mark.thorough
@@ -470,8 +492,8 @@ def test_compile_cache_key_tells_the_switch(paths, monkeypatch):
 
 GPU_SCRIPT = """
 import torch
-import graphcap.kernels.skinny_gemm as sg
-import graphcap.kernels.skinny_gemm_kernels as sgk
+import graphcap.kernels.gemm.skinny as sg
+import graphcap.kernels.gemm.skinny_kernels as sgk
 from graphcap.kernels import arch
 
 assert arch.device_arch("cuda") == arch.SM80.within(arch._native(torch.cuda.current_device()))
@@ -482,7 +504,7 @@ for m, n, k, gated in ((4, 6144, 1536, True), (8, 8192, 1536, False)):
     out = (sg.skinny_gate_up_gelu if gated else sg.skinny_linear)(x, w)
     ref = (sg.skinny_gate_up_gelu_torch if gated else sg.skinny_linear_torch)(x.double(), w.double())
     assert (out.double() - ref).norm() / ref.norm() < 1e-2
-kernels = [k for cache in sgk._skinny_kernel.device_caches.values() for k in cache[0].values()]
+kernels = [k for cache in sgk.skinny_kernel.device_caches.values() for k in cache[0].values()]
 assert kernels and all("wgmma" not in k.asm["ptx"] and "mma.sync" in k.asm["ptx"] for k in kernels)
 print("sm80 paths", len(kernels))
 """

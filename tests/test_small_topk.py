@@ -18,9 +18,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import graphcap.kernels.small_topk as small_topk_mod
+import graphcap.kernels.head.small_topk as small_topk_mod
 from graphcap.kernels import twins_on_cpu
-from graphcap.kernels.small_topk import MAX_K, MAX_N, SmallTopkError, small_topk, topk_torch
+from graphcap.kernels.head.small_topk import MAX_K, MAX_N, SmallTopkError, small_topk, topk_torch
 from tiers import examples
 
 SETTINGS = dict(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -167,7 +167,7 @@ def test_large_rows_and_k_fall_back_to_the_twin(device, monkeypatch):
     def no_launch(*args):
         raise AssertionError("the kernel was launched")
 
-    monkeypatch.setattr(small_topk_mod, "_launch", no_launch)
+    monkeypatch.setattr(small_topk_mod, "launch", no_launch)
     for n, k in ((MAX_N + 3, 2), (MAX_K + 9, MAX_K + 1)):
         x = make_rows(n, batch=2, n=n, dtype=torch.float32, device=device)
         values, indices = small_topk(x, k)

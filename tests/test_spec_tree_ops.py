@@ -1,5 +1,6 @@
-"""graphcap's Triton kernels for the three ops sglang 0.5.18 takes from sgl_kernel on CUDA - fast_topk,
-build_tree_kernel_efficient, verify_tree_greedy (graphcap/kernels/fast_topk.py, spec_tree_ops.py) - interpreted on
+"""The sgl_kernel stand-in's Triton kernels for the three ops sglang 0.5.18 takes from sgl_kernel on CUDA -
+fast_topk, build_tree_kernel_efficient, verify_tree_greedy (tests/support/sgl_kernel/top_k.py, speculative.py;
+loaded here by tests/standin_ops.py, not through the stand-in package) - interpreted on
 CPU, native on CUDA, each against its plain-torch twin, against sglang's own implementations where this sglang has
 them (0.5.23's Triton versions of the tree ops, `sglang.kernels.ops.speculative.spec_tree`, interpreted too; its
 torch fast_topk), and against answers worked out by hand.
@@ -19,13 +20,13 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from graphcap.kernels import fast_topk as FT
-from graphcap.kernels import spec_tree_ops as T
 from graphcap.kernels import twins_on_cpu
-from graphcap.kernels.spec_tree_ops import SpecOpError
 from sm90 import compile_for_sm90
+from standin_ops import speculative as T
+from standin_ops import top_k as FT
 from test_sgl_kernel_standin import run_python
 
+SpecOpError = T.SpecOpError
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 SETTINGS = dict(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 without_sglang = pytest.mark.skipif(not HAS_SGLANG, reason="the real sglang package is not installed (make test "
@@ -456,7 +457,7 @@ def test_verify_refuses_bad_input(i, v, msg):
     (([1.0], 1, 0), "values must be a torch.Tensor"),
 ])
 def test_fast_topk_refuses_bad_input(args, msg):
-    with pytest.raises(SpecOpError, match="^fast_topk: " + msg):
+    with pytest.raises(FT.TopkError, match="^fast_topk: " + msg):
         FT.fast_topk(*args)
 
 
@@ -470,11 +471,11 @@ def test_standin_exports_the_ops_with_sglang_0518s_call_pattern():
     out = run_python("""
         import torch
         import sgl_kernel
-        from graphcap.kernels import fast_topk, spec_tree_ops
+        from sgl_kernel import speculative, top_k
 
-        assert sgl_kernel.fast_topk is fast_topk.fast_topk
-        assert sgl_kernel.build_tree_kernel_efficient is spec_tree_ops.build_tree_kernel_efficient
-        assert sgl_kernel.verify_tree_greedy is spec_tree_ops.verify_tree_greedy
+        assert sgl_kernel.fast_topk is top_k.fast_topk
+        assert sgl_kernel.build_tree_kernel_efficient is speculative.build_tree_kernel_efficient
+        assert sgl_kernel.verify_tree_greedy is speculative.verify_tree_greedy
         bs, steps, d = 2, 2, 3
         seq_lens = torch.tensor([4, 6])
         tree_mask = torch.full((int(seq_lens.sum()) * d + d * d * bs,), True)
@@ -505,7 +506,7 @@ def test_standin_exports_the_ops_with_sglang_0518s_call_pattern():
 # The kernels at every block size the ops launch (the tree's D up to MAX_TREE_DRAFT_TOKENS; the top-1 in one block
 # and split), in the form of tests/test_sm80.py's KERNEL_SCRIPTS.
 SPEC_TREE_OPS_SCRIPT = """
-from graphcap.kernels import spec_tree_ops as T
+from sgl_kernel import speculative as T
 
 n = 0
 i64 = ("parent_list", "selected", "seq_lens", "positions", "r_index", "r_next", "r_sib", "candidates", "target")
@@ -521,7 +522,7 @@ n += 1
 print("compiled", n)
 """
 FAST_TOPK_SCRIPT = """
-from graphcap.kernels import fast_topk as F
+from sgl_kernel import top_k as F
 
 n = 0
 for dtype in ("*fp32", "*bf16", "*fp16"):

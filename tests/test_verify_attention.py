@@ -1,4 +1,4 @@
-"""graphcap's verify attention (graphcap/kernels/verify_attention.py) against a float64 computation from absolute
+"""graphcap's verify attention (graphcap/kernels/attention/verify.py) against a float64 computation from absolute
 positions, its plain-torch twin, and sglang's own `extend_attention_fwd` - the kernel sglang's Triton backend runs for
 a target verify today - on the same inputs. On CPU the kernels run under Triton's interpreter; the GPU tests run the
 real shapes of a Gemma-4-31B-shaped target in bf16 and inside a CUDA graph."""
@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphcap.kernels.attention_plan import AttentionError
-from graphcap.kernels.verify_attention import (MAX_QUERY_TOKENS, plan_verify, verify_attention,
+from graphcap.kernels.attention.plan import AttentionError
+from graphcap.kernels.attention.verify import (MAX_QUERY_TOKENS, plan_verify, verify_attention,
                                                verify_attention_torch)
 from tiers import examples
 from verify_cases import chain_mask, make_case, rel_err
@@ -146,7 +146,7 @@ def test_bad_inputs_are_named():
     with pytest.raises(AttentionError, match="indptr has 2 entries for 2 requests"):
         verify_attention(**bad, n_q=3, sm_scale=1.0, window=0)
     bad = dict(x, indices=x["indices"].float())
-    with pytest.raises(AttentionError, match="indices must be a 1-D tensor of int32/int64"):
+    with pytest.raises(AttentionError, match="indices must be a 1-D int32/int64 tensor"):
         verify_attention(**bad, n_q=3, sm_scale=1.0, window=0)
     plan = plan_verify(2, 2, 4, 16, 2, torch.float32, "cpu", 16)
     with pytest.raises(AttentionError, match="plan is for 2 query tokens per request, got 3"):

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphcap.kernels import twins_on_cpu
-from graphcap.kernels.window_update import window_advance, window_advance_torch
+from graphcap.kernels.window.update import window_advance, window_advance_torch
 from graphcap.window import WindowBuffers, WindowError, check_slots
 from tiers import examples
 

@@ -43,7 +43,7 @@ from graphcap.bench.sglang_ops import SglangAttention
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import cache_entries, cudagraph_or_error, cudagraph_skips, describe
 from graphcap.engine.iteration import DraftOutput
-from graphcap.kernels.window_update import window_reset
+from graphcap.kernels.window.update import window_reset
 from graphcap.models.draft_loop import DraftLoop
 from graphcap.models.draft_ops import DraftOps
 from graphcap.engine.recording import compile_iteration

@@ -122,7 +122,7 @@ def growth_tokens(warmup: int, iters: int, steps: tuple[int, ...]) -> int:
 
 def config_from_args(a: argparse.Namespace, cuda: bool, command: str = "graphcap bench") -> BenchConfig:
     """Resolve the defaults that depend on the machine and the spec; OptionError names what is wrong."""
-    from graphcap.engine.backends import ALL_BACKENDS, COMPILED_BACKENDS, GRAPH_BACKENDS
+    from graphcap.backends import ALL_BACKENDS, COMPILED_BACKENDS, GRAPH_BACKENDS
 
     served_only = [f"--{k.replace('_', '-')}" for k in SERVED_ONLY if getattr(a, k, None) is not None]
     if served_only:
@@ -189,7 +189,7 @@ def server_compile(spec: CaptureSpec, buckets: tuple[int, ...] | list[int], back
     for every bucket sized for the spec's largest bucket (or a captured one above it) - the code a server capturing
     every bucket runs, since Inductor picks other kernels for a smaller largest bucket. `per_bucket`: one compile per
     bucket instead; a backend that compiles nothing takes no sizing."""
-    from graphcap.engine.backends import COMPILED_BACKENDS
+    from graphcap.backends import COMPILED_BACKENDS
 
     if per_bucket:
         return {"dynamic_batch": False}

@@ -31,7 +31,7 @@ from graphcap.bench.state import TargetState, make_target_state
 from graphcap.bench.timing import Sample, collector_off, median_p90, time_call
 from graphcap.engine.capture import DraftGraphs
 from graphcap.models import DraftLoop, FrozenKVDraft
-from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
+from graphcap.kernels.gemm.skinny import DTYPES as SKINNY_DTYPES
 from graphcap.models.draft_ops import (DEFAULT_OPS, PLAIN_OPS, QNORM_KERNEL_OPS, SKINNY_4ROWS_OPS, SKINNY_OPS,
                                        TORCH_OPS, TWO_HEAD_PROJ_OPS, DraftOps)
 from graphcap.models.fused_op_set import fused_ops

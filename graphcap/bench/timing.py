@@ -84,6 +84,21 @@ def events_ms(fn: Callable[[], object], rep_ms: float, before: Callable[[], obje
     return float(statistics.median(s.elapsed_time(e) for s, e in ev))
 
 
+def call_us(fn: Callable[[], object], iters: int, warmup: int = 200) -> tuple[float, float]:
+    """Median and 90th-percentile host microseconds of one call, each timed alone and none synced: what the host
+    spends issuing it. `warmup` untimed calls first; the collector off while timing."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    clock = time.perf_counter_ns
+    with collector_off():
+        for _ in range(iters):
+            t0 = clock()
+            fn()
+            samples.append((clock() - t0) / 1e3)
+    return median_p90(samples)
+
+
 def host_us(fn: Callable[[], object], n: int = 200) -> float:
     """Host wall microseconds per call over n calls, the GPU drained at the end (so it also bounds GPU time)."""
     torch.cuda.synchronize()

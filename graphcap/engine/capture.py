@@ -34,9 +34,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from graphcap import manifest as mf
+from graphcap.backends import (ALL_BACKENDS, COMPILED_BACKENDS, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS,
+                               SPEC_DEFAULT_BACKEND)
 from graphcap.engine import precompile as precompile_mod
-from graphcap.engine.backends import (ALL_BACKENDS, COMPILED_BACKENDS, DEFAULT_BACKEND, GRAPH_BACKENDS,
-                                      MANUAL_GRAPH_BACKENDS)
 from graphcap.engine.bucket_graph import BucketGraph
 from graphcap.engine.dispatch import BucketDispatcher
 from graphcap.engine.guards import BatchCheck, CaptureError
@@ -63,7 +63,7 @@ class DraftGraphs:
         padding_slot: int,
         example_inputs: Callable[[int], Inputs],
         static_tensors: dict[str, torch.Tensor],
-        backend: str = DEFAULT_BACKEND,
+        backend: str = SPEC_DEFAULT_BACKEND,
         spec=None,
         manifest_path: str | os.PathLike | None = "default",
         progress: bool = False,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from graphcap.atomic import write_atomic
+from graphcap.version import VERSION
 
 log = logging.getLogger("graphcap")
 T = TypeVar("T")
@@ -63,14 +64,12 @@ def cache_key(*, spec_hash: str | None = None, key: str | None = None, backend: 
     e.g. a model path and config), must be given."""
     import torch
 
-    import graphcap
-
     if not spec_hash and not key:
         raise ValueError("compile cache: a spec (its hash) or a cache_key string is needed for the key")
     parts = {
         "spec_hash": spec_hash or "", "key": key or "", "backend": backend, "buckets": sorted(int(b) for b in buckets),
         "dynamic_batch": bool(dynamic_batch),
-        "graphcap": [graphcap.__version__, _version("graphcap")],  # the module's, and the installed dist's
+        "graphcap": [VERSION, _version("graphcap")],  # the module's, and the installed dist's
         "torch": str(torch.__version__), "triton": _version("triton"),
         "device": _device_id(device),
     }

@@ -1,5 +1,5 @@
 """Recording one draft iteration per batch bucket, per backend: the capture procedure behind `DraftGraphs.capture`.
-What each backend is, and which of them compile or record their own graphs, is graphcap.engine.backends'.
+What each backend is, and which of them compile or record their own graphs, is graphcap.backends'.
 
 Nothing here knows about dispatch: a bucket is its static inputs and its manifest record going in, and a graph with
 its static outputs (manual-graph backends) coming out.
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from graphcap import manifest as mf
-from graphcap.engine.backends import MANUAL_GRAPH_BACKENDS
+from graphcap.backends import MANUAL_GRAPH_BACKENDS
 from graphcap.engine.guards import (CaptureError, cache_entries, cudagraph_or_error, cudagraph_skips, describe,
                                     reserved_bytes)
 from graphcap.engine.iteration import DraftFn, DraftOutput, Inputs

@@ -1,4 +1,6 @@
-"""Triton kernels, each beside its plain-torch twin.
+"""Triton kernels, each beside its plain-torch twin, grouped by what they compute: `attention` (decode, verify, their
+plan), `gemm` (the skinny GEMM), `head` (the draft head's scores, top-ks and pick), `elementwise` (norms, adds, gated
+activations, rotary) and `window` (the window ring's updates). Here: where a kernel runs (`use_triton`).
 
 A kernel runs where Triton can run it: on CUDA tensors, or on CPU tensors under `TRITON_INTERPRET=1` (how CI checks
 the kernels themselves). Elsewhere the op falls back to its twin, which is also the tests' reference.
@@ -18,11 +20,6 @@ from graphcap.kernels.arch import apply_triton_arch
 
 apply_triton_arch()
 _twin_only = False
-
-
-def dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
-    """"bfloat16/float16/float32": the dtypes a kernel's argument check names in its error."""
-    return "/".join(str(d).replace("torch.", "") for d in dtypes)
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -11,8 +11,8 @@ The switch: `GRAPHCAP_KERNEL_PATHS=sm80` (unset or `native`: the device's own). 
 `SM80` capped by the device's own limits (on an H200: exactly `SM80`), and `apply_triton_arch` - run when
 graphcap.kernels is imported - sets Triton's `TRITON_OVERRIDE_ARCH=sm80`, so Triton lowers every kernel it
 compiles in this process from then on for capability 80 (its knob is process-wide: sglang's Triton kernels
-compiled after the import too, as on an A100) while ptxas still emits the device's own SASS (Triton 3.9: PTX `.target` and ptxas `--gpu-name` come from the
-device, only the lowering from the override).
+compiled after the import too, as on an A100) while ptxas still emits the device's own SASS (Triton 3.9: PTX
+`.target` and ptxas `--gpu-name` come from the device, only the lowering from the override).
 """
 from __future__ import annotations
 

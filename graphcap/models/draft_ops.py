@@ -3,14 +3,15 @@
 - `TORCH_OPS`: plain torch ops (the reference; Inductor fuses them when the loop is compiled, eagerly a Gemma
   RMSNorm is ~9 kernels).
 - `LAYER_KERNEL_OPS` (`DEFAULT_OPS`: graphcap's loop): the torch set with each of the layer's norm chains one
-  graphcap kernel (graphcap.kernels.layer_fusions), the query's norm and rotary inside graphcap's attention kernel
-  and the gelu-mul one kernel (or inside the skinny GEMM's gate/up), whatever Inductor fuses; post_proj and the
-  centroid scores one projection. The same math, rounded where the reference rounds (`LayerKernelOps`).
+  graphcap kernel (graphcap.kernels.elementwise.layer_fusions), the query's norm and rotary inside graphcap's
+  attention kernel and the gelu-mul one kernel (or inside the skinny GEMM's gate/up), whatever Inductor fuses;
+  post_proj and the centroid scores one projection. The same math, rounded where the reference rounds
+  (`LayerKernelOps`).
 - `fused_ops()` (graphcap.models.fused_op_set): one kernel per op, as sglang 0.5.23's Gemma 4 layers launch them on
   CUDA.
 
 The centroid LM head's scoring is part of the set too. The torch set calls graphcap's kernel
-(`graphcap.kernels.centroid_head`: lm_head rows read in place, fp32 accumulation; its gather twin where Triton cannot
+(`graphcap.kernels.head.centroid`: lm_head rows read in place, fp32 accumulation; its gather twin where Triton cannot
 run), as the loop calls graphcap's attention kernel. The fused set runs sglang's Gemma 4 assistant head
 (`_apply_centroid_masking`) op for op, so the sglang-style baselines keep it: the chosen clusters' rows gathered
 with a contiguous index (torch's vectorised gather; a strided index takes its element-wise kernel: with one the
@@ -21,15 +22,15 @@ that row only for sglang's own calls of the head, and in its captured loop picks
 graphcap.sglang.head).
 
 The head's two top-ks (the top clusters of the centroid scores, the best two candidates) are in the set too: the
-torch set takes graphcap's one-kernel top-k (`graphcap.kernels.small_topk`: the row in registers, k rounds of argmax;
-torch.topk where Triton cannot run or past its sizes), the fused set and `PLAIN_OPS` torch.topk, as sglang and a
-plain loop call it. Both give torch.topk's values; equal values may come in another order (the kernel takes the
+torch set takes graphcap's one-kernel top-k (`graphcap.kernels.head.small_topk`: the row in registers, k rounds of
+argmax; torch.topk where Triton cannot run or past its sizes), the fused set and `PLAIN_OPS` torch.topk, as sglang
+and a plain loop call it. Both give torch.topk's values; equal values may come in another order (the kernel takes the
 smallest index first), which decides nothing the tests compare: they compare tokens where the margin is clear.
 
 The projections are in the set too (`linear`, and `gate_up_gelu` for the MLP's gate/up with its activation): cuBLAS,
-or graphcap's skinny GEMM (`graphcap.kernels.skinny_gemm`: each weight read once, the gelu-mul in the gate/up kernel)
+or graphcap's skinny GEMM (`graphcap.kernels.gemm.skinny`: each weight read once, the gelu-mul in the gate/up kernel)
 for batches of at most `skinny_rows` rows, and with `skinny_by_shape` only as far as the weight's shape class
-measured faster than cuBLAS (`skinny_gemm.KERNEL_ROWS`) - the default set; every shape at every batch in `SKINNY_OPS`
+measured faster than cuBLAS (`gemm.skinny.KERNEL_ROWS`) - the default set; every shape at every batch in `SKINNY_OPS`
 (the bench's `graphcap-skinny-gemm`), 0 rows (cuBLAS) in the torch and sglang sets.
 
 A draft loop picks its set (`DraftLoop(..., ops=...)`, which calls `ops.bind(model)`), so the sglang-style
@@ -44,16 +45,16 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from graphcap.kernels import layer_fusions
-from graphcap.kernels.attention import QueryNormRope
-from graphcap.kernels.centroid_head import centroid_logits, centroid_logits_torch
-from graphcap.kernels.fused_ops import gelu_tanh_and_mul, gemma_rmsnorm
-from graphcap.kernels.layer_fusions import query_positions
-from graphcap.kernels.skinny_gemm import DTYPES as SKINNY_DTYPES
-from graphcap.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
-from graphcap.kernels.skinny_gemm import kernel_rows, skinny_gate_up_gelu, skinny_linear
-from graphcap.kernels.skinny_gemm_kernels import prepare_fixup
-from graphcap.kernels.small_topk import small_topk
+from graphcap.kernels.elementwise import layer_fusions
+from graphcap.kernels.attention.decode_kernels import QueryNormRope
+from graphcap.kernels.head.centroid import centroid_logits, centroid_logits_torch
+from graphcap.kernels.elementwise.fused_ops import gelu_tanh_and_mul, gemma_rmsnorm
+from graphcap.kernels.elementwise.layer_fusions import query_positions
+from graphcap.kernels.gemm.skinny import DTYPES as SKINNY_DTYPES
+from graphcap.kernels.gemm.skinny import MAX_M as SKINNY_MAX_M
+from graphcap.kernels.gemm.skinny import kernel_rows, skinny_gate_up_gelu, skinny_linear
+from graphcap.kernels.gemm.skinny_kernels import prepare_fixup
+from graphcap.kernels.head.small_topk import small_topk
 
 EPS = 1e-6
 LAYER_TYPES = ("sliding", "full")
@@ -102,7 +103,7 @@ class DraftOps(Protocol):
         ...
 
     # The layer's chains of norms (`ChainedOps` composes them from the ops above; LAYER_KERNEL_OPS runs each as one
-    # kernel, graphcap.kernels.layer_fusions).
+    # kernel, graphcap.kernels.elementwise.layer_fusions).
     def norm_rope(self, q: torch.Tensor, weight: torch.Tensor, rope: tuple) -> torch.Tensor:
         """rope(norm(q, weight)): the query heads' norm and rotary."""
         ...
@@ -165,11 +166,11 @@ class TorchOps(ChainedOps):
     name: str = "torch"
     graphcap_kernels: bool = True  # the centroid-head and top-k kernels; False: what a plain loop writes
     # the projections of batches of at most this many rows through graphcap's skinny GEMM
-    # (graphcap.kernels.skinny_gemm; gate/up with its gelu-mul in the same kernel), cuBLAS above - decided per call in
+    # (graphcap.kernels.gemm.skinny; gate/up with its gelu-mul in the same kernel), cuBLAS above - decided per call in
     # the op, so one compile serves every bucket. 0: cuBLAS always; SKINNY_MAX_M: the kernel at every bucket
     skinny_rows: int = 0
     # and at most as many as the kernel measured faster than cuBLAS for the weight's shape class
-    # (skinny_gemm.kernel_rows: 0 sends the shape to cuBLAS at every batch, with no op in the graph)
+    # (gemm.skinny.kernel_rows: 0 sends the shape to cuBLAS at every batch, with no op in the graph)
     skinny_by_shape: bool = False
     merge_head_proj: bool = False  # a plain loop projects twice (the reference's code)
 
@@ -241,12 +242,13 @@ PLAIN_OPS = TorchOps(name="torch-plain", graphcap_kernels=False)  # what a hand-
 @dataclass(frozen=True)
 class LayerKernelOps(TorchOps):
     """The torch set with the layer's small ops as graphcap's kernels: each norm chain one kernel
-    (graphcap.kernels.layer_fusions: post-attention norm + residual + pre-MLP norm; post-MLP norm + residual + scalar
-    + the next layer's input norm), the query's norm + rotary in the attention's split kernel (`attention_q_norm`),
-    the first input norm and the gelu-mul one kernel each (graphcap.kernels.fused_ops). Under one compile for every
-    bucket (an unbacked batch) Inductor splits each norm into a reduction and a pointwise kernel (docs/results.md),
-    so the torch set costs more launches. The same math as the torch set, rounded where it rounds (layer_fusions'
-    docstring). Also post_proj and the centroid scores as one projection (`merge_head_proj`)."""
+    (graphcap.kernels.elementwise.layer_fusions: post-attention norm + residual + pre-MLP norm; post-MLP norm +
+    residual + scalar + the next layer's input norm), the query's norm + rotary in the attention's split kernel
+    (`attention_q_norm`), the first input norm and the gelu-mul one kernel each
+    (graphcap.kernels.elementwise.fused_ops). Under one compile for every bucket (an unbacked batch) Inductor splits
+    each norm into a reduction and a pointwise kernel (docs/results.md), so the torch set costs more launches. The
+    same math as the torch set, rounded where it rounds (layer_fusions' docstring). Also post_proj and the centroid
+    scores as one projection (`merge_head_proj`)."""
 
     name: str = "layer-kernels"
     merge_head_proj: bool = True
@@ -289,7 +291,7 @@ class LayerKernelOps(TorchOps):
 
 
 # graphcap's loop (DraftLoop's default): each projection through the skinny GEMM at the batches where its shape
-# class made the iteration faster than cuBLAS on the H200 (skinny_gemm.KERNEL_ROWS: q_proj, post_proj and gate/up +
+# class made the iteration faster than cuBLAS on the H200 (gemm.skinny.KERNEL_ROWS: q_proj, post_proj and gate/up +
 # gelu-mul and the narrow split-K shapes up to 8 rows; docs/results.md)
 LAYER_KERNEL_OPS = LayerKernelOps(name="layer-kernels-gemm-by-shape", skinny_rows=SKINNY_MAX_M, skinny_by_shape=True)
 DEFAULT_OPS = LAYER_KERNEL_OPS

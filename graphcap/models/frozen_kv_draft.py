@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from graphcap.kernels.attention import AttentionPlan, decode_attention, plan_attention
+from graphcap.kernels.attention.decode import decode_attention
+from graphcap.kernels.attention.plan import AttentionPlan, plan_attention
 from graphcap.models.draft_ops import TORCH_OPS, DraftOps
 from graphcap.spec import CaptureSpec
 

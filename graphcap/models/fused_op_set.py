@@ -3,8 +3,8 @@ launch them on CUDA (docs/sglang-standin.md) - the bench's sglang-style baseline
 Each norm one kernel, the residual add + norm one kernel, gelu-tanh-and-mul one kernel, rotary one kernel (plus the
 zero dummy key sglang allocates for KV-shared layers), post-MLP norm + residual + layer scalar one kernel (sglang's
 own Triton `gemma_rmsnorm_residual_scalar`, where sglang imports; otherwise three). The kernels are
-graphcap.kernels.fused_ops (sgl_kernel's semantics; torch twins where Triton cannot run). The op-set protocol and the
-other sets: graphcap.models.draft_ops.
+graphcap.kernels.elementwise.fused_ops (sgl_kernel's semantics; torch twins where Triton cannot run). The op-set
+protocol and the other sets: graphcap.models.draft_ops.
 
 The reference's norms are Gemma-style, scale (1 + weight) in fp32, so the set takes sgl_kernel's `gemma_rmsnorm` /
 `gemma_fused_add_rmsnorm` (the same kernel as `rmsnorm` / `fused_add_rmsnorm` with the offset folded in: what
@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from graphcap.kernels import use_triton
-from graphcap.kernels.layer_fusions import query_positions
+from graphcap.kernels.elementwise.layer_fusions import query_positions
 from graphcap.models.draft_ops import EPS, LAYER_TYPES, ChainedOps
 
-FUSED_MODULE = "graphcap.kernels.fused_ops"
+FUSED_MODULE = "graphcap.kernels.elementwise.fused_ops"
 SGLANG_POST_NORM = "sglang.kernels.ops.layernorm.gemma4_fused_ops"  # gemma_rmsnorm_residual_scalar
 
 
@@ -66,10 +66,10 @@ def _sglang_post_norm() -> Callable | None:
 
 @dataclass(frozen=True, eq=False)
 class FusedOps(ChainedOps):
-    """One kernel per op (sglang's launches). `mod` is graphcap.kernels.fused_ops; its functions take sgl_kernel's
-    arguments (2-D inputs, in-place add-norm and rotary) - this class is the one place that adapts the draft's
-    shapes. `post_norm` is sglang's norm + residual + scalar kernel (None: three kernels). `bind(model)` makes the
-    per-model tensors the kernels read: the rotary caches and the (1 + weight) post-MLP norm weights."""
+    """One kernel per op (sglang's launches). `mod` is graphcap.kernels.elementwise.fused_ops; its functions take
+    sgl_kernel's arguments (2-D inputs, in-place add-norm and rotary) - this class is the one place that adapts the
+    draft's shapes. `post_norm` is sglang's norm + residual + scalar kernel (None: three kernels). `bind(model)` makes
+    the per-model tensors the kernels read: the rotary caches and the (1 + weight) post-MLP norm weights."""
 
     mod: Any
     post_norm: Callable | None = None
@@ -166,7 +166,7 @@ class FusedOps(ChainedOps):
 
 
 def fused_ops(sglang_post_norm: bool = True) -> FusedOps:
-    """The fused set; ImportError (with the reason) where graphcap.kernels.fused_ops is missing. With
+    """The fused set; ImportError (with the reason) where graphcap.kernels.elementwise.fused_ops is missing. With
     `sglang_post_norm`, sglang's post-MLP kernel where sglang imports (else three kernels there)."""
     return FusedOps(importlib.import_module(FUSED_MODULE), _sglang_post_norm() if sglang_post_norm else None)
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from graphcap.engine.backends import COMPILED_BACKENDS, GRAPH_BACKENDS  # light: no torch
+from graphcap.backends import COMPILED_BACKENDS, GRAPH_BACKENDS  # light: no torch
 from graphcap.manifest import Parallel  # light: no torch
 from graphcap.sglang.compat import (  # noqa: F401 - re-exported: the plugin's public names
     ALLOW_UNTESTED_ENV, TESTED_SGLANG, DraftCaptureConfigError, SglangLayoutError, check_sglang_version,
@@ -25,7 +25,7 @@ log = logging.getLogger("graphcap.sglang")
 # (sglang 0.5.23 builds msgspec records there). Both backends it serves give sglang's tokens in its own engine;
 # `cudagraph` starts about 40 s sooner (no compile) and was as fast or faster at 3 of 4 batches (docs/results.md,
 # "How much faster is the draft phase?").
-DEFAULT_BACKEND = "cudagraph"
+PLUGIN_DEFAULT_BACKEND = "cudagraph"
 # Refused at start-up. reduce-overhead: CUDA-graph trees clear every stream's cached cuBLAS workspace around each
 # warm-up and recording (torch._inductor.cudagraph_trees.clear_cublas_manager), so a graph captured before them
 # replays its split-K GEMMs into freed memory (shown with torch alone; tests/test_reduce_overhead_serving_gpu.py checks
@@ -47,9 +47,9 @@ VERIFY_ATTENTION = ("graphcap", "sglang")
 ENV_VAR = "GRAPHCAP_SGLANG_DRAFT_CAPTURE"
 TRACE_ENV = "GRAPHCAP_SGLANG_TRACE"  # a directory: record every draft call (graphcap.sglang.trace)
 ATTR = "_graphcap_draft_capture"  # on ServerArgs: underscore names are bookkeeping, allowed even on a sealed record
-_DEST = {"enabled": "enable_draft_graph_capture", "backend": "draft_graph_capture_backend",
-         "manifest_dir": "draft_graph_manifest_dir", "projections": "draft_graph_projections",
-         "verify_attention": "draft_graph_verify_attention"}
+FLAG_DESTS = {"enabled": "enable_draft_graph_capture", "backend": "draft_graph_capture_backend",  # argparse's
+              "manifest_dir": "draft_graph_manifest_dir", "projections": "draft_graph_projections",
+              "verify_attention": "draft_graph_verify_attention"}
 
 # Hook targets, the same in sglang 0.5.18 and 0.5.23 (dotted paths for sglang's HookRegistry).
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
@@ -76,7 +76,7 @@ SCHEDULER_MODULE = "sglang.srt.managers.scheduler"  # imported in every process 
 @dataclass(frozen=True)
 class DraftCaptureOptions:
     enabled: bool = False
-    backend: str = DEFAULT_BACKEND
+    backend: str = PLUGIN_DEFAULT_BACKEND
     manifest_dir: str | None = None  # None: graphcap's default ($GRAPHCAP_MANIFEST_DIR or ~/.cache/graphcap/...)
     projections: str = PROJECTIONS[0]
     verify_attention: str = VERIFY_ATTENTION[0]
@@ -86,8 +86,8 @@ class DraftCaptureOptions:
 
     @classmethod
     def from_mapping(cls, data: Any, source: str) -> DraftCaptureOptions:
-        if not isinstance(data, dict) or set(data) - set(_DEST):
-            raise DraftCaptureConfigError(f"{source}: expected a JSON object with keys {', '.join(_DEST)}; "
+        if not isinstance(data, dict) or set(data) - set(FLAG_DESTS):
+            raise DraftCaptureConfigError(f"{source}: expected a JSON object with keys {', '.join(FLAG_DESTS)}; "
                                           f"got {data!r}")
         opts = cls(**data)
         if not isinstance(opts.enabled, bool):
@@ -167,11 +167,12 @@ def sglang_parallel(worker=None) -> Parallel | None:
 
 
 def options_from_namespace(args) -> DraftCaptureOptions:
-    return DraftCaptureOptions(enabled=bool(getattr(args, _DEST["enabled"], False)),
-                               backend=getattr(args, _DEST["backend"], None) or DEFAULT_BACKEND,
-                               manifest_dir=getattr(args, _DEST["manifest_dir"], None),
-                               projections=getattr(args, _DEST["projections"], None) or PROJECTIONS[0],
-                               verify_attention=getattr(args, _DEST["verify_attention"], None) or VERIFY_ATTENTION[0])
+    return DraftCaptureOptions(enabled=bool(getattr(args, FLAG_DESTS["enabled"], False)),
+                               backend=getattr(args, FLAG_DESTS["backend"], None) or PLUGIN_DEFAULT_BACKEND,
+                               manifest_dir=getattr(args, FLAG_DESTS["manifest_dir"], None),
+                               projections=getattr(args, FLAG_DESTS["projections"], None) or PROJECTIONS[0],
+                               verify_attention=(getattr(args, FLAG_DESTS["verify_attention"], None)
+                                                 or VERIFY_ATTENTION[0]))
 
 
 def options_from_env() -> DraftCaptureOptions:
@@ -250,7 +251,7 @@ def validate_server_args(server_args) -> DraftCaptureOptions:
             f"{FLAG}: {BACKEND_FLAG} {opts.backend} is not supported in sglang's engine: torch.compile's CUDA-graph "
             "trees free the cuBLAS workspace of CUDA graphs captured before them, as sglang captures its target's, "
             "and sglang's engine crashed (CUDA illegal memory access in a cuBLAS GEMM) at its first verify after a "
-            f"draft. Use {DEFAULT_BACKEND} (the default) or inductor-cudagraph (docs/sglang.md).")
+            f"draft. Use {PLUGIN_DEFAULT_BACKEND} (the default) or inductor-cudagraph (docs/sglang.md).")
     if opts.backend in COMPILED_BACKENDS and get("enable_torch_compile"):
         raise DraftCaptureConfigError(
             f"{FLAG}: {BACKEND_FLAG} {opts.backend} with --enable-torch-compile is not supported: to compile sglang's "

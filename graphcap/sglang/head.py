@@ -6,16 +6,16 @@ LM-head rows into a [rows, k * T, H] tensor, multiplies, and scatters the produc
 Gemma 4 assistant's shapes (2048 clusters of 128 tokens, top 32, hidden 1536) the copy is 12.6 MB per row per step,
 written and read again: in sglang's engine it was the draft's second-largest cost at batch 64 (about 1.06 ms of
 8.0 per draft call). `centroid_masking` is the same function with the copy and product replaced by
-`graphcap.kernels.centroid_head.centroid_logits`, which reads each chosen row once in place, and the clusters chosen
-by graphcap's one-kernel top-k (`graphcap.kernels.small_topk`: torch.topk's clusters, a tie taking the smaller index);
-the scatter and the mask value stay sglang's, so the output is the same full-vocabulary tensor.
+`graphcap.kernels.head.centroid.centroid_logits`, which reads each chosen row once in place, and the clusters chosen
+by graphcap's one-kernel top-k (`graphcap.kernels.head.small_topk`: torch.topk's clusters, a tie taking the smaller
+index); the scatter and the mask value stay sglang's, so the output is the same full-vocabulary tensor.
 
 graphcap's loop takes a greedy token from that row, and the row is a fill of the whole vocabulary (262144 entries),
 a scatter of the k * T candidates and a max over the whole vocabulary again: in sglang's engine at batch 64 about
 120 us of kernels per draft call (three steps) for 4096 live entries per row. In the loop's own forward
 batches (marked `CANDIDATES_MARK`) the head returns the candidates instead (`HeadCandidates`: their logits and
 clusters, no full row), and `greedy_token` picks from them in one kernel
-(`graphcap.kernels.candidate_pick.candidate_greedy`, which looks up only the tied candidates' token ids): the same
+(`graphcap.kernels.head.candidate_pick.candidate_greedy`, which looks up only the tied candidates' token ids): the same
 token and logit as the max over the full row, whose other entries all hold the mask value (sglang's draft extend,
 which needs the full row, runs unmarked batches and is unchanged).
 
@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 import torch
 
-from graphcap.kernels.candidate_pick import candidate_greedy
-from graphcap.kernels.centroid_head import centroid_logits
-from graphcap.kernels.small_topk import small_topk
+from graphcap.kernels.head.candidate_pick import candidate_greedy
+from graphcap.kernels.head.centroid import centroid_logits
+from graphcap.kernels.head.small_topk import small_topk
 
 _INSTALLED = "_graphcap_centroid_head"
 CANDIDATES_MARK = "_graphcap_head_candidates"  # on a ForwardBatch: its head returns HeadCandidates

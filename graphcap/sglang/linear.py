@@ -4,7 +4,7 @@ sglang's unquantized linear layers run `F.linear` (cuBLAS). At the draft's one t
 weight read, and cuBLAS reads the Gemma 4 assistant's weights at about half of copy bandwidth, plus a split-K
 reduction kernel per call, plus (the MLP) a separate gelu-mul kernel that reads the [rows, 2I] product back
 (docs/results.md, the skinny GEMM by shape class). `install(model)` routes one model instance's projections through
-graphcap's skinny GEMM where graphcap's own draft iteration measured it faster (`skinny_gemm.kernel_rows`: up to 8
+graphcap's skinny GEMM where graphcap's own draft iteration measured it faster (`gemm.skinny.kernel_rows`: up to 8
 rows), and everything else through sglang's own code:
 - each unquantized linear layer without a bias: its quant method's `apply` (one method object per layer in sglang
   0.5.18 and 0.5.23) is shadowed on that method object by one that sends a 2-D call of at most `kernel_rows(N)` rows
@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from graphcap.kernels import use_triton
-from graphcap.kernels.skinny_gemm import DTYPES, accepts, kernel_rows, skinny_gate_up_gelu, skinny_linear
-from graphcap.kernels.skinny_gemm_kernels import prepare_fixup
+from graphcap.kernels.gemm.skinny import DTYPES, accepts, kernel_rows, skinny_gate_up_gelu, skinny_linear
+from graphcap.kernels.gemm.skinny_kernels import prepare_fixup
 
 _MARK = "_graphcap_skinny"  # on a routed apply / MLP forward: what its owner held there before (restore)
 _ABSENT = object()  # ... nothing of its own (the class's method)
@@ -52,7 +52,7 @@ def sglang_routes_bf16_elsewhere() -> str | None:
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, rows: int, gated: bool = False) -> bool:
-    """A call routed to the kernel: 1..rows rows that the skinny GEMM's ops take as they are (`skinny_gemm.accepts`),
+    """A call routed to the kernel: 1..rows rows that the skinny GEMM's ops take as they are (`gemm.skinny.accepts`),
     on a device where Triton runs (elsewhere sglang's own path, exactly as without graphcap)."""
     return x.ndim == 2 and 1 <= x.shape[0] <= rows and accepts(x, w, gated) and use_triton(x)
 
@@ -117,7 +117,7 @@ def install(model: torch.nn.Module) -> int:
     """Route `model`'s projections through graphcap's skinny GEMM (see the module's docstring); returns the number
     of linear layers routed - 0, and nothing changed, where `sglang_routes_bf16_elsewhere` gives a reason.
     Idempotent. Call it before capture: it also makes the split-K arrival counters of the kernel's one-kernel split
-    K, which must not come from a graph's private pool (`skinny_gemm_kernels.prepare_fixup`)."""
+    K, which must not come from a graph's private pool (`gemm.skinny_kernels.prepare_fixup`)."""
     if sglang_routes_bf16_elsewhere() is not None:
         return 0
     routed = 0

@@ -19,7 +19,7 @@ from graphcap.engine.iteration import DraftOutput
 from graphcap.window import WindowBuffers
 
 if TYPE_CHECKING:
-    from graphcap.kernels.attention_plan import AttentionPlan
+    from graphcap.kernels.attention.plan import AttentionPlan
 
 # sglang 0.5.23's layer-boundary entry points the assistant's forward calls (Gemma4TextModel.forward and
 # Gemma4DecoderLayer.forward/_next_stream): the residual-stream bookkeeping that builds msgspec records
@@ -89,14 +89,14 @@ class GraphcapDraftAttention:
         return layer.sliding_window_size is not None and layer.sliding_window_size > -1
 
     def _plan(self, layer, batch: int | None) -> AttentionPlan:
-        from graphcap.kernels.attention_plan import plan_attention
+        from graphcap.kernels.attention.plan import plan_attention
 
         kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         max_len = self.window.window if self._sliding(layer) else self.max_context
         return plan_attention(batch, kb.shape[1], layer.qk_head_dim, kb.dtype, kb.device, max_len)
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        from graphcap.kernels.attention import decode_attention
+        from graphcap.kernels.attention.decode import decode_attention
 
         sliding = self._sliding(layer)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)

@@ -25,12 +25,13 @@ import sys
 
 from graphcap.sglang.config import (  # noqa: F401 - the plugin's public names, re-exported
     ADD_CLI_ARGS, BACKEND_FLAG, CHECK_SERVER_ARGS, DRAFT_WORKER, ENV_VAR, FLAG, FROM_CLI_ARGS, MANIFEST_FLAG,
-    DEFAULT_BACKEND, RUNTIME_HOOKS, SCHEDULER_MODULE, TESTED_SGLANG, WORKER_DRAFT, WORKER_HOOKS, DraftCaptureConfigError,
+    PLUGIN_DEFAULT_BACKEND, RUNTIME_HOOKS, SCHEDULER_MODULE, TESTED_SGLANG, WORKER_DRAFT, WORKER_HOOKS,
+    DraftCaptureConfigError,
     DraftCaptureOptions, attach_options, log, options_from_env, options_from_namespace, options_of, sglang_tp_rank,
-    unpatched_worker_hooks, validate_server_args, _DEST, ATTR, WORKER_INIT_GRAPHS, WORKER_EXTEND_PREFILL,
+    unpatched_worker_hooks, validate_server_args, FLAG_DESTS, ATTR, WORKER_INIT_GRAPHS, WORKER_EXTEND_PREFILL,
     WORKER_EXTEND_DECODE, BATCH_RETRACT, BATCH_EVICT_SWA, SERVER_ARGS, SCHEDULE_BATCH, ARG_HOOKS, TRACE_ENV,
     PROJECTIONS, PROJECTIONS_FLAG, ALLOW_UNTESTED_ENV, SglangLayoutError, check_sglang_version)
-from graphcap.engine.backends import GRAPH_BACKENDS
+from graphcap.backends import GRAPH_BACKENDS
 from graphcap.sglang.config import TRITON_BACKEND_INIT, VERIFY_ATTENTION, VERIFY_ATTENTION_FLAG
 from graphcap.sglang import compat as sglang_compat
 
@@ -120,28 +121,28 @@ def add_arguments(parser) -> None:
     if FLAG in getattr(parser, "_option_string_actions", {}):
         return
     g = parser.add_argument_group("graphcap draft graph capture (plugin)")
-    g.add_argument(FLAG, dest=_DEST["enabled"], action="store_true", default=False,
+    g.add_argument(FLAG, dest=FLAG_DESTS["enabled"], action="store_true", default=False,
                    help="graphcap: for FROZEN_KV_MTP speculative decoding (--speculative-algorithm NEXTN/EAGLE with a "
                         "Gemma 4 assistant draft, --speculative-eagle-topk 1, Triton attention), keep the draft's "
                         "sliding-window state in graphcap's static buffers, advanced in place by each verify's "
                         "accepted tokens, and capture the whole draft iteration per decode batch bucket. Off by "
                         "default: without this flag the plugin changes nothing.")
-    g.add_argument(BACKEND_FLAG, dest=_DEST["backend"], choices=GRAPH_BACKENDS, default=DEFAULT_BACKEND,
+    g.add_argument(BACKEND_FLAG, dest=FLAG_DESTS["backend"], choices=GRAPH_BACKENDS, default=PLUGIN_DEFAULT_BACKEND,
                    help="graphcap: how the draft iteration is captured: 'cudagraph' = torch.cuda.CUDAGraph of the "
                         "eager ops, 'inductor-cudagraph' = the Inductor-compiled iteration recorded in "
                         "torch.cuda.CUDAGraph. 'reduce-overhead' (torch.compile's CUDA-graph trees) is refused at "
                         "start-up: the trees free the cuBLAS workspace of graphs captured before them, "
                         "as sglang's are, and the engine crashed. Default: %(default)s.")
-    g.add_argument(MANIFEST_FLAG, dest=_DEST["manifest_dir"], default=None, metavar="DIR",
+    g.add_argument(MANIFEST_FLAG, dest=FLAG_DESTS["manifest_dir"], default=None, metavar="DIR",
                    help="graphcap: directory for the capture manifest that `graphcap inspect DIR` lists (default: "
                         "$GRAPHCAP_MANIFEST_DIR, else $XDG_CACHE_HOME/graphcap/manifests, else "
                         "~/.cache/graphcap/manifests).")
-    g.add_argument(PROJECTIONS_FLAG, dest=_DEST["projections"], choices=PROJECTIONS, default=PROJECTIONS[0],
+    g.add_argument(PROJECTIONS_FLAG, dest=FLAG_DESTS["projections"], choices=PROJECTIONS, default=PROJECTIONS[0],
                    help="graphcap: whose kernels run the draft model's unquantized projections inside the captured "
                         "iteration: 'graphcap' = graphcap's skinny GEMM up to 8 rows (gate/up and gelu-mul in one "
                         "kernel), sglang's own path above; 'sglang' = sglang's own path at every batch. Default: "
                         "%(default)s.")
-    g.add_argument(VERIFY_ATTENTION_FLAG, dest=_DEST["verify_attention"], choices=VERIFY_ATTENTION,
+    g.add_argument(VERIFY_ATTENTION_FLAG, dest=FLAG_DESTS["verify_attention"], choices=VERIFY_ATTENTION,
                    default=VERIFY_ATTENTION[0],
                    help="graphcap: whose kernel runs the target verify's attention (Triton backend, "
                         "--speculative-eagle-topk 1): 'graphcap' = graphcap's split-KV verify kernel, which reads "
@@ -157,7 +158,7 @@ def _after_add_cli_args(result, parser, *args, **kwargs):
 
 def _after_from_cli_args(result, cls, args, *rest, **kwargs):
     opts = options_from_namespace(args)
-    if not opts.enabled and (opts.backend != DEFAULT_BACKEND or opts.manifest_dir is not None
+    if not opts.enabled and (opts.backend != PLUGIN_DEFAULT_BACKEND or opts.manifest_dir is not None
                              or opts.projections != PROJECTIONS[0]
                              or opts.verify_attention != VERIFY_ATTENTION[0]):
         log.warning("graphcap: %s/%s/%s given without %s: they have no effect", BACKEND_FLAG, MANIFEST_FLAG,

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from graphcap import manifest as mf
-from graphcap.engine.backends import COMPILED_BACKENDS
+from graphcap.backends import COMPILED_BACKENDS
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import CaptureError
 from graphcap.sglang import linear as sglang_linear
@@ -40,7 +40,7 @@ from graphcap.sglang.config import FLAG, DraftCaptureConfigError, DraftCaptureOp
 from graphcap.sglang.loop import GraphcapDraftAttention, SglangAssistantLoop
 from graphcap.sglang.slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
 from graphcap.engine.iteration import DraftOutput
-from graphcap.kernels.skinny_gemm import KERNEL_ROWS
+from graphcap.kernels.gemm.skinny import KERNEL_ROWS
 from graphcap.engine.observers import CaptureObserver, LoggingProgress
 from graphcap.window import WindowBuffers
 

@@ -2,7 +2,7 @@
 
 sglang's Triton backend runs a target verify through its prefill kernel `extend_attention_fwd` on NVIDIA, which walks
 each request's whole prefix serially per query head; graphcap's split-KV verify kernel
-(`graphcap.kernels.verify_attention`) reads each K/V tile once for every query head and verify token of a KV head and
+(`graphcap.kernels.attention.verify`) reads each K/V tile once for every query head and verify token of a KV head and
 splits the prefix across the GPU. sglang already has a seat for such a kernel: `TritonAttnBackend.forward_extend`
 calls `self.verify_splitkv_fwd(...)` with `extend_attention_fwd`'s own arguments for a target verify when
 `self.use_verify_splitkv` is set (sglang turns it on for AMD gfx95 only), and falls back to `extend_attention_fwd`
@@ -21,7 +21,7 @@ from collections import Counter
 
 import torch
 
-from graphcap.kernels.verify_attention import MAX_QUERY_TOKENS, VerifyPlan, plan_verify, verify_attention
+from graphcap.kernels.attention.verify import MAX_QUERY_TOKENS, VerifyPlan, plan_verify, verify_attention
 
 log = logging.getLogger("graphcap.sglang")
 SEAT_ATTR = "_graphcap_verify_attention"  # on the target's TritonAttnBackend: the installed seat (tests read it)

@@ -33,10 +33,10 @@ def test_profile_groups_kernels_by_name():
     matmul = "matmul (cuBLAS/CUTLASS, graphcap's skinny GEMM)"
     want = {"triton_poi_fused_cat_index_mul_skinny_linear_0": mod.INDUCTOR,
             "triton_red_fused__to_copy_add_mean_pow_0": mod.INDUCTOR,
-            "_skinny_kernel": matmul, "_splitk_sum_kernel": matmul,
+            "skinny_kernel": matmul, "splitk_sum_kernel": matmul,
             "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT": matmul,
             "void cublasLt::splitKreduce_kernel<32, 16, int, float>": matmul,
-            "_split_kernel": "attention split-KV", "_combine_kernel": "attention combine",
+            "_split_kernel": "attention split-KV", "combine_kernel": "attention combine",
             "_norm_rope_kernel": "layer small ops (graphcap's kernels)", "_small_topk_kernel": "topk / sort",
             "_centroid_logits_kernel": "centroid head (graphcap's kernel)", "_window_advance_kernel": "window advance",
             "void at::native::multi_tensor_apply_kernel<Copy>": "other"}

@@ -14,9 +14,9 @@ from lab_scripts import LAB_DIR, load_lab_script
 from test_skinny_gemm import OVERFLOW_OK, SETTINGS, make
 from tiers import examples
 
-import graphcap.kernels.skinny_gemm as sg
-import graphcap.kernels.skinny_gemm_kernels as sgk
-from graphcap.kernels.skinny_gemm import CANDIDATES, Config
+import graphcap.kernels.gemm.skinny as sg
+import graphcap.kernels.gemm.skinny_kernels as sgk
+from graphcap.kernels.gemm.skinny import CANDIDATES, Config
 
 BENCH = LAB_DIR / "skinny_gemm.py"
 
@@ -71,7 +71,7 @@ def test_bench_read_ceiling_sums_each_programs_tiles(device, nb, kb, split, tma,
     cfg = Config(16, 32, split, 4, 2)
     _, w = make(seed, 1, 16 * nb, 32 * kb, device=device)
     got, want = bench.read_sums(w, cfg, tma), bench.read_sums_torch(w, cfg)
-    assert got.shape == want.shape == (nb, sg._splits(32 * kb, cfg)[1])
+    assert got.shape == want.shape == (nb, sg.k_splits(32 * kb, cfg)[1])
     bound = 2 * 2.0 ** -24 * 32 * kb * bench.read_sums_torch(w.abs(), cfg)
     assert ((got.double().cpu() - want.cpu()).abs() <= bound.cpu()).all()
     with pytest.raises(ValueError, match="whole tiles"):
@@ -106,7 +106,7 @@ def test_bench_read_grids(monkeypatch, device):
         sweep = bench.read_grid_configs(n, k, gated)
         rows = 2 * n if gated else n
         assert sweep and len(set(sweep)) == len(sweep), name
-        assert all(rows % c.block_n == 0 and k % c.block_k == 0 and sg._splits(k, c)[1] == c.split_k
+        assert all(rows % c.block_n == 0 and k % c.block_k == 0 and sg.k_splits(k, c)[1] == c.split_k
                    and 33 <= rows // c.block_n * c.split_k <= 16 * 132 for c in sweep), name
     grids = (Config(32, 64, 2, 4, 2), Config(16, 32, 4, 4, 3), Config(64, 64, 1, 4, 2))
     assert bench.read_grids_for(False, grids[::2], 32, 256, False) == grids[:1]  # 32 rows: no 64-row tile

@@ -178,7 +178,7 @@ def test_graphcap_attention_plans_every_draft_layer_per_bucket(assistant):
     from sglang.srt.layers.radix_attention import RadixAttention
 
     from graphcap.sglang.loop import GraphcapDraftAttention, SglangAssistantLoop
-    from graphcap.kernels.attention_plan import plan_attention
+    from graphcap.kernels.attention.plan import plan_attention
 
     layers = [m for m in assistant.modules() if isinstance(m, RadixAttention)]
     kv = {a.layer_id: torch.empty(8, a.tp_k_head_num, a.qk_head_dim, dtype=DTYPE) for a in layers}

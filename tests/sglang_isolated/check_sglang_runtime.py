@@ -548,9 +548,12 @@ def _plain(t):
 
 
 def _tree_twin(*args):
-    """sglang's tree kernel (it runs on the GPU, reading the lengths there), here graphcap's twin of sgl_kernel's op
-    (tests/test_spec_tree_ops.py holds it to sglang's own Triton version)."""
-    from graphcap.kernels.spec_tree_ops import build_tree_kernel_efficient_torch
+    """sglang's tree kernel (it runs on the GPU, reading the lengths there), here the sgl_kernel stand-in's twin of
+    sgl_kernel's op (tests/test_spec_tree_ops.py holds it to sglang's own Triton version), loaded without the stand-in
+    package: this process runs sglang without an sgl_kernel."""
+    from standin_ops import speculative
+
+    build_tree_kernel_efficient_torch = speculative.build_tree_kernel_efficient_torch
 
     build_tree_kernel_efficient_torch(*[_plain(a) for a in args[:8]], *[int(a) for a in args[8:]])
 

@@ -1,17 +1,18 @@
 """graphcap's stand-in for `sgl_kernel` (the compiled sglang-kernel package), for running sglang's own engine where
-that package cannot be installed (a GPU machine without network access: the wheel is too large to carry and built against another torch).
+that package cannot be installed (a GPU machine without network access: the wheel is too large to carry and built
+against another torch).
 
 Use: put `tests/support` on PYTHONPATH (not sys.path of one interpreter: sglang's scheduler and detokenizer run in
 subprocesses that import it too). The `sglang_kernel-0.4.9.dist-info` next to this package answers sglang's start-up
 check (`importlib.metadata.version("sglang-kernel") >= 0.4.9`, srt/entrypoints/engine.py).
 
 Provided, with sgl_kernel's names, signatures and semantics (docs/sglang-standin.md has the call sites):
-- compute ops from `graphcap.kernels.fused_ops`, one Triton kernel per call: rmsnorm, fused_add_rmsnorm,
+- compute ops from `graphcap.kernels.elementwise.fused_ops`, one Triton kernel per call: rmsnorm, fused_add_rmsnorm,
   gemma_rmsnorm, gemma_fused_add_rmsnorm, gelu_tanh_and_mul, gelu_and_mul, silu_and_mul,
   apply_rope_with_cos_sin_cache_inplace;
 - the speculative-decoding ops sglang 0.5.18 takes from sgl_kernel on CUDA (0.5.23 has its own), one Triton kernel
-  each: `fast_topk` (graphcap.kernels.fast_topk), `build_tree_kernel_efficient` and `verify_tree_greedy`
-  (graphcap.kernels.spec_tree_ops);
+  each, in this package's modules named as sgl_kernel's: `fast_topk` (`top_k`), `build_tree_kernel_efficient` and
+  `verify_tree_greedy` (`speculative`);
 - `weak_ref_tensor` and `utils.is_arch_support_pdl`.
 Every other name - attribute chains such as `scalar_types.uint4b8`, and submodules such as `sgl_kernel.flash_attn` -
 resolves to a stand-in that imports cleanly and raises NotImplementedError naming itself only when called. Nothing
@@ -28,8 +29,7 @@ from typing import Any
 
 import torch
 
-from graphcap.kernels.fast_topk import fast_topk  # noqa: F401 - re-exported under sgl_kernel's name
-from graphcap.kernels.fused_ops import (  # noqa: F401 - re-exported under sgl_kernel's names
+from graphcap.kernels.elementwise.fused_ops import (  # noqa: F401 - re-exported under sgl_kernel's names
     apply_rope_with_cos_sin_cache_inplace,
     fused_add_rmsnorm,
     gelu_and_mul,
@@ -39,10 +39,8 @@ from graphcap.kernels.fused_ops import (  # noqa: F401 - re-exported under sgl_k
     rmsnorm,
     silu_and_mul,
 )
-from graphcap.kernels.spec_tree_ops import (  # noqa: F401 - re-exported under sgl_kernel's names
-    build_tree_kernel_efficient,
-    verify_tree_greedy,
-)
+from sgl_kernel.speculative import build_tree_kernel_efficient, verify_tree_greedy  # noqa: F401 - sgl_kernel's names
+from sgl_kernel.top_k import fast_topk  # noqa: F401 - sgl_kernel's name
 # sgl_kernel's W8A8 int8 GEMM (sglang's compressed-tensors / w8a8_int8 linear layers): docs/sglang-standin.md
 from sgl_kernel.int8_gemm import int8_scaled_mm  # noqa: F401 - sgl_kernel's name
 

@@ -1,5 +1,6 @@
-"""The Triton kernels of `graphcap.kernels.attention` (the op, its checks and its planning live there and in
-attention_plan), their launch, and their plain-torch twin.
+"""The Triton kernels of `graphcap.kernels.attention.decode` (the op, its checks and its planning live there and in
+plan), their launch, and their plain-torch twin. The online softmax they share with the verify kernel - the tile
+step, the split scratch, the combine - is `online_softmax`'s.
 
 Kernel ("flash-decoding", split-KV):
 1. `_split_kernel`, grid (B, Hkv * head_tiles, num_splits): program (b, kv head, split) covers a contiguous chunk of
@@ -14,9 +15,9 @@ Kernel ("flash-decoding", split-KV):
    an online softmax in fp32 and writes a normalised partial output [B, H, S, D] fp32 and its log-sum-exp
    [B, H, S] (base 2; -inf for an empty chunk). With num_splits == 1 it writes the final output directly and the
    second kernel is skipped.
-2. `_combine_kernel`, grid (B, H): merges the splits; an all-empty row gives zeros. (Merging in the split kernel
-   instead - the last program of a row merging all partials - is slower on the H200 at nearly every shape: that
-   one program merges serially; docs/results.md#attention-kernels.)
+2. `online_softmax.combine_kernel`, grid (B, H): merges the splits; an all-empty row gives zeros. (Merging in the
+   split kernel instead - the last program of a row merging all partials - is slower on the H200 at nearly every
+   shape: that one program merges serially; docs/results.md#attention-kernels.)
 
 `decode_attention_torch` is the plain-torch twin (static shapes: gathers `table[slots, :cols]` with a mask, masked
 softmax in fp32). It is the CPU path and a test reference; it materialises [B, cols, Hkv, D] in fp32, so it is meant
@@ -31,9 +32,8 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from graphcap.kernels.attention_plan import AttentionPlan, query_block
-
-LOG2E = 1.4426950408889634
+from graphcap.kernels.attention.online_softmax import LOG2E, combine_kernel, softmax_tile, split_scratch, tile_scores
+from graphcap.kernels.attention.plan import AttentionPlan, query_block
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -138,22 +138,10 @@ def _split_kernel(
         loc = tl.load(t_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         kt = tl.load(k_base + loc[:, None] * stride_kp, mask=kv_mask, other=0.0)
-        if F32_DOT:
-            s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(qv, tl.trans(kt))
+        s = tile_scores(qv, kt, F32_DOT)
         s = tl.where(mask_n[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_base + loc[:, None] * stride_vp, mask=kv_mask, other=0.0)
-        if F32_DOT:
-            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(vt.dtype), vt)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = softmax_tile(s, v_base, loc, stride_vp, kv_mask, m_i, l_i, acc,
+                                     v_pool.dtype.element_ty, F32_DOT, False)  # every row has a key in every tile
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -167,31 +155,6 @@ def _split_kernel(
                  mask=(mask_g & has)[:, None] & mask_d[None, :])  # an empty chunk writes only its lse
 
 
-@triton.jit
-def _combine_kernel(
-    part, lse, out, num_splits, stride_ob, stride_oh,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    row = (b * H + h) * num_splits
-    offs_s = tl.arange(0, BLOCK_S)
-    ls = tl.load(lse + row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(ls, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.sum(tl.exp2(ls - m), 0)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(0, num_splits):
-        l_s = tl.load(lse + row + s)
-        live_d = tl.where(l_s > float("-inf"), D, 0)  # an empty split wrote no partial: read none
-        pv = tl.load(part + (row + s) * D + offs_d, mask=offs_d < live_d, other=0.0)
-        acc += tl.exp2(l_s - m) * pv
-    o = tl.where(denom > 0, acc / tl.where(denom > 0, denom, 1.0), 0.0)
-    tl.store(out + b * stride_ob + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=mask_d)
-
-
 class QueryNormRope(NamedTuple):
     """The query heads' RMSNorm weight [D] and the rotary position tables cos, sin [P, D/2] fp32 (and eps): with
     them decode_attention takes q as the raw projection and norms and rotates it in its split kernel
@@ -200,17 +163,6 @@ class QueryNormRope(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
     eps: float = 1e-6
-
-
-def split_scratch(b: int | torch.SymInt, h: int, num_splits: int | torch.SymInt, d: int, device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split kernel's partial outputs [B, H, S, D] and log-sum-exps [B, H, S], fp32, allocated flat. Under one
-    compile for every bucket S is an expression of the batch (`AttentionPlan.grid_splits`), and a 3-D or 4-D empty
-    tensor's contiguous strides hold max(1, S), which Inductor does not prove equal to S: it then fills the buffer
-    with NaN in a kernel of its own before each launch (two per layer call). One dimension has stride 1."""
-    part = torch.empty((b * h * num_splits * d,), dtype=torch.float32, device=device)
-    lse = torch.empty((b * h * num_splits,), dtype=torch.float32, device=device)
-    return part, lse
 
 
 def launch(
@@ -264,7 +216,7 @@ def launch(
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if not single:
-        wrap_triton(_combine_kernel)[(b, h)](
+        wrap_triton(combine_kernel)[(b, h)](
             part, lse, out, num_splits, out.stride(0), out.stride(1),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(plan.num_splits),
             num_warps=plan.combine_warps, num_stages=1,

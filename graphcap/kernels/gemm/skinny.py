@@ -18,7 +18,7 @@ split-K reduction kernel, plus (gate/up) a separate gelu-mul kernel that reads t
 - Narrow shapes (N = 1536, K up to 16384: o_proj, down, pre_proj) cannot fill 132 SMs with N-blocks alone, so they
   split K: program (n, s) writes its fp32 partial to a workspace [S, M, N], and the S partials are summed in order
   s = 0..S-1 and rounded once - by a second kernel, or (Config.fixup) in the same kernel by the last split of each
-  n-block to arrive, which an atomic counter per n-block tells (`skinny_gemm_kernels.prepare_fixup`). Either way
+  n-block to arrive, which an atomic counter per n-block tells (`skinny_kernels.prepare_fixup`). Either way
   deterministic: the same bits on every call, as replay-vs-compiled equality needs (the atomics only count; they add
   nothing).
 - One row of a narrow shape (class m1-narrow) runs as a GEMV instead (Config.gemv): a program per 4 output columns
@@ -32,7 +32,7 @@ The ops are opaque `torch.library.custom_op`s (with fake implementations): torch
 `cublas_above=R` sends calls of more than R rows to cuBLAS instead (gate/up: cuBLAS, then graphcap's gelu-mul
 kernel), decided in the op's body at run time, where M is a plain int also under one compile for every batch (the
 draft loop's op set uses the kernel only for the shape classes and batches it measured faster at: `KERNEL_ROWS`).
-The Triton kernels and the split-K counters live in graphcap.kernels.skinny_gemm_kernels; this module plans, checks,
+The Triton kernels and the split-K counters live in graphcap.kernels.gemm.skinny_kernels; this module plans, checks,
 launches and registers them. `skinny_linear_torch` / `skinny_gate_up_gelu_torch` are the plain-torch twins (cuBLAS +
 an fp32 gelu-mul): the tests' reference and the fallback where Triton does not run.
 """
@@ -45,11 +45,12 @@ from typing import NamedTuple
 import torch
 import triton
 
-from graphcap.kernels import skinny_gemm_kernels as kernels
+from graphcap.kernels.gemm import skinny_kernels as kernels
 from graphcap.kernels import use_triton
 from graphcap.kernels.arch import SM90, GpuArch, device_arch
-from graphcap.kernels.fused_ops import gelu_tanh_and_mul
-from graphcap.kernels.skinny_gemm_kernels import fixup_counters
+from graphcap.kernels.checks import check_same_device, check_tensor
+from graphcap.kernels.elementwise.fused_ops import gelu_tanh_and_mul
+from graphcap.kernels.gemm.skinny_kernels import fixup_counters
 
 DTYPES = (torch.bfloat16, torch.float16)
 MAX_M = 64  # rows per call: above this a GEMM is no longer a weight read
@@ -68,7 +69,7 @@ class Config(NamedTuple):
     num_stages: int
     dot: bool = True  # tl.dot (tensor cores) or broadcast multiply + sum (CUDA cores)
     fixup: bool = False  # split K: the last split of each n-block sums the partials (no second kernel)
-    gemv: bool = False  # one row per program over all of K on CUDA cores (`_gemv_kernel`; dot False, split_k 1)
+    gemv: bool = False  # one row per program over all of K on CUDA cores (`gemv_kernel`; dot False, split_k 1)
 
     @property
     def name(self) -> str:
@@ -81,7 +82,7 @@ class Config(NamedTuple):
 # wide N >= NARROW_N, or narrow),
 # the first of each the one `plan` picks. Sized for an H200 (132 SMs, ~228 KB shared memory per SM): 8-32 KB of
 # weights per pipeline stage, 3-4 stages, and at least ~2 programs per SM. Each class's first is the fastest of its
-# candidates at the draft's shapes in bench/skinny_gemm.py's sweep on the H200 (docs/results.md, the skinny GEMM).
+# candidates at the draft's shapes in lab/skinny_gemm.py's sweep on the H200 (docs/results.md, the skinny GEMM).
 # Every candidate fits an A100's 163 KiB per block too (Triton stages one copy fewer there: `pipeline_smem`); none
 # was timed on one.
 _FIXUP = (Config(64, 128, 8, 4, 4, fixup=True), Config(32, 256, 4, 4, 4, fixup=True),
@@ -102,7 +103,7 @@ _BCAST = {"wide": Config(16, 128, 1, 4, 2, False), "gated": Config(16, 128, 1, 4
 # One row per program over all of K, as Inductor's tuned one-row matmul (a multiply-and-sum reduction) runs; slower
 # than the plans on the wide and gated shapes, so only m1-narrow plans one
 _GEMV = (Config(4, 1024, 1, 4, 3, False, gemv=True), Config(2, 2048, 1, 8, 2, False, gemv=True))
-# First up to 16 rows: the fastest of bench/skinny_gemm.py --grid at one row, and of the class's candidates at 1,
+# First up to 16 rows: the fastest of lab/skinny_gemm.py --grid at one row, and of the class's candidates at 1,
 # 2, 4 and 8 rows (docs/results.md, the skinny GEMM's wider search) - a fifth pipeline stage for gate/up, and for the
 # narrow shapes four splits of K with five stages. Not timed at 9-16 rows, which only SKINNY_OPS (the bench's
 # graphcap-skinny-gemm) sends to the kernel: KERNEL_ROWS stops the default op set at 8.
@@ -125,7 +126,7 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
 
 # Up to how many rows graphcap's op sets send a shape class to the kernel (its plan) rather than cuBLAS: where it made
 # the draft iteration faster on the H200 (graphcap bench and its kernel-time profile; docs/results.md, the skinny
-# GEMM). Alone (bench/skinny_gemm.py) the kernel beat cuBLAS on the wide and gate/up shapes (gate/up's margin includes
+# GEMM). Alone (lab/skinny_gemm.py) the kernel beat cuBLAS on the wide and gate/up shapes (gate/up's margin includes
 # the gelu-mul kernel cuBLAS needs after it); the wide and gated shapes won in the iteration at 8 rows and lost at 16.
 # The narrow split-K shapes: the eight-split config lost at 8 rows (0.94x in the iteration, its 27 fewer kernels -
 # cuBLAS adds a split-K reduction per call - notwithstanding); the four-split, five-stage one beats cuBLAS alone at
@@ -186,7 +187,7 @@ def pipeline_smem(cfg: Config, m: int, gated: bool, elem_bytes: int = 2, arch: G
     return copies * cfg.block_k * (block_m + (2 if gated else 1) * cfg.block_n) * elem_bytes
 
 
-def _splits(k: int, cfg: Config) -> tuple[int, int]:
+def k_splits(k: int, cfg: Config) -> tuple[int, int]:
     """(K per split, a multiple of block_k; number of splits, none of them empty)."""
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     return k_split, triton.cdiv(k, k_split)
@@ -198,12 +199,8 @@ def _splits(k: int, cfg: Config) -> tuple[int, int]:
 
 def _check(op: str, x: object, w: object, gated: bool, out: object = None) -> tuple[int, int]:
     """(M, output columns) of a valid call; SkinnyGemmError naming op and argument otherwise."""
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor):
-            raise SkinnyGemmError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 2 or t.dtype not in DTYPES:
-            raise SkinnyGemmError(f"{op}: {name} must be a 2-D bfloat16/float16 tensor, "
-                                  f"got {t.ndim}-D {t.dtype} {tuple(t.shape)}")
+    check_tensor(SkinnyGemmError, op, "x", x, DTYPES, 2)
+    check_tensor(SkinnyGemmError, op, "w", w, DTYPES, 2, contiguous_rows=False)  # w: contiguous whole, below
     if x.dtype != w.dtype:
         raise SkinnyGemmError(f"{op}: x ({x.dtype}) and w ({w.dtype}) dtypes differ")
     if x.shape[1] != w.shape[1]:
@@ -212,12 +209,9 @@ def _check(op: str, x: object, w: object, gated: bool, out: object = None) -> tu
         raise SkinnyGemmError(f"{op}: x has {x.shape[0]} rows, at most MAX_M = {MAX_M} are supported")
     if not w.is_contiguous():
         raise SkinnyGemmError(f"{op}: w must be contiguous, got strides {w.stride()}")
-    if x.numel() and x.stride(1) != 1:
-        raise SkinnyGemmError(f"{op}: x's last dimension must be contiguous (stride 1), got strides {x.stride()}")
     if gated and w.shape[0] % 2:
         raise SkinnyGemmError(f"{op}: w must stack gate and up rows ([2I, K]), got an odd {w.shape[0]} rows")
-    if x.device != w.device:
-        raise SkinnyGemmError(f"{op}: x ({x.device}) and w ({w.device}) must be on one device")
+    check_same_device(SkinnyGemmError, op, x=x, w=w)
     shape = (x.shape[0], w.shape[0] // 2 if gated else w.shape[0])
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype != x.dtype or tuple(out.shape) != shape \
@@ -268,17 +262,17 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
         if cfg.split_k != 1 or cfg.dot or cfg.fixup:
             raise SkinnyGemmError(f"config {cfg.name}: a gemv config takes all of K on CUDA cores "
                                   "(split_k 1, dot and fixup False)")
-        kernels._gemv_kernel[(triton.cdiv(n, cfg.block_n), m)](
+        kernels.gemv_kernel[(triton.cdiv(n, cfg.block_n), m)](
             x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GATED=gated, INTERPRET=not x.is_cuda, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
             STAGES=cfg.num_stages, num_warps=cfg.num_warps)
         return out
-    k_split, splits = _splits(k, cfg)
+    k_split, splits = k_splits(k, cfg)
     block_m = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
     n_blocks = triton.cdiv(n, cfg.block_n)
     y = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     counters = fixup_counters(x.device, n_blocks) if splits > 1 and cfg.fixup else None
-    kernels._skinny_kernel[(n_blocks, splits)](
+    kernels.skinny_kernel[(n_blocks, splits)](
         x, w, y, out, counters if counters is not None else y, m, n, k, k_split, x.stride(0), w.stride(0),
         y.stride(-2), y.stride(0) if splits > 1 else 0, out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot, INTERPRET=not x.is_cuda,
@@ -286,7 +280,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
         SPLITS=splits if counters is not None else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1 and counters is None:
-        kernels._splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](y, out, m, n, splits, out.stride(0), BLOCK=1024,
+        kernels.splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](y, out, m, n, splits, out.stride(0), BLOCK=1024,
                                                                     INTERPRET=not x.is_cuda, num_warps=4)
     return out
 

@@ -1,5 +1,6 @@
-"""`sgl_kernel.fast_topk(values, topk, dim)`, the draft's top-k that sglang 0.5.18 imports from sgl_kernel on CUDA
-(`speculative/spec_utils.py`; 0.5.23 uses the same code from `sglang.srt.utils.common`). sgl_kernel's is plain torch:
+"""`sgl_kernel.fast_topk(values, topk, dim)` (sgl_kernel's `top_k.py`), the draft's top-k that sglang 0.5.18 imports
+from sgl_kernel on CUDA (`speculative/spec_utils.py`; 0.5.23 uses the same code from `sglang.srt.utils.common`).
+sgl_kernel's is plain torch:
 
     torch.max(values, dim=dim, keepdim=True) if topk == 1 else torch.topk(values, topk, dim=dim)
 
@@ -13,6 +14,8 @@ that depends only on shapes (so it captures in CUDA graphs and traces under torc
 
 topk > 1 (general trees) runs sgl_kernel's own code, torch.topk. So do dtypes other than bf16/fp16/fp32 and
 devices where Triton does not run. Results are a (values, indices) tuple (torch's named tuple on those paths).
+
+It imports nothing of the stand-in package, so tests load it in their own process without it (tests/standin_ops.py).
 """
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
-from graphcap.kernels.spec_tree_ops import SpecOpError
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_BLOCK = 4096  # entries per program: a vocabulary row of 262144 is 64 programs
@@ -30,19 +32,23 @@ _KEY_MIN = tl.constexpr(-(2 ** 31))  # below every value's key: masked lanes and
 _IDX_MAX = tl.constexpr(2 ** 31 - 1)
 
 
+class TopkError(ValueError):
+    """Bad input to fast_topk; the message names the argument."""
+
+
 def _check(values: object, topk: object, dim: object) -> None:
     if not isinstance(values, torch.Tensor):
-        raise SpecOpError(f"fast_topk: values must be a torch.Tensor, got {type(values).__name__}")
+        raise TopkError(f"fast_topk: values must be a torch.Tensor, got {type(values).__name__}")
     if isinstance(topk, bool) or not isinstance(topk, (int, torch.SymInt)) or topk < 1:
-        raise SpecOpError(f"fast_topk: topk must be an int >= 1, got {topk!r}")
+        raise TopkError(f"fast_topk: topk must be an int >= 1, got {topk!r}")
     if isinstance(dim, bool) or not isinstance(dim, (int, torch.SymInt)):
-        raise SpecOpError(f"fast_topk: dim must be an int, got {dim!r}")
+        raise TopkError(f"fast_topk: dim must be an int, got {dim!r}")
     nd = max(values.ndim, 1)
     if not -nd <= dim < nd:
-        raise SpecOpError(f"fast_topk: dim {dim} is out of range for a {values.ndim}-D tensor")
+        raise TopkError(f"fast_topk: dim {dim} is out of range for a {values.ndim}-D tensor")
     n = values.shape[dim] if values.ndim else 1
     if topk > n:
-        raise SpecOpError(f"fast_topk: topk ({topk}) exceeds values' size along dim {dim} ({n})")
+        raise TopkError(f"fast_topk: topk ({topk}) exceeds values' size along dim {dim} ({n})")
 
 
 def fast_topk_torch(values: torch.Tensor, topk: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,10 @@
-"""The skinny GEMM's Triton kernels (graphcap.kernels.skinny_gemm: what they compute, the configs, the launch and the
+"""The skinny GEMM's Triton kernels (graphcap.kernels.gemm.skinny: what they compute, the configs, the launch and the
 ops) and the split-K arrival counters of the one-kernel split K.
 
-- `_skinny_kernel`: program (n-block, split) owns BLOCK_N output columns of all M rows over one K range, the product
+- `skinny_kernel`: program (n-block, split) owns BLOCK_N output columns of all M rows over one K range, the product
   computed transposed (weight rows on the MMA's large side); unsplit it stores the output, split it stores an fp32
-  partial, which the n-block's last split to arrive sums (FIXUP) or `_splitk_sum_kernel` does.
-- `_gemv_kernel`: program (n-block, row) owns BLOCK_N output columns of one row over all of K, on CUDA cores, its
+  partial, which the n-block's last split to arrive sums (FIXUP) or `splitk_sum_kernel` does.
+- `gemv_kernel`: program (n-block, row) owns BLOCK_N output columns of one row over all of K, on CUDA cores, its
   tile reduced once at the end (Config.gemv).
 - the counters: one int32 per n-block per device, zero between launches (each launch's last splits reset theirs).
 """
@@ -49,7 +49,7 @@ def _gelu_tanh_mul(g, u):
 # M is not specialised (Triton compiles a separate binary for an int argument equal to 1): batches 1..16 share one
 # binary per config, which is what a warm start loads (BLOCK_M already is the constexpr that matters).
 @triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys, stride_om,
+def skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                    DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                    FIXUP: tl.constexpr, SPLITS: tl.constexpr):
@@ -106,12 +106,12 @@ def _skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_w
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def gemv_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GATED: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                  STAGES: tl.constexpr):
     # program (n-block, row m): out[m, n0:n0 + BLOCK_N] over all of K on CUDA cores. Each thread keeps fp32 sums of
     # its own elements of the [BLOCK_N, BLOCK_K] tile and the tile is reduced across threads once, after the loop
-    # (the broadcast configs of _skinny_kernel reduce every chunk); few rows per program, so a one-row call over a
+    # (the broadcast configs of skinny_kernel reduce every chunk); few rows per program, so a one-row call over a
     # narrow weight still launches hundreds of programs without splitting K.
     pid_n, m = tl.program_id(0), tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,7 +144,7 @@ def _gemv_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: t
 
 
 @triton.jit
-def _splitk_sum_kernel(ws, out, M, N, SPLITS, stride_om, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+def splitk_sum_kernel(ws, out, M, N, SPLITS, stride_om, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(ws + offs, mask=mask, other=0.0)

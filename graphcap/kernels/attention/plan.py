@@ -1,4 +1,4 @@
-"""Host-side planning for `graphcap.kernels.attention` (FlashInfer's split of planning from the run): the launch
+"""Host-side planning for `graphcap.kernels.attention.decode` (FlashInfer's split of planning from the run): the launch
 configuration, the split count per capture bucket and the query-head tiling.
 Everything here depends on static numbers only (shapes, the device's properties), never on GPU values. `plan_attention`
 turns them into one `AttentionPlan` per bucket, on the host, before anything is traced or captured; the op takes the
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from graphcap.kernels.arch import SM90, GpuArch, device_arch
+from graphcap.kernels.arch import GpuArch, device_arch
 
 
 class AttentionError(ValueError):
@@ -36,8 +36,8 @@ class KernelConfig:
 def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: int | None = None) -> KernelConfig:
     """The launch configuration the op uses.
 
-    GPU values: the best or near-best configuration of the H200 sweeps (docs/results.md#attention-kernels): BLOCK_N 32, 3 stages,
-    4 warps for head dims 256 and 512 (4 warps are 4-14% faster than 8 at D = 512).
+    GPU values: the best or near-best configuration of the H200 sweeps (docs/results.md#attention-kernels): BLOCK_N
+    32, 3 stages, 4 warps for head dims 256 and 512 (4 warps are 4-14% faster than 8 at D = 512).
     Three stages of K and V tiles need 3 x 2 x BLOCK_N x D x 2 bytes of shared memory (192 KiB at D = 512): where
     the device has less (`smem_bytes`, the current device's `arch.device_arch` when None; an A100's 163 KiB at
     D = 512), stages and then tile size step down.
@@ -56,32 +56,15 @@ def default_config(head_dim: int, dtype: torch.dtype, on_gpu: bool, smem_bytes: 
     return cfg
 
 
-# An H100/H200's shared memory per block (227 KiB) and per SM (228 KiB): what a CPU plans for (arch.SM90)
-_H200_SMEM = SM90.smem_per_block
-_H200_SMEM_PER_SM = SM90.smem_per_sm
-
-
 def _arch(device: torch.device | None, arch: GpuArch | None) -> GpuArch:
     """`arch` where the caller describes the GPU (a CPU test of another GPU's plan), else `device`'s."""
     return arch if arch is not None else device_arch(device)
-
-
-def _device_smem_of(index: int) -> int:
-    return device_arch(torch.device("cuda", index)).smem_per_block
-
-
-def _device_smem_per_sm(device: torch.device) -> int:
-    return device_arch(device).smem_per_sm
 
 
 def device_sm_count(device: torch.device) -> int:
     """Multiprocessors of `device` (132 on an H200; a CPU plans as an H200, so CPU runs choose the GPU's splits;
     under GRAPHCAP_KERNEL_PATHS=sm80 an A100's 108)."""
     return device_arch(device).sm_count
-
-
-def _device_smem(device: torch.device | None = None) -> int:
-    return device_arch(device).smem_per_block
 
 
 def program_smem(config: KernelConfig, head_dim: int, elem_bytes: int) -> int:
@@ -99,8 +82,9 @@ def plan_config(head_dim: int, dtype: torch.dtype, device: torch.device, arch: G
 def target_programs(head_dim: int, dtype: torch.dtype, device: torch.device, arch: GpuArch | None = None) -> int:
     """Programs one attention call should launch to fill the GPU: two waves of the programs it holds at once
     (SMs x programs per SM, bounded by `program_smem`'s estimate of shared memory and by threads). Fitted to the
-    in-graph grids on the H200 (docs/results.md#attention-kernels): at D = 512 (one 3-stage program per SM) 256 programs are best
-    (288: +2%, 384: +19%); at D = 256 (two per SM) 512 programs, not 256 (40.0 vs 45.5 us at batch 8 / W = 1024).
+    in-graph grids on the H200 (docs/results.md#attention-kernels): at D = 512 (one 3-stage program per SM) 256
+    programs are best (288: +2%, 384: +19%); at D = 256 (two per SM) 512 programs, not 256 (40.0 vs 45.5 us at batch
+    8 / W = 1024).
     `arch` describes the GPU where given (else `device`'s: an H200's on a CPU)."""
     return _target_programs(head_dim, dtype, _arch(device, arch))
 
@@ -165,7 +149,8 @@ class AttentionPlan:
             if not isinstance(v, int) or v < 0:
                 raise AttentionError(f"AttentionPlan: {name} must be an int >= 0, got {v!r}")
         if self.min_splits > self.num_splits:
-            raise AttentionError(f"AttentionPlan: min_splits ({self.min_splits}) exceeds num_splits ({self.num_splits})")
+            raise AttentionError(f"AttentionPlan: min_splits ({self.min_splits}) exceeds num_splits "
+                                 f"({self.num_splits})")
 
     def launch_args(self) -> tuple[int, ...]:
         """The op's int arguments from `num_splits` on, in its order."""

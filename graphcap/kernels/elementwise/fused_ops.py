@@ -32,6 +32,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
+from graphcap.kernels.checks import check_eps, check_same_device, check_tensor
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -46,39 +47,21 @@ class FusedOpError(ValueError):
 # checks (shapes, dtypes, devices, strides only: nothing that needs a GPU value)
 
 
-def _tensor(op: str, name: str, x: object, dtypes: tuple[torch.dtype, ...], ndim: int | None = None) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise FusedOpError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in dtypes or (ndim is not None and x.ndim != ndim):
-        want = "/".join(str(d).replace("torch.", "") for d in dtypes)
-        raise FusedOpError(f"{op}: {name} must be a {f'{ndim}-D ' if ndim else ''}{want} tensor, "
-                           f"got {x.ndim}-D {x.dtype} {tuple(x.shape)}")
-    if x.numel() and x.stride(-1) != 1:
-        raise FusedOpError(f"{op}: {name}'s last dimension must be contiguous (stride 1), got strides {x.stride()}")
-    return x
-
-
-def _same_device(op: str, **xs: torch.Tensor) -> None:
-    devs = {str(x.device) for x in xs.values()}
-    if len(devs) != 1:
-        raise FusedOpError(f"{op}: {', '.join(xs)} must be on one device, got {sorted(devs)}")
-
-
 def _check_norm(op: str, input: torch.Tensor, weight: torch.Tensor, eps: float, **others: torch.Tensor | None) -> None:
-    _tensor(op, "input", input, DTYPES, 2)
-    _tensor(op, "weight", weight, DTYPES, 1)
+    check_tensor(FusedOpError, op, "input", input, DTYPES, 2)
+    check_tensor(FusedOpError, op, "weight", weight, DTYPES, 1)
     if weight.shape[0] != input.shape[1]:
         raise FusedOpError(f"{op}: weight has {weight.shape[0]} entries, input rows have {input.shape[1]}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
-        raise FusedOpError(f"{op}: eps must be a float >= 0, got {eps!r}")
+    check_eps(FusedOpError, op, eps)
     for name, x in others.items():
         if x is None:
             continue
-        _tensor(op, name, x, DTYPES, 2)
+        check_tensor(FusedOpError, op, name, x, DTYPES, 2)
         if x.shape != input.shape or x.dtype != input.dtype:
             raise FusedOpError(f"{op}: {name} must match input ({input.dtype} {tuple(input.shape)}), "
                                f"got {x.dtype} {tuple(x.shape)}")
-    _same_device(op, input=input, weight=weight, **{k: v for k, v in others.items() if v is not None})
+    given = {k: v for k, v in others.items() if v is not None}
+    check_same_device(FusedOpError, op, input=input, weight=weight, **given)
 
 
 def _check_rows(op: str, name: str, x: torch.Tensor) -> None:
@@ -262,18 +245,18 @@ def _act_and_mul_op(out: torch.Tensor, input: torch.Tensor, act: int) -> None:
 
 
 def _act_out(op: str, input: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    _tensor(op, "input", input, DTYPES)
+    check_tensor(FusedOpError, op, "input", input, DTYPES)
     if input.ndim == 0 or input.shape[-1] % 2:
         raise FusedOpError(f"{op}: input's last dimension must be even, got shape {tuple(input.shape)}")
     _check_rows(op, "input", input)
     shape = input.shape[:-1] + (input.shape[-1] // 2,)
     if out is None:
         return torch.empty(shape, dtype=input.dtype, device=input.device)
-    _tensor(op, "out", out, (input.dtype,))
+    check_tensor(FusedOpError, op, "out", out, (input.dtype,))
     if out.shape != shape:
         raise FusedOpError(f"{op}: out must have shape {tuple(shape)}, got {tuple(out.shape)}")
     _check_rows(op, "out", out)
-    _same_device(op, input=input, out=out)
+    check_same_device(FusedOpError, op, input=input, out=out)
     return out
 
 
@@ -370,16 +353,16 @@ def _check_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
         raise NotImplementedError(f"{op}: fused_set_kv_buffer_arg (writing K/V to the cache) is not provided")
     if not isinstance(head_size, int) or isinstance(head_size, bool) or head_size < 1:
         raise FusedOpError(f"{op}: head_size must be an int >= 1, got {head_size!r}")
-    _tensor(op, "positions", positions, INDEX_DTYPES, 1)
+    check_tensor(FusedOpError, op, "positions", positions, INDEX_DTYPES, 1)
     if isinstance(cos_sin_cache, torch.Tensor) and cos_sin_cache.dtype != torch.float32:
         raise FusedOpError(f"{op}: cos_sin_cache must be float32 (as sgl_kernel requires), got {cos_sin_cache.dtype}")
-    _tensor(op, "cos_sin_cache", cos_sin_cache, (torch.float32,), 2)
+    check_tensor(FusedOpError, op, "cos_sin_cache", cos_sin_cache, (torch.float32,), 2)
     rot = cos_sin_cache.shape[1]
     if rot % 2 or not 0 < rot <= head_size:
         raise FusedOpError(f"{op}: cos_sin_cache's width (the rotary dim, {rot}) must be even and in "
                            f"[2, head_size={head_size}]")
     for name, x in (("query", query), ("key", key)):
-        _tensor(op, name, x, DTYPES)
+        check_tensor(FusedOpError, op, name, x, DTYPES)
         if x.ndim not in (2, 3) or x.shape[0] != positions.shape[0]:
             raise FusedOpError(f"{op}: {name} must be [nnz, heads * head_size] or [nnz, heads, head_size] with "
                                f"nnz = len(positions) = {positions.shape[0]}, got {tuple(x.shape)}")
@@ -387,7 +370,7 @@ def _check_rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
             raise FusedOpError(f"{op}: {name}'s shape {tuple(x.shape)} does not hold heads of size {head_size}")
     if key.dtype != query.dtype:
         raise FusedOpError(f"{op}: query and key dtypes differ ({query.dtype}, {key.dtype})")
-    _same_device(op, positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache)
+    check_same_device(FusedOpError, op, positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache)
 
 
 def apply_rope_with_cos_sin_cache_inplace(

@@ -3,7 +3,7 @@ smallest vocabulary id among the tied - what `max` over the full-vocabulary row 
 returns - without that row, and without a [B, k * T] tensor of candidate ids.
 
 The head's candidates for row b: values[b, j * T + t], the logit of token `token_ordering[top[b, j] * T + t]` (the
-t-th token of the row's j-th chosen cluster; `centroid_head.centroid_logits` computes them). Per row:
+t-th token of the row's j-th chosen cluster; `centroid.centroid_logits` computes them). Per row:
 
     logit[b] = max_n values[b, n]                       (NaN where the row holds a NaN, as torch.max)
     token[b] = min { id(b, n) : values[b, n] >= logit[b] }   (every candidate where logit[b] is NaN)
@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from graphcap.kernels import dtype_names, use_triton
+from graphcap.kernels import use_triton
+from graphcap.kernels.checks import check_same_device, check_tensor
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -37,13 +38,10 @@ class CandidatePickError(ValueError):
 
 def _check(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tensor, tokens_per_cluster: int) -> None:
     """Static checks only (shapes, dtypes, devices, strides): nothing that reads a GPU value."""
-    for name, t, ndim, dtypes in (("values", values, 2, DTYPES), ("top", top, 2, INDEX_DTYPES),
-                                  ("token_ordering", token_ordering, 1, INDEX_DTYPES)):
-        if not isinstance(t, torch.Tensor):
-            raise CandidatePickError(f"candidate_greedy: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != ndim or t.dtype not in dtypes:
-            raise CandidatePickError(f"candidate_greedy: {name} must be a {ndim}-D {dtype_names(dtypes)} tensor, "
-                                     f"got {t.ndim}-D {t.dtype} {tuple(t.shape)}")
+    op = "candidate_greedy"
+    check_tensor(CandidatePickError, op, "values", values, DTYPES, 2)
+    check_tensor(CandidatePickError, op, "top", top, INDEX_DTYPES, 2)
+    check_tensor(CandidatePickError, op, "token_ordering", token_ordering, INDEX_DTYPES, 1)
     if isinstance(tokens_per_cluster, bool) or not isinstance(tokens_per_cluster, int) or tokens_per_cluster < 1:
         raise CandidatePickError(f"candidate_greedy: tokens_per_cluster must be an int >= 1, "
                                  f"got {tokens_per_cluster!r}")
@@ -56,12 +54,7 @@ def _check(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tensor
     if token_ordering.shape[0] % tokens_per_cluster:
         raise CandidatePickError(f"candidate_greedy: tokens_per_cluster {tokens_per_cluster} must divide "
                                  f"token_ordering's {token_ordering.shape[0]} entries")
-    devs = {t.device for t in (values, top, token_ordering)}
-    if len(devs) != 1:
-        raise CandidatePickError(f"candidate_greedy: all tensors must be on one device, got {sorted(map(str, devs))}")
-    for name, t in (("values", values), ("top", top), ("token_ordering", token_ordering)):
-        if t.numel() and t.stride(-1) != 1:
-            raise CandidatePickError(f"candidate_greedy: {name}'s last dimension must be contiguous (stride 1)")
+    check_same_device(CandidatePickError, op, values=values, top=top, token_ordering=token_ordering)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -103,12 +96,12 @@ def _candidate_greedy_kernel(values, top, token_ordering, token, logit, clusters
     tl.store(logit + b, best)
 
 
-def _num_warps(block_n: int) -> int:
+def warps_for(block_n: int) -> int:
     """Warps per program: ~1024 entries per warp, 1 to 16 (4096 candidates: 4 warps)."""
     return max(1, min(16, block_n // 1024))
 
 
-def _launch(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tensor,
+def launch(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tensor,
             tokens_per_cluster: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = values.shape
     token = torch.empty(rows, dtype=torch.int64, device=values.device)
@@ -118,7 +111,7 @@ def _launch(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tenso
     block_n = max(16, triton.next_power_of_2(n))
     wrap_triton(_candidate_greedy_kernel)[(rows,)](
         values, top, token_ordering, token, logit, token_ordering.shape[0] // tokens_per_cluster, values.stride(0),
-        top.stride(0), N=n, T=tokens_per_cluster, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        top.stride(0), N=n, T=tokens_per_cluster, BLOCK_N=block_n, num_warps=warps_for(block_n),
     )
     return token, logit
 
@@ -147,4 +140,4 @@ def _candidate_greedy_op(values: torch.Tensor, top: torch.Tensor, token_ordering
     _check(values, top, token_ordering, tokens_per_cluster)
     if not use_triton(values) or values.shape[1] > MAX_N:
         return candidate_greedy_torch(values, top, token_ordering, tokens_per_cluster)
-    return _launch(values, top, token_ordering, tokens_per_cluster)
+    return launch(values, top, token_ordering, tokens_per_cluster)

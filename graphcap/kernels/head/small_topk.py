@@ -24,7 +24,7 @@ keeps its payload, -0.0 its sign); values in x's dtype, indices int64.
 
 Sizes. The row lives in registers: N <= MAX_N (8192) and k <= MAX_K (64, the length of the index vector each
 program keeps). Larger rows or k fall back to the twin (torch.topk), silently and with the same results up to tie
-order. num_warps grows with the row (`_num_warps`: 4 warps for 2048, 8 for 4096 and 8192) - a first choice, not yet
+order. num_warps grows with the row (`warps_for`: 4 warps for 2048, 8 for 4096 and 8192) - a first choice, not yet
 tuned on a GPU. Grid (one program per row) and outputs depend only on static shapes, never on a GPU value, so the op
 captures in a CUDA graph and traces under torch.compile (a `torch.library.triton_op`).
 """
@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from graphcap.kernels import dtype_names, use_triton
+from graphcap.kernels import use_triton
+from graphcap.kernels.checks import check_tensor
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_N = 8192  # the longest row held in registers (fp32 keys: 32 per thread at 8 warps)
@@ -48,16 +49,10 @@ class SmallTopkError(ValueError):
 
 def _check(x: torch.Tensor, k: int) -> None:
     """Static checks only (shape, dtype, stride, k): nothing that reads a GPU value."""
-    if not isinstance(x, torch.Tensor):
-        raise SmallTopkError(f"small_topk: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.ndim != 2 or x.dtype not in DTYPES:
-        raise SmallTopkError(f"small_topk: x must be a 2-D {dtype_names(DTYPES)} tensor, "
-                             f"got {x.ndim}-D {x.dtype} {tuple(x.shape)}")
+    check_tensor(SmallTopkError, "small_topk", "x", x, DTYPES, 2)
     n = x.shape[1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise SmallTopkError(f"small_topk: k must be an int in [1, {n}] (x's last dimension), got {k!r}")
-    if x.numel() and x.stride(1) != 1:
-        raise SmallTopkError("small_topk: x's last dimension must be contiguous (stride 1)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -99,13 +94,13 @@ def _small_topk_kernel(x, values, indices, stride_xb, stride_vb, stride_ib,
     tl.store(indices + b * stride_ib + lanes, chosen.to(tl.int64), mask=lanes < K)
 
 
-def _num_warps(block_n: int) -> int:
+def warps_for(block_n: int) -> int:
     """Warps per program: ~512 row entries per warp (16 per thread), 1 to 8 (2048: 4; 4096, 8192: 8). Untuned."""
     return max(1, min(8, block_n // 512))
 
 
-def _launch(x: torch.Tensor, k: int, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel over x's rows; num_warps: `_num_warps`'s choice unless given (lab/row_kernels.py sweeps it)."""
+def launch(x: torch.Tensor, k: int, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel over x's rows; num_warps: `warps_for`'s choice unless given (lab/row_kernels.py sweeps it)."""
     b, n = x.shape
     values = torch.empty((b, k), dtype=x.dtype, device=x.device)
     indices = torch.empty((b, k), dtype=torch.int64, device=x.device)
@@ -115,7 +110,7 @@ def _launch(x: torch.Tensor, k: int, num_warps: int | None = None) -> tuple[torc
     wrap_triton(_small_topk_kernel)[(b,)](
         x, values, indices, x.stride(0), values.stride(0), indices.stride(0),
         N=n, K=k, BLOCK_N=block_n, BLOCK_K=max(2, triton.next_power_of_2(k)),
-        num_warps=num_warps or _num_warps(block_n),
+        num_warps=num_warps or warps_for(block_n),
     )
     return values, indices
 
@@ -142,4 +137,4 @@ def _small_topk_op(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     _check(x, k)
     if not use_triton(x) or x.shape[1] > MAX_N or k > MAX_K:
         return topk_torch(x, k)
-    return _launch(x, k)
+    return launch(x, k)

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from graphcap.kernels import dtype_names, use_triton
+from graphcap.kernels import use_triton
+from graphcap.kernels.checks import check_same_device, check_tensor
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -43,12 +44,10 @@ class CentroidHeadError(ValueError):
 
 def _check(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int) -> None:
     """Static checks only (shapes, dtypes, devices, strides): nothing that reads a GPU value."""
-    for name, t, dtypes in (("lm_head", lm_head, DTYPES), ("x", x, DTYPES), ("top", top, INDEX_DTYPES)):
-        if not isinstance(t, torch.Tensor):
-            raise CentroidHeadError(f"centroid_logits: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim != 2 or t.dtype not in dtypes:
-            raise CentroidHeadError(f"centroid_logits: {name} must be a 2-D {dtype_names(dtypes)} tensor, "
-                                    f"got {t.ndim}-D {t.dtype} {tuple(t.shape)}")
+    op = "centroid_logits"
+    check_tensor(CentroidHeadError, op, "lm_head", lm_head, DTYPES, 2)  # its row stride is free
+    check_tensor(CentroidHeadError, op, "x", x, DTYPES, 2)
+    check_tensor(CentroidHeadError, op, "top", top, INDEX_DTYPES, 2, contiguous_rows=False)  # a slice of topk's
     if x.dtype != lm_head.dtype:
         raise CentroidHeadError(f"centroid_logits: x ({x.dtype}) and lm_head ({lm_head.dtype}) dtypes differ")
     vocab, hidden = lm_head.shape
@@ -62,12 +61,7 @@ def _check(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per
     if vocab % tokens_per_cluster:
         raise CentroidHeadError(f"centroid_logits: tokens_per_cluster {tokens_per_cluster} must divide lm_head's "
                                 f"{vocab} rows")
-    devs = {t.device for t in (lm_head, x, top)}
-    if len(devs) != 1:
-        raise CentroidHeadError(f"centroid_logits: all tensors must be on one device, got {sorted(map(str, devs))}")
-    for name, t in (("lm_head", lm_head), ("x", x)):
-        if t.numel() and t.stride(1) != 1:
-            raise CentroidHeadError(f"centroid_logits: {name}'s last dimension must be contiguous (stride 1)")
+    check_same_device(CentroidHeadError, op, lm_head=lm_head, x=x, top=top)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -115,7 +109,7 @@ def _centroid_logits_kernel(
     tl.store(out + b * stride_ob + j * T + offs_t, logits, mask=offs_t < T)
 
 
-def _launch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int,
+def launch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per_cluster: int,
             block_t: int = BLOCK_T, block_h: int = BLOCK_H, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """The kernel's launch; the block sizes and warps are parameters for lab/centroid_config.py's sweep."""
     b, k = top.shape
@@ -156,4 +150,4 @@ def _centroid_logits_op(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tenso
     _check(lm_head, x, top, tokens_per_cluster)
     if not use_triton(x):
         return centroid_logits_torch(lm_head, x, top, tokens_per_cluster)
-    return _launch(lm_head, x, top, tokens_per_cluster)
+    return launch(lm_head, x, top, tokens_per_cluster)

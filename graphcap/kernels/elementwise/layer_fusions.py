@@ -1,7 +1,7 @@
 """The draft layer's chains of small ops, each one Triton kernel, beside its torch twin.
 
-sglang (and graphcap.kernels.fused_ops, which launches what sglang launches) runs one kernel per norm. In the draft
-layer the norms come in chains, each link reading what the one before wrote, so a chain is one pass over a row:
+sglang (and `fused_ops` beside this module, which launches what sglang launches) runs one kernel per norm. In the
+draft layer the norms come in chains, each link reading what the one before wrote, so a chain is one pass over a row:
 - `norm_rope(q, weight, cos, sin, slots, lens)`: every query head's RMSNorm, then its rotary (NeoX halves: a head's
   element i pairs with i + D/2) at the row's query position, read from the position tables in the kernel - the
   layer's q_norm and rope. The position is the draft's (its last token's, lens[slots[b]] - 1), found in the kernel
@@ -29,7 +29,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
-from graphcap.kernels.fused_ops import DTYPES, FusedOpError, _same_device, _tensor
+from graphcap.kernels.checks import check_eps, check_same_device, check_tensor
+from graphcap.kernels.elementwise.fused_ops import DTYPES, FusedOpError
 
 __all__ = ["norm_rope", "norm_add_norm", "norm_add_scale_norm", "norm_rope_torch", "norm_add_norm_torch",
            "norm_add_scale_norm_torch", "query_positions"]
@@ -143,7 +144,8 @@ def _norm_add_scale_norm_kernel(x, res, w_x, scalar, w_out, out, normed, n, stri
     tl.store(normed + row * stride_n + cols, y.to(dt), mask=m)
 
 
-def _warps(block: int) -> int:
+def warps_for(block: int) -> int:
+    """Warps per program for a row of `block` elements: 256 a warp, 1 to 16 (lab/row_kernels.py times others)."""
     return min(16, max(1, block // 256))
 
 
@@ -160,7 +162,7 @@ def _norm_rope_op(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin:
     block = triton.next_power_of_2(half)
     wrap_triton(_norm_rope_kernel)[(b * h,)](
         q, weight, cos, sin, slots, lens, out, h, half, cos.shape[0], q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), cos.stride(0), sin.stride(0), eps, BLOCK=block, num_warps=_warps(block),
+        out.stride(1), cos.stride(0), sin.stride(0), eps, BLOCK=block, num_warps=warps_for(block),
     )
     return out
 
@@ -176,7 +178,7 @@ def launch_norm_add_norm(x: torch.Tensor, residual: torch.Tensor, w_x: torch.Ten
     block = triton.next_power_of_2(n)
     wrap_triton(_norm_add_norm_kernel)[(rows,)](
         x, residual, w_x, w_sum, normed, total, n, x.stride(0), residual.stride(0), normed.stride(0), total.stride(0),
-        eps, BLOCK=block, num_warps=num_warps or _warps(block),
+        eps, BLOCK=block, num_warps=num_warps or warps_for(block),
     )
     return normed, total
 
@@ -193,7 +195,7 @@ def launch_norm_add_scale_norm(x: torch.Tensor, w_x: torch.Tensor, residual: tor
     block = triton.next_power_of_2(n)
     wrap_triton(_norm_add_scale_norm_kernel)[(rows,)](
         x, residual, w_x, scalar, w_out, out, normed, n, x.stride(0), residual.stride(0), out.stride(0),
-        normed.stride(0), eps, BLOCK=block, num_warps=num_warps or _warps(block),
+        normed.stride(0), eps, BLOCK=block, num_warps=num_warps or warps_for(block),
     )
     return out, normed
 
@@ -218,49 +220,43 @@ def _norm_add_scale_norm_op(x: torch.Tensor, w_x: torch.Tensor, residual: torch.
 # checked entry points (shapes, dtypes, devices, strides: nothing that needs a GPU value)
 
 
-def _check_eps(op: str, eps: float) -> float:
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
-        raise FusedOpError(f"{op}: eps must be a float >= 0, got {eps!r}")
-    return float(eps)
-
-
 def _check_rows(op: str, named: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
     """2-D activations of one shape and dtype, 1-D weights as wide as their rows, all on one device."""
     first = next(iter(named))
-    ref = _tensor(op, first, named[first], DTYPES, 2)
+    ref = check_tensor(FusedOpError, op, first, named[first], DTYPES, 2)
     for name, x in named.items():
-        _tensor(op, name, x, DTYPES, 2)
+        check_tensor(FusedOpError, op, name, x, DTYPES, 2)
         if x.shape != ref.shape or x.dtype != ref.dtype:
             raise FusedOpError(f"{op}: {name} must match {first} ({ref.dtype} {tuple(ref.shape)}), "
                                f"got {x.dtype} {tuple(x.shape)}")
     for name, w in weights.items():
-        _tensor(op, name, w, DTYPES, 1)
+        check_tensor(FusedOpError, op, name, w, DTYPES, 1)
         if w.shape[0] != ref.shape[1]:
             raise FusedOpError(f"{op}: {name} has {w.shape[0]} entries, rows have {ref.shape[1]}")
-    _same_device(op, **named, **weights)
+    check_same_device(FusedOpError, op, **named, **weights)
 
 
 def check_norm_rope(op: str, q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     slots: torch.Tensor, lens: torch.Tensor, eps: float) -> float:
     """`norm_rope`'s arguments (FusedOpError naming `op` and the argument); returns eps as a float. Also what
     decode_attention checks when it norms and rotates its query itself."""
-    _tensor(op, "q", q, DTYPES, 3)
-    _tensor(op, "weight", weight, DTYPES, 1)
+    check_tensor(FusedOpError, op, "q", q, DTYPES, 3)
+    check_tensor(FusedOpError, op, "weight", weight, DTYPES, 1)
     if q.shape[-1] % 2 or weight.shape[0] != q.shape[-1]:
         raise FusedOpError(f"{op}: q's head dim {q.shape[-1]} must be even and equal weight's {weight.shape[0]}")
     for name, t in (("cos", cos), ("sin", sin)):
-        _tensor(op, name, t, (torch.float32,), 2)
+        check_tensor(FusedOpError, op, name, t, (torch.float32,), 2)
         if t.shape[0] < 1 or t.shape[1] != q.shape[-1] // 2:
             raise FusedOpError(f"{op}: {name} must be [positions >= 1, {q.shape[-1] // 2}] (a table of D/2 columns), "
                                f"got {tuple(t.shape)}")
     if cos.shape != sin.shape or cos.stride() != sin.stride():
         raise FusedOpError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have one shape and layout")
     for name, t, n in (("slots", slots, q.shape[0]), ("lens", lens, None)):
-        _tensor(op, name, t, INDEX_DTYPES, 1)
+        check_tensor(FusedOpError, op, name, t, INDEX_DTYPES, 1)
         if n is not None and t.shape[0] != n:
             raise FusedOpError(f"{op}: {name} must have one entry per row of q ({n}), got {tuple(t.shape)}")
-    _same_device(op, q=q, weight=weight, cos=cos, sin=sin, slots=slots, lens=lens)
-    return _check_eps(op, eps)
+    check_same_device(FusedOpError, op, q=q, weight=weight, cos=cos, sin=sin, slots=slots, lens=lens)
+    return check_eps(FusedOpError, op, eps)
 
 
 def norm_rope(q: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -278,7 +274,7 @@ def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, w_x: torch.Tensor, w_
                   eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(sum, w_sum), sum) with sum = residual + norm(x, w_x), for x, residual [rows, n]. New tensors."""
     _check_rows("norm_add_norm", {"x": x, "residual": residual}, {"w_x": w_x, "w_sum": w_sum})
-    return _norm_add_norm_op(x, residual, w_x, w_sum, _check_eps("norm_add_norm", eps))
+    return _norm_add_norm_op(x, residual, w_x, w_sum, check_eps(FusedOpError, "norm_add_norm", eps))
 
 
 def norm_add_scale_norm(x: torch.Tensor, w_x: torch.Tensor, residual: torch.Tensor, scalar: torch.Tensor,
@@ -290,5 +286,5 @@ def norm_add_scale_norm(x: torch.Tensor, w_x: torch.Tensor, residual: torch.Tens
     if not isinstance(scalar, torch.Tensor) or scalar.dtype not in DTYPES or scalar.numel() != 1:
         raise FusedOpError(f"{op}: scalar must be a one-element float tensor, got "
                            f"{getattr(scalar, 'dtype', type(scalar).__name__)} {tuple(getattr(scalar, 'shape', ()))}")
-    _same_device(op, x=x, scalar=scalar)
-    return _norm_add_scale_norm_op(x, w_x, residual, scalar, w_out, _check_eps(op, eps))
+    check_same_device(FusedOpError, op, x=x, scalar=scalar)
+    return _norm_add_scale_norm_op(x, w_x, residual, scalar, w_out, check_eps(FusedOpError, op, eps))

@@ -1,8 +1,8 @@
 """The two EAGLE tree ops sglang 0.5.18 launches from `sgl_kernel` on CUDA (0.5.23 has its own JIT kernels), one
 Triton kernel each, beside a plain-torch twin (`*_torch`, serial Python over the batch: the tests' reference and the
 fallback where Triton cannot run). Names, argument order, dtypes and in-place outputs are sgl_kernel's
-(`sgl_kernel/speculative.py`; the CUDA kernels `build_tree_efficient`, `VerifyTreeGreedy`). `fast_topk`, the third
-op, is in `graphcap.kernels.fast_topk`.
+(`sgl_kernel/speculative.py`, whose name this module takes; the CUDA kernels `build_tree_efficient`,
+`VerifyTreeGreedy`). `fast_topk`, the third op, is in `top_k` beside it.
 
 Tree layout (built by sglang's `organize_draft_results` from the draft loop's top-k): request b's tree has D =
 `draft_token_num` nodes; node 0 is the root (the bonus token), node i >= 1 the draft token whose index in the
@@ -39,7 +39,8 @@ walk stops at the first level with none. Writes `accept_index[b, k]` (the accept
 at k = 0), `accept_token_num[b]` (drafts accepted) and `predicts[r] = target_predict[r]` at each accepted retrieve
 index r (the root's included); other entries stay as they were. Any tree shape (topk > 1 too).
 
-Checks are static (shapes, dtypes, devices, strides), never a GPU value: both ops launch without a sync.
+Checks are static (shapes, dtypes, devices, strides), never a GPU value: both ops launch without a sync. It imports
+nothing of the stand-in package, so tests load it in their own process without it (tests/standin_ops.py).
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
+from graphcap.kernels.checks import check_same_device
 
 MAX_TREE_DRAFT_TOKENS = 64  # build_tree: D x D tiles per program (128 would spill registers)
 MASK_MODES = {0: "FULL_MASK", 1: "QLEN_ONLY", 2: "QLEN_ONLY_BITPACKING"}
@@ -76,12 +78,6 @@ def _tensor(op: str, name: str, x: object, dtype: torch.dtype, shape: tuple[int,
                           f"{shape}, got {x.dtype} {tuple(x.shape)}")
     if x.numel() and x.stride(-1) != 1:
         raise SpecOpError(f"{op}: {name}'s last dimension must be contiguous (stride 1), got strides {x.stride()}")
-
-
-def _same_device(op: str, **xs: torch.Tensor) -> None:
-    devs = {str(x.device) for x in xs.values()}
-    if len(devs) != 1:
-        raise SpecOpError(f"{op}: {', '.join(xs)} must be on one device, got {sorted(devs)}")
 
 
 def _mask_bytes(d: int) -> int:
@@ -121,9 +117,10 @@ def _check_build(parent_list: torch.Tensor, selected_index: torch.Tensor, verifi
     if tree_mask.numel() * tree_mask.element_size() < need:
         raise SpecOpError(f"{op}: tree_mask holds {tree_mask.numel() * tree_mask.element_size()} bytes, "
                           f"{MASK_MODES[tree_mask_mode]} writes {need}")
-    _same_device(op, parent_list=parent_list, selected_index=selected_index, verified_seq_len=verified_seq_len,
-                 tree_mask=tree_mask, positions=positions, retrive_index=retrive_index,
-                 retrive_next_token=retrive_next_token, retrive_next_sibling=retrive_next_sibling)
+    check_same_device(SpecOpError, op, parent_list=parent_list, selected_index=selected_index,
+                      verified_seq_len=verified_seq_len, tree_mask=tree_mask, positions=positions,
+                      retrive_index=retrive_index, retrive_next_token=retrive_next_token,
+                      retrive_next_sibling=retrive_next_sibling)
     if tree_mask_mode == 2 and d > 32:
         raise NotImplementedError(f"{op}: QLEN_ONLY_BITPACKING holds at most 32 draft tokens (as sgl_kernel), got "
                                   f"draft_token_num {d}")
@@ -151,9 +148,10 @@ def _check_verify(predicts: torch.Tensor, accept_index: torch.Tensor, accept_tok
     _tensor(op, "accept_index", accept_index, torch.int32, (bs, s))
     _tensor(op, "accept_token_num", accept_token_num, torch.int32, (bs,))
     _tensor(op, "predicts", predicts, torch.int32, (bs * d,))
-    _same_device(op, predicts=predicts, accept_index=accept_index, accept_token_num=accept_token_num,
-                 candidates=candidates, retrive_index=retrive_index, retrive_next_token=retrive_next_token,
-                 retrive_next_sibling=retrive_next_sibling, target_predict=target_predict)
+    check_same_device(SpecOpError, op, predicts=predicts, accept_index=accept_index,
+                      accept_token_num=accept_token_num, candidates=candidates, retrive_index=retrive_index,
+                      retrive_next_token=retrive_next_token, retrive_next_sibling=retrive_next_sibling,
+                      target_predict=target_predict)
 
 
 # ---------------------------------------------------------------------------------------------------------------

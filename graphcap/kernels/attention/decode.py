@@ -16,11 +16,11 @@ correct for every page size; a page size > 1 only makes neighbouring locations c
 system but is never assumed.
 
 The kernels - split-KV "flash-decoding": a split kernel, then a combine kernel - and their plain-torch twin
-`decode_attention_torch` (the CPU path and a test reference) are in graphcap.kernels.attention_kernels.
+`decode_attention_torch` (the CPU path and a test reference) are in graphcap.kernels.attention.decode_kernels.
 
 Grid and temporaries depend only on static shapes (B, H, D, num_splits), never on GPU values: the op can be captured
 in a CUDA graph and traced by torch.compile (it is a `torch.library.triton_op`). Those host-side decisions (launch
-configuration, split count, wave) are one `attention_plan.AttentionPlan`, made per bucket before anything is traced
+configuration, split count, wave) are one `plan.AttentionPlan`, made per bucket before anything is traced
 and passed to the op as ints; the launch derives only the query tiling from the shapes.
 """
 from __future__ import annotations
@@ -31,23 +31,11 @@ import torch
 from torch.library import triton_op
 
 from graphcap.kernels import use_triton
-from graphcap.kernels.fused_ops import FusedOpError
-from graphcap.kernels.layer_fusions import check_norm_rope, norm_rope_torch
-from graphcap.kernels.attention_kernels import QueryNormRope, decode_attention_torch, launch
-from graphcap.kernels.attention_plan import (  # noqa: F401 - re-exported: the op's public planning helpers
-    AttentionError,
-    AttentionPlan,
-    KernelConfig,
-    _device_smem,
-    choose_num_splits,
-    default_config,
-    device_sm_count,
-    plan_attention,
-    query_block,
-    splits_for,
-    target_programs,
-    wave_splits,
-)
+from graphcap.kernels.checks import check_same_device, check_tensor
+from graphcap.kernels.elementwise.fused_ops import FusedOpError
+from graphcap.kernels.elementwise.layer_fusions import check_norm_rope, norm_rope_torch
+from graphcap.kernels.attention.decode_kernels import QueryNormRope, decode_attention_torch, launch
+from graphcap.kernels.attention.plan import AttentionError, AttentionPlan, KernelConfig, plan_attention
 
 MAX_SPLITS = 256
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -59,20 +47,12 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits) -> None:
-    def t(name, x, ndim, dtypes):
-        if not isinstance(x, torch.Tensor):
-            raise AttentionError(f"decode_attention: {name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.ndim != ndim or x.dtype not in dtypes:
-            names = "/".join(str(d).replace("torch.", "") for d in dtypes)
-            raise AttentionError(f"decode_attention: {name} must be a {ndim}-D {names} tensor, "
-                                 f"got {x.ndim}-D {x.dtype} {tuple(x.shape)}")
-
-    t("q", q, 3, DTYPES)
-    t("k_pool", k_pool, 3, DTYPES)
-    t("v_pool", v_pool, 3, DTYPES)
-    t("table", table, 2, INDEX_DTYPES)
-    t("slots", slots, 1, INDEX_DTYPES)
-    t("lens", lens, 1, INDEX_DTYPES)
+    op = "decode_attention"
+    for name, x, ndim in (("q", q, 3), ("k_pool", k_pool, 3), ("v_pool", v_pool, 3)):
+        check_tensor(AttentionError, op, name, x, DTYPES, ndim)
+    check_tensor(AttentionError, op, "table", table, INDEX_DTYPES, 2)
+    for name, x in (("slots", slots), ("lens", lens)):  # read one entry per row: any stride
+        check_tensor(AttentionError, op, name, x, INDEX_DTYPES, 1, contiguous_rows=False)
     b, h, d = q.shape
     if k_pool.shape != v_pool.shape:
         raise AttentionError(f"decode_attention: k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} differ")
@@ -86,9 +66,7 @@ def _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits) 
         raise AttentionError(f"decode_attention: query heads ({h}) must be a multiple of kv heads ({hkv})")
     if slots.shape[0] != b:
         raise AttentionError(f"decode_attention: slots has {slots.shape[0]} entries, q has {b} rows")
-    devs = {x.device for x in (q, k_pool, v_pool, table, slots, lens)}
-    if len(devs) != 1:
-        raise AttentionError(f"decode_attention: all tensors must be on one device, got {sorted(map(str, devs))}")
+    check_same_device(AttentionError, op, q=q, k_pool=k_pool, v_pool=v_pool, table=table, slots=slots, lens=lens)
     if not isinstance(window, int) or window < 0:
         raise AttentionError(f"decode_attention: window must be an int >= 0, got {window!r}")
     if window > table.shape[1]:
@@ -97,9 +75,6 @@ def _check(q, k_pool, v_pool, table, slots, lens, window, sm_scale, num_splits) 
         raise AttentionError(f"decode_attention: num_splits must be an int in [1, {MAX_SPLITS}], got {num_splits!r}")
     if not isinstance(sm_scale, (int, float)):
         raise AttentionError(f"decode_attention: sm_scale must be a float, got {type(sm_scale).__name__}")
-    for name, x in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("table", table)):
-        if x.numel() and x.stride(-1) != 1:
-            raise AttentionError(f"decode_attention: {name}'s last dimension must be contiguous (stride 1)")
 
 
 def _batch_of(q: torch.Tensor) -> int | None:
@@ -154,7 +129,7 @@ def decode_attention(
         q_args = (None, None, None, 0.0)
     if plan is None:
         if num_splits is None:
-            raise AttentionError("decode_attention: pass num_splits or a plan (attention_plan.plan_attention)")
+            raise AttentionError("decode_attention: pass num_splits or a plan (plan.plan_attention)")
         args = (num_splits, *_UNPLANNED)
     elif num_splits is not None and num_splits != plan.num_splits:
         raise AttentionError(f"decode_attention: num_splits {num_splits} != the plan's {plan.num_splits}")

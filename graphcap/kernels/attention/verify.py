@@ -5,7 +5,7 @@ Why a kernel of its own: on NVIDIA, sglang's Triton backend runs the verify thro
 (`extend_attention_fwd`: grid batch x query heads x one query tile, each program walking the whole prefix serially).
 At verify shapes - a few query tokens against a long prefix - that leaves most of the GPU idle and reads every K/V
 tile once per query head, so its cost grows with batch x min(context, window) while a decode step over the same
-prefix costs a fraction of it. Here the verify is the split-KV decode kernel (`attention_kernels`) generalised to
+prefix costs a fraction of it. Here the verify is the split-KV decode kernel (`decode_kernels`) generalised to
 `n_q` query rows per request: program (request, KV head, split) loads each K/V tile of its chunk of the prefix once
 for every query head of the GQA group and every one of the `n_q` query tokens (one tl.dot over group x n_q rows),
 splits the prefix so that a small batch still fills the GPU, and the first split of a request also attends to the
@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 from graphcap.kernels import use_triton
-from graphcap.kernels.attention_kernels import LOG2E, _combine_kernel, split_scratch
+from graphcap.kernels.checks import check_same_device, check_tensor
+from graphcap.kernels.attention.online_softmax import LOG2E, combine_kernel, softmax_tile, split_scratch, tile_scores
 from graphcap.kernels.arch import GpuArch, device_arch
-from graphcap.kernels.attention_plan import AttentionError, AttentionPlan, plan_attention
+from graphcap.kernels.attention.plan import AttentionError, AttentionPlan, plan_attention
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -71,7 +72,7 @@ def verify_attention_torch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Triton kernel (the combine is attention_kernels._combine_kernel, one query token per row)
+# Triton kernel (the combine is online_softmax.combine_kernel, one query token per row)
 
 
 @triton.jit
@@ -125,24 +126,11 @@ def _verify_split_kernel(
         loc = tl.load(indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         kt = tl.load(k_base + loc[:, None] * stride_kp, mask=kv_mask, other=0.0)
-        if F32_DOT:
-            s = tl.dot(qv.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(qv, tl.trans(kt))
+        s = tile_scores(qv, kt, F32_DOT)
         visible = mask_n[None, :] & (offs_n[None, :] >= lo[:, None])
         s = tl.where(visible, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet in this split
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_base + loc[:, None] * stride_vp, mask=kv_mask, other=0.0)
-        if F32_DOT:
-            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(vt.dtype), vt)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = softmax_tile(s, v_base, loc, stride_vp, kv_mask, m_i, l_i, acc,
+                                     v_pool.dtype.element_ty, F32_DOT, True)  # a row may see no key yet in this split
 
     if split == 0:  # the request's own new tokens, causal: token i sees new tokens e <= i with i - e <= window
         offs_e = tl.arange(0, BLOCK_E)
@@ -151,25 +139,12 @@ def _verify_split_kernel(
         e_mask = mask_e[:, None] & mask_d[None, :]
         ke = tl.load(k_new + e_rows[:, None] * stride_nt + kvh.to(tl.int64) * stride_nh + offs_d[None, :],
                      mask=e_mask, other=0.0).to(k_pool.dtype.element_ty)
-        if F32_DOT:
-            s = tl.dot(qv.to(tl.float32), tl.trans(ke.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(qv, tl.trans(ke))
+        s = tile_scores(qv, ke, F32_DOT)
         near = (offs_e[None, :] <= i[:, None]) & ((window <= 0) | (i[:, None] <= offs_e[None, :] + window))
         s = tl.where(mask_e[None, :] & near, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        ve = tl.load(v_new + e_rows[:, None] * stride_nt + kvh.to(tl.int64) * stride_nh + offs_d[None, :],
-                     mask=e_mask, other=0.0).to(k_pool.dtype.element_ty)
-        if F32_DOT:
-            pv = tl.dot(p, ve.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(ve.dtype), ve)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        ve = v_new + kvh.to(tl.int64) * stride_nh + offs_d[None, :]
+        m_i, l_i, acc = softmax_tile(s, ve, e_rows, stride_nt, e_mask, m_i, l_i, acc, k_pool.dtype.element_ty, F32_DOT,
+                                     True)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -227,38 +202,30 @@ def plan_verify(batch: int, kv_heads: int, q_heads: int, head_dim: int, n_q: int
 
 
 def _check(q, k_new, v_new, k_pool, v_pool, indptr, indices, n_q, out) -> None:
-    def t(name, x, ndim, dtypes):
-        if not isinstance(x, torch.Tensor) or x.ndim != ndim or x.dtype not in dtypes:
-            got = f"{x.ndim}-D {x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise AttentionError(f"verify_attention: {name} must be a {ndim}-D tensor of "
-                                 f"{'/'.join(str(d).replace('torch.', '') for d in dtypes)}, got {got}")
-
+    op = "verify_attention"
     for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_pool", k_pool), ("v_pool", v_pool),
                     ("out", out)):
-        t(name, x, 3, DTYPES)
-    t("indptr", indptr, 1, INDEX_DTYPES)
-    t("indices", indices, 1, INDEX_DTYPES)
+        check_tensor(AttentionError, op, name, x, DTYPES, 3)
+    for name, x in (("indptr", indptr), ("indices", indices)):  # read one entry at a time: any stride
+        check_tensor(AttentionError, op, name, x, INDEX_DTYPES, 1, contiguous_rows=False)
     tokens, h, d = q.shape
     hkv = k_pool.shape[1]
     if k_pool.shape[1:] != (hkv, d) or v_pool.shape[1:] != (hkv, d) or k_new.shape != (tokens, hkv, d) \
             or v_new.shape != (tokens, hkv, d) or out.shape != q.shape:
         raise AttentionError(f"verify_attention: shapes disagree: q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, "
                              f"v_new {tuple(v_new.shape)}, k_pool {tuple(k_pool.shape)}, v_pool "
-                             f"{tuple(v_pool.shape)}, out {tuple(out.shape)} (want [T, H, D], [T, Hkv, D], [P, Hkv, D])")
+                             f"{tuple(v_pool.shape)}, out {tuple(out.shape)} "
+                             "(want [T, H, D], [T, Hkv, D], [P, Hkv, D])")
     if h % hkv:
         raise AttentionError(f"verify_attention: query heads ({h}) must be a multiple of kv heads ({hkv})")
     if not isinstance(n_q, int) or n_q < 1 or tokens % n_q:
         raise AttentionError(f"verify_attention: {tokens} query tokens are not whole requests of n_q={n_q!r}")
     if indptr.shape[0] < tokens // n_q + 1:
         raise AttentionError(f"verify_attention: indptr has {indptr.shape[0]} entries for {tokens // n_q} requests")
-    if len({x.device for x in (q, k_new, v_new, k_pool, v_pool, indptr, indices, out)}) != 1:
-        raise AttentionError("verify_attention: all tensors must be on one device")
+    check_same_device(AttentionError, op, q=q, k_new=k_new, v_new=v_new, k_pool=k_pool, v_pool=v_pool,
+                      indptr=indptr, indices=indices, out=out)
     if k_pool.dtype != v_pool.dtype:
         raise AttentionError(f"verify_attention: k_pool {k_pool.dtype} and v_pool {v_pool.dtype} differ")
-    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_pool", k_pool), ("v_pool", v_pool),
-                    ("out", out)):
-        if x.stride(-1) != 1:
-            raise AttentionError(f"verify_attention: {name}'s last dimension must be contiguous (stride 1)")
 
 
 def verify_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
@@ -302,12 +269,12 @@ def verify_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         v_pool.stride(0), v_pool.stride(1), out.stride(0), out.stride(1),
         H=h, GROUP=h // hkv, HEADS=plan.heads, HEAD_TILES=plan.head_tiles, NQ=n_q, D=d, BLOCK_D=block_d,
         BLOCK_M=plan.block_m, BLOCK_N=ap.block_n, BLOCK_E=max(16, triton.next_power_of_2(n_q)), SINGLE=single,
-        # Triton's interpreter computes bf16/fp16 dots wrongly (attention_kernels says so): fp32 tiles there
+        # Triton's interpreter computes bf16/fp16 dots wrongly (decode_kernels says so): fp32 tiles there
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
         num_warps=ap.num_warps, num_stages=ap.num_stages,
     )
     if not single:
-        _combine_kernel[(tokens, h)](
+        combine_kernel[(tokens, h)](
             part, lse, out, ap.num_splits, out.stride(0), out.stride(1),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(ap.num_splits),
             num_warps=ap.combine_warps, num_stages=1,
