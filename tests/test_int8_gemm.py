@@ -28,9 +28,8 @@ from hypothesis import strategies as st
 
 from graphcap.kernels import twins_on_cpu
 from graphcap.kernels.arch import SM80, SM90
-from tiers import examples, thorough
-
 from standin_ops import run_with_standin
+from tiers import examples, thorough
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORT = ROOT / "tests" / "support"

@@ -24,7 +24,7 @@ from graphcap.kernels import twins_on_cpu
 from sm90 import compile_for_sm90
 from standin_ops import speculative as T
 from standin_ops import top_k as FT
-from test_sgl_kernel_standin import run_python
+from standin_ops import run_with_standin
 
 SpecOpError = T.SpecOpError
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -468,7 +468,7 @@ def test_fast_topk_refuses_bad_input(args, msg):
 def test_standin_exports_the_ops_with_sglang_0518s_call_pattern():
     """tests/support/sgl_kernel re-exports the three ops under sgl_kernel's names, called as sglang 0.5.18 calls them
     (eagle_utils.py: keyword `retrive_*`, its own buffers; spec_utils.py: fast_topk(probs, topk, dim=-1))."""
-    out = run_python("""
+    out = run_with_standin("""
         import torch
         import sgl_kernel
         from sgl_kernel import speculative, top_k
