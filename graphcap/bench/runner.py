@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
+from unittest import mock
 
 import torch
 from tqdm import tqdm
@@ -138,18 +139,35 @@ def _note(notes: list[str], text: str) -> None:
         notes.append(text)
 
 
+@contextlib.contextmanager
+def _cpu_settings(cfg: BenchConfig) -> Iterator[None]:
+    """Without CUDA, for the run alone (an in-process caller keeps its own): torch's thread count, and Kineto's log
+    level - it logs every profiler start and stop to stderr (the host-read count's profiler), between the table's
+    lines, read when the first profile starts. With CUDA its warnings say why kernels went uncounted: kept."""
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        with mock.patch.dict(os.environ, {"KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", "6")}):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_bench(cfg: BenchConfig) -> BenchResult:
+    if torch.cuda.is_available():
+        return _run_bench(cfg)
+    with _cpu_settings(cfg):
+        return _run_bench(cfg)
+
+
+def _run_bench(cfg: BenchConfig) -> BenchResult:
     t_start = time.perf_counter()
     spec = cfg.spec
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     notes: list[str] = []
     if not cuda:
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        # Kineto logs every profiler start and stop to stderr (the host-read count's profiler), between the table's
-        # lines; read when the first profile starts. With CUDA its warnings say why kernels went uncounted: kept.
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         notes.append(CPU_SCOPE)
     growth = growth_tokens(cfg.warmup, cfg.iters, cfg.steps)
     bmax, cmax = max(cfg.batches), max(cfg.contexts)
