@@ -301,8 +301,8 @@ def test_a_cpu_run_prints_no_profiler_lines(tmp_path):
     (["--batch", "0"], "expected positive integers"),
     (["--batch", "x"], "expected comma-separated integers"),
     (["--batch", "64"], "exceeds max_slots 16"),
-    (["--context", "4096"], "exceeds max_context 128"),
-    (["--iters", "200", "--batch", "1"], "leaves no room for a context"),
+    (["--context", "4096"], "--context 4096 plus the 28 tokens"),  # (1 + 2 + 4) x (3 + 1): --warmup 1, --iters 4
+    (["--iters", "200", "--batch", "1"], "exceeds its max_context 128; it fits with one of --iters <= 27"),
     (["--graphcap-backend", "fast"], "is not one of"),
     (["--modes", "graphcap-per-bucket,graphcap", "--graphcap-backend", "eager"], "backend 'eager' compiles nothing"),
     (["--no-such-option"], "unrecognized arguments"),
