@@ -1,9 +1,10 @@
 """`graphcap bench` as a new user meets it: each refusal is one line naming the option, what was wrong and, where a
-value would do, that value; --help lists the modes a user picks and states each default once, as the run
-resolves it."""
+value would do, that value; --help lists the modes a user picks and states each default once, as the run resolves
+it; the table says what its columns mean and, on a CPU, what its ratios are not."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import re
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from graphcap.bench import options
+from graphcap.bench.report import CPU_SCOPE, CPU_TABLE_NOTE, footnotes, format_table
+from graphcap.bench.rows import BenchResult, BenchRow
 from graphcap.cli import build_parser, main
 
 SPEC_DIR = Path(__file__).resolve().parents[1] / "graphcap" / "capture_specs"
@@ -129,3 +132,35 @@ def test_help_lists_the_modes_a_user_picks_and_states_each_default_once_as_resol
         a, b = getattr(with_cuda, option), getattr(without, option)
         assert stated == (f"default {a}" if a == b else f"default {a} with CUDA, {b} without"), stated
     assert "; 3 without CUDA" not in text and "default none" in text  # --out: nothing written unless given
+
+
+def _row(mode: str, ms: float, **kw: object) -> BenchRow:
+    return BenchRow(batch=4, context=8, steps=3, mode=mode, window=16, wall_ms=ms, wall_p90_ms=ms, host_ms=ms,
+                    gpu_ms=None, iter_per_s=1e3 / ms, syncs_per_iter=0, syncs_how="", kernels_per_iter=None,
+                    kernels_how="", capture_s=0.0, samples=3, **kw)
+
+
+def _result(rows: list[BenchRow], notes: tuple[str, ...]) -> BenchResult:
+    return BenchResult({}, {}, tuple(rows), {"3": {}}, None, notes, 1.0)
+
+
+def test_the_table_explains_its_columns_and_on_a_cpu_what_its_ratios_are_not():
+    """host ms only beside a GPU time (on a CPU it equals ms/iter); a legend line for the x columns and for host
+    ms where shown; on a CPU the note under the table that the ratios are no speed claim."""
+    rng = random.Random(13)
+    base, ours = rng.uniform(1, 9), rng.uniform(1, 9)
+    cpu = [_row("compile", base), _row("graphcap", ours, x_compile=base / ours)]
+    head = format_table(cpu).splitlines()[0]
+    assert "host ms" not in head and "x compile" in head
+    lines = footnotes(_result(cpu, (CPU_SCOPE,)))
+    assert lines[0].startswith("legend: x <mode>: graphcap's speed-up over that mode") and len(
+        [x for x in lines if x.startswith("legend:")]) == 1
+    assert lines[1] == f"note: {CPU_TABLE_NOTE}" and "no regression" in CPU_TABLE_NOTE
+    gpu = [dataclasses.replace(r, gpu_ms=r.wall_ms * rng.uniform(0.5, 1), host_ms=rng.uniform(0.01, 0.1))
+           for r in cpu]
+    assert "host ms" in format_table(gpu).splitlines()[0]
+    lines = footnotes(_result(gpu, ()))
+    assert [x.split(":")[1].strip() for x in lines if x.startswith("legend:")] == ["x <mode>", "host ms"]
+    assert f"note: {CPU_TABLE_NOTE}" not in lines
+    alone = footnotes(_result([_row("eager-rebuild", base)], (CPU_SCOPE,)))
+    assert not [x for x in alone if x.startswith("legend:")]  # no x column: nothing to explain

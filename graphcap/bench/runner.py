@@ -298,4 +298,6 @@ def main(cfg: BenchConfig) -> int:
     if cfg.out:
         names = write_outputs(cfg.out, result, table)
         print(f"wrote {', '.join(str(cfg.out / n) for n in names)}")
+    else:
+        print("note: no files written (--out DIR writes bench.json, bench.csv, bench.md and bench.png there)")
     return 0
