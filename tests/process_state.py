@@ -76,8 +76,7 @@ def changes(before: State, after: State) -> list[str]:
             out.append(f"os.environ[{k!r}]: {old!r} -> {new!r}")
     if before.cwd != after.cwd:
         out.append(f"cwd: {before.cwd!r} -> {after.cwd!r}")
-    first_use = [p for p in after.path[len(before.path):] if p.endswith(FIRST_USE_PATHS)]
-    path = [p for p in after.path if p not in first_use]
+    path = [p for p in after.path if p in before.path or not p.endswith(FIRST_USE_PATHS)]
     if path != before.path:
         added, removed = [p for p in path if p not in before.path], [p for p in before.path if p not in path]
         what = [f"{word} {ps}" for word, ps in (("added", added), ("removed", removed)) if ps]
@@ -127,7 +126,7 @@ def restore(before: State) -> None:
         del os.environ[k]
     os.environ.update(before.env)
     os.chdir(before.cwd)
-    sys.path[:] = before.path + [p for p in now.path[len(before.path):] if p.endswith(FIRST_USE_PATHS)]
+    sys.path[:] = before.path + [p for p in now.path if p not in before.path and p.endswith(FIRST_USE_PATHS)]
     for name, mod in before.modules.items():
         if sys.modules.get(name) is not mod:
             sys.modules[name] = mod

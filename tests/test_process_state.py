@@ -54,6 +54,21 @@ def test_each_leak_is_named_and_restored(tmp_path, seed):
         assert ps.changes(before, ps.snapshot()) == [], fragment
 
 
+def test_a_path_a_library_appends_on_first_use_is_no_leak_and_stays(tmp_path, monkeypatch):
+    """setuptools' vendor directory appended to sys.path (once per process) is no leak, wherever other entries move;
+    restoring after a real leak keeps it."""
+    vendor = str(tmp_path / "setuptools" / "_vendor")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not p.endswith(ps.FIRST_USE_PATHS)])
+    before = ps.snapshot()
+    sys.path.append(vendor)
+    assert ps.changes(before, ps.snapshot()) == []
+    with_vendor = ps.snapshot()
+    sys.path.insert(random.Random(6).randint(0, 3), str(tmp_path))  # an entry before it: the vendor's index moves
+    assert ps.changes(with_vendor, ps.snapshot()) == [f"sys.path: added [{str(tmp_path)!r}]"]
+    ps.restore(before)
+    assert sys.path == before.path + [vendor]
+
+
 def test_what_a_library_does_on_first_use_is_no_leak(monkeypatch):
     var = sorted(ps.FIRST_USE_ENV)[random.Random(4).randrange(len(ps.FIRST_USE_ENV))]
     monkeypatch.delenv(var, raising=False)
