@@ -47,6 +47,25 @@ def test_modes_none_of_which_runs_here_are_refused_before_anything_runs(capsys, 
                               "graphcap"}
 
 
+def test_a_run_whose_every_mode_fails_to_build_is_one_line_not_a_traceback(capsys, monkeypatch):
+    """The options refuse modes the machine lacks; a mode can still fail to build (with CUDA, sglang's fused ops
+    missing): with none left the run stops on one line naming what was skipped, never a division by zero."""
+    from graphcap.bench import runner
+
+    def build_modes(cfg, model, state, steps, notes):
+        notes.append("graphcap skipped: fused op set unavailable")
+        return []
+
+    monkeypatch.setattr(runner, "build_modes", build_modes)
+    assert main(["bench", "--spec", "tiny", "--modes", "graphcap", "--iters", "1", "--warmup", "0", "--context",
+                 "8", "--batch", "1"]) == 2
+    err = capsys.readouterr().err
+    # beside the progress bar's own lines (cleared on a terminal)
+    assert [x for x in err.splitlines() if x.strip() and not x.startswith("graphcap bench: ")] == [
+        "graphcap: error: --modes graphcap: every mode was skipped (graphcap skipped: fused op set unavailable)"]
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv, fragments", [
     (["--batch", "4,,8"], ["argument --batch: an empty item in '4,,8'"]),
     (["--batch", ",4"], ["argument --batch: an empty item"]),
