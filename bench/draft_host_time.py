@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 from tabulate import tabulate
@@ -61,12 +62,14 @@ def forward_context():
 
 
 def build(device: str, check: bool, rows: int, width: int, window: int):
-    os.environ[CHECK_ENV] = "1" if check else "0"
     g = torch.Generator().manual_seed(0)
     r2t = (1 + torch.randperm(rows * width, generator=g)).reshape(rows, width).to(torch.int32).to(device)
     f2s = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(rows * width, generator=g)]).to(device)
     wb = bind_window(r2t, window, f2s, max_accepted=4)
-    rt = GraphcapDraftRuntime(SimpleNamespace(speculative_num_steps=3), DraftCaptureOptions(enabled=True), wb, None)
+    # the runtime reads the switch once, here; the process's environment is left as it was (tests call this in-process)
+    with mock.patch.dict(os.environ, {CHECK_ENV: "1" if check else "0"}):
+        rt = GraphcapDraftRuntime(SimpleNamespace(speculative_num_steps=3), DraftCaptureOptions(enabled=True), wb,
+                                  None)
 
     def iteration(slots, accepted, tokens, hidden):
         return DraftOutput(torch.stack([tokens, tokens, tokens], 1), hidden[:, :3].float(), hidden[:, :3].float(),
@@ -119,14 +122,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--batches: {a.batches!r} is not a comma-separated list of ints")
     if not batches or min(batches) < 1 or max(batches) > BUCKETS[-1] or a.iters < 1:
         p.error(f"--batches each in 1..{BUCKETS[-1]}, --iters >= 1")
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rows, with_ctx = [], False
-    for mode in ("default", "check"):
-        rt, wb, with_ctx = build(a.device, mode == "check", rows=max(BUCKETS) + 8, width=256, window=16)
-        for b in batches:
-            batch = batch_of(rt, wb, b, a.device, seed=b)
-            med, p90 = call_us(lambda: rt.iterate(batch), a.iters)
-            rows.append([mode, b, f"{med:.1f}", f"{p90:.1f}"])
+    try:
+        for mode in ("default", "check"):
+            rt, wb, with_ctx = build(a.device, mode == "check", rows=max(BUCKETS) + 8, width=256, window=16)
+            for b in batches:
+                batch = batch_of(rt, wb, b, a.device, seed=b)
+                med, p90 = call_us(lambda: rt.iterate(batch), a.iters)
+                rows.append([mode, b, f"{med:.1f}", f"{p90:.1f}"])
+    finally:
+        torch.set_num_threads(threads)  # called in-process (the tests): the caller's thread count back
     commit = os.environ.get("GRAPHCAP_COMMIT", "?")
     print(f"graphcap {commit} from {os.path.dirname(sys.modules['graphcap'].__file__)}, torch {torch.__version__}, "
           f"device {a.device}, sglang forward context {'entered where the runtime enters it' if with_ctx else 'absent'}"

@@ -112,11 +112,10 @@ def cmd_inspect(path: str | None, as_json: bool = False) -> int:
             return 0
     else:
         p = Path(path)
-        if p.is_dir():
+        if p.is_dir():  # named by the user, so one without manifests is a mistake, as a missing file is
             files = list_manifests(p)
             if not files:
-                print("[]" if as_json else f"no manifests in {p}")
-                return 0
+                raise CliError(f"{p}: holds no capture manifests (files named <spec>-<hash>-<backend>.json)")
         elif p.exists():
             files = [p]
         else:

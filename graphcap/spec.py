@@ -149,7 +149,8 @@ def load_spec(path: str | Path) -> CaptureSpec:
     try:
         text = p.read_text()
     except OSError as e:
-        raise SpecError(source, "<file>", f"cannot read: {e.strerror or e}") from None
+        builtin = f" (built-in specs: {', '.join(f.stem for f in builtin_specs())})" if not p.exists() else ""
+        raise SpecError(source, "<file>", f"cannot read: {e.strerror or e}{builtin}") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

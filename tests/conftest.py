@@ -12,6 +12,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
+from process_state import process_state_guard  # noqa: F401 - an autouse fixture, registered by its import here
 from tiers import CI_EXAMPLES, THOROUGH_EXAMPLES, TIER, TIERS
 
 try:
@@ -66,9 +67,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _manifests_in_tmp(tmp_path_factory, monkeypatch):
+def _manifests_in_tmp(process_state_guard, tmp_path_factory, monkeypatch):
     """Manifests a test writes without naming a path go to a temporary directory, never the user's cache
-    (`graphcap.manifest.default_manifest_dir` reads the variable first). Subprocesses inherit it."""
+    (`graphcap.manifest.default_manifest_dir` reads the variable first). Subprocesses inherit it. The guard first:
+    it must see the state before `monkeypatch` is set up and after it has undone every change."""
     monkeypatch.setenv("GRAPHCAP_MANIFEST_DIR", str(tmp_path_factory.mktemp("manifests")))
 
 

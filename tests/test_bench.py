@@ -254,8 +254,11 @@ def test_cpu_run_rows_carry_every_field_and_say_why_a_value_is_missing(tmp_path,
     assert lines[0] == CPU_SCOPE and "says nothing about GPU speed" in lines[0]  # first, and once
     assert text.count(CPU_SCOPE) == 1
     # only the columns these modes fill on a CPU: no GPU time, kernels, floor or speed-up over a mode not run
+    # host ms neither: without an asynchronous device it is ms/iter again
     assert [h.strip() for h in lines[1].strip("|").split("|")] == [
-        "batch", "ctx", "steps", "mode", "iter/s", "ms/iter", "p90 ms", "host ms", "syncs/iter", "x eager-rebuild"]
+        "batch", "ctx", "steps", "mode", "iter/s", "ms/iter", "p90 ms", "syncs/iter", "x eager-rebuild"]
+    under = lines[lines.index(next(x for x in lines if x.startswith("legend: "))) - 1]
+    assert under.startswith("| 3 ") and "no regression" in text and "no files written" not in text
     assert "note: syncs/iter:" in text and "kernels/iter" not in text
     data = json.loads((out / "bench.json").read_text())
     rows = [BenchRow(**r) for r in data["rows"]]  # exactly the record's fields, no more, no fewer
@@ -293,6 +296,7 @@ def test_a_cpu_run_prints_no_profiler_lines(tmp_path):
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.splitlines()[0] == CPU_SCOPE and "| eager-rebuild" in r.stdout
+    assert r.stdout.splitlines()[-1].startswith("note: no files written (--out DIR writes")  # without --out
     assert "profiler_start" not in r.stdout + r.stderr and "USDT" not in r.stdout + r.stderr
 
 
@@ -301,8 +305,8 @@ def test_a_cpu_run_prints_no_profiler_lines(tmp_path):
     (["--batch", "0"], "expected positive integers"),
     (["--batch", "x"], "expected comma-separated integers"),
     (["--batch", "64"], "exceeds max_slots 16"),
-    (["--context", "4096"], "exceeds max_context 128"),
-    (["--iters", "200", "--batch", "1"], "leaves no room for a context"),
+    (["--context", "4096"], "--context 4096 plus the 28 tokens"),  # (1 + 2 + 4) x (3 + 1): --warmup 1, --iters 4
+    (["--iters", "200", "--batch", "1"], "exceeds its max_context 128; it fits with one of --iters <= 27"),
     (["--graphcap-backend", "fast"], "is not one of"),
     (["--modes", "graphcap-per-bucket,graphcap", "--graphcap-backend", "eager"], "backend 'eager' compiles nothing"),
     (["--no-such-option"], "unrecognized arguments"),

@@ -73,11 +73,15 @@ def test_inspect_honours_env_dir(tmp_path, capsys, monkeypatch):
     assert sorted(d["spec_name"] for d in json.loads(capsys.readouterr().out)) == sorted(m.spec_name for m in ms)
 
 
-def test_inspect_empty_explicit_dir(tmp_path, capsys):
-    assert main(["inspect", str(tmp_path)]) == 0
-    assert capsys.readouterr().out.strip() == f"no manifests in {tmp_path}"
-    assert main(["inspect", "--json", str(tmp_path)]) == 0
-    assert json.loads(capsys.readouterr().out) == []  # JSON even when there is nothing to list
+@pytest.mark.parametrize("others", [(), ("bench.json", "capture_cost.json", "tiny.json", "notes.txt")])
+def test_inspect_explicit_dir_without_manifests_exits_2_naming_it(tmp_path, capsys, others):
+    """A directory the user names that holds no manifest (empty, or only other files, JSON ones too) is a mistake,
+    as a missing file is: one line naming it, exit 2, with --json too. The default directory is not (below)."""
+    for name in others:
+        (tmp_path / name).write_text(json.dumps({"rows": [random.random()]}))
+    for argv in (["inspect", str(tmp_path)], ["inspect", "--json", str(tmp_path)]):
+        assert main(argv) == 2
+        assert one_line_error(capsys, f"{tmp_path}: holds no capture manifests") == ""
 
 
 def test_inspect_path_the_system_refuses_is_one_line(tmp_path, capsys):

@@ -224,9 +224,11 @@ def test_a_server_that_answers_differently_is_named_where_it_does(ckpt, tmp_path
 
 @pytest.mark.subprocess
 def test_a_stall_in_the_soak_is_placed_with_its_compile(ckpt, tmp_path):
-    rc, out, log = harness(ckpt, tmp_path, "--servers", "graphcap", "--phases", "soak", "--soak-s", "4",
-                           "--soak-warmup-s", "0.3", "--soak-concurrency", "4",
-                           env={"FAKE_SGLANG_STALL_AT": "400"}, port=free_port())
+    # the stand-in ticks every 2 ms or more while requests run: tick 200 is past the warm-up and, on a busy CPU
+    # too, well inside the soak
+    rc, out, log = harness(ckpt, tmp_path, "--servers", "graphcap", "--phases", "soak", "--soak-s", "8",
+                           "--soak-warmup-s", "0.2", "--soak-concurrency", "4",
+                           env={"FAKE_SGLANG_STALL_AT": "200"}, port=free_port())
     assert rc == 0, log
     soak = out["servers"]["graphcap"]["soak"]
     assert soak["requests"] > 20 and {"random", "turn"} <= set(soak["latency"])

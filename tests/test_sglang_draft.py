@@ -4,7 +4,6 @@ a fresh interpreter: test_sglang_runtime.py)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -15,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from bench_scripts import load_file
 
 from graphcap import manifest as mf
 from graphcap.engine.capture import DraftGraphs
@@ -479,14 +479,7 @@ def _parallel_state_0518():
     path = root / "sglang" / "srt" / "distributed" / "parallel_state_wrapper.py"
     if not path.exists():
         pytest.skip(f"sglang 0.5.18 is not installed at {root} (make venv)")
-    spec = importlib.util.spec_from_file_location("graphcap_test_parallel_state_0518", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building the class
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module.ParallelState
+    return load_file(path, "graphcap_test_parallel_state_0518").ParallelState
 
 
 @pytest.mark.parametrize("ps, name, recorded", [

@@ -235,10 +235,10 @@ def test_speed_runs_graphcap_once_per_backend_and_projections_value(monkeypatch,
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text(json.dumps({"vocab_size": 64}))
     spawned = []
+    monkeypatch.setenv("GRAPHCAP_SGLANG_DRAFT_CAPTURE", "")  # recorded as it was: the children's setting undone after
 
     def spawn(cfg, work):
         if cfg["mode"] == "graphcap":  # what the child would put in the plugin's variable
-            monkeypatch.delenv("GRAPHCAP_SGLANG_DRAFT_CAPTURE", raising=False)
             E.enable_graphcap(cfg)
             cfg = dict(cfg, asked=json.loads(os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"]))
         spawned.append(cfg)

@@ -18,6 +18,7 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from process_state import root_logger_kept
 from sglang_required import require_sglang_plugin
 
 require_sglang_plugin()
@@ -36,14 +37,16 @@ CHILD_PRELUDE = ("import os\n"
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """sglang's plugin state as a fresh process has it; patched ServerArgs methods restored afterwards."""
+    """sglang's plugin state as a fresh process has it; afterwards the patched ServerArgs methods, the plugin's
+    variable (which parsing the flag exports) and the root logger (which sglang's parsing configures) restored."""
     from sglang.srt import plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.server_args import ServerArgs
 
     saved = {n: ServerArgs.__dict__[n] for n in ("add_cli_args", "from_cli_args", "check_server_args")}
-    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
-    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    for k in (plugin.ENV_VAR, "SGLANG_PLUGINS"):
+        monkeypatch.setenv(k, "")  # recorded as it was first, so that monkeypatch's undo ends with it
+        monkeypatch.delenv(k)
 
     def clear():
         HookRegistry.reset()
@@ -51,11 +54,11 @@ def fresh(monkeypatch):
         plugin.STATE.runtime_hooks.clear()
 
     clear()
-    yield plugins
+    with root_logger_kept():
+        yield plugins
     for n, v in saved.items():
         setattr(ServerArgs, n, v)
     clear()
-    os.environ.pop(plugin.ENV_VAR, None)
 
 
 def _parse(argv):
@@ -185,6 +188,9 @@ def test_without_the_flag_nothing_is_patched(fresh, monkeypatch, glog):
     from sglang.srt.server_args import ServerArgs
 
     monkeypatch.setenv(plugin.ENV_VAR, "")  # empty: as unset
+    modules = ("sglang.srt.speculative.frozen_kv_mtp_worker_v2", "sglang.srt.managers.schedule_batch")
+    for mod in modules:  # another test in this process may have imported them: an import now is the plugin's
+        monkeypatch.delitem(sys.modules, mod, raising=False)
     fresh.load_plugins()
     sa = _parse(["--model-path", "dummy", "--speculative-algorithm", "NEXTN"])
     assert plugin.options_of(sa) == plugin.DraftCaptureOptions()
@@ -192,7 +198,7 @@ def test_without_the_flag_nothing_is_patched(fresh, monkeypatch, glog):
     assert not _wrapped(ServerArgs, "check_server_args")
     assert plugin.ENV_VAR not in os.environ or not os.environ[plugin.ENV_VAR]
     assert not [r for r in glog.records if r.levelno >= logging.WARNING]
-    for mod in ("sglang.srt.speculative.frozen_kv_mtp_worker_v2", "sglang.srt.managers.schedule_batch"):
+    for mod in modules:
         assert mod not in sys.modules, f"the plugin imported {mod} without the flag"
 
 

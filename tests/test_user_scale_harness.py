@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench_script
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import sglang_user_scale as us  # noqa: E402
+us = load_bench_script("sglang_user_scale")
 
 
 def ev(cat, name, ts, dur):
@@ -100,8 +100,7 @@ def test_target_structure_goes_to_the_target_runner_alone(tmp_path, update_ok):
     """--structured: every tensor of the target checkpoint, as written by sglang_checkpoint.py, reaches sglang's
     update_weights_from_tensor with selector "target" between begin_weight_update and end_weight_update (ended also
     when the update fails), so the draft runner - whose load of the target's embeddings fails - is never asked."""
-    sys.path.insert(0, str(Path(us.__file__).parent))
-    import sglang_checkpoint as ck
+    ck = load_bench_script("sglang_checkpoint")
     from safetensors.torch import load_file
 
     ck.make_pair("tiny", tmp_path, device="cpu", sample=64)
@@ -116,8 +115,7 @@ def test_target_structure_goes_to_the_target_runner_alone(tmp_path, update_ok):
 
 
 def test_a_refused_begin_loads_nothing(tmp_path):
-    sys.path.insert(0, str(Path(us.__file__).parent))
-    import sglang_checkpoint as ck
+    ck = load_bench_script("sglang_checkpoint")
 
     ck.make_pair("tiny", tmp_path, device="cpu", sample=64)
     eng = _Engine(begin_ok=False)

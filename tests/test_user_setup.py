@@ -76,7 +76,7 @@ def test_child_sets_the_kernel_paths_before_sglang_and_records_what_arch_names(m
     seen: list = []
     _fake_engine(monkeypatch, seen)
     for k in (E.KERNEL_PATHS_ENV, E.TRITON_ARCH_ENV, "GRAPHCAP_SGLANG_TRACE", "GRAPHCAP_MANIFEST_FLUSH_S",
-              "GRAPHCAP_SGLANG_DRAFT_CAPTURE"):
+              "GRAPHCAP_SGLANG_DRAFT_CAPTURE", "GRAPHCAP_SGLANG_CHECK"):
         monkeypatch.setenv(k, "sm80" if k in (E.KERNEL_PATHS_ENV, E.TRITON_ARCH_ENV) else "x")  # restored after
         monkeypatch.delenv(k)
     monkeypatch.setenv(E.KERNEL_PATHS_ENV, "sm80")  # a parent's setting: the child's own must win

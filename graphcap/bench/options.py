@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from graphcap.spec import CaptureSpec, load_spec
+from graphcap.spec import CaptureSpec, SpecError, load_spec
 
 # Measured modes, cheapest-to-build baseline first; graphcap last. Seven variants of graphcap are asked for by name
 # only, to price a choice in one run: graphcap-per-bucket (one compile per bucket instead of one for all, the
@@ -23,7 +23,7 @@ VARIANTS = ("graphcap-per-bucket", "graphcap-skinny-gemm", "graphcap-skinny-4row
             "graphcap-torch-ops", "graphcap-qnorm-kernel", "graphcap-two-head-proj")
 MODES = ("eager-rebuild", "graph-rebuild", "sglang", "compile", "compile-nosync", "compile-plain", "compile-tuned",
          *VARIANTS, "graphcap")
-DEFAULT_MODES = tuple(m for m in MODES if m not in VARIANTS)
+DEFAULT_MODES = tuple(m for m in MODES if m not in VARIANTS)  # what --help lists: the variants are accepted unlisted
 # Without CUDA compile-plain and compile-tuned are left out by default: more Inductor C++ compiles (~20 s each on 2
 # cores) for modes whose point, the fusion and tuning Inductor does on a GPU, a CPU run cannot show.
 CPU_MODES = tuple(m for m in DEFAULT_MODES if m not in ("compile-plain", "compile-tuned"))
@@ -32,8 +32,10 @@ DEFAULT_CONTEXTS = (256, 1024, 2048, 4096)
 # Without CUDA: one bucket (each compiled mode pays an Inductor C++ compile per bucket, ~20-50 s on 2 cores),
 # contexts below, at and above the window, enough iterations for a median of real work.
 CPU_BATCHES = (4,)
+CUDA_ITERS, CUDA_WARMUP, CUDA_REPEATS = 50, 5, 3
 CPU_ITERS, CPU_WARMUP, CPU_REPEATS = 20, 2, 3
 SERVED_ONLY = ("model_path", "draft_model_path", "new_tokens", "engines", "load_format")  # graphcap.bench.served's
+SERVED_REPEATS = 3  # --served's timed pairs per batch (graphcap.bench.served.ServedConfig)
 
 
 class OptionError(ValueError):
@@ -67,13 +69,25 @@ class BenchConfig:
 
 
 def ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of distinct positive integers (argparse names the option in front of the error)."""
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"an empty item in {text!r}: expected comma-separated integers")
     try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
+        vals = tuple(int(x) for x in items)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) < 1:
+    if min(vals) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    twice = sorted({v for v in vals if vals.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(str, twice))} given twice in {text!r}")
     return vals
+
+
+def _default(with_cuda: object, without: object) -> str:
+    """A default that may depend on the machine, stated once."""
+    return f"default {with_cuda}" if with_cuda == without else f"default {with_cuda} with CUDA, {without} without"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,22 +100,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"(default: {','.join(map(str, DEFAULT_CONTEXTS))}, those the spec's max_context leaves room for)")
     p.add_argument("--steps", type=ints, default=None, help="draft steps (default: the spec's)")
     p.add_argument("--modes", default=None,
-                   help=f"comma-separated subset of {','.join(MODES)} (default: all but {' and '.join(VARIANTS)} "
-                        "with CUDA, also without compile-plain and compile-tuned without CUDA)")
-    p.add_argument("--iters", type=int, default=None, help=f"measured iterations per run (default 50; {CPU_ITERS} "
-                                                           "without CUDA)")
-    p.add_argument("--warmup", type=int, default=None, help=f"default 5; {CPU_WARMUP} without CUDA")
+                   help=f"comma-separated subset of {','.join(DEFAULT_MODES)} (default: all with CUDA, all but "
+                        f"{' and '.join(m for m in DEFAULT_MODES if m not in CPU_MODES)} without; graphcap's variants, "
+                        "each undoing one of its choices to price it, are accepted too, unlisted here: "
+                        "graphcap.bench.options.VARIANTS)")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"measured iterations per run ({_default(CUDA_ITERS, CPU_ITERS)})")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"iterations before the measured ones, per run ({_default(CUDA_WARMUP, CPU_WARMUP)})")
     p.add_argument("--repeats", type=int, default=None,
-                   help=f"interleaved rounds over the modes (default 3; {CPU_REPEATS} without CUDA; --served: timed "
-                   "pairs of a short and a long run per batch, the median kept, default 3)")
+                   help=f"interleaved rounds over the modes ({_default(CUDA_REPEATS, CPU_REPEATS)}); --served: "
+                   f"timed pairs of a short and a long run per batch, the median kept (default {SERVED_REPEATS})")
     p.add_argument("--graphcap-backend", default=None, help="DraftGraphs backend of the graphcap mode (default: the "
                    "spec's with CUDA; 'eager' without: Inductor's CPU code says nothing about a GPU)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads without CUDA (default 1: the tiny "
                    "spec's ops are too small to split, and a thread pool on a shared machine times its barriers; "
                    "0 leaves torch's default)")
     p.add_argument("--out", type=Path, default=None, help="directory for bench.json, bench.csv, bench.md, bench.png "
-                   "(--served: served.json, the engines' logs and draft traces)")
-    p.add_argument("--seed", type=int, default=0)
+                   "(--served: served.json, the engines' logs and draft traces); default none: the table is printed, "
+                   "nothing is written")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, target state and inputs (default 0)")
     s = p.add_argument_group("the served draft (--served: sglang's own engine, on a CUDA GPU with sglang installed)")
     s.add_argument("--served", action="store_true", help="time the draft the plugin serves in sglang's engine, against "
                    "stock sglang's and no speculation (graphcap.bench.served); --batch, --context, --steps, --repeats, "
@@ -127,20 +145,32 @@ def config_from_args(a: argparse.Namespace, cuda: bool, command: str = "graphcap
     served_only = [f"--{k.replace('_', '-')}" for k in SERVED_ONLY if getattr(a, k, None) is not None]
     if served_only:
         raise OptionError(f"{', '.join(served_only)}: options of --served (the draft timed in sglang's engine)")
-    spec = load_spec(a.spec or ("gemma4-31b-assistant" if cuda else "tiny"))
-    modes = tuple(m.strip() for m in a.modes.split(",") if m.strip()) if a.modes is not None else \
+    try:
+        spec = load_spec(a.spec or ("gemma4-31b-assistant" if cuda else "tiny"))
+    except SpecError as e:
+        raise OptionError(f"--spec: {e}") from None
+    modes = tuple(m.strip() for m in a.modes.split(",")) if a.modes is not None else \
         (DEFAULT_MODES if cuda else CPU_MODES)
+    if not all(modes):
+        raise OptionError(f"--modes: an empty item in {a.modes!r}; expected some of {', '.join(DEFAULT_MODES)}")
     unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise OptionError(f"--modes: unknown mode {unknown[0] if unknown else a.modes!r}; expected some of "
-                          f"{', '.join(MODES)}")
+    if unknown:
+        raise OptionError(f"--modes: unknown mode {unknown[0]!r}; expected some of {', '.join(DEFAULT_MODES)} "
+                          f"(or graphcap's variants: {', '.join(VARIANTS)})")
     if len(set(modes)) != len(modes):
         raise OptionError(f"--modes: {a.modes!r} names a mode twice")
-    iters = a.iters if a.iters is not None else (50 if cuda else CPU_ITERS)
-    warmup = a.warmup if a.warmup is not None else (5 if cuda else CPU_WARMUP)
-    repeats = a.repeats if a.repeats is not None else (3 if cuda else CPU_REPEATS)
-    if min(iters, repeats) < 1 or warmup < 0:
-        raise OptionError("--iters and --repeats must be >= 1, --warmup >= 0")
+    skipped = {m: mode_unavailable(m, cuda) for m in modes}
+    if all(skipped.values()):
+        runs_here = [m for m in DEFAULT_MODES if not mode_unavailable(m, cuda)]
+        raise OptionError(f"--modes {','.join(modes)}: none of them runs on this machine ("
+                          + "; ".join(f"{m}: {why}" for m, why in skipped.items())
+                          + f"); these do: {', '.join(runs_here)}")
+    iters = a.iters if a.iters is not None else (CUDA_ITERS if cuda else CPU_ITERS)
+    warmup = a.warmup if a.warmup is not None else (CUDA_WARMUP if cuda else CPU_WARMUP)
+    repeats = a.repeats if a.repeats is not None else (CUDA_REPEATS if cuda else CPU_REPEATS)
+    for option, value, least in (("--iters", iters, 1), ("--repeats", repeats, 1), ("--warmup", warmup, 0)):
+        if value < least:
+            raise OptionError(f"{option} must be >= {least}, got {value}")
     backend = a.graphcap_backend or (spec.capture.backend if cuda else "eager")
     if backend not in ALL_BACKENDS:
         raise OptionError(f"--graphcap-backend: {backend!r} is not one of {', '.join(ALL_BACKENDS)}")
@@ -152,28 +182,61 @@ def config_from_args(a: argparse.Namespace, cuda: bool, command: str = "graphcap
                           f"backend {backend!r} compiles nothing (--graphcap-backend: one of "
                           f"{', '.join(COMPILED_BACKENDS)})")
     steps = a.steps or (spec.capture.steps,)
-    growth = growth_tokens(warmup, iters, steps)
-    room = spec.capture.max_context - growth
+    room = spec.capture.max_context - growth_tokens(warmup, iters, steps)
     default_b = DEFAULT_BATCHES if cuda else CPU_BATCHES
     batches = a.batch or tuple(b for b in default_b if b <= spec.capture.buckets[-1])
     if a.context:
         contexts = a.context
     else:
         contexts = tuple(c for c in DEFAULT_CONTEXTS if c <= room) or tuple(
-            c for c in (spec.window // 2, spec.window, 2 * spec.window) if 1 <= c <= room)
-    if not contexts:
-        raise OptionError(f"spec {spec.name}: max_context {spec.capture.max_context} leaves no room for a context "
-                          f"plus the {growth} tokens {warmup} + {iters} iterations grow it by; lower --iters or "
-                          "pass --context")
-    if max(contexts) > room:
-        raise OptionError(f"--context {max(contexts)} + {growth} tokens of growth exceeds max_context "
-                          f"{spec.capture.max_context} of spec {spec.name}")
+            c for c in _window_contexts(spec) if c <= room)
+    if not contexts or max(contexts) > room:
+        raise OptionError(no_room(spec, max(a.context) if a.context else min(_window_contexts(spec)), warmup, iters,
+                                  steps, context_given=bool(a.context)))
     if max(batches) > spec.capture.max_slots:
         raise OptionError(f"--batch {max(batches)} exceeds max_slots {spec.capture.max_slots} of spec {spec.name}")
     if a.threads < 0:
         raise OptionError("--threads must be >= 0")
     return BenchConfig(spec, tuple(batches), tuple(contexts), tuple(steps), modes, iters, warmup, repeats, a.out,
                        a.seed, backend, a.threads, command)
+
+
+def mode_unavailable(name: str, cuda: bool) -> str | None:
+    """Why mode `name` cannot run on this machine, or None where it can: graph-rebuild records CUDA graphs; the
+    sglang mode runs sglang's Triton kernels, and so do the compile modes with CUDA (without, graphcap's twins)."""
+    if name == "graph-rebuild" and not cuda:
+        return "CUDA graphs need CUDA"
+    if name == "sglang" or (cuda and name.startswith("compile")):
+        from graphcap.bench.sglang_ops import check_available  # imports torch: not at --help's import
+
+        try:
+            check_available(cuda)
+        except ImportError as e:
+            return str(e)
+    return None
+
+
+def _window_contexts(spec: CaptureSpec) -> tuple[int, ...]:
+    """The contexts a spec whose max_context holds none of DEFAULT_CONTEXTS is run at: below, at and above its
+    window."""
+    return tuple(c for c in (spec.window // 2, spec.window, 2 * spec.window) if c >= 1)
+
+
+def no_room(spec: CaptureSpec, context: int, warmup: int, iters: int, steps: tuple[int, ...],
+            context_given: bool) -> str:
+    """The error for a run whose rows outgrow the spec's max_context: the growth as the options make it, and the
+    value of each option that alone would make it fit."""
+    cap, s = spec.capture.max_context, max(steps)
+    growth = growth_tokens(warmup, iters, steps)
+    what = f"--context {context}" if context_given else f"the smallest default context, {context},"
+    free = cap - context  # the growth that fits beside that context
+    fits = [f"--{name} <= {value}" for name, value in (
+        ("iters", free // (s + 1) - warmup - 2), ("steps", free // (warmup + 2 + iters) - 1),
+        ("context", cap - growth)) if value >= 1]
+    return (f"spec {spec.name}: {what} plus the {growth} tokens each row grows by in a run ((--warmup {warmup} + 2 "
+            f"counted + --iters {iters}) iterations x (--steps {s} + 1) tokens) exceeds its max_context {cap}; "
+            + (f"it fits with one of {', '.join(fits)} (the others as given)" if fits else
+               "no --iters, --steps or --context makes it fit: a spec with a larger max_context does"))
 
 
 def buckets_for(cfg: BenchConfig) -> tuple[int, ...]:

@@ -46,6 +46,17 @@ CPU_SCOPE = ("CPU run: graphcap's loop runs eagerly, without CUDA graphs, so its
              "values (syncs on CUDA) and times host-side work at tiny sizes (GPU numbers: scripts/gpu-check.sh bench)")
 
 
+# Under the table on a CPU, where a skimmer reads the ratios: why graphcap's x compile below 1 there is no regression.
+CPU_TABLE_NOTE = ("CPU run: graphcap's mode runs eagerly here, the compile modes run Inductor's C++, both at tiny "
+                  "sizes and without CUDA graphs: the ratios time host-side work, and an x below 1 is no regression; "
+                  "graphcap's speed claims are measured on a GPU (docs/results.md)")
+LEGEND = {"x ": "x <mode>: graphcap's speed-up over that mode at the same batch, context and steps (the mode's ms/iter "
+                "over graphcap's; above 1: graphcap is faster)",
+          "host ms": "host ms: until the call returned (the host's share of ms/iter; the GPU may still be running)",
+          "floor ms": "floor ms: the bytes an iteration must read at the copy bandwidth measured in this run; x floor: "
+                      "ms/iter over it"}
+
+
 def format_table(rows: tuple[BenchRow, ...] | list[BenchRow]) -> str:
     """The rows as a table, with only the columns that hold a value in some row: a speed-up over a mode not run, or a
     GPU's measure on a CPU, is no column."""
@@ -56,7 +67,18 @@ def format_table(rows: tuple[BenchRow, ...] | list[BenchRow]) -> str:
 
 
 def _shown(cells: list[list[object]]) -> list[int]:
-    return [i for i in range(len(COLUMNS)) if not cells or any(c[i] != "-" for c in cells)]
+    """The columns with a value in some row; host ms only beside a GPU's time: without an asynchronous device the call
+    returns when the iteration is done, and host ms is ms/iter again."""
+    device = not cells or any(c[COLUMNS.index("GPU ms")] != "-" for c in cells)
+    return [i for i in range(len(COLUMNS)) if (not cells or any(c[i] != "-" for c in cells))
+            and (device or COLUMNS[i] != "host ms")]
+
+
+def legend(result: BenchResult) -> list[str]:
+    """One line per kind of column shown that its header does not explain."""
+    shown = [COLUMNS[i] for i in _shown([_cells(r) for r in result.rows])]
+    return [f"legend: {text}" for start, text in LEGEND.items()
+            if any(c.startswith(start) and c != "x floor" for c in shown)]
 
 
 def headline(result: BenchResult) -> str | None:
@@ -65,8 +87,10 @@ def headline(result: BenchResult) -> str | None:
 
 
 def footnotes(result: BenchResult) -> list[str]:
-    """The notes (but the headline), then how each count shown was made, once per distinct way."""
-    lines = [f"note: {n}" for n in result.notes if n != headline(result)]
+    """The legend, on a CPU what its ratios are not, the notes (but the headline), then how each count shown was made,
+    once per distinct way."""
+    lines = legend(result) + ([f"note: {CPU_TABLE_NOTE}"] if headline(result) else [])
+    lines += [f"note: {n}" for n in result.notes if n != headline(result)]
     shown = {COLUMNS[i] for i in _shown([_cells(r) for r in result.rows])}
     seen: set[str] = set()
     for r in result.rows:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
+from unittest import mock
 
 import torch
 from tqdm import tqdm
@@ -22,11 +23,11 @@ from graphcap.bench.baselines import (GPT_FAST_INDUCTOR, CompiledBaseline, Rebui
 from graphcap.bench.counting import Count, count_kernels, count_syncs
 from graphcap.bench.environment import environment
 from graphcap.bench.gpu_monitor import GpuMonitor
-from graphcap.bench.options import BenchConfig, buckets_for, growth_tokens, server_compile
+from graphcap.bench.options import (BenchConfig, OptionError, buckets_for, growth_tokens, mode_unavailable,
+                                    server_compile)
 from graphcap.bench.report import CPU_SCOPE
 from graphcap.bench.roofline import floor_ms, measure_copy_bandwidth
 from graphcap.bench.rows import SPEEDUP_FIELDS, BenchResult, BenchRow
-from graphcap.bench.sglang_ops import check_available
 from graphcap.bench.state import TargetState, make_target_state
 from graphcap.bench.timing import Sample, collector_off, median_p90, time_call
 from graphcap.engine.capture import DraftGraphs
@@ -73,6 +74,10 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
     pools = (state.k_swa, state.v_swa, state.k_full, state.v_full)
     modes = []
     for name in cfg.modes:
+        missing = mode_unavailable(name, cuda)
+        if missing:
+            _note(notes, f"{name} skipped: {missing}")
+            continue
         wb = WindowBuffers(state.req_to_token, cfg.spec.window, cfg.spec.capture.max_slots, state.full_to_swa,
                            max_accepted=max(cfg.steps) + 1)
         variant_ops = {"graphcap-skinny-gemm": SKINNY_OPS, "graphcap-torch-ops": TORCH_OPS,
@@ -85,11 +90,8 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
             if name == "eager-rebuild":
                 runner = RebuildBaseline(loop, graphed=False)
             elif name == "graph-rebuild":
-                if not cuda:
-                    raise ImportError("CUDA graphs need CUDA")
                 runner = RebuildBaseline(loop, graphed=True, buckets=buckets)
             elif name == "sglang":
-                check_available(cuda)
                 runner = SglangBaseline(loop, fused_ops(), buckets)
                 note = _pdl_note(runner.attention.use_pdl)
             elif name in ("compile", "compile-nosync", "compile-plain", "compile-tuned"):
@@ -98,8 +100,6 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                 if not cuda:
                     note = "; ".join(x for x in (note, "graphcap's torch twins for rebuild and attention (sglang's "
                                                         "kernels need CUDA); Inductor C++, no graphs") if x)
-                else:
-                    check_available(cuda)
                 runner = CompiledBaseline(loop, ops, cfg.batches, sglang_kernels=cuda, warm_slots=state.slots,
                                           host_sync=name == "compile", name=name,
                                           inductor=GPT_FAST_INDUCTOR if name == "compile-tuned" else None)
@@ -138,18 +138,35 @@ def _note(notes: list[str], text: str) -> None:
         notes.append(text)
 
 
+@contextlib.contextmanager
+def _cpu_settings(cfg: BenchConfig) -> Iterator[None]:
+    """Without CUDA, for the run alone (an in-process caller keeps its own): torch's thread count, and Kineto's log
+    level - it logs every profiler start and stop to stderr (the host-read count's profiler), between the table's
+    lines, read when the first profile starts. With CUDA its warnings say why kernels went uncounted: kept."""
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        with mock.patch.dict(os.environ, {"KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", "6")}):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_bench(cfg: BenchConfig) -> BenchResult:
+    if torch.cuda.is_available():
+        return _run_bench(cfg)
+    with _cpu_settings(cfg):
+        return _run_bench(cfg)
+
+
+def _run_bench(cfg: BenchConfig) -> BenchResult:
     t_start = time.perf_counter()
     spec = cfg.spec
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     notes: list[str] = []
     if not cuda:
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        # Kineto logs every profiler start and stop to stderr (the host-read count's profiler), between the table's
-        # lines; read when the first profile starts. With CUDA its warnings say why kernels went uncounted: kept.
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         notes.append(CPU_SCOPE)
     growth = growth_tokens(cfg.warmup, cfg.iters, cfg.steps)
     bmax, cmax = max(cfg.batches), max(cfg.contexts)
@@ -164,6 +181,9 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     with progress:
         for steps in cfg.steps:
             modes = build_modes(cfg, model, state, steps, notes)
+            if not modes:  # the options refuse modes this machine lacks; this is a mode that failed to build
+                why = "; ".join(n for n in notes if " skipped: " in n)
+                raise OptionError(f"--modes {','.join(cfg.modes)}: every mode was skipped ({why})")
             for m in modes:
                 progress.set_postfix_str(f"capturing {m.name}, steps {steps}")
                 t0 = time.perf_counter()
@@ -278,4 +298,6 @@ def main(cfg: BenchConfig) -> int:
     if cfg.out:
         names = write_outputs(cfg.out, result, table)
         print(f"wrote {', '.join(str(cfg.out / n) for n in names)}")
+    else:
+        print("note: no files written (--out DIR writes bench.json, bench.csv, bench.md and bench.png there)")
     return 0

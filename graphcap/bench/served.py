@@ -33,6 +33,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from graphcap.bench.options import SERVED_REPEATS
 from graphcap.sglang.config import ENV_VAR, TRACE_ENV
 
 ENGINES = ("nospec", "sglang", "graphcap")  # no speculation, stock sglang's MTP, MTP with the flag
@@ -53,7 +54,7 @@ class ServedConfig:
     context: int = 2048
     new_tokens: int = 128
     steps: int = 3
-    repeats: int = 3  # timed pairs of runs per batch
+    repeats: int = SERVED_REPEATS  # timed pairs of runs per batch
     engines: tuple[str, ...] = ENGINES
     load_format: str | None = None  # "dummy": sglang's random weights (every draft then agrees with the target)
     attention_backend: str = "triton"
@@ -72,7 +73,7 @@ def config_from_args(a: argparse.Namespace, command: str) -> ServedConfig:
         raise ServedBenchError(f"{', '.join(given)}: options of the reference bench, not of --served")
     if not a.model_path or not a.draft_model_path:
         raise ServedBenchError("--served needs --model-path (the target) and --draft-model-path (its MTP assistant)")
-    engines = tuple(e.strip() for e in (a.engines or ",".join(ENGINES)).split(",") if e.strip())
+    engines = tuple(e.strip() for e in (a.engines or ",".join(ENGINES)).split(","))  # an empty item is a bad name
     bad = [e for e in engines if e not in ENGINES]
     if bad or not engines or len(set(engines)) != len(engines):
         raise ServedBenchError(f"--engines: expected distinct names from {', '.join(ENGINES)}, got {a.engines!r}")

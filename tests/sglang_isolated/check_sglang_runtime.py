@@ -22,6 +22,7 @@ import pkgutil
 import random
 import sys
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -66,14 +67,17 @@ def _req(rid: str, slot: int | None, **extra) -> SimpleNamespace:
 
 
 def _load_plugins(env: str | None) -> None:
+    """sglang's load_plugins as a scheduler process runs it, with the plugin's variable `env` (None: unset) for the
+    load alone: the environment is left as it was."""
     HookRegistry.reset()
     plugins._plugins_loaded = False
     plugin.STATE.runtime_hooks.clear()
-    if env is None:
-        os.environ.pop(plugin.ENV_VAR, None)
-    else:
-        os.environ[plugin.ENV_VAR] = env
-    plugins.load_plugins()
+    with mock.patch.dict(os.environ):
+        if env is None:
+            os.environ.pop(plugin.ENV_VAR, None)
+        else:
+            os.environ[plugin.ENV_VAR] = env
+        plugins.load_plugins()
 
 
 def _raw(target: str):
@@ -84,14 +88,17 @@ def _raw(target: str):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Hooks on the real classes (order matters: the first test runs before anything is patched)
+# Hooks on the real classes (applied once per process: sglang has no way to take them off)
 
 
 def test_scheduler_process_without_the_flag_patches_nothing():
+    """Whichever tests ran before (a test with the flag leaves the real classes hooked): loading the plugins without
+    the flag registers only the argument hooks and leaves every runtime target as it found it."""
+    found = {target: _raw(target) for target in plugin.RUNTIME_HOOKS}
     _load_plugins(None)
     assert set(HookRegistry._hooks) == set(plugin.ARG_HOOKS)
-    for target in plugin.RUNTIME_HOOKS:
-        assert not hasattr(_raw(target), "__wrapped__"), target
+    for target, fn in found.items():
+        assert _raw(target) is fn, target
 
 
 def test_scheduler_process_with_the_flag_hooks_the_real_classes():
