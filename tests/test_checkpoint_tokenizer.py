@@ -4,17 +4,16 @@ special tokens sit at the ids the configs name, and the chat template renders th
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.tiers import examples
+from bench_scripts import load_bench_script
+from tiers import examples
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import sglang_checkpoint as ck  # noqa: E402
+ck = load_bench_script("sglang_checkpoint")
 
 VOCAB = 4096  # the writer is the same at 262144; a small vocabulary keeps the test quick
 

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from graphcap.bench import load
 from graphcap.bench import server_report as rep
 from graphcap.bench.server import ServerConfig, server_command, server_env
-from tests.tiers import examples
+from bench_scripts import load_bench_script
+from tiers import examples
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-import sglang_checkpoint as ck  # noqa: E402
+ck = load_bench_script("sglang_checkpoint")
 
 PY = sys.executable
 
