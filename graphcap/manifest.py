@@ -169,7 +169,7 @@ class Manifest:
     oversize_fallbacks: Count = 0  # batches larger than the largest bucket, run eagerly
     dynamic_batch: Annotated[bool, Strict()] = False  # one compile for every bucket (else one per bucket)
     notes: list[Text] = field(default_factory=list)
-    compile_cache: Text | None = None  # DraftGraphs(compile_cache=...): "hit", "miss" or "refused: <why>"; else None
+    compile_cache: Text | None = None  # CaptureOptions(compile_cache=...): "hit", "miss" or "refused: <why>"; else None
     parallel: Parallel | None = None  # the writing process's ranks (the sglang plugin); None: not recorded
     serving: Serving | None = None  # the sglang plugin's rows and kernel variants; None: not serving
 

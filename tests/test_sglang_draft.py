@@ -19,6 +19,7 @@ import torch
 from graphcap import manifest as mf
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import CaptureError
+from graphcap.engine.options import CaptureOptions
 from graphcap.sglang import hooks as hooks
 from graphcap.sglang.plugin import DraftCaptureOptions, sglang_tp_rank
 from graphcap.sglang.config import sglang_parallel
@@ -103,10 +104,10 @@ def _graphs(window, buckets, tracker: SlotTracker):
     """Captured as the plugin captures: the iteration takes the pending counts itself (`tracker.in_iteration`), and on
     a GPU is recorded as the plugin's default backend records it (a replay runs no Python: `Replay.pure`)."""
     static = {**window.static_tensors(), "pending_accepts": tracker.pending}
-    graphs = DraftGraphs(tracker.in_iteration(_iteration(window)), buckets=list(buckets),
-                         padding_slot=window.padding_slot, example_inputs=_example_inputs(window),
-                         static_tensors=static, backend="cudagraph" if window.device.type == "cuda" else "eager",
-                         manifest_path=None, progress=False)
+    options = CaptureOptions(backend="cudagraph" if window.device.type == "cuda" else "eager", buckets=buckets,
+                             manifest_path=None)
+    graphs = DraftGraphs(tracker.in_iteration(_iteration(window)), example_inputs=_example_inputs(window),
+                         static_tensors=static, padding_slot=window.padding_slot, options=options)
     graphs.capture()
     return graphs
 

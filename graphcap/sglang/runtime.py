@@ -32,6 +32,7 @@ import torch
 from graphcap import manifest as mf
 from graphcap.backends import COMPILED_BACKENDS
 from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.options import CaptureOptions
 from graphcap.engine.guards import CaptureError
 from graphcap.sglang import linear as sglang_linear
 from graphcap.sglang import variants
@@ -76,9 +77,10 @@ def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static
         flush_s = -1.0
     if not flush_s >= 0:  # also NaN
         raise DraftCaptureConfigError(f"${FLUSH_ENV}: expected seconds >= 0, got {raw!r}")
-    graphs = DraftGraphs(fn, buckets=list(buckets), padding_slot=window.padding_slot, example_inputs=example_inputs,
-                         static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path,
-                         flush_every_s=flush_s, observers=[LoggingProgress(log)])
+    options = CaptureOptions(backend=backend, buckets=tuple(buckets), manifest_path=path, flush_every_s=flush_s)
+    graphs = DraftGraphs(fn, example_inputs=example_inputs, static_tensors=static_tensors,
+                         padding_slot=window.padding_slot, options=options, spec=spec,
+                         observers=[LoggingProgress(log)])
     graphs.capture()
     atexit.register(_flush_at_exit, weakref.ref(graphs))  # weak: a replaced DraftGraphs is not kept alive
     return graphs
