@@ -51,7 +51,8 @@ from graphcap.bench.served import (failure, machine, read_trace, run_stoppable, 
 from graphcap.backends import GRAPH_BACKENDS
 from graphcap.envvars import FORCED_KERNEL_PATHS, KERNEL_PATHS_ENV, NATIVE
 from graphcap.sglang.compat import sglang_version
-from graphcap.sglang.config import PROJECTIONS, UNSERVED_BACKENDS
+from graphcap.sglang.config import UNSERVED_BACKENDS
+from graphcap.sglang.settings import PLUGIN_DEFAULT_BACKEND, PROJECTIONS
 
 WINDOW = 1024
 CHECK_BATCHES = (1, 2, 8, 32, 64)
@@ -559,12 +560,10 @@ def run(a: argparse.Namespace) -> int:
         else:
             pool.update(flush_manifest=True)
         base = launch(cfg("sglang", "sglang", cases, **pool))
-        from graphcap.sglang.config import PLUGIN_DEFAULT_BACKEND as DEFAULT_BACKEND
-
         ran = not base.get("crashed") and not base.get("not_run")
         btrace = read_trace(base["config"]["trace_dir"]) if ran else []
         bt = draft_map(btrace)
-        out = {"default_backend": DEFAULT_BACKEND, "requests": sum(c["batch"] for c in cases),
+        out = {"default_backend": PLUGIN_DEFAULT_BACKEND, "requests": sum(c["batch"] for c in cases),
                "check_batches": [c["batch"] for c in cases], "engines": {}, "cases": [],
                "stock": dict(engine_info(base), draft_ms=None, draft_calls=0)}
         if a.time_batch and ran and base.get("timed"):
