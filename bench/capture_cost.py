@@ -36,6 +36,7 @@ from graphcap.bench.timing import median_p90, time_call
 from graphcap.backends import GRAPH_BACKENDS
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import AddressGuard, check_batch_inputs
+from graphcap.engine.options import CaptureOptions
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.models.draft_ops import DEFAULT_OPS, TORCH_OPS
 from graphcap.spec import load_spec
@@ -119,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             return wb, loop, loop
         path = mf.manifest_path(a.out, spec.name, spec.hash, backend)
         sizing = server_compile(spec, buckets, backend, a.per_bucket)  # --buckets 8 times a server's code
-        graphs = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=path, progress=True,
-                                      **sizing, compile_cache=a.compile_cache,
-                                      **precompile_choice(a, backend))
+        options = CaptureOptions(backend=backend, buckets=buckets, manifest_path=path, progress=True,
+                                 compile_cache=a.compile_cache, precompile=precompile_choice(a, backend), **sizing)
+        graphs = DraftGraphs.for_loop(loop, options)
         prof = cProfile.Profile() if a.profile_capture else None
         t0 = time.perf_counter()
         if prof is not None:
@@ -242,12 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def precompile_choice(a, backend: str) -> dict:
-    """DraftGraphs.for_loop's precompile argument from the flags: forced on (inductor-cudagraph only) or off, else
-    left to for_loop's default."""
+def precompile_choice(a, backend: str) -> bool | None:
+    """CaptureOptions.precompile from the flags: forced on (inductor-cudagraph only) or off, else None (left to
+    for_loop's default)."""
     if a.precompile:
-        return {"precompile": backend == "inductor-cudagraph"}
-    return {"precompile": False} if a.no_precompile else {}
+        return backend == "inductor-cudagraph"
+    return False if a.no_precompile else None
 
 
 def write_profile(prof: cProfile.Profile, path: Path, secs: float) -> None:

@@ -49,8 +49,10 @@ import time
 from graphcap.bench.served import (failure, machine, read_trace, run_stoppable,  # shared parts
                                    sglang_engine_kwargs, timed_draft_ms)
 from graphcap.backends import GRAPH_BACKENDS
+from graphcap.envvars import FORCED_KERNEL_PATHS, KERNEL_PATHS_ENV, NATIVE
 from graphcap.sglang.compat import sglang_version
-from graphcap.sglang.config import PROJECTIONS, UNSERVED_BACKENDS
+from graphcap.sglang.config import UNSERVED_BACKENDS
+from graphcap.sglang.settings import PLUGIN_DEFAULT_BACKEND, PROJECTIONS
 
 WINDOW = 1024
 CHECK_BATCHES = (1, 2, 8, 32, 64)
@@ -58,10 +60,10 @@ SPEED_BATCHES = (1, 8, 32, 64)
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 STEPS = 3  # the default of --steps
 SHORT_NEW = 32  # the short run's new tokens (speed): decode rate from the long run minus this one
-# graphcap.kernels.arch's switch (GRAPHCAP_KERNEL_PATHS: native or a key of arch.PATHS) and Triton's knob; named here,
-# not imported, so that the parent imports neither torch nor Triton (a test keeps these equal to arch's)
-KERNEL_PATHS_ENV, TRITON_ARCH_ENV = "GRAPHCAP_KERNEL_PATHS", "TRITON_OVERRIDE_ARCH"
-KERNEL_PATHS = ("native", "sm80")
+# graphcap.kernels.arch's switch (graphcap.envvars: no torch) and Triton's knob, named here so that the parent
+# imports neither torch nor Triton (a test keeps it equal to arch's)
+TRITON_ARCH_ENV = "TRITON_OVERRIDE_ARCH"
+KERNEL_PATHS = (NATIVE, *FORCED_KERNEL_PATHS)
 MIN_ENGINE_S = 75  # --until: an engine (tiny pair: start ~25 s, checks, timing, shutdown) wants at least this long
 STOP_MARGIN_S = 5  # and is stopped this long before --until, so that the record is written in time
 # Settings the plugin refuses at start-up (graphcap.sglang.config.validate_server_args): the graphcap
@@ -558,12 +560,10 @@ def run(a: argparse.Namespace) -> int:
         else:
             pool.update(flush_manifest=True)
         base = launch(cfg("sglang", "sglang", cases, **pool))
-        from graphcap.sglang.config import PLUGIN_DEFAULT_BACKEND as DEFAULT_BACKEND
-
         ran = not base.get("crashed") and not base.get("not_run")
         btrace = read_trace(base["config"]["trace_dir"]) if ran else []
         bt = draft_map(btrace)
-        out = {"default_backend": DEFAULT_BACKEND, "requests": sum(c["batch"] for c in cases),
+        out = {"default_backend": PLUGIN_DEFAULT_BACKEND, "requests": sum(c["batch"] for c in cases),
                "check_batches": [c["batch"] for c in cases], "engines": {}, "cases": [],
                "stock": dict(engine_info(base), draft_ms=None, draft_calls=0)}
         if a.time_batch and ran and base.get("timed"):

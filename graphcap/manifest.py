@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, Strict, TypeAdapter, ValidationError, with_config
 
+from graphcap import envvars  # no torch
 from graphcap.atomic import write_atomic
 from graphcap.backends import ALL_BACKENDS  # no torch: `graphcap inspect` stays light
 from graphcap.errors import GraphcapInputError
@@ -168,7 +169,7 @@ class Manifest:
     oversize_fallbacks: Count = 0  # batches larger than the largest bucket, run eagerly
     dynamic_batch: Annotated[bool, Strict()] = False  # one compile for every bucket (else one per bucket)
     notes: list[Text] = field(default_factory=list)
-    compile_cache: Text | None = None  # DraftGraphs(compile_cache=...): "hit", "miss" or "refused: <why>"; else None
+    compile_cache: Text | None = None  # CaptureOptions(compile_cache=...): "hit", "miss" or "refused: <why>"; else None
     parallel: Parallel | None = None  # the writing process's ranks (the sglang plugin); None: not recorded
     serving: Serving | None = None  # the sglang plugin's rows and kernel variants; None: not serving
 
@@ -259,8 +260,9 @@ def nvidia_driver_version() -> str | None:
 
 def default_manifest_dir() -> Path:
     """`$GRAPHCAP_MANIFEST_DIR`, else `$XDG_CACHE_HOME/graphcap/manifests`, else `~/.cache/graphcap/manifests`."""
-    if os.environ.get("GRAPHCAP_MANIFEST_DIR"):
-        return Path(os.environ["GRAPHCAP_MANIFEST_DIR"]).expanduser()
+    named = envvars.manifest_dir(os.environ)
+    if named is not None:
+        return named
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"  # XDG: relative values are ignored
     return base / "graphcap" / "manifests"

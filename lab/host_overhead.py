@@ -21,6 +21,7 @@ from tabulate import tabulate
 from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import collector_off
 from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.options import CaptureOptions
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec
@@ -41,7 +42,7 @@ def build(spec_name: str) -> tuple[DraftGraphs, WindowBuffers, object]:
     wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
     wb.reset(list(range(n)), [8] * n)
     loop = DraftLoop(FrozenKVDraft(spec, seed=0, device="cpu"), wb, st.k_swa, st.v_swa, st.k_full, st.v_full)
-    graphs = DraftGraphs.for_loop(loop, backend="eager", manifest_path=None)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", manifest_path=None))
     graphs.capture()
     for size in (r.batch_size for r in graphs.buckets):
         bucket = graphs.bucket_graph(size)

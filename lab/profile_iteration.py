@@ -24,6 +24,7 @@ from graphcap.bench.roofline import draft_iteration_bytes, measure_copy_bandwidt
 from graphcap.bench.state import make_target_state
 from graphcap.bench.timing import median_p90, time_call
 from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.options import CaptureOptions
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.models.draft_ops import DEFAULT_OPS, QNORM_KERNEL_OPS, SKINNY_OPS, TORCH_OPS, TWO_HEAD_PROJ_OPS
 from graphcap.spec import load_spec
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = DraftLoop(model, wb, state.k_swa, state.v_swa, state.k_full, state.v_full,
                          ops=ops, layer_regions=not a.inlined_layers)
         sizing = server_compile(spec, (b,), backend, a.per_bucket)
-        gr = DraftGraphs.for_loop(loop, backend=backend, buckets=(b,), manifest_path=None, progress=False, **sizing)
+        gr = DraftGraphs.for_loop(loop, CaptureOptions(backend=backend, buckets=(b,), manifest_path=None, **sizing))
         gr.capture()
         return gr
 

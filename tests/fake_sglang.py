@@ -12,7 +12,7 @@ STALL_S = 0.3  # FAKE_SGLANG_STALL's one-off stall
 FAKE_SGLANG = '''
 import json, math, os, time
 
-from graphcap.sglang.config import ENV_VAR, TRACE_ENV
+from graphcap.sglang.settings import DRAFT_CAPTURE_ENV, TRACE_ENV
 
 class _ModelConfig:
     vocab_size = {vocab}
@@ -27,10 +27,10 @@ class Engine:
     def __init__(self, **kw):
         self.kw = kw
         self.mtp = "speculative_algorithm" in kw
-        self.graphcap = bool(os.environ.get(ENV_VAR))
+        self.graphcap = bool(os.environ.get(DRAFT_CAPTURE_ENV))
         tag = "graphcap" if self.graphcap else ("sglang" if self.mtp else "nospec")
         with open(os.path.join(os.environ["FAKE_SGLANG_LOG"], tag + ".json"), "w") as f:
-            json.dump({{"kw": kw, "capture": os.environ.get(ENV_VAR), "trace": os.environ.get(TRACE_ENV),
+            json.dump({{"kw": kw, "capture": os.environ.get(DRAFT_CAPTURE_ENV), "trace": os.environ.get(TRACE_ENV),
                        "triton_cache": os.environ.get("TRITON_CACHE_DIR")}}, f)
         if os.environ.get("FAKE_SGLANG_CRASH") == tag:
             raise RuntimeError("fake sglang: CUDA error: an illegal memory access was encountered")

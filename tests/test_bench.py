@@ -21,6 +21,7 @@ from graphcap.bench.rows import BenchRow
 from graphcap.bench.runner import build_modes
 from graphcap.bench.state import make_target_state
 from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.options import CaptureOptions
 from graphcap.cli import build_parser, main
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
@@ -204,8 +205,8 @@ def test_sync_counter_sees_the_rebuild_sync_and_none_in_graphcap(device):
         wb.reset(st.slots.tolist(), [20, 9])
         loops.append(DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full))
     rebuild = RebuildBaseline(loops[0], graphed=False)
-    graphs = DraftGraphs.for_loop(loops[1], backend="cudagraph" if cuda else "eager", buckets=(2,),
-                                  manifest_path=None, progress=False)
+    graphs = DraftGraphs.for_loop(loops[1], CaptureOptions(backend="cudagraph" if cuda else "eager", buckets=(2,),
+                                                           manifest_path=None))
     graphs.capture()
     host_slots = st.slots.tolist()  # an engine has them on the host
     assert count_syncs(lambda: rebuild.run(*args), cuda).value == 1
@@ -227,7 +228,7 @@ def test_kernel_counter_sees_every_kernel_of_a_graph_replay():
     wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
     wb.reset(st.slots.tolist(), [20, 9])
     loop = DraftLoop(model, wb, st.k_swa, st.v_swa, st.k_full, st.v_full)
-    graphs = DraftGraphs.for_loop(loop, backend="cudagraph", buckets=(2,), manifest_path=None, progress=False)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="cudagraph", buckets=(2,), manifest_path=None))
     graphs.capture()
     assert [b.status for b in graphs.buckets] == ["captured"]
     loop(*args)  # warm: nothing lazy left for the counted eager call
@@ -517,6 +518,6 @@ def test_server_compile_sizes_every_bench_capture_as_a_server_does():
         wb = WindowBuffers.from_spec(spec, st.req_to_token, st.full_to_swa)
         loop = DraftLoop(FrozenKVDraft(spec, seed=1), wb, st.k_swa, st.v_swa, st.k_full, st.v_full)
         for backend in ("compile", "eager"):
-            DraftGraphs.for_loop(loop, backend=backend, buckets=(1, 2), manifest_path=None,
-                                 **options.server_compile(spec, (1, 2), backend))
+            DraftGraphs.for_loop(loop, CaptureOptions(backend=backend, buckets=(1, 2), manifest_path=None,
+                                                      **options.server_compile(spec, (1, 2), backend)))
 

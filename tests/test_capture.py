@@ -8,6 +8,7 @@ import torch
 from graphcap import manifest as mf
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import CaptureError
+from graphcap.engine.options import CaptureOptions
 from graphcap.kernels import twins_on_cpu
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.engine.observers import CaptureObserver, LoggingProgress
@@ -57,7 +58,7 @@ def test_dispatch_padding_fallback_and_manifest(tmp_path, device):
     _, wb_ref, loop_ref = build(device)
     _, wb, loop = build(device)
     path = tmp_path / "m.json"
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(2, 4, 8), manifest_path=path, progress=False)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(2, 4, 8), manifest_path=path))
     graphs.capture()
     g = torch.Generator().manual_seed(7)
     sizes = [3, 8, 1, 4, 10, 2, 5, 7, 9, 3]
@@ -85,8 +86,8 @@ def test_views_until_next_run_and_copies(device):
     against the plain loop on a twin state."""
     _, wb_ref, loop_ref = build(device)
     _, wb, loop = build(device)
-    graphs = DraftGraphs.for_loop(loop, backend="cudagraph" if device == "cuda" else "eager", buckets=(4,),
-                                  manifest_path=None, progress=False)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="cudagraph" if device == "cuda" else "eager",
+                                                       buckets=(4,), manifest_path=None))
     graphs.capture()
     g = torch.Generator().manual_seed(3)
     first, second = random_batch(g, wb, device, 3), random_batch(g, wb, device, 3)
@@ -109,7 +110,7 @@ def test_views_until_next_run_and_copies(device):
 )
 def test_bad_batches_are_rejected(device, host_slots, match):
     _, wb, loop = build(device)
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(4,), manifest_path=None))
     graphs.capture()
     before = wb.seq_lens.clone()
     g = torch.Generator().manual_seed(3)
@@ -128,7 +129,7 @@ def test_bad_batches_are_rejected(device, host_slots, match):
 )
 def test_malformed_inputs_are_named_before_anything_is_written(device, mangle, match):
     _, wb, loop = build(device)
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(4,), manifest_path=None))
     graphs.capture()
     before = wb.seq_lens.clone(), wb.ring.clone(), [x.clone() for x in graphs._buckets[0].inputs]
     with pytest.raises(CaptureError, match=match):
@@ -143,7 +144,7 @@ def test_rows_written_without_a_replay_become_padding_again(device, abandon):
     those rows as live at the next smaller batch: only the new batch's windows advance (vs the plain loop)."""
     _, wb_ref, loop_ref = build(device)
     st, wb, loop = build(device)
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(8,), manifest_path=None, progress=False)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(8,), manifest_path=None))
     graphs.capture()
     g = torch.Generator().manual_seed(13)
     big = random_batch(g, wb, device, 7)
@@ -166,7 +167,7 @@ def test_rows_written_without_a_replay_become_padding_again(device, abandon):
 
 def test_wrong_dtypes_are_named_before_anything_is_written(device):
     _, wb, loop = build(device)
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(4,), manifest_path=None))
     graphs.capture()
     before = wb.seq_lens.clone()
     for b in (3, 6):  # a bucket, and the eager path above the largest bucket
@@ -183,8 +184,8 @@ def test_unwritable_manifest_does_not_lose_the_iteration(device, tmp_path, caplo
     _, wb, loop = build(device)
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=blocker / "m.json",
-                                  progress=False, flush_every_s=0.0)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(4,), manifest_path=blocker / "m.json",
+                                                       flush_every_s=0.0))
     with pytest.raises(OSError):  # at capture the write is part of the call: the error is the caller's
         graphs.capture()
     batch = random_batch(torch.Generator().manual_seed(4), wb, device, 3)
@@ -198,8 +199,8 @@ def test_zero_copy_replay_equals_run(device):
     when a smaller batch follows a larger one in the same bucket (the rows past it must be padding again)."""
     _, wb_ref, loop_ref = build(device)
     _, wb, loop = build(device)
-    ref = DraftGraphs.for_loop(loop_ref, backend="eager", buckets=(2, 8), manifest_path=None, progress=False)
-    zc = DraftGraphs.for_loop(loop, backend="eager", buckets=(2, 8), manifest_path=None, progress=False)
+    ref = DraftGraphs.for_loop(loop_ref, CaptureOptions(backend="eager", buckets=(2, 8), manifest_path=None))
+    zc = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(2, 8), manifest_path=None))
     ref.capture()
     zc.capture()
     g = torch.Generator().manual_seed(11)
@@ -226,7 +227,7 @@ def test_run_writes_any_integer_dtype_and_layout_exactly(device):
     batch sizes within one bucket: the first B static rows equal the batch's values, the rows past them keep what
     they held."""
     _, wb, loop = build(device)
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(8,), manifest_path=None, progress=False)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(8,), manifest_path=None))
     graphs.capture()
     bucket = graphs.bucket_graph(8)
     g = torch.Generator().manual_seed(5)
@@ -288,8 +289,8 @@ def test_prepared_replay_equals_run_with_one_dispatch_per_batch_size(device):
     the same handle for the same b, None above the largest bucket (counted there by run(), not by prepare())."""
     _, wb_ref, loop_ref = build(device)
     _, wb, loop = build(device)
-    ref = DraftGraphs.for_loop(loop_ref, backend="eager", buckets=(2, 8), manifest_path=None, progress=False)
-    ours = DraftGraphs.for_loop(loop, backend="eager", buckets=(2, 8), manifest_path=None, progress=False)
+    ref = DraftGraphs.for_loop(loop_ref, CaptureOptions(backend="eager", buckets=(2, 8), manifest_path=None))
+    ours = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(2, 8), manifest_path=None))
     with pytest.raises(CaptureError, match="prepare.. before capture"):
         ours.prepare(2)
     ref.capture()
@@ -323,8 +324,8 @@ def test_address_guard_every_replay_or_every_interval(device, replay_checks):
     """replay_checks (default): a moved static tensor is refused before the replay. Off (an engine's lean hot path):
     replays go on until the flush interval ends, then the same error names the tensor."""
     st, wb, loop = build(device)
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False,
-                                  flush_every_s=3600.0, replay_checks=replay_checks)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(4,), manifest_path=None,
+                                                       flush_every_s=3600.0, replay_checks=replay_checks))
     graphs.capture()
     g = torch.Generator().manual_seed(3)
     st.k_swa.set_(st.k_swa.clone())
@@ -343,7 +344,7 @@ def test_address_guard_every_replay_or_every_interval(device, replay_checks):
 
 def test_moved_static_tensor_is_caught_and_recapture_recovers(device):
     st, wb, loop = build(device)
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=False)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(4,), manifest_path=None))
     with pytest.raises(CaptureError, match="before capture"):
         graphs.run(*random_batch(torch.Generator(), wb, device, 2))
     graphs.capture()
@@ -360,14 +361,14 @@ def test_moved_static_tensor_is_caught_and_recapture_recovers(device):
 
 def test_bad_construction(device):
     _, _, loop = build(device)
-    with pytest.raises(ValueError, match="unknown backend 'fast'"):
-        DraftGraphs.for_loop(loop, backend="fast", manifest_path=None)
+    with pytest.raises(ValueError, match=r"^CaptureOptions: backend must be one of .*cudagraph.*, got 'fast'$"):
+        CaptureOptions(backend="fast", manifest_path=None)
     with pytest.raises(ValueError, match="strictly increasing"):
-        DraftGraphs.for_loop(loop, backend="eager", buckets=(4, 2), manifest_path=None)
+        DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(4, 2), manifest_path=None))
     if device == "cpu":
         for backend in ("cudagraph", "inductor-cudagraph", "reduce-overhead"):
             with pytest.raises(ValueError, match=f"backend '{backend}' records CUDA graphs"):
-                DraftGraphs.for_loop(loop, backend=backend, manifest_path=None)
+                DraftGraphs.for_loop(loop, CaptureOptions(backend=backend, manifest_path=None))
 
 
 @pytest.mark.compile
@@ -381,8 +382,8 @@ def test_compiled_backend_matches_eager_and_never_recompiles(device, tmp_path):
     with twins_on_cpu():  # Inductor cannot lower interpreted Triton kernels: the twins are the CPU path
         _, wb_ref, loop_ref = build(device)
         _, wb, loop = build(device)
-        graphs = DraftGraphs.for_loop(loop, backend="compile", buckets=(2, 4), manifest_path=None, progress=False,
-                                      dynamic_batch=False)
+        graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="compile", buckets=(2, 4), manifest_path=None,
+                                                           dynamic_batch=False))
         graphs.capture()
         g = torch.Generator().manual_seed(11)
         for b in (2, 4, 1, 3, 4):
@@ -412,11 +413,12 @@ def test_counters_reach_the_manifest_at_exit_only_where_the_program_asks(tmp_pat
         sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
         from test_capture import build, random_batch
         from graphcap.engine.capture import DraftGraphs
+        from graphcap.engine.options import CaptureOptions
         from graphcap.kernels import twins_on_cpu
         with twins_on_cpu():
             _, wb, loop = build("cpu")
-            g = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path={str(path)!r},
-                                     flush_every_s=1e9)
+            g = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(4,),
+                                                          manifest_path={str(path)!r}, flush_every_s=1e9))
             if {register}:
                 atexit.register(g.flush)
             g.capture()
@@ -455,8 +457,8 @@ def test_observers_see_every_bucket_the_summary_and_the_flushes(device, capfd, c
 
     _, wb, loop = build(device)
     rec, logged = _Recorder(), LoggingProgress(logging.getLogger("graphcap.test"))
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(2, 4, 8), manifest_path=None, flush_every_s=1e9,
-                                  observers=[rec, logged])
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(2, 4, 8), manifest_path=None,
+                                                       flush_every_s=1e9), observers=[rec, logged])
     with caplog.at_level(logging.INFO, logger="graphcap.test"):
         graphs.capture()
     starts = [e for e in rec.events if e[0] == "start"]
@@ -475,7 +477,7 @@ def test_observers_see_every_bucket_the_summary_and_the_flushes(device, capfd, c
     assert rec.events[-1] == ("flush", [(2, 1), (4, 2), (8, 0)])
     out, err = capfd.readouterr()
     assert out == "" and err == ""
-    shown = DraftGraphs.for_loop(loop, backend="eager", buckets=(4,), manifest_path=None, progress=True)
+    shown = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(4,), manifest_path=None, progress=True))
     shown.capture()
     err = capfd.readouterr().err
     assert "graphcap: capturing bucket    4 (1/1)" in err
@@ -498,9 +500,9 @@ def test_failed_bucket_falls_back_to_eager_and_is_recorded(device, tmp_path):
             return loop(slots, accepted, tokens, hidden)
 
         path = tmp_path / "m.json"
-        graphs = DraftGraphs(fn, buckets=(4,), padding_slot=wb.padding_slot, example_inputs=loop.example_inputs,
-                             static_tensors=loop.static_tensors(), backend="compile", spec=SPEC, manifest_path=path,
-                             progress=False)
+        graphs = DraftGraphs(fn, example_inputs=loop.example_inputs, static_tensors=loop.static_tensors(),
+                             padding_slot=wb.padding_slot, spec=SPEC,
+                             options=CaptureOptions(backend="compile", buckets=(4,), manifest_path=path))
         graphs.capture()
         rec = graphs.buckets[0]
         assert rec.status == "failed" and "simulated capture failure" in rec.reason
@@ -553,9 +555,9 @@ def test_dynamic_batch_compiles_once_for_every_bucket(device, tmp_path, names):
         graphs = {}
         for name in names:
             before = counters["stats"]["unique_graphs"]
-            graphs[name] = DraftGraphs.for_loop(loops[name][2], backend="compile", buckets=buckets,
-                                                manifest_path=tmp_path / f"{name}.json",
-                                                dynamic_batch=name == "dynamic")
+            graphs[name] = DraftGraphs.for_loop(loops[name][2], CaptureOptions(backend="compile", buckets=buckets,
+                                                                               manifest_path=tmp_path / f"{name}.json",
+                                                                               dynamic_batch=name == "dynamic"))
             graphs[name].capture()
             assert [r.status for r in graphs[name].buckets] == ["captured"] * 3, graphs[name].buckets
             want = 1 if name == "dynamic" else len(buckets)
@@ -584,7 +586,7 @@ def test_dynamic_batch_compiles_once_for_every_bucket(device, tmp_path, names):
             gr.flush()
             assert mf.read_manifest(tmp_path / f"{name}.json").dynamic_batch is (name == "dynamic")
     with pytest.raises(ValueError, match="dynamic_batch compiles once for every bucket; backend 'eager'"):
-        DraftGraphs.for_loop(build(device)[2], backend="eager", manifest_path=None, dynamic_batch=True)
+        DraftGraphs.for_loop(build(device)[2], CaptureOptions(backend="eager", manifest_path=None, dynamic_batch=True))
 
 
 def test_for_loop_compiles_once_for_every_bucket_by_default(device):
@@ -593,10 +595,11 @@ def test_for_loop_compiles_once_for_every_bucket_by_default(device):
     compiled = ["compile"] + (["inductor-cudagraph", "reduce-overhead"] if device == "cuda" else [])
     plain = ["eager"] + (["cudagraph"] if device == "cuda" else [])
     for backend in compiled + plain:
-        graphs = DraftGraphs.for_loop(build(device)[2], backend=backend, buckets=(1, 2), manifest_path=None)
+        graphs = DraftGraphs.for_loop(build(device)[2], CaptureOptions(backend=backend, buckets=(1, 2),
+                                                                       manifest_path=None))
         assert graphs.dynamic_batch is (backend in compiled), backend
-    graphs = DraftGraphs.for_loop(build(device)[2], backend="compile", buckets=(1, 2), manifest_path=None,
-                                  dynamic_batch=False)
+    graphs = DraftGraphs.for_loop(build(device)[2], CaptureOptions(backend="compile", buckets=(1, 2),
+                                                                   manifest_path=None, dynamic_batch=False))
     assert graphs.dynamic_batch is False
 
 
@@ -621,7 +624,8 @@ def test_skinny_gemm_op_set_compiles_once_for_every_bucket(device):
         pools = (t.to(torch.bfloat16) for t in (st.k_swa, st.v_swa, st.k_full, st.v_full))
         loops.append(DraftLoop(model, wb, *pools, ops=SKINNY_OPS))
     with twins_on_cpu():
-        graphs = DraftGraphs.for_loop(loops[0], backend="compile", buckets=(1, 2, 4), manifest_path=None)
+        graphs = DraftGraphs.for_loop(loops[0], CaptureOptions(backend="compile", buckets=(1, 2, 4),
+                                                               manifest_path=None))
         graphs.capture()
         assert [r.status for r in graphs.buckets] == ["captured"] * 3 and graphs._compiled.entries == 1
         g = torch.Generator().manual_seed(5)
@@ -656,8 +660,8 @@ def test_dynamic_batch_on_a_torch_whose_unbacked_marks_take_no_range(device, tmp
     monkeypatch.setattr(torch._dynamo.decorators, "mark_unbacked", lambda t, i, **kw: (seen.append(kw), real(t, i, **kw)))
     with twins_on_cpu():
         eager, dyn = build(device), build(device)
-        graphs = DraftGraphs.for_loop(dyn[2], backend="compile", buckets=(1, 2, 5), manifest_path=None,
-                                      dynamic_batch=True)
+        graphs = DraftGraphs.for_loop(dyn[2], CaptureOptions(backend="compile", buckets=(1, 2, 5), manifest_path=None,
+                                                             dynamic_batch=True))
         graphs.capture()
         assert seen and all("min" not in kw and "max" not in kw for kw in seen)
         assert [r.status for r in graphs.buckets] == ["captured"] * 3
@@ -682,17 +686,20 @@ def test_compile_max_batch_sizes_the_one_compile_beyond_the_captured_buckets(dev
                         lambda *a, **kw: (ranges.append(kw["batch_range"]), real_compile(*a, **kw))[1])
     with twins_on_cpu():
         eager, dyn = build(device), build(device)
-        graphs = DraftGraphs.for_loop(dyn[2], backend="compile", buckets=(1, 2), manifest_path=None,
-                                      compile_max_batch=7)
-        plain = DraftGraphs.for_loop(build(device)[2], backend="compile", buckets=(1, 2), manifest_path=None)
+        graphs = DraftGraphs.for_loop(dyn[2], CaptureOptions(backend="compile", buckets=(1, 2), manifest_path=None,
+                                                             compile_max_batch=7))
+        plain = DraftGraphs.for_loop(build(device)[2], CaptureOptions(backend="compile", buckets=(1, 2),
+                                                                      manifest_path=None))
         assert graphs._compile.cache_key() != plain._compile.cache_key()
         graphs.capture()
         assert set(tops) == {7} and ranges == [(1, 7)] and graphs._compiled.entries == 1
         assert_drafts_as_eager(graphs, eager, device, (2, 1), seed=9)
-    for bad, kw in ((1, {}), ("8", {}), (8, {"dynamic_batch": False})):
+    for bad, kw in ((1, {}), (8, {"dynamic_batch": False})):
         with pytest.raises(ValueError, match=rf"compile_max_batch .* largest bucket 2 .*got {bad!r}"):
-            DraftGraphs.for_loop(build(device)[2], backend="compile", buckets=(1, 2), manifest_path=None,
-                                 compile_max_batch=bad, **kw)
+            DraftGraphs.for_loop(build(device)[2], CaptureOptions(backend="compile", buckets=(1, 2),
+                                                                  manifest_path=None, compile_max_batch=bad, **kw))
+    with pytest.raises(ValueError, match=r"^CaptureOptions: compile_max_batch must be an int >= 1 or None, got '8'$"):
+        CaptureOptions(compile_max_batch="8")
 
 
 class _GraphStandIn:
@@ -711,7 +718,7 @@ class _GraphStandIn:
 def graphs_with_cpu_graphs(loop, buckets):
     from graphcap.engine.iteration import DraftOutput
 
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=buckets, manifest_path=None, progress=False)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=buckets, manifest_path=None))
     graphs.capture()
     for size in buckets:
         bucket = graphs.bucket_graph(size)
@@ -793,7 +800,7 @@ def test_check_batch_remembers_only_what_the_full_check_passed(device):
     import graphcap.engine.guards as guards
 
     st, wb, loop = build(device)
-    graphs = DraftGraphs.for_loop(loop, backend="eager", buckets=(2, 8), manifest_path=None, progress=False)
+    graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend="eager", buckets=(2, 8), manifest_path=None))
     ref = graphs._buckets[0].inputs
     g = torch.Generator().manual_seed(31)
     rng = random.Random(5)

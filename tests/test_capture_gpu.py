@@ -20,6 +20,7 @@ from graphcap.engine import compile_cache as cc
 from graphcap.engine import precompile
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import cache_entries
+from graphcap.engine.options import CaptureOptions
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.models.draft_loop import DraftOutput
 from graphcap.spec import load_spec
@@ -123,12 +124,13 @@ def test_replay_equals_the_same_function_without_graphs(spec_name, buckets, iter
     graphed = _loop(spec, st, model, lens, layer_regions)
     twin = _loop(spec, st, model, lens, layer_regions)  # the same function without CUDA graphs
     eager = _loop(spec, st, model, lens)  # plain eager draft_loop
-    dyn = {"dynamic_batch": dynamic_batch}  # explicit: for_loop's default for compiled backends is True
-    gr = DraftGraphs.for_loop(graphed, backend=backend, buckets=buckets, manifest_path=tmp_path / "m.json", **dyn)
+    # dynamic_batch explicit: for_loop's default for compiled backends is True
+    opts = CaptureOptions(buckets=buckets, manifest_path=None, dynamic_batch=dynamic_batch)
+    gr = DraftGraphs.for_loop(graphed, opts.replace(backend=backend, manifest_path=tmp_path / "m.json"))
     gr.capture()
     tw = None
     if twin_backend:
-        tw = DraftGraphs.for_loop(twin, backend=twin_backend, buckets=buckets, manifest_path=None, **dyn)
+        tw = DraftGraphs.for_loop(twin, opts.replace(backend=twin_backend))
         tw.capture()
     compiled = [x._compiled for x in (gr, tw) if x is not None and x._compiled is not None]
     if dynamic_batch:
@@ -195,8 +197,9 @@ def test_precompiled_iteration_replays_as_compiled_over_larger_pools(layer_regio
         frames = counters["stats"]["unique_graphs"]
         st, model, lens = _world(spec, n_slots, base_ctx, iters, spare_tokens, spare_rows)
         graphed, twin, eager = (_loop(spec, st, model, lens, layer_regions) for _ in range(3))
-        gr = DraftGraphs.for_loop(graphed, backend="inductor-cudagraph", buckets=buckets, manifest_path=None,
-                                  dynamic_batch=True, compile_cache=cache, precompile=True)
+        gr = DraftGraphs.for_loop(graphed, CaptureOptions(backend="inductor-cudagraph", buckets=buckets,
+                                                          manifest_path=None, dynamic_batch=True, compile_cache=cache,
+                                                          precompile=True))
         gr.capture()
         assert all(r.status == "captured" for r in gr.buckets), gr.buckets
         traced = counters["stats"]["unique_graphs"] - frames
@@ -255,7 +258,7 @@ def test_cudagraph_replay_equals_eager_at_padded_buckets():
     spec = load_spec("gemma4-31b-assistant")
     st, model, lens = _world(spec, 16, 2048)
     a, b_ = _loop(spec, st, model, lens), _loop(spec, st, model, lens)
-    gr = DraftGraphs.for_loop(a, backend="cudagraph", buckets=(4, 8), manifest_path=None)
+    gr = DraftGraphs.for_loop(a, CaptureOptions(backend="cudagraph", buckets=(4, 8), manifest_path=None))
     gr.capture()
     g = torch.Generator().manual_seed(5)
     for b in (8, 5, 1, 8, 3, 4, 7, 2):
@@ -277,7 +280,8 @@ def test_run_copies_a_batch_of_the_static_dtypes_in_one_launch():
     word where a source sits at an odd offset), and its rows arrive exactly; int32 slots take the per-pair copies."""
     spec = load_spec("tiny")
     st, model, lens = _world(spec, 16, 32, iters=4)
-    gr = DraftGraphs.for_loop(_loop(spec, st, model, lens), backend="eager", buckets=(8,), manifest_path=None)
+    gr = DraftGraphs.for_loop(_loop(spec, st, model, lens), CaptureOptions(backend="eager", buckets=(8,),
+                                                                           manifest_path=None))
     gr.capture()
     bucket = gr.bucket_graph(8)
     g = torch.Generator().manual_seed(3)

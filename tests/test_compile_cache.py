@@ -120,6 +120,7 @@ def test_capture_saves_and_a_fresh_process_state_loads(tmp_path, monkeypatch, cp
     the speed-up: that needs a GPU."""
     from graphcap import manifest as mf
     from graphcap.engine.capture import DraftGraphs
+    from graphcap.engine.options import CaptureOptions
 
     from tests.test_capture import build, random_batch
 
@@ -132,8 +133,8 @@ def test_capture_saves_and_a_fresh_process_state_loads(tmp_path, monkeypatch, cp
     fresh_inductor_cache("inductor1")
     torch._dynamo.reset()
     _, wb1, loop1 = build("cpu")
-    g1 = DraftGraphs.for_loop(loop1, backend="compile", buckets=(4,), manifest_path=tmp_path / "m1.json",
-                              compile_cache=cache, precompile=False)  # torch's artifacts alone
+    g1 = DraftGraphs.for_loop(loop1, CaptureOptions(backend="compile", buckets=(4,), manifest_path=tmp_path / "m1.json",
+                                                    compile_cache=cache, precompile=False))  # torch's artifacts alone
     g1.capture()
     files = list(cache.iterdir())
     assert [p.name for p in files] == [f"{g1._compile.cache_key()}.bin"]
@@ -147,8 +148,8 @@ def test_capture_saves_and_a_fresh_process_state_loads(tmp_path, monkeypatch, cp
     real_load, loaded = torch.compiler.load_cache_artifacts, []
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: (loaded.append(data), real_load(data))[1])
     _, wb2, loop2 = build("cpu")
-    g2 = DraftGraphs.for_loop(loop2, backend="compile", buckets=(4,), manifest_path=tmp_path / "m2.json",
-                              compile_cache=cache, precompile=False)
+    g2 = DraftGraphs.for_loop(loop2, CaptureOptions(backend="compile", buckets=(4,), manifest_path=tmp_path / "m2.json",
+                                                    compile_cache=cache, precompile=False))
     g2.capture()
     assert loaded == [files[0].read_bytes()]
     assert g2.manifest().compile_cache == "hit" and mf.read_manifest(tmp_path / "m2.json").compile_cache == "hit"
@@ -160,14 +161,16 @@ def test_capture_saves_and_a_fresh_process_state_loads(tmp_path, monkeypatch, cp
 
 def test_compile_cache_without_spec_needs_a_key():
     from graphcap.engine.capture import DraftGraphs
+    from graphcap.engine.options import CaptureOptions
 
     def ex(b):
         return (torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
                 torch.zeros(b, 2))
 
     with pytest.raises(ValueError, match="cache_key"):
-        DraftGraphs(lambda *a: a, buckets=(1,), padding_slot=0, example_inputs=ex, static_tensors={},
-                    backend="compile", manifest_path=None, compile_cache="/nonexistent")
+        DraftGraphs(lambda *a: a, example_inputs=ex, static_tensors={}, padding_slot=0,
+                    options=CaptureOptions(backend="compile", buckets=(1,), manifest_path=None,
+                                           compile_cache="/nonexistent"))
 
 
 def test_manifest_field_is_optional_and_inspect_shows_it(tmp_path):
@@ -213,6 +216,7 @@ def test_precompiled_iteration_loads_without_tracing_over_other_pools(tmp_path, 
 
     from graphcap.engine import precompile
     from graphcap.engine.capture import DraftGraphs
+    from graphcap.engine.options import CaptureOptions
     from graphcap.kernels import twins_on_cpu
     from test_pool_dims import LIVE, SPEC, assert_runs_as_eager, build
 
@@ -223,8 +227,9 @@ def test_precompiled_iteration_loads_without_tracing_over_other_pools(tmp_path, 
         torch._dynamo.reset()
         st, wb, loop = build(SPEC, **state)
         frames = counters["stats"]["unique_graphs"]
-        g = DraftGraphs.for_loop(loop, backend="compile", buckets=(1, 2), manifest_path=None, dynamic_batch=True,
-                                 compile_cache=cache)  # precompile: for_loop's default with a compile cache
+        # precompile: for_loop's default with a compile cache
+        g = DraftGraphs.for_loop(loop, CaptureOptions(backend="compile", buckets=(1, 2), manifest_path=None,
+                                                      dynamic_batch=True, compile_cache=cache))
         assert g.precompile
         g.capture()
         assert [r.status for r in g.buckets] == ["captured"] * 2
@@ -250,6 +255,7 @@ def test_a_failing_aot_compile_costs_the_warm_start_not_the_capture(tmp_path, mo
     bucket captured, runs equal to the eager loop - warns once, notes why in the manifest and saves no .aot file."""
     from graphcap.engine import precompile
     from graphcap.engine.capture import DraftGraphs
+    from graphcap.engine.options import CaptureOptions
     from graphcap.kernels import twins_on_cpu
     from test_pool_dims import LIVE, SPEC, assert_runs_as_eager, build
 
@@ -262,8 +268,9 @@ def test_a_failing_aot_compile_costs_the_warm_start_not_the_capture(tmp_path, mo
     state = dict(grow=0, rows=LIVE, cols=128)
     st, wb, loop = build(SPEC, **state)
     with twins_on_cpu(), caplog.at_level("WARNING", logger="graphcap"):
-        g = DraftGraphs.for_loop(loop, backend="compile", buckets=(1, 2), manifest_path=None, dynamic_batch=True,
-                                 compile_cache=tmp_path / "cache", precompile=True)
+        g = DraftGraphs.for_loop(loop, CaptureOptions(backend="compile", buckets=(1, 2), manifest_path=None,
+                                                      dynamic_batch=True, compile_cache=tmp_path / "cache",
+                                                      precompile=True))
         g.capture()
         assert [r.status for r in g.buckets] == ["captured"] * 2
         assert_runs_as_eager(g, wb, state, seed=4)
@@ -281,25 +288,28 @@ def test_for_loop_precompiles_by_default_only_where_it_applies(tmp_path):
     from test_pool_dims import LIVE, SPEC, build
 
     from graphcap.engine.capture import DraftGraphs
+    from graphcap.engine.options import CaptureOptions
 
     loop = build(SPEC, grow=0, rows=LIVE, cols=128)[2]
-    cases = [(dict(compile_cache=tmp_path), True), (dict(), False),
-             (dict(compile_cache=tmp_path, dynamic_batch=False), False),
-             (dict(compile_cache=tmp_path, backend="eager"), False),
-             (dict(compile_cache=tmp_path, precompile=False), False),
-             (dict(compile_cache=tmp_path, steps_only=True), True)]
-    for kw, want in cases:
-        g = DraftGraphs.for_loop(loop, manifest_path=None, **{"backend": "compile", **kw})
-        assert g.precompile is want, kw
+    opts = CaptureOptions(backend="compile", manifest_path=None)
+    cases = [(dict(compile_cache=tmp_path), {}, True), (dict(), {}, False),
+             (dict(compile_cache=tmp_path, dynamic_batch=False), {}, False),
+             (dict(compile_cache=tmp_path, backend="eager"), {}, False),
+             (dict(compile_cache=tmp_path, precompile=False), {}, False),
+             (dict(compile_cache=tmp_path), dict(steps_only=True), True)]
+    for changes, kw, want in cases:
+        g = DraftGraphs.for_loop(loop, opts.replace(**changes), **kw)
+        assert g.precompile is want, (changes, kw)
     loop.precompile_signature = None  # a loop that does not say what its compile depends on: no default
-    g = DraftGraphs.for_loop(loop, manifest_path=None, backend="compile", compile_cache=tmp_path)
+    g = DraftGraphs.for_loop(loop, opts.replace(compile_cache=tmp_path))
     assert g.precompile is False
     del loop.precompile_signature
-    with pytest.raises(ValueError, match="precompile must be True or False, got 'yes'"):
-        DraftGraphs.for_loop(loop, manifest_path=None, backend="compile", compile_cache=tmp_path, precompile="yes")
-    g = DraftGraphs(loop, buckets=(1, 2), padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
-                    static_tensors=loop.static_tensors(), backend="compile", spec=SPEC, manifest_path=None,
-                    dynamic_batch=True, compile_cache=tmp_path)
+    with pytest.raises(ValueError, match=r"^CaptureOptions: precompile must be True, False or None .*got 'yes'$"):
+        opts.replace(compile_cache=tmp_path, precompile="yes")
+    g = DraftGraphs(loop, example_inputs=loop.example_inputs, static_tensors=loop.static_tensors(),
+                    padding_slot=loop.padding_slot, spec=SPEC,
+                    options=CaptureOptions(backend="compile", buckets=(1, 2), manifest_path=None, dynamic_batch=True,
+                                           compile_cache=tmp_path))
     assert g.precompile is False
 
 
@@ -307,13 +317,15 @@ def test_precompile_refuses_what_it_cannot_serve(tmp_path):
     from test_pool_dims import LIVE, SPEC, build
 
     from graphcap.engine.capture import DraftGraphs
+    from graphcap.engine.options import CaptureOptions
 
     loop = build(SPEC, grow=0, rows=LIVE, cols=128)[2]
     for kw in (dict(dynamic_batch=False, compile_cache=tmp_path), dict(dynamic_batch=True),
                dict(dynamic_batch=True, compile_cache=tmp_path, backend="eager")):
         # (the eager backend is refused by dynamic_batch's own check first)
         with pytest.raises(ValueError, match="precompile needs dynamic_batch=True|dynamic_batch compiles once"):
-            DraftGraphs.for_loop(loop, manifest_path=None, precompile=True, **{"backend": "compile", **kw})
+            DraftGraphs.for_loop(loop, CaptureOptions(**{"backend": "compile", "manifest_path": None,
+                                                         "precompile": True, **kw}))
 
 
 def test_compile_aot_works_where_the_aot_flag_is_off(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import torch
 
 from graphcap.bench.baselines import RebuildBaseline
 from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.options import CaptureOptions
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.models.draft_ops import SKINNY_OPS, TORCH_OPS
 from graphcap.models.fused_op_set import fused_ops
@@ -129,8 +130,8 @@ def test_rebuild_baseline_gives_identical_tokens(device, graphed):
     base.capture()
     graphcap = loop_a
     if graphed:  # same bucket padding on both sides: batch shape changes GEMM rounding
-        graphcap = DraftGraphs.for_loop(loop_a, backend="cudagraph" if device == "cuda" else "eager", buckets=(2, 8),
-                                        manifest_path=None, progress=False)
+        graphcap = DraftGraphs.for_loop(loop_a, CaptureOptions(backend="cudagraph" if device == "cuda" else "eager",
+                                                               buckets=(2, 8), manifest_path=None))
         graphcap.capture()
         graphcap = graphcap.run
     g = torch.Generator().manual_seed(9)

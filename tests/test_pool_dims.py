@@ -11,6 +11,7 @@ import torch
 from graphcap.engine import compile_cache as cc
 from graphcap.bench.state import make_target_state
 from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.options import CaptureOptions
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.spec import load_spec
 from graphcap.window import WindowBuffers
@@ -65,9 +66,10 @@ def test_pool_dims_name_the_memory_sized_dimensions():
                     "full.k_pool": (0,), "full.v_pool": (0,)}
     assert set(dims) <= set(loop.static_tensors())
     with pytest.raises(ValueError, match="'nope' is not one of the static tensors"):
-        DraftGraphs.for_loop(loop, backend="compile", manifest_path=None, pool_dims={"nope": (0,)})
+        DraftGraphs.for_loop(loop, CaptureOptions(backend="compile", manifest_path=None), pool_dims={"nope": (0,)})
     with pytest.raises(ValueError, match="'window.ring' has 2 dimensions, got \\(2,\\)"):
-        DraftGraphs.for_loop(loop, backend="compile", manifest_path=None, pool_dims={"window.ring": (2,)})
+        DraftGraphs.for_loop(loop, CaptureOptions(backend="compile", manifest_path=None),
+                             pool_dims={"window.ring": (2,)})
 
 
 def test_the_compile_cache_key_leaves_pool_sizes_out():
@@ -78,8 +80,8 @@ def test_the_compile_cache_key_leaves_pool_sizes_out():
                                    (dataclasses.replace(SPEC, draft=dataclasses.replace(SPEC.draft, hidden=40)),
                                     0, LIVE, 128)):
         loop = build(spec, grow=grow, rows=rows, cols=cols)[2]
-        g = DraftGraphs.for_loop(loop, backend="compile", buckets=(1, 2), manifest_path=None, dynamic_batch=True,
-                                 compile_cache="/nonexistent")
+        g = DraftGraphs.for_loop(loop, CaptureOptions(backend="compile", buckets=(1, 2), manifest_path=None,
+                                                      dynamic_batch=True, compile_cache="/nonexistent"))
         keys.append(g._compile.cache_key())
     assert keys[0] == keys[1] != keys[2]
 
@@ -104,8 +106,9 @@ def test_other_pool_sizes_hit_the_on_disk_caches_and_another_model_misses(tmp_pa
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / f"inductor-{name}"))
         st, wb, loop = build(spec, **state)
         before = dict(counters["inductor"])
-        g = DraftGraphs.for_loop(loop, backend="compile", buckets=buckets, manifest_path=None,
-                                 dynamic_batch=True, compile_cache=artifacts, precompile=False)  # the FX graph cache
+        g = DraftGraphs.for_loop(loop, CaptureOptions(backend="compile", buckets=buckets, manifest_path=None,
+                                                      dynamic_batch=True, compile_cache=artifacts,
+                                                      precompile=False))  # the FX graph cache
         g.capture()
         delta = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
         assert [r.status for r in g.buckets] == ["captured"] * len(buckets), g.buckets
@@ -129,7 +132,7 @@ def test_the_compile_cache_key_names_the_loops_steps_and_what_is_compiled():
     keys = set()
     for steps, steps_only in ((1, False), (2, False), (1, True)):
         loop = build(SPEC, grow=0, rows=LIVE, cols=128, steps=steps)[2]
-        g = DraftGraphs.for_loop(loop, backend="compile", buckets=(1, 2), manifest_path=None,
-                                 compile_cache="/nonexistent", steps_only=steps_only)
+        g = DraftGraphs.for_loop(loop, CaptureOptions(backend="compile", buckets=(1, 2), manifest_path=None,
+                                                      compile_cache="/nonexistent"), steps_only=steps_only)
         keys.add(g._compile.cache_key())
     assert len(keys) == 3

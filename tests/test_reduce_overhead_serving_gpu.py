@@ -20,6 +20,7 @@ import torch
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import cudagraph_skips
 from graphcap.engine.iteration import DraftOutput
+from graphcap.engine.options import CaptureOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -95,8 +96,8 @@ class PiecewiseLoop:
 
 
 def _graphs(loop: PiecewiseLoop, backend: str) -> DraftGraphs:
-    g = DraftGraphs(loop, buckets=BUCKETS, padding_slot=SLOTS, example_inputs=loop.example_inputs,
-                    static_tensors=loop.static_tensors(), backend=backend, manifest_path=None)
+    g = DraftGraphs(loop, padding_slot=SLOTS, example_inputs=loop.example_inputs, static_tensors=loop.static_tensors(),
+                    options=CaptureOptions(buckets=BUCKETS, backend=backend, manifest_path=None))
     capture = torch.cuda.Stream()  # sglang captures inside its own capture-stream context, then serves elsewhere
     capture.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(capture):

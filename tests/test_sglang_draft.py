@@ -19,11 +19,11 @@ from bench_scripts import load_file
 from graphcap import manifest as mf
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import CaptureError
+from graphcap.engine.options import CaptureOptions
 from graphcap.sglang import hooks as hooks
-from graphcap.sglang.plugin import DraftCaptureOptions, sglang_tp_rank
-from graphcap.sglang.config import sglang_parallel
-from graphcap.sglang.runtime import (CHECK_ENV, GraphcapDraftRuntime, SlotTracker, bind_window,
-                                                  capture_graphs, slot_of)
+from graphcap.sglang.config import sglang_parallel, sglang_tp_rank
+from graphcap.sglang.runtime import GraphcapDraftRuntime, SlotTracker, bind_window, capture_graphs, slot_of
+from graphcap.sglang.settings import CHECK_ENV, DraftCaptureOptions, PluginSettings
 from graphcap.models.draft_loop import DraftOutput
 
 pytestmark = pytest.mark.usefixtures("cpu_twins")  # the plugin's bookkeeping is the point, not the kernels
@@ -103,10 +103,10 @@ def _graphs(window, buckets, tracker: SlotTracker):
     """Captured as the plugin captures: the iteration takes the pending counts itself (`tracker.in_iteration`), and on
     a GPU is recorded as the plugin's default backend records it (a replay runs no Python: `Replay.pure`)."""
     static = {**window.static_tensors(), "pending_accepts": tracker.pending}
-    graphs = DraftGraphs(tracker.in_iteration(_iteration(window)), buckets=list(buckets),
-                         padding_slot=window.padding_slot, example_inputs=_example_inputs(window),
-                         static_tensors=static, backend="cudagraph" if window.device.type == "cuda" else "eager",
-                         manifest_path=None, progress=False)
+    options = CaptureOptions(backend="cudagraph" if window.device.type == "cuda" else "eager", buckets=buckets,
+                             manifest_path=None)
+    graphs = DraftGraphs(tracker.in_iteration(_iteration(window)), example_inputs=_example_inputs(window),
+                         static_tensors=static, padding_slot=window.padding_slot, options=options)
     graphs.capture()
     return graphs
 
@@ -566,33 +566,24 @@ def test_plugin_logs_the_capture_and_registers_its_own_exit_flush(tmp_path, monk
     assert [b["replays"] for b in next(iter(written.values()))["buckets"]] == [0, 1]
 
 
-@pytest.mark.parametrize("raw", ["soon", "-1", "nan"])
-def test_a_bad_manifest_flush_interval_is_named_before_anything_is_captured(tmp_path, monkeypatch, raw):
-    from graphcap.sglang.runtime import FLUSH_ENV
-
-    monkeypatch.setenv(FLUSH_ENV, raw)
-    window = _window()
-    calls = []
-
-    def iteration(*a):
-        calls.append(a)
-        return _iteration(window)(*a)
-
-    with pytest.raises(ValueError, match=rf"\${FLUSH_ENV}: expected seconds >= 0, got '{raw}'"):
-        capture_graphs(window, iteration, buckets=[1], example_inputs=_example_inputs(window),
-                       static_tensors=window.static_tensors(), backend="eager", manifest_dir=str(tmp_path),
-                       name="sglang-test", steps=3, parallel=mf.Parallel(tp_rank=0, tp_size=1))
-    assert calls == [] and mf.list_manifests(tmp_path) == []
+def test_the_runtime_takes_its_settings_once_from_the_environment(device, monkeypatch):
+    """GRAPHCAP_SGLANG_CHECK and GRAPHCAP_MANIFEST_FLUSH_S reach the runtime through the process's settings, read
+    when the runtime is made; settings given to it win."""
+    monkeypatch.setenv(CHECK_ENV, "1")
+    monkeypatch.setenv("GRAPHCAP_MANIFEST_FLUSH_S", "0.5")
+    rt = GraphcapDraftRuntime(SimpleNamespace(speculative_num_steps=3), DraftCaptureOptions(enabled=True), _window(),
+                              target_pool=None)
+    assert rt.check and rt.tracker.checked and rt.settings.manifest_flush_s == 0.5
+    monkeypatch.setenv(CHECK_ENV, "0")  # later changes do not reach a runtime already made
+    assert rt.check
+    given = GraphcapDraftRuntime(SimpleNamespace(speculative_num_steps=3), DraftCaptureOptions(enabled=True),
+                                 _window(), target_pool=None, settings=PluginSettings())
+    assert not given.check and given.settings.manifest_flush_s == 10.0
 
 
-@pytest.mark.parametrize("raw", ["0", "x", "-3", "1.5"])
-def test_a_bad_trace_flush_count_is_named(tmp_path, monkeypatch, raw):
-    pytest.importorskip("sglang", reason="the real sglang package is not installed")
-    from graphcap.sglang import trace as sglang_trace
-
-    monkeypatch.setenv(sglang_trace.FLUSH_ENV, raw)
-    with pytest.raises(ValueError, match=rf"\${sglang_trace.FLUSH_ENV}: expected a whole number .* got '{raw}'"):
-        sglang_trace.install(str(tmp_path / "trace"), "sglang.srt.managers.scheduler.Scheduler.does_not_matter")
+def test_the_manifest_flush_interval_reaches_the_capture(tmp_path):
+    graphs = _capture(_window(), tmp_path, flush_every_s=0.0, parallel=mf.Parallel(tp_rank=0, tp_size=1))
+    assert graphs.options.flush_every_s == 0.0 and graphs._flush_every_s == 0.0
 
 
 def test_trace_profiles_the_kernels_of_a_few_warm_draft_calls_per_listed_batch(tmp_path, monkeypatch):
@@ -664,23 +655,21 @@ def test_trace_profiles_the_kernels_of_a_few_warm_draft_calls_per_listed_batch(t
     assert table["gpu_us_per_draft"] == gemm + 3.0 and table["launches_per_draft"] == 3.0
 
 
-@pytest.mark.parametrize("raw", ["8,x", "0", "-2"])
-def test_a_bad_trace_profile_list_is_named(tmp_path, monkeypatch, raw):
+def test_the_trace_takes_its_settings(tmp_path):
     pytest.importorskip("sglang", reason="the real sglang package is not installed")
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
     from graphcap.sglang import trace as sglang_trace
 
-    monkeypatch.setenv(sglang_trace.PROFILE_ENV, raw)
-    with pytest.raises(ValueError, match=rf"\${sglang_trace.PROFILE_ENV}: expected batch sizes"):
-        sglang_trace.install(str(tmp_path / "trace"), "sglang.srt.managers.scheduler.Scheduler.does_not_matter")
-
-
-@pytest.mark.parametrize("raw", ["yes", "true", "2"])
-def test_a_bad_check_switch_is_named_when_the_runtime_is_made(device, monkeypatch, raw):
-    from graphcap.sglang.config import DraftCaptureConfigError
-
-    monkeypatch.setenv(CHECK_ENV, raw)
-    with pytest.raises(DraftCaptureConfigError, match=rf"\${CHECK_ENV}: expected 0 or 1, got '{raw}'"):
-        _steady(device)
+    settings = PluginSettings(trace_dir=str(tmp_path / "trace"), trace_flush=3, trace_profile=(8, 64))
+    target = "sglang.srt.managers.scheduler.Scheduler.does_not_matter"
+    try:
+        trace = sglang_trace.install(settings, target)
+    finally:
+        HookRegistry._hooks.pop(target, None)
+    assert (trace.directory, trace.flush_every, sorted(trace._seen)) == (str(tmp_path / "trace"), 3, [8, 64])
+    with pytest.raises(ValueError, match=r"no trace directory \(\$GRAPHCAP_SGLANG_TRACE\)"):
+        sglang_trace.install(PluginSettings(), target)
 
 
 class _NoLaunch:

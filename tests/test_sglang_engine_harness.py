@@ -177,7 +177,7 @@ def test_refusal_cases_ask_the_engine_for_their_setting_and_count_only_graphcaps
     import sys
     import types
 
-    from graphcap.sglang.config import DraftCaptureConfigError
+    from graphcap.sglang.compat import DraftCaptureConfigError
 
     seen = []
 

@@ -24,7 +24,12 @@ from sglang_required import require_sglang_plugin
 require_sglang_plugin()
 pytestmark = pytest.mark.sglang
 
-from graphcap.sglang import plugin  # noqa: E402  (after the skip)
+from graphcap.sglang import compat, config, plugin  # noqa: E402  (after the skip)
+from graphcap.envvars import KERNEL_PATHS_ENV, MANIFEST_DIR_ENV  # noqa: E402
+from graphcap.sglang.settings import (ALLOW_UNTESTED_ENV, CHECK_ENV, COMPILE_SCOPE_ENV,  # noqa: E402
+                                      DRAFT_CAPTURE_ENV, MANIFEST_FLUSH_ENV, PLUGIN_DEFAULT_BACKEND, TRACE_ENV,
+                                      TRACE_FLUSH_ENV, TRACE_PROFILE_ENV, VARIABLES, DraftCaptureOptions,
+                                      plugin_settings)
 from tiers import examples
 
 ENABLED = ["--model-path", "dummy", "--speculative-algorithm", "NEXTN", "--enable-draft-graph-capture"]
@@ -44,7 +49,7 @@ def fresh(monkeypatch):
     from sglang.srt.server_args import ServerArgs
 
     saved = {n: ServerArgs.__dict__[n] for n in ("add_cli_args", "from_cli_args", "check_server_args")}
-    for k in (plugin.ENV_VAR, "SGLANG_PLUGINS"):
+    for k in (DRAFT_CAPTURE_ENV, "SGLANG_PLUGINS"):
         monkeypatch.setenv(k, "")  # recorded as it was first, so that monkeypatch's undo ends with it
         monkeypatch.delenv(k)
 
@@ -80,7 +85,7 @@ def test_entry_point_is_discovered_by_sglang_load_plugins(fresh):
     before = plugin.STATE.registered
     fresh.load_plugins()
     assert plugin.STATE.registered == before + 1
-    assert plugin.ADD_CLI_ARGS in HookRegistry._patched and plugin.FROM_CLI_ARGS in HookRegistry._patched
+    assert config.ADD_CLI_ARGS in HookRegistry._patched and config.FROM_CLI_ARGS in HookRegistry._patched
     assert _wrapped(ServerArgs, "add_cli_args") and _wrapped(ServerArgs, "from_cli_args")
     assert isinstance(ServerArgs.__dict__["from_cli_args"], classmethod)  # sglang kept the descriptor
 
@@ -88,47 +93,47 @@ def test_entry_point_is_discovered_by_sglang_load_plugins(fresh):
 def test_flag_parses_and_reaches_server_args(fresh, tmp_path):
     fresh.load_plugins()
     sa = _parse(ENABLED + ["--draft-graph-capture-backend", "cudagraph", "--draft-graph-manifest-dir", str(tmp_path)])
-    want = plugin.DraftCaptureOptions(enabled=True, backend="cudagraph", manifest_dir=str(tmp_path))
-    assert plugin.options_of(sa) == want
+    want = DraftCaptureOptions(enabled=True, backend="cudagraph", manifest_dir=str(tmp_path))
+    assert config.options_of(sa) == want
     assert sa.speculative_algorithm == "NEXTN"  # sglang's own fields untouched
-    assert json.loads(os.environ[plugin.ENV_VAR]) == json.loads(want.to_json())  # for the subprocesses' load_plugins
+    assert json.loads(os.environ[DRAFT_CAPTURE_ENV]) == json.loads(want.to_json())  # for the subprocesses' load_plugins
     copy = pickle.loads(pickle.dumps(sa))
-    assert plugin.options_of(copy) == want
+    assert config.options_of(copy) == want
 
 
 def test_projections_flag_parses_and_a_bad_value_is_named(fresh, monkeypatch):
     """--draft-graph-projections: graphcap's skinny GEMM by default, sglang's own kernels on request; a value outside
     the two is refused by sglang's parser (command line) or by name (the Engine path's JSON)."""
     fresh.load_plugins()
-    assert plugin.options_of(_parse(ENABLED)).projections == "graphcap"
-    sa = _parse(ENABLED + [plugin.PROJECTIONS_FLAG, "sglang"])
-    assert plugin.options_of(sa) == plugin.DraftCaptureOptions(enabled=True, projections="sglang")
-    assert json.loads(os.environ[plugin.ENV_VAR])["projections"] == "sglang"
+    assert config.options_of(_parse(ENABLED)).projections == "graphcap"
+    sa = _parse(ENABLED + [config.PROJECTIONS_FLAG, "sglang"])
+    assert config.options_of(sa) == DraftCaptureOptions(enabled=True, projections="sglang")
+    assert json.loads(os.environ[DRAFT_CAPTURE_ENV])["projections"] == "sglang"
     with pytest.raises(SystemExit):
-        _parse(ENABLED + [plugin.PROJECTIONS_FLAG, "cublas"])
-    monkeypatch.setenv(plugin.ENV_VAR, json.dumps({"enabled": True, "projections": "cublas"}))
-    with pytest.raises(plugin.DraftCaptureConfigError, match=r"projections must be one of graphcap, sglang, "
+        _parse(ENABLED + [config.PROJECTIONS_FLAG, "cublas"])
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, json.dumps({"enabled": True, "projections": "cublas"}))
+    with pytest.raises(compat.DraftCaptureConfigError, match=r"projections must be one of graphcap, sglang, "
                                                              r"got 'cublas'"):
-        plugin.options_from_env()
-    monkeypatch.setenv(plugin.ENV_VAR, json.dumps({"enabled": True, "projection": "sglang"}))  # a misspelt key
-    with pytest.raises(plugin.DraftCaptureConfigError, match=r"keys enabled, backend, manifest_dir, projections"):
-        plugin.options_from_env()
+        plugin_settings()
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, json.dumps({"enabled": True, "projection": "sglang"}))  # a misspelt key
+    with pytest.raises(compat.DraftCaptureConfigError, match=r"keys enabled, backend, manifest_dir, projections"):
+        plugin_settings()
 
 
 def test_verify_attention_flag_parses_and_a_bad_value_is_named(fresh, monkeypatch):
     """--draft-graph-verify-attention: graphcap's split-KV verify kernel by default, sglang's extend kernel on
     request; a value outside the two is refused by sglang's parser (command line) or by name (the JSON)."""
     fresh.load_plugins()
-    assert plugin.options_of(_parse(ENABLED)).verify_attention == "graphcap"
-    sa = _parse(ENABLED + [plugin.VERIFY_ATTENTION_FLAG, "sglang"])
-    assert plugin.options_of(sa) == plugin.DraftCaptureOptions(enabled=True, verify_attention="sglang")
-    assert json.loads(os.environ[plugin.ENV_VAR])["verify_attention"] == "sglang"
+    assert config.options_of(_parse(ENABLED)).verify_attention == "graphcap"
+    sa = _parse(ENABLED + [config.VERIFY_ATTENTION_FLAG, "sglang"])
+    assert config.options_of(sa) == DraftCaptureOptions(enabled=True, verify_attention="sglang")
+    assert json.loads(os.environ[DRAFT_CAPTURE_ENV])["verify_attention"] == "sglang"
     with pytest.raises(SystemExit):
-        _parse(ENABLED + [plugin.VERIFY_ATTENTION_FLAG, "flashinfer"])
-    monkeypatch.setenv(plugin.ENV_VAR, json.dumps({"enabled": True, "verify_attention": "flashinfer"}))
-    with pytest.raises(plugin.DraftCaptureConfigError, match=r"verify_attention must be one of graphcap, sglang, "
+        _parse(ENABLED + [config.VERIFY_ATTENTION_FLAG, "flashinfer"])
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, json.dumps({"enabled": True, "verify_attention": "flashinfer"}))
+    with pytest.raises(compat.DraftCaptureConfigError, match=r"verify_attention must be one of graphcap, sglang, "
                                                              r"got 'flashinfer'"):
-        plugin.options_from_env()
+        plugin_settings()
 
 
 def test_value_survives_pickling_into_a_fresh_interpreter(fresh, tmp_path):
@@ -139,23 +144,23 @@ def test_value_survives_pickling_into_a_fresh_interpreter(fresh, tmp_path):
     child = CHILD_PRELUDE + (
         "import pickle, sys, json\n"
         "sa = pickle.loads(sys.stdin.buffer.read())\n"
-        "from graphcap.sglang import plugin as p\n"
+        "from graphcap.sglang import config\n"
         "from sglang.srt.plugins import load_plugins\n"
         "from sglang.srt.plugins.hook_registry import HookRegistry\n"
         "load_plugins()\n"
-        "print(json.dumps({'opts': p.options_of(sa).to_json(), 'algo': sa.speculative_algorithm,\n"
+        "print(json.dumps({'opts': config.options_of(sa).to_json(), 'algo': sa.speculative_algorithm,\n"
         "                  'hooks': sorted(HookRegistry._patched)}))\n")
     r = subprocess.run([sys.executable, "-c", child], input=pickle.dumps(sa), capture_output=True, timeout=300,
                        env=dict(os.environ))
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     out = json.loads(r.stdout.decode().strip().splitlines()[-1])
-    assert json.loads(out["opts"]) == {"enabled": True, "backend": plugin.PLUGIN_DEFAULT_BACKEND,
+    assert json.loads(out["opts"]) == {"enabled": True, "backend": PLUGIN_DEFAULT_BACKEND,
                                        "manifest_dir": str(tmp_path), "projections": "graphcap",
                                        "verify_attention": "graphcap"}
     assert out["algo"] == "NEXTN"
     # Not a scheduler process (sglang.srt.managers.scheduler not imported): only the start-up check is added.
-    assert plugin.CHECK_SERVER_ARGS in out["hooks"]
-    assert not set(plugin.WORKER_HOOKS) & set(out["hooks"])
+    assert config.CHECK_SERVER_ARGS in out["hooks"]
+    assert not set(config.WORKER_HOOKS) & set(out["hooks"])
 
 
 def test_bad_backend_is_rejected_by_sglang_parser(fresh, capsys):
@@ -178,7 +183,7 @@ def test_help_lists_the_flags(fresh):
     ServerArgs.add_cli_args(p)
     plugin.add_arguments(p)  # idempotent per parser
     text = " ".join(p.format_help().split())
-    for flag in (plugin.FLAG, plugin.BACKEND_FLAG, plugin.MANIFEST_FLAG):
+    for flag in (config.FLAG, config.BACKEND_FLAG, config.MANIFEST_FLAG):
         assert flag in text
     assert "graphcap draft graph capture (plugin)" in text and "Gemma 4 assistant" in text
 
@@ -187,33 +192,33 @@ def test_without_the_flag_nothing_is_patched(fresh, monkeypatch, glog):
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.server_args import ServerArgs
 
-    monkeypatch.setenv(plugin.ENV_VAR, "")  # empty: as unset
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, "")  # empty: as unset
     modules = ("sglang.srt.speculative.frozen_kv_mtp_worker_v2", "sglang.srt.managers.schedule_batch")
     for mod in modules:  # another test in this process may have imported them: an import now is the plugin's
         monkeypatch.delitem(sys.modules, mod, raising=False)
     fresh.load_plugins()
     sa = _parse(["--model-path", "dummy", "--speculative-algorithm", "NEXTN"])
-    assert plugin.options_of(sa) == plugin.DraftCaptureOptions()
-    assert set(HookRegistry._hooks) == set(plugin.ARG_HOOKS)  # only what makes the flags exist
+    assert config.options_of(sa) == DraftCaptureOptions()
+    assert set(HookRegistry._hooks) == set(config.ARG_HOOKS)  # only what makes the flags exist
     assert not _wrapped(ServerArgs, "check_server_args")
-    assert plugin.ENV_VAR not in os.environ or not os.environ[plugin.ENV_VAR]
+    assert DRAFT_CAPTURE_ENV not in os.environ or not os.environ[DRAFT_CAPTURE_ENV]
     assert not [r for r in glog.records if r.levelno >= logging.WARNING]
     for mod in modules:
         assert mod not in sys.modules, f"the plugin imported {mod} without the flag"
 
 
 def test_command_line_wins_over_an_inherited_variable(fresh, monkeypatch):
-    monkeypatch.setenv(plugin.ENV_VAR, plugin.DraftCaptureOptions(enabled=True).to_json())
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, DraftCaptureOptions(enabled=True).to_json())
     fresh.load_plugins()
     sa = _parse(["--model-path", "dummy"])
-    assert not plugin.options_of(sa).enabled
-    assert plugin.ENV_VAR not in os.environ  # children will not install anything
+    assert not config.options_of(sa).enabled
+    assert DRAFT_CAPTURE_ENV not in os.environ  # children will not install anything
 
 
 def test_options_without_the_flag_warn(fresh, glog):
     fresh.load_plugins()
     sa = _parse(["--model-path", "dummy", "--draft-graph-capture-backend", "reduce-overhead"])
-    assert not plugin.options_of(sa).enabled
+    assert not config.options_of(sa).enabled
     assert any("have no effect" in r.getMessage() for r in glog.records)
 
 
@@ -223,8 +228,79 @@ def test_enabled_installs_the_start_up_check_on_server_args(fresh):
     fresh.load_plugins()
     sa = _parse(ENABLED + ["--speculative-eagle-topk", "4"])
     assert _wrapped(ServerArgs, "check_server_args")
-    with pytest.raises(plugin.DraftCaptureConfigError, match=r"--speculative-eagle-topk must be 1, got 4"):
+    with pytest.raises(compat.DraftCaptureConfigError, match=r"--speculative-eagle-topk must be 1, got 4"):
         sa.check_server_args()  # graphcap's check runs before sglang's (which needs a resolved record)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The plugin's environment variables (graphcap.sglang.settings): a bad value of any of them is refused by the
+# launcher's start-up check - before sglang starts its scheduler - in one line naming it
+
+UNCREATABLE = "/proc/graphcap-cannot-exist"
+# One bad value per variable, and what the line says (every kind of bad value: test_sglang_settings.py)
+BAD_VARIABLES = [
+    (DRAFT_CAPTURE_ENV, '{"enabled": true, "backend": "fast"}', r"backend must be one of .*got 'fast'"),
+    (CHECK_ENV, "yes", r"expected 0 or 1, got 'yes'"),
+    (TRACE_ENV, UNCREATABLE, rf"={UNCREATABLE}: cannot create it"),
+    (TRACE_FLUSH_ENV, "x", r"expected a whole number of draft calls >= 1, got 'x'"),
+    (TRACE_PROFILE_ENV, "8,x", r"expected batch sizes >= 1 separated by commas, got '8,x'"),
+    (MANIFEST_FLUSH_ENV, "soon", r"expected seconds >= 0, got 'soon'"),
+    (MANIFEST_DIR_ENV, UNCREATABLE, rf"={UNCREATABLE}: cannot create it"),
+    (ALLOW_UNTESTED_ENV, "2", r"expected 0 or 1, got '2'"),
+    (KERNEL_PATHS_ENV, "sm70", r"expected one of native, sm80 \(unset: native\), got 'sm70'"),
+    (COMPILE_SCOPE_ENV, "graph", r"expected iteration or model, got 'graph'"),
+]
+
+
+def test_every_variable_has_a_start_up_case():
+    assert {name for name, _, _ in BAD_VARIABLES} == set(VARIABLES)
+
+
+@pytest.mark.parametrize("flag", [True, False], ids=["flag", "no-flag"])
+@pytest.mark.parametrize("name, raw, match", BAD_VARIABLES, ids=[name for name, _, _ in BAD_VARIABLES])
+def test_a_bad_variable_is_refused_by_the_launchers_start_up_check(fresh, monkeypatch, name, raw, match, flag):
+    """As the launcher runs: the variable in its environment, sglang's own load_plugins() (graphcap's register()
+    raises on the value, which sglang logs, and installs the start-up check), sglang's parser, then the check before
+    check_server_args. With or without the flag; the manifest directory is used (and so checked) with it only."""
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setenv(name, raw)
+    fresh.load_plugins()
+    sa = _parse(ENABLED if flag else ["--model-path", "dummy", "--speculative-algorithm", "NEXTN"])
+    if name == DRAFT_CAPTURE_ENV:  # the command line wins over it: an Engine(...)-built record reads it
+        setattr(sa, config.ATTR, None)
+        monkeypatch.setenv(name, raw)
+    if name == MANIFEST_DIR_ENV and not flag:
+        assert not config.validate_server_args(sa).enabled
+        return
+    assert _wrapped(ServerArgs, "check_server_args")
+    with pytest.raises(compat.DraftCaptureConfigError) as e:
+        sa.check_server_args()
+    msg = str(e.value)
+    assert "\n" not in msg and f"${name}" in msg and re.search(match, msg), msg
+
+
+def test_compile_scope_model_needs_the_inductor_backend_at_start_up(fresh, monkeypatch):
+    monkeypatch.setenv(COMPILE_SCOPE_ENV, "model")
+    fresh.load_plugins()
+    with pytest.raises(compat.DraftCaptureConfigError, match=r"^\$GRAPHCAP_SGLANG_COMPILE_SCOPE=model needs "
+                                                             r"--draft-graph-capture-backend inductor-cudagraph, "
+                                                             r"got cudagraph$"):
+        _parse(ENABLED).check_server_args()
+    assert config.validate_server_args(_parse(ENABLED + [config.BACKEND_FLAG, "inductor-cudagraph"])).enabled
+
+
+def test_good_variables_pass_the_start_up_check_and_its_directories_are_made(fresh, monkeypatch, tmp_path):
+    good = {CHECK_ENV: "1", TRACE_ENV: str(tmp_path / "trace"), TRACE_FLUSH_ENV: "1", TRACE_PROFILE_ENV: "8,64",
+            MANIFEST_FLUSH_ENV: "0", MANIFEST_DIR_ENV: str(tmp_path / "manifests"), ALLOW_UNTESTED_ENV: "0",
+            KERNEL_PATHS_ENV: "native", COMPILE_SCOPE_ENV: "iteration"}
+    for name, value in good.items():
+        monkeypatch.setenv(name, value)
+    fresh.load_plugins()
+    sa = _parse(ENABLED)
+    assert config.validate_server_args(sa).enabled
+    assert (tmp_path / "trace").is_dir() and (tmp_path / "manifests").is_dir()
+    assert plugin_settings().check and plugin_settings().trace_profile == (8, 64)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -234,9 +310,9 @@ def test_enabled_installs_the_start_up_check_on_server_args(fresh):
 def test_the_installed_sglang_is_a_tested_one():
     from graphcap.sglang import compat as sglang_compat
 
-    assert plugin.TESTED_SGLANG == ("0.5.18", "0.5.23")
-    assert sglang_compat.sglang_version() in plugin.TESTED_SGLANG
-    assert sglang_compat.check_sglang_version() == sglang_compat.sglang_version()
+    assert compat.TESTED_SGLANG == ("0.5.18", "0.5.23")
+    assert sglang_compat.sglang_version() in compat.TESTED_SGLANG
+    assert config.check_sglang_version() == sglang_compat.sglang_version()
 
 
 UNTESTED = r"sglang 0\.5\.99 is installed; graphcap's plugin is tested with sglang 0\.5\.18, 0\.5\.23 only"
@@ -246,19 +322,19 @@ UNTESTED = r"sglang 0\.5\.99 is installed; graphcap's plugin is tested with sgla
 def test_an_untested_sglang_is_refused_naming_the_versions_tested(monkeypatch, glog, version):
     from graphcap.sglang import compat as sglang_compat
 
-    monkeypatch.delenv(plugin.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     monkeypatch.setattr(sglang_compat, "sglang_version", lambda: version)
     what = f"sglang {version}" if version else "an sglang without package metadata"
-    with pytest.raises(plugin.DraftCaptureConfigError, match=rf"{re.escape(what)} is installed; .*tested with sglang "
+    with pytest.raises(compat.DraftCaptureConfigError, match=rf"{re.escape(what)} is installed; .*tested with sglang "
                                                              r"0\.5\.18, 0\.5\.23 only"):
-        plugin.check_sglang_version()
-    monkeypatch.setenv(plugin.ALLOW_UNTESTED_ENV, "1")  # the developers' escape hatch: a warning instead
-    assert plugin.check_sglang_version() == version
+        config.check_sglang_version()
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")  # the developers' escape hatch: a warning instead
+    assert config.check_sglang_version() == version
     assert any("tested with sglang 0.5.18, 0.5.23 only" in r.getMessage() for r in glog.records)
-    monkeypatch.setenv(plugin.ALLOW_UNTESTED_ENV, "yes")
-    with pytest.raises(plugin.DraftCaptureConfigError, match=r"\$GRAPHCAP_SGLANG_ALLOW_UNTESTED: expected 0 or 1, "
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "yes")
+    with pytest.raises(compat.DraftCaptureConfigError, match=r"\$GRAPHCAP_SGLANG_ALLOW_UNTESTED: expected 0 or 1, "
                                                              r"got 'yes'"):
-        plugin.check_sglang_version()
+        config.check_sglang_version()
 
 
 def test_the_start_up_check_refuses_an_untested_sglang_first(fresh, monkeypatch):
@@ -266,13 +342,13 @@ def test_the_start_up_check_refuses_an_untested_sglang_first(fresh, monkeypatch)
     the flag an untested sglang starts as it would without graphcap."""
     from graphcap.sglang import compat as sglang_compat
 
-    monkeypatch.delenv(plugin.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     fresh.load_plugins()
     sa = _parse(ENABLED + ["--speculative-eagle-topk", "4"])  # refused for its version before its top-k
     monkeypatch.setattr(sglang_compat, "sglang_version", lambda: "0.5.99")
-    with pytest.raises(plugin.DraftCaptureConfigError, match=UNTESTED):
+    with pytest.raises(compat.DraftCaptureConfigError, match=UNTESTED):
         sa.check_server_args()
-    assert not plugin.validate_server_args(_parse(["--model-path", "dummy"])).enabled
+    assert not config.validate_server_args(_parse(["--model-path", "dummy"])).enabled
 
 
 def test_register_on_an_untested_sglang_with_the_flag_installs_only_the_check(fresh, monkeypatch, glog):
@@ -284,25 +360,25 @@ def test_register_on_an_untested_sglang_with_the_flag_installs_only_the_check(fr
 
     from graphcap.sglang import compat as sglang_compat
 
-    monkeypatch.delenv(plugin.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     monkeypatch.setattr(sglang_compat, "sglang_version", lambda: "0.5.99")
-    monkeypatch.setitem(sys.modules, plugin.SCHEDULER_MODULE, sys.modules.get(plugin.SCHEDULER_MODULE) or object())
-    monkeypatch.setenv(plugin.ENV_VAR, plugin.DraftCaptureOptions(enabled=True).to_json())
-    with pytest.raises(plugin.DraftCaptureConfigError, match=UNTESTED):
+    monkeypatch.setitem(sys.modules, config.SCHEDULER_MODULE, sys.modules.get(config.SCHEDULER_MODULE) or object())
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, DraftCaptureOptions(enabled=True).to_json())
+    with pytest.raises(compat.DraftCaptureConfigError, match=UNTESTED):
         plugin.register()
-    assert set(HookRegistry._hooks) == {*plugin.ARG_HOOKS, plugin.CHECK_SERVER_ARGS}
+    assert set(HookRegistry._hooks) == {*config.ARG_HOOKS, config.CHECK_SERVER_ARGS}
     fresh.load_plugins()  # as sglang runs it: the error logged, the process goes on
-    assert set(HookRegistry._hooks) == {*plugin.ARG_HOOKS, plugin.CHECK_SERVER_ARGS}
+    assert set(HookRegistry._hooks) == {*config.ARG_HOOKS, config.CHECK_SERVER_ARGS}
     sa = _parse(["--model-path", "dummy", "--speculative-algorithm", "NEXTN"])
-    setattr(sa, plugin.ATTR, None)  # an Engine(...)-built record: the options come from the environment
-    monkeypatch.setenv(plugin.ENV_VAR, plugin.DraftCaptureOptions(enabled=True).to_json())
-    with pytest.raises(plugin.DraftCaptureConfigError, match=UNTESTED):
+    setattr(sa, config.ATTR, None)  # an Engine(...)-built record: the options come from the environment
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, DraftCaptureOptions(enabled=True).to_json())
+    with pytest.raises(compat.DraftCaptureConfigError, match=UNTESTED):
         sa.check_server_args()
     HookRegistry.reset()
     plugin.STATE.runtime_hooks.clear()
-    monkeypatch.setenv(plugin.ENV_VAR, "")
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, "")
     plugin.register()
-    assert set(HookRegistry._hooks) == set(plugin.ARG_HOOKS)
+    assert set(HookRegistry._hooks) == set(config.ARG_HOOKS)
     assert any("sglang 0.5.99 is installed" in r.getMessage() and "refuses to start" in r.getMessage()
                for r in glog.records)
 
@@ -384,8 +460,8 @@ def test_unsupported_settings_are_named(fresh, argv, resolved, match):
     sa = _parse(argv)
     if resolved is not None:
         _resolved(sa, **resolved)
-    with pytest.raises(plugin.DraftCaptureConfigError, match=match):
-        plugin.validate_server_args(sa)
+    with pytest.raises(compat.DraftCaptureConfigError, match=match):
+        config.validate_server_args(sa)
 
 
 NO_PREFILL = ["--cuda-graph-backend-prefill", "disabled"]
@@ -417,10 +493,10 @@ def test_disabled_cuda_graphs_are_refused_at_start_up(fresh, monkeypatch, argv, 
     _parse_cuda_graph_config(sa)
     _resolved(sa, speculative_algorithm="FROZEN_KV_MTP", device="cuda")
     if named is None:
-        assert plugin.validate_server_args(sa).enabled
+        assert config.validate_server_args(sa).enabled
     else:
-        with pytest.raises(plugin.DraftCaptureConfigError, match=rf"CUDA graphs are disabled \({re.escape(named)}\)"):
-            plugin.validate_server_args(sa)
+        with pytest.raises(compat.DraftCaptureConfigError, match=rf"CUDA graphs are disabled \({re.escape(named)}\)"):
+            config.validate_server_args(sa)
 
 
 def test_start_up_check_on_a_cpu_device_stays_off_before_refusing_graphs(fresh):
@@ -429,7 +505,7 @@ def test_start_up_check_on_a_cpu_device_stays_off_before_refusing_graphs(fresh):
     sa = _parse(ENABLED + ["--disable-cuda-graph"])
     _parse_cuda_graph_config(sa)
     _resolved(sa, speculative_algorithm="FROZEN_KV_MTP", device="cpu")
-    assert not plugin.validate_server_args(sa).enabled
+    assert not config.validate_server_args(sa).enabled
 
 
 @pytest.mark.parametrize("argv, resolved, why", [
@@ -439,10 +515,10 @@ def test_start_up_check_on_a_cpu_device_stays_off_before_refusing_graphs(fresh):
 def test_safe_cases_warn_and_stay_off(fresh, glog, argv, resolved, why):
     fresh.load_plugins()
     sa = _resolved(_parse(argv), **resolved)
-    assert os.environ.get(plugin.ENV_VAR)
-    opts = plugin.validate_server_args(sa)
-    assert not opts.enabled and not plugin.options_of(sa).enabled  # stored back on the (sealed) record
-    assert plugin.ENV_VAR not in os.environ  # the scheduler subprocesses will install nothing
+    assert os.environ.get(DRAFT_CAPTURE_ENV)
+    opts = config.validate_server_args(sa)
+    assert not opts.enabled and not config.options_of(sa).enabled  # stored back on the (sealed) record
+    assert DRAFT_CAPTURE_ENV not in os.environ  # the scheduler subprocesses will install nothing
     assert any(why in r.getMessage() and "stays off" in r.getMessage() for r in glog.records)
 
 
@@ -456,34 +532,36 @@ def test_supported_configuration_passes(fresh, argv, resolved, tmp_path):
     sa = _parse(argv + ["--draft-graph-manifest-dir", str(tmp_path / "m")])
     if resolved is not None:
         _resolved(sa, **resolved)
-    opts = plugin.validate_server_args(sa)
+    opts = config.validate_server_args(sa)
     assert opts.enabled and (tmp_path / "m").is_dir()
 
 
 def test_environment_path_for_engine_users(fresh, monkeypatch):
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    monkeypatch.setenv(plugin.ENV_VAR, json.dumps({"enabled": True, "backend": "cudagraph", "manifest_dir": None}))
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, json.dumps({"enabled": True, "backend": "cudagraph", "manifest_dir": None}))
     fresh.load_plugins()
-    assert plugin.options_of(None) == plugin.DraftCaptureOptions(enabled=True, backend="cudagraph")
-    assert plugin.CHECK_SERVER_ARGS in HookRegistry._patched
-    monkeypatch.setenv(plugin.ENV_VAR, '{"enabled": true, "backend": "fast"}')
-    with pytest.raises(plugin.DraftCaptureConfigError, match=r"backend must be one of reduce-overhead, inductor-cudagraph, cudagraph"):
-        plugin.options_from_env()
+    assert config.options_of(None) == DraftCaptureOptions(enabled=True, backend="cudagraph")
+    assert config.CHECK_SERVER_ARGS in HookRegistry._patched
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, '{"enabled": true, "backend": "fast"}')
+    with pytest.raises(compat.DraftCaptureConfigError,
+                       match=r"backend must be one of reduce-overhead, inductor-cudagraph, cudagraph"):
+        plugin_settings()
 
 
 def test_engine_users_asking_for_reduce_overhead_are_refused_too(fresh, monkeypatch):
     """The Engine path (options from the environment, no command line) meets the same start-up refusal."""
     fresh.load_plugins()
     sa = _parse(["--model-path", "dummy", "--speculative-algorithm", "NEXTN"])
-    setattr(sa, plugin.ATTR, None)  # what an Engine(...)-built record carries: nothing of graphcap's
-    monkeypatch.setenv(plugin.ENV_VAR, json.dumps({"enabled": True, "backend": "reduce-overhead", "manifest_dir": None}))
-    assert plugin.options_of(sa).backend == "reduce-overhead"
-    with pytest.raises(plugin.DraftCaptureConfigError, match=r"reduce-overhead is not supported in sglang's engine"):
-        plugin.validate_server_args(sa)
-    monkeypatch.setenv(plugin.ENV_VAR, json.dumps({"enabled": True, "backend": "inductor-cudagraph",
+    setattr(sa, config.ATTR, None)  # what an Engine(...)-built record carries: nothing of graphcap's
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, json.dumps({"enabled": True, "backend": "reduce-overhead",
+                                                     "manifest_dir": None}))
+    assert config.options_of(sa).backend == "reduce-overhead"
+    with pytest.raises(compat.DraftCaptureConfigError, match=r"reduce-overhead is not supported in sglang's engine"):
+        config.validate_server_args(sa)
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, json.dumps({"enabled": True, "backend": "inductor-cudagraph",
                                                    "manifest_dir": None}))
-    assert plugin.validate_server_args(sa).backend == "inductor-cudagraph"
+    assert config.validate_server_args(sa).backend == "inductor-cudagraph"
 
 
 def test_half_installed_hooks_refuse_to_serve(fresh, monkeypatch):
@@ -495,17 +573,17 @@ def test_half_installed_hooks_refuse_to_serve(fresh, monkeypatch):
 
     from graphcap.sglang import hooks as hooks
 
-    monkeypatch.setattr(HookRegistry, "_patched", set(plugin.WORKER_HOOKS) - {plugin.WORKER_EXTEND_DECODE})
-    monkeypatch.setenv(plugin.ENV_VAR, "")  # attach_options exports it: removed again after the test
+    monkeypatch.setattr(HookRegistry, "_patched", set(config.WORKER_HOOKS) - {config.WORKER_EXTEND_DECODE})
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, "")  # attach_options exports it: removed again after the test
     server_args = SimpleNamespace()
-    plugin.attach_options(server_args, plugin.DraftCaptureOptions(enabled=True))
+    config.attach_options(server_args, DraftCaptureOptions(enabled=True))
     worker = SimpleNamespace(server_args=server_args)
     called = []
-    with pytest.raises(plugin.DraftCaptureConfigError, match=plugin.WORKER_EXTEND_DECODE.replace(".", r"\.")):
+    with pytest.raises(compat.DraftCaptureConfigError, match=config.WORKER_EXTEND_DECODE.replace(".", r"\.")):
         hooks.around_init_cuda_graphs(lambda *a, **k: called.append(1), worker)
     assert not called and not hasattr(worker, hooks.RUNTIME_ATTR)
-    monkeypatch.setattr(HookRegistry, "_patched", set(plugin.WORKER_HOOKS))
-    assert plugin.unpatched_worker_hooks() == []
+    monkeypatch.setattr(HookRegistry, "_patched", set(config.WORKER_HOOKS))
+    assert config.unpatched_worker_hooks() == []
 
 
 @settings(max_examples=examples(40), deadline=None)

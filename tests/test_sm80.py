@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphcap.envvars import FORCED_KERNEL_PATHS, KERNEL_PATHS_ENV
 import graphcap.kernels.gemm.skinny as sg
 from graphcap.kernels import arch
 from graphcap.kernels.arch import SM80, SM90, GpuArch
@@ -417,9 +418,9 @@ def test_skinny_plan_steps_its_pipeline_down_to_fit(smem, hopper, m, kind):
 def paths(monkeypatch):
     """Set GRAPHCAP_KERNEL_PATHS (None: unset) as a new process would read it."""
     def set_paths(value: str | None) -> None:
-        monkeypatch.setenv(arch.ENV, value or "")  # recorded, so the test's end restores the variable
+        monkeypatch.setenv(KERNEL_PATHS_ENV, value or "")  # recorded, so the test's end restores the variable
         if value is None:
-            monkeypatch.delenv(arch.ENV)
+            monkeypatch.delenv(KERNEL_PATHS_ENV)
         arch.kernel_paths.cache_clear()
 
     monkeypatch.setenv(arch.TRITON_ENV, "")  # the same for Triton's, which apply_triton_arch sets
@@ -460,8 +461,13 @@ def test_switch_sets_tritons_arch_and_names_bad_values(paths):
     arch.apply_triton_arch()
     assert arch.TRITON_ENV not in os.environ and arch.triton_arch() is None
     paths("sm70")
-    with pytest.raises(ValueError, match=r"^GRAPHCAP_KERNEL_PATHS must be one of native, sm80 .*got 'sm70'$"):
+    with pytest.raises(ValueError, match=r"^\$GRAPHCAP_KERNEL_PATHS: expected one of native, sm80 .*got 'sm70'$"):
         arch.device_arch("cpu")
+
+
+def test_switch_names_every_description_graphcap_envvars_takes():
+    """graphcap.envvars parses the switch without torch; every value it takes has its description here."""
+    assert set(arch.PATHS) == set(FORCED_KERNEL_PATHS) and all(arch.PATHS[k].name == k for k in arch.PATHS)
 
 
 def test_description_capped_by_the_device():
@@ -522,6 +528,6 @@ def test_switch_runs_the_a100_paths_on_this_gpu():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_OVERRIDE_ARCH", "TRITON_INTERPRET")}
-    env[arch.ENV] = "sm80"
+    env[KERNEL_PATHS_ENV] = "sm80"
     r = subprocess.run([sys.executable, "-c", GPU_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "sm80 paths" in r.stdout, r.stderr[-3000:]

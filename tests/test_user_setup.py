@@ -35,9 +35,10 @@ def _ckpt(tmp_path: Path) -> Path:
 
 
 def test_the_switch_names_are_graphcaps_own():
+    from graphcap import envvars
     from graphcap.kernels import arch
 
-    assert (E.KERNEL_PATHS_ENV, E.TRITON_ARCH_ENV) == (arch.ENV, arch.TRITON_ENV)
+    assert (E.KERNEL_PATHS_ENV, E.TRITON_ARCH_ENV) == (envvars.KERNEL_PATHS_ENV, arch.TRITON_ENV)
     assert E.KERNEL_PATHS == ("native", *arch.PATHS)
 
 

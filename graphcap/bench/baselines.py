@@ -43,6 +43,7 @@ from graphcap.bench.sglang_ops import SglangAttention
 from graphcap.engine.capture import DraftGraphs
 from graphcap.engine.guards import cache_entries, cudagraph_or_error, cudagraph_skips, describe
 from graphcap.engine.iteration import DraftOutput
+from graphcap.engine.options import CaptureOptions
 from graphcap.kernels.window.update import window_reset
 from graphcap.models.draft_loop import DraftLoop
 from graphcap.models.draft_ops import DraftOps
@@ -60,8 +61,8 @@ class RebuildBaseline:
         self.graphs: DraftGraphs | None = None
         if graphed:
             backend = "cudagraph" if loop.window.device.type == "cuda" else "eager"
-            self.graphs = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, steps_only=True,
-                                               manifest_path=None, progress=False)
+            self.graphs = DraftGraphs.for_loop(loop, CaptureOptions(backend=backend, buckets=buckets,
+                                                                    manifest_path=None), steps_only=True)
 
     @property
     def name(self) -> str:
@@ -95,8 +96,8 @@ class SglangBaseline:
         self.attention = SglangAttention(w, pools, m.spec.draft.heads, buckets[-1], opaque=False, cores=cores)
         self.loop = DraftLoop(m, w, *pools["sliding"], *pools["full"], steps=loop.steps,
                               sources=self.attention.sources(), ops=ops)
-        self.graphs = DraftGraphs.for_loop(self.loop, backend=backend, buckets=buckets, steps_only=True,
-                                           manifest_path=None, progress=False)
+        self.graphs = DraftGraphs.for_loop(self.loop, CaptureOptions(backend=backend, buckets=buckets,
+                                                                     manifest_path=None), steps_only=True)
 
     def capture(self) -> None:
         self.graphs.capture()

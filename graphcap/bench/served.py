@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from graphcap.bench.options import SERVED_REPEATS
-from graphcap.sglang.config import ENV_VAR, TRACE_ENV
+from graphcap.sglang.settings import DRAFT_CAPTURE_ENV, TRACE_ENV
 
 ENGINES = ("nospec", "sglang", "graphcap")  # no speculation, stock sglang's MTP, MTP with the flag
 SHORT_NEW = 32  # the short run's new tokens
@@ -211,10 +211,10 @@ def run_engine(cfg: ServedConfig, engine: str, work: Path) -> dict:
     out, log_path = work / f"{engine}.json", work / f"{engine}.log"
     cfg_path = work / f"{engine}-config.json"
     cfg_path.write_text(json.dumps({**asdict(cfg), "out": None}))
-    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    env = {k: v for k, v in os.environ.items() if k != DRAFT_CAPTURE_ENV}
     env[TRACE_ENV] = str(work / f"trace-{engine}")
     if engine == "graphcap":  # the flag at its defaults, as `Engine(...)` users give it (docs/sglang.md)
-        env[ENV_VAR] = json.dumps({"enabled": True, "manifest_dir": str(work / "manifests")})
+        env[DRAFT_CAPTURE_ENV] = json.dumps({"enabled": True, "manifest_dir": str(work / "manifests")})
     with open(log_path, "w") as log:
         rc, timed_out = run_stoppable([sys.executable, "-m", "graphcap.bench.served", "--child", str(cfg_path),
                                        engine, str(out)], log, cfg.timeout_s, env=env)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from graphcap.bench.served import failure
-from graphcap.sglang.config import ENV_VAR, TRACE_ENV
+from graphcap.sglang.settings import CHECK_ENV, DRAFT_CAPTURE_ENV, MANIFEST_FLUSH_ENV, TRACE_ENV
 
 KINDS = ("nospec", "sglang", "graphcap")  # no speculation, stock sglang's MTP, MTP with the flag
 LAUNCHER = (sys.executable, "-m", "sglang.launch_server")  # takes `sglang serve`'s arguments
@@ -98,12 +98,12 @@ def server_command(cfg: ServerConfig, manifest_dir: str | Path | None = None,
 def server_env(cfg: ServerConfig, trace_dir: str | Path | None, base: dict[str, str] | None = None) -> dict[str, str]:
     """The server's environment: the caller's, without graphcap's options (only the flag turns graphcap on), with
     the draft trace where asked, the check mode for a checking graphcap server, and `cfg.env` over it."""
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in (ENV_VAR, "GRAPHCAP_SGLANG_CHECK")}
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in (DRAFT_CAPTURE_ENV, CHECK_ENV)}
     if trace_dir is not None:
         env[TRACE_ENV] = str(trace_dir)
-    env["GRAPHCAP_MANIFEST_FLUSH_S"] = env.get("GRAPHCAP_MANIFEST_FLUSH_S", "2")  # counters on disk while it runs
+    env[MANIFEST_FLUSH_ENV] = env.get(MANIFEST_FLUSH_ENV, "2")  # counters on disk while it runs
     if cfg.check:
-        env["GRAPHCAP_SGLANG_CHECK"] = "1"
+        env[CHECK_ENV] = "1"
     env.update(dict(cfg.env))
     return env
 

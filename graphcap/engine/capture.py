@@ -27,90 +27,67 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from graphcap import manifest as mf
-from graphcap.backends import (ALL_BACKENDS, COMPILED_BACKENDS, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS,
-                               SPEC_DEFAULT_BACKEND)
+from graphcap.backends import COMPILED_BACKENDS, GRAPH_BACKENDS, MANUAL_GRAPH_BACKENDS, SPEC_DEFAULT_BACKEND
 from graphcap.engine import precompile as precompile_mod
 from graphcap.engine.bucket_graph import BucketGraph
 from graphcap.engine.dispatch import BucketDispatcher
 from graphcap.engine.guards import BatchCheck, CaptureError
 from graphcap.engine.iteration import CapturableLoop, DraftFn, DraftOutput, Inputs
 from graphcap.engine.observers import CaptureObserver, CaptureSummary, ManifestWriter, StderrProgress, wants_flush
+from graphcap.engine.options import CaptureOptions
 from graphcap.engine.recording import CompiledIteration
 from graphcap.engine.replay import Replay
 from graphcap.engine.shared_compile import SharedCompile
 from graphcap.engine.static_buffers import PoolDims, StaticBuffers
 
-__all__ = ["DraftGraphs", "Replay"]  # CaptureError is graphcap.engine.guards'
+__all__ = ["DraftGraphs", "Replay"]  # CaptureError: graphcap.engine.guards; CaptureOptions: graphcap.engine.options
 
 log = logging.getLogger("graphcap")
+
+
+def _options(options: CaptureOptions | None, fields: dict[str, Any]) -> CaptureOptions:
+    """`options` (None: the defaults) with the fields a constructor was given as keywords."""
+    options = CaptureOptions() if options is None else options
+    if not isinstance(options, CaptureOptions):
+        raise ValueError(f"DraftGraphs: options must be a CaptureOptions, got {options!r}")
+    return options.replace(**fields) if fields else options
 
 
 class DraftGraphs:
     """One captured draft iteration per batch bucket, a dispatcher, guards, eager fallback and a manifest."""
 
-    def __init__(
-        self,
-        fn: DraftFn,
-        *,
-        buckets: Sequence[int],
-        padding_slot: int,
-        example_inputs: Callable[[int], Inputs],
-        static_tensors: dict[str, torch.Tensor],
-        backend: str = SPEC_DEFAULT_BACKEND,
-        spec=None,
-        manifest_path: str | os.PathLike | None = "default",
-        progress: bool = False,
-        flush_every_s: float = 10.0,
-        observers: Sequence[CaptureObserver] = (),
-        dynamic_batch: bool = False,
-        compile_cache: str | os.PathLike | None = None,
-        cache_key: str | None = None,
-        pool_dims: PoolDims | None = None,
-        precompile: bool = False,
-        compile_max_batch: int | None = None,
-        replay_checks: bool = True,
-    ) -> None:
-        """`manifest_path`: where a `ManifestWriter` writes the manifest ("default": the per-user directory; None: no
-        file). `progress=True` adds a `StderrProgress`; `observers` (graphcap.engine.observers) and `add_observer` more.
+    def __init__(self, fn: DraftFn, *, example_inputs: Callable[[int], Inputs],
+                 static_tensors: dict[str, torch.Tensor], padding_slot: int, options: CaptureOptions | None = None,
+                 spec=None, observers: Sequence[CaptureObserver] = (), pool_dims: PoolDims | None = None,
+                 **fields: Any) -> None:
+        """Capture `fn` (slots, accepted, tokens, hidden) -> DraftOutput per bucket of `options` (CaptureOptions:
+        backend, buckets, compile, manifest and checks); option fields may also be given as keywords, over
+        `options`. `example_inputs(b)`: inputs of b rows (their shapes, dtypes and device are the static inputs');
+        `static_tensors`: {name: every tensor the graphs read by address}; `padding_slot`: the window row padding
+        rows point at; `spec`: what the manifest and the compile cache's key name; `observers`
+        (graphcap.engine.observers) and `add_observer` receive the capture and every flush.
 
-        `dynamic_batch=True` (compiled backends): compile the iteration once with the batch dimension symbolic
-        (1..largest bucket) and record every bucket from that one artifact, instead of one compile per bucket. `fn`
-        must then derive no Python value from the batch (for_loop calls the loop's `plan_for_any_batch`): one that
-        passes such a value where an int is required fails the bucket's capture (the reason names the symbol), one
-        that only branches on it costs extra compiles (warned, and noted in the manifest). Off by default here, for
-        any function; `for_loop` turns it on for the compiled backends (graphcap's loop is built for it).
-
-        `compile_cache=DIR` (compiled backends; opt-in): load torch's compile artifacts for this capture from DIR
-        before compiling, and save them there after (graphcap.engine.compile_cache: the key, and the rules that refuse
-        an untrusted file). Without a spec, `cache_key` (e.g. the model path and config) names what is compiled.
-
-        `pool_dims` (with `dynamic_batch`): {static tensor name: its dimensions sized by the engine's memory
-        settings} (KV pools' token capacity, req_to_token, full_to_swa, slot rows), compiled symbolically like the
-        batch, so that a restart with other pool sizes hits Inductor's on-disk caches instead of compiling again -
-        unless its context bound changes the full layer's planned split count, a constant of the graph
-        (graphcap.engine.static_buffers). `for_loop` takes the loop's `pool_dims()`. The per-bucket compile specialises.
-
-        `precompile=True` (with `dynamic_batch` and `compile_cache`; backends inductor-cudagraph and compile;
-        experimental in torch; `for_loop`'s default with a compile cache): save the compiled iteration whole in the
-        cache directory, Dynamo's output included, and at the next capture load it instead of tracing
-        (graphcap.engine.precompile: what replaces Dynamo's guards).
-
-        `compile_max_batch` (with `dynamic_batch`): the largest batch the one compile is sized for - its batch range
-        and Inductor's size hints, which choose its kernels - instead of the largest bucket. A bench that captures
-        only some of a server's buckets passes the server's largest, so that it measures the code the server runs.
-
-        `replay_checks=False`: the address guard at each flush interval instead of before every replay (module
-        docstring); an attribute, so an engine may switch it later."""
-        if backend not in ALL_BACKENDS:
-            raise ValueError(f"DraftGraphs: unknown backend {backend!r}; expected one of {', '.join(ALL_BACKENDS)}")
-        self._dispatch = BucketDispatcher(buckets)
+        `pool_dims` (with dynamic_batch): {static tensor name: its dimensions sized by the engine's memory settings}
+        (KV pools' token capacity, req_to_token, full_to_swa, slot rows), compiled symbolically like the batch, so
+        that a restart with other pool sizes hits Inductor's on-disk caches instead of compiling again - unless its
+        context bound changes the full layer's planned split count, a constant of the graph
+        (graphcap.engine.static_buffers). `for_loop` takes the loop's `pool_dims()`. The per-bucket compile
+        specialises."""
+        opts = _options(options, fields)
+        if opts.buckets is None:
+            raise ValueError("DraftGraphs: CaptureOptions.buckets is None: name the batch sizes to capture "
+                             "(DraftGraphs.for_loop takes the spec's)")
+        backend = opts.backend or SPEC_DEFAULT_BACKEND
+        dynamic_batch, precompile = bool(opts.dynamic_batch), bool(opts.precompile)
+        compile_cache, compile_max_batch = opts.compile_cache, opts.compile_max_batch
+        self._dispatch = BucketDispatcher(opts.buckets)
         device = example_inputs(1)[0].device
         if backend in GRAPH_BACKENDS and device.type != "cuda":
             raise ValueError(f"DraftGraphs: backend {backend!r} records CUDA graphs; tensors are on {device}. "
@@ -118,8 +95,6 @@ class DraftGraphs:
         if dynamic_batch and backend not in COMPILED_BACKENDS:
             raise ValueError(f"DraftGraphs: dynamic_batch compiles once for every bucket; backend {backend!r} "
                              f"compiles nothing (compiled backends: {', '.join(COMPILED_BACKENDS)})")
-        if not isinstance(precompile, bool):  # a truthy string would silently load code saved without guards
-            raise ValueError(f"DraftGraphs: precompile must be True or False, got {precompile!r}")
         if precompile and not (dynamic_batch and compile_cache is not None and backend in precompile_mod.BACKENDS):
             raise ValueError(f"DraftGraphs: precompile needs dynamic_batch=True, a compile_cache directory and a "
                              f"backend of {', '.join(precompile_mod.BACKENDS)} (got dynamic_batch={dynamic_batch}, "
@@ -127,22 +102,27 @@ class DraftGraphs:
         if precompile and getattr(fn, "graph_breaks", False):
             raise ValueError("DraftGraphs: precompile needs a function Dynamo traces whole (fn.graph_breaks is set)")
         largest = self._dispatch.largest
-        if compile_max_batch is not None and not (dynamic_batch and type(compile_max_batch) is int
-                                                  and compile_max_batch >= largest):
+        if compile_max_batch is not None and not (dynamic_batch and compile_max_batch >= largest):
             raise ValueError(f"DraftGraphs: compile_max_batch sizes the one compile for every bucket: an int >= the "
                              f"largest bucket {largest} with dynamic_batch=True (got {compile_max_batch!r}, "
                              f"dynamic_batch={dynamic_batch})")
-        self.dynamic_batch = dynamic_batch
-        self.precompile = precompile
-        self.compile_cache = compile_cache if backend in COMPILED_BACKENDS else None
-        if self.compile_cache is not None and spec is None and not cache_key:
+        if compile_cache is not None and backend in COMPILED_BACKENDS and spec is None and not opts.cache_key:
             raise ValueError("DraftGraphs: compile_cache without a spec needs a cache_key (what is compiled)")
-        self.fn, self.backend, self.spec, self.padding_slot = fn, backend, spec, padding_slot
+        manifest_path = opts.manifest_path
+        if manifest_path == "default":  # $GRAPHCAP_MANIFEST_DIR or the per-user cache; None: write none
+            manifest_path = mf.manifest_path(mf.default_manifest_dir(), spec.name if spec else "unnamed",
+                                             spec.hash if spec else "0", backend)
+        # What this capture runs with, every default resolved
+        self.options = dataclasses.replace(opts, backend=backend, dynamic_batch=dynamic_batch, precompile=precompile,
+                                           manifest_path=manifest_path)
+        self.backend, self.dynamic_batch, self.precompile = backend, dynamic_batch, precompile
+        self.compile_cache = compile_cache if backend in COMPILED_BACKENDS else None
+        self.fn, self.spec, self.padding_slot = fn, spec, padding_slot
         self.device = device
         self._static = StaticBuffers(static_tensors, example_inputs, pool_dims)
         self._compile = SharedCompile(fn, backend, spec, device, self._dispatch.sizes, self._static, f"{id(self):x}",
                                       compile_max=compile_max_batch or largest, dynamic_batch=dynamic_batch,
-                                      compile_cache=self.compile_cache, cache_key_text=cache_key,
+                                      compile_cache=self.compile_cache, cache_key_text=opts.cache_key,
                                       precompile=precompile)
         self._buckets = [self._new_bucket(b) for b in self._dispatch.sizes]
         self._check_batch = BatchCheck(self._buckets[0].inputs, device, padding_slot)
@@ -151,57 +131,60 @@ class DraftGraphs:
         self._notes: list[str] = []  # for the manifest
         self.serving: Callable[[], mf.Serving] | None = None  # the manifest's serving section, from the engine
         self.captured = False
-        if manifest_path == "default":  # $GRAPHCAP_MANIFEST_DIR or the per-user cache; None: write none
-            manifest_path = mf.manifest_path(mf.default_manifest_dir(), spec.name if spec else "unnamed",
-                                             spec.hash if spec else "0", backend)
         self.manifest_path = manifest_path
         self._observers: list[CaptureObserver] = []
         self._flushers: list[CaptureObserver] = []  # the observers that take the manifest at a flush
         builtin = [ManifestWriter(manifest_path)] if manifest_path else []
-        builtin += [StderrProgress()] if progress else []
+        builtin += [StderrProgress()] if opts.progress else []
         for o in [*builtin, *observers]:
             self.add_observer(o)
-        self._flush_every_s, self._last_flush = flush_every_s, 0.0
-        self.replay_checks = replay_checks
+        self._flush_every_s, self._last_flush = opts.flush_every_s, 0.0
+        self.replay_checks = opts.replay_checks  # an attribute: an engine may switch it later
         self._replays: dict[int, Replay] = {}  # prepare()'s handles, by batch size (dropped at recapture)
         self._created = None
         self._env: dict | None = None  # device, driver, versions: read once (NVML), not at every flush
 
     @classmethod
-    def for_loop(cls, loop: CapturableLoop, backend: str | None = None, buckets: Sequence[int] | None = None,
-                 steps_only: bool = False, **kw) -> DraftGraphs:
-        """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph).
+    def for_loop(cls, loop: CapturableLoop, options: CaptureOptions | None = None, *, steps_only: bool = False,
+                 observers: Sequence[CaptureObserver] = (), pool_dims: PoolDims | None = None,
+                 **fields: Any) -> DraftGraphs:
+        """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph), with
+        `options` (option fields may also be given as keywords, over `options`). `pool_dims`: None takes the loop's.
 
-        With a compiled backend the default is one compile for every bucket (`dynamic_batch=True`; the loop plans its
-        attention for any batch): on the H200 it captures buckets 1..64 in seconds where one compile per bucket took
-        minutes, also on a restart with other pool sizes (docs/results.md, capture). `dynamic_batch=False` gives the
-        per-bucket compile, whose iteration was faster (the one compile ran at 0.85-0.96x its speed, layers inlined).
+        Defaults where an option is None: the spec's backend and buckets. With a compiled backend, one compile for
+        every bucket (`dynamic_batch=True`; the loop plans its attention for any batch): on the H200 it captures
+        buckets 1..64 in seconds where one compile per bucket took minutes, also on a restart with other pool sizes
+        (docs/results.md, capture). `dynamic_batch=False` gives the per-bucket compile, whose iteration was faster
+        (the one compile ran at 0.85-0.96x its speed, layers inlined).
 
         With a `compile_cache` the default is also `precompile=True` wherever it applies (one compile for every
         bucket, backend inductor-cudagraph or compile, a loop with a `precompile_signature()` as DraftLoop has): a
         warm restart then loads the iteration instead of tracing it. Only here, not in `DraftGraphs` itself: the
         precompiled iteration's key stands in for Dynamo's guards, and only a loop's signature says what that key must
         hold (graphcap.engine.precompile)."""
+        opts = _options(options, fields)
         spec = loop.spec
-        buckets = buckets or spec.capture.buckets
-        backend = backend or spec.capture.backend
-        kw.setdefault("dynamic_batch", backend in COMPILED_BACKENDS)
+        backend = opts.backend or spec.capture.backend
+        dynamic = backend in COMPILED_BACKENDS if opts.dynamic_batch is None else opts.dynamic_batch
         fn = loop.draft_steps if steps_only else loop
-        # by default only for a loop that names what its compiled code depends on (the key that replaces the guards)
-        kw.setdefault("precompile", kw["dynamic_batch"] and kw.get("compile_cache") is not None
-                      and backend in precompile_mod.BACKENDS and not getattr(fn, "graph_breaks", False)
-                      and callable(getattr(loop, "precompile_signature", None)))
-        if "pool_dims" not in kw and hasattr(loop, "pool_dims"):
-            kw["pool_dims"] = loop.pool_dims()
+        precompile = opts.precompile
+        if precompile is None:  # only for a loop that names what its compiled code depends on (the guards' stand-in)
+            precompile = (dynamic and opts.compile_cache is not None and backend in precompile_mod.BACKENDS
+                          and not getattr(fn, "graph_breaks", False)
+                          and callable(getattr(loop, "precompile_signature", None)))
+        if pool_dims is None and hasattr(loop, "pool_dims"):
+            pool_dims = loop.pool_dims()
         # what is compiled beyond the spec: the loop's own step count and whether the advance is in it
         what = f"steps={getattr(loop, 'steps', spec.capture.steps)}" + (";steps_only" if steps_only else "")
         ops = getattr(loop, "ops", None)
         what += f";ops={ops.name}" if ops is not None else ""  # another op set compiles other code
         what += ";layer_regions" if getattr(loop, "layer_regions", False) else ""  # so do layer regions
-        kw["cache_key"] = ";".join(x for x in (kw.get("cache_key"), what) if x)
-        graphs = cls(fn, buckets=buckets,
-                     padding_slot=loop.padding_slot, example_inputs=loop.example_inputs,
-                     static_tensors=loop.static_tensors(), backend=backend, spec=spec, **kw)
+        opts = dataclasses.replace(opts, backend=backend, buckets=opts.buckets or spec.capture.buckets,
+                                   dynamic_batch=dynamic, precompile=precompile,
+                                   cache_key=";".join(x for x in (opts.cache_key, what) if x))
+        graphs = cls(fn, example_inputs=loop.example_inputs, static_tensors=loop.static_tensors(),
+                     padding_slot=loop.padding_slot, options=opts, spec=spec, observers=observers,
+                     pool_dims=pool_dims)
         # planned once the arguments are known good: a refused call leaves the loop as it was
         if graphs.dynamic_batch:
             loop.plan_for_any_batch()

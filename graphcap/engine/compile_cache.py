@@ -1,5 +1,5 @@
 """An opt-in on-disk compile cache: torch's cache artifacts (`torch.compiler.save_cache_artifacts` /
-`load_cache_artifacts`), one file per key, for `DraftGraphs(compile_cache=DIR)`.
+`load_cache_artifacts`), one file per key, for `CaptureOptions(compile_cache=DIR)`.
 
 A compile cache is code: loading it runs what it holds. So the directory is created 0700, files are written 0600
 (temp file + os.replace), and nothing is loaded from a directory or file that is a symlink, not owned by this user,

@@ -11,14 +11,20 @@ from collections.abc import Sequence
 from graphcap.engine.guards import CaptureError
 
 
+def bucket_sizes(sizes: Sequence[int], owner: str) -> tuple[int, ...]:
+    """`sizes` as a tuple; a ValueError naming `owner` unless they are positive, strictly increasing ints."""
+    sizes = tuple(sizes)
+    if not sizes or any(type(s) is not int for s in sizes) or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+        raise ValueError(f"{owner}: buckets must be positive, strictly increasing ints, got {list(sizes)}")
+    return sizes
+
+
 class BucketDispatcher:
     """The bucket sizes and a table from every batch size up to the largest to its bucket's index."""
 
     def __init__(self, sizes: Sequence[int]) -> None:
-        sizes = list(sizes)
-        if not sizes or any(type(s) is not int for s in sizes) or sizes != sorted(set(sizes)) or sizes[0] < 1:
-            raise ValueError(f"DraftGraphs: buckets must be positive, strictly increasing ints, got {sizes}")
-        self.sizes: tuple[int, ...] = tuple(sizes)
+        self.sizes: tuple[int, ...] = bucket_sizes(sizes, "DraftGraphs")
+        sizes = list(self.sizes)
         self.largest = sizes[-1]
         # A list index per call: a search (bisect) would cost host time on every iteration.
         self._index_of: list[int] = [0] * (self.largest + 1)

@@ -3,8 +3,9 @@
 `DraftGraphs(observers=[...])` calls each observer's hooks: a bucket starting and finished, the capture done (with a
 `CaptureSummary`), and the manifest at every flush (at the end of a capture, every `flush_every_s` from run/replay,
 and on an explicit `DraftGraphs.flush()`). Three come with graphcap:
-- `ManifestWriter`: writes the manifest at every flush (what `manifest_path=` attaches);
-- `StderrProgress`: a progress line and the summary on stderr, only where asked (`progress=True`: the CLI, a bench);
+- `ManifestWriter`: writes the manifest at every flush (what `CaptureOptions.manifest_path` attaches);
+- `StderrProgress`: a progress line and the summary on stderr, only where asked (`CaptureOptions(progress=True)`: the
+  CLI, a bench);
 - `LoggingProgress`: the same through `logging` (the sglang plugin: the server's log, its levels and handlers).
 
 Counters since the last timed flush reach the file only at the next flush: a process that wants them written at
@@ -78,7 +79,7 @@ class ManifestWriter(CaptureObserver):
 
 class StderrProgress(CaptureObserver):
     """One self-overwriting progress line while buckets are recorded, then the summary line. For programs that own
-    their terminal (the CLI, benches): `DraftGraphs(progress=True)`."""
+    their terminal (the CLI, benches): `CaptureOptions(progress=True)`."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream  # None: sys.stderr at the time of writing (pytest and others swap it)

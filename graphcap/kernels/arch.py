@@ -1,5 +1,5 @@
 """The GPU graphcap's kernels plan for, as one description (`GpuArch`), and the switch that forces the paths an
-A100 takes (`GRAPHCAP_KERNEL_PATHS=sm80`), read here and nowhere else.
+A100 takes (`GRAPHCAP_KERNEL_PATHS=sm80`, parsed by graphcap.envvars), read here and nowhere else.
 
 graphcap's own code uses no Hopper-only feature (no TMA or tensor descriptors, no programmatic dependent launch, no
 bulk copies); what differs by GPU is what the planners derive from the device's limits (shared memory per block and
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-ENV = "GRAPHCAP_KERNEL_PATHS"
+from graphcap import envvars
+
 TRITON_ENV = "TRITON_OVERRIDE_ARCH"  # Triton's knob (knobs.runtime.override_arch): the capability it lowers for
 
 
@@ -63,21 +64,16 @@ class GpuArch:
 SM90 = GpuArch("sm90", 9, 0, smem_per_block=232448, smem_per_sm=233472, sm_count=132)  # H200 (227 / 228 KiB)
 # A100 (GA100 at 108 SMs; other GA100 boards have fewer SMs, which a real device reports)
 SM80 = GpuArch("sm80", 8, 0, smem_per_block=166912, smem_per_sm=167936, sm_count=108)  # 163 / 164 KiB
-PATHS = {"sm80": SM80}  # the switch's values, beside "native"
+PATHS = {"sm80": SM80}  # the switch's values, beside "native" (envvars.FORCED_KERNEL_PATHS names the same)
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_paths() -> GpuArch | None:
     """The forced description (`GRAPHCAP_KERNEL_PATHS`), None for the device's own; a bad value is a ValueError
-    naming the variable and the values it takes. Read once per process, as Triton's override is set once
-    (`apply_triton_arch`); a test that changes the variable calls `kernel_paths.cache_clear()`."""
-    value = os.environ.get(ENV, "")
-    key = value.strip().lower()
-    if key in ("", "native"):
-        return None
-    if key not in PATHS:
-        raise ValueError(f"{ENV} must be one of native, {', '.join(PATHS)} (unset: native), got {value!r}")
-    return PATHS[key]
+    naming the variable and the values it takes (`envvars.kernel_paths`). Read once per process, as Triton's override
+    is set once (`apply_triton_arch`); a test that changes the variable calls `kernel_paths.cache_clear()`."""
+    key = envvars.kernel_paths(os.environ)
+    return None if key == envvars.NATIVE else PATHS[key]
 
 
 def device_arch(device: torch.device | str | None = None) -> GpuArch:
@@ -130,4 +126,5 @@ def apply_triton_arch() -> None:
         return
     have = os.environ.setdefault(TRITON_ENV, want)
     if have != want:
-        raise ValueError(f"{ENV}={os.environ[ENV]} needs {TRITON_ENV}={want} (or unset), got {TRITON_ENV}={have}")
+        raise ValueError(f"{envvars.KERNEL_PATHS_ENV}={os.environ[envvars.KERNEL_PATHS_ENV]} needs {TRITON_ENV}={want} "
+                         f"(or unset), got {TRITON_ENV}={have}")

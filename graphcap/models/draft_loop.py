@@ -75,8 +75,8 @@ class DraftLoop(nn.Module):
 
     def plan_for_any_batch(self) -> None:
         """Plan the attention for any batch, not per bucket: what one compile for every bucket needs
-        (`DraftGraphs(dynamic_batch=True)` calls it through `for_loop`). A per-batch plan (a Python int grid and wave
-        looked up by the batch) would make Dynamo specialise the batch."""
+        (a `dynamic_batch` capture calls it through `DraftGraphs.for_loop`). A per-batch plan (a Python int grid and
+        wave looked up by the batch) would make Dynamo specialise the batch."""
         sources = {lt: src if src.attend is not None else src.for_any_batch() for lt, src in self.sources.items()}
         if any(sources[lt] is not src for lt, src in self.sources.items()):
             self.sources = sources

@@ -2,7 +2,7 @@
 
 Each function tries sglang 0.5.23's layout, then 0.5.18's, and raises `SglangLayoutError` naming both where neither
 is there (an sglang neither layout describes: graphcap must not guess). No version string decides anything here;
-the version is read only to refuse an sglang outside `TESTED_SGLANG` at start-up (`check_sglang_version`).
+the version is read only to refuse an sglang outside `TESTED_SGLANG` at start-up (`config.check_sglang_version`).
 
 What each function stands for (docs/sglang.md, "Supported sglang versions and GPUs"):
 - `slot_of`: a request's request-pool row, `req.kv.req_pool_idx` (0.5.23) or `req.req_pool_idx` (0.5.18);
@@ -26,20 +26,16 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
-import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
-log = logging.getLogger("graphcap.sglang")
-
 # The sglang releases the plugin's tests run against (CPU: both real packages; GPU: the engine checks).
 TESTED_SGLANG = ("0.5.18", "0.5.23")
-ALLOW_UNTESTED_ENV = "GRAPHCAP_SGLANG_ALLOW_UNTESTED"  # =1: a developer's escape hatch, a warning instead
 
 
 class DraftCaptureConfigError(ValueError):
-    """--enable-draft-graph-capture was asked for in a configuration graphcap cannot serve; names the setting."""
+    """A configuration graphcap's plugin cannot serve - a flag, an sglang setting, an environment variable's value;
+    names it."""
 
 
 class SglangLayoutError(DraftCaptureConfigError):
@@ -53,7 +49,7 @@ def _neither(what: str, new: str, old: str) -> SglangLayoutError:
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Version gate (start-up only)
+# The installed version (the start-up check refuses one outside TESTED_SGLANG: config.check_sglang_version)
 
 
 def sglang_version() -> str | None:
@@ -61,27 +57,6 @@ def sglang_version() -> str | None:
         return importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def check_sglang_version(version: str | None = None) -> str | None:
-    """Refuse (DraftCaptureConfigError naming the versions tested) an installed sglang outside `TESTED_SGLANG`,
-    unless $GRAPHCAP_SGLANG_ALLOW_UNTESTED=1, which logs a warning instead. Returns the version."""
-    version = sglang_version() if version is None else version
-    if version in TESTED_SGLANG:
-        return version
-    allow = os.environ.get(ALLOW_UNTESTED_ENV, "0")
-    if allow not in ("0", "1"):
-        raise DraftCaptureConfigError(f"${ALLOW_UNTESTED_ENV}: expected 0 or 1, got {allow!r}")
-    what = f"sglang {version}" if version else "an sglang without package metadata"
-    if allow == "1":
-        log.warning("graphcap: %s is installed; --enable-draft-graph-capture is tested with sglang %s only. "
-                    "Going on because $%s=1: a layout graphcap does not know is named when it is met.",
-                    what, ", ".join(TESTED_SGLANG), ALLOW_UNTESTED_ENV)
-        return version
-    raise DraftCaptureConfigError(
-        f"--enable-draft-graph-capture: {what} is installed; graphcap's plugin is tested with sglang "
-        f"{', '.join(TESTED_SGLANG)} only. Install one of those, or drop the flag "
-        f"(${ALLOW_UNTESTED_ENV}=1 goes on anyway, for developers).")
 
 
 # -----------------------------------------------------------------------------------------------------------------

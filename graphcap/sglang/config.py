@@ -1,31 +1,27 @@
-"""The sglang plugin's configuration layer: its flags' names and options, the hook targets, start-up validation.
+"""The sglang plugin's configuration layer: its flags' names, the hook targets, start-up validation.
 
 Imported by every other module of the plugin (runtime, hooks, entry point) and importing none of them but `compat`
-(what differs between the sglang versions served): the plugin's modules (graphcap.sglang) depend one way,
-compat -> config -> slots -> runtime -> hooks -> plugin (the entry point).
+(what differs between the sglang versions served) and `settings` (the flags' options, the environment variables):
+the plugin's modules (graphcap.sglang) depend one way, compat -> settings -> config -> slots -> runtime -> hooks ->
+plugin (the entry point).
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
-from dataclasses import asdict, dataclass
-from typing import Any
 
-from graphcap.backends import COMPILED_BACKENDS, GRAPH_BACKENDS  # light: no torch
+from graphcap.backends import COMPILED_BACKENDS  # light: no torch
+from graphcap.envvars import MANIFEST_DIR_ENV
 from graphcap.manifest import Parallel  # light: no torch
-from graphcap.sglang.compat import (  # noqa: F401 - re-exported: the plugin's public names
-    ALLOW_UNTESTED_ENV, TESTED_SGLANG, DraftCaptureConfigError, SglangLayoutError, check_sglang_version,
-    resolution_reader)
+from graphcap.sglang import compat as sglang_compat  # its sglang_version by attribute: tests stand in for it
+from graphcap.sglang.compat import TESTED_SGLANG, DraftCaptureConfigError, resolution_reader
+from graphcap.sglang.settings import (ALLOW_UNTESTED_ENV, COMPILE_SCOPE_ENV, DRAFT_CAPTURE_ENV, PLUGIN_DEFAULT_BACKEND,
+                                      PROJECTIONS, TRACE_ENV, VERIFY_ATTENTION, DraftCaptureOptions, PluginSettings,
+                                      plugin_settings)
 
 log = logging.getLogger("graphcap.sglang")
 
-# The plugin's default backend. sglang's Gemma 4 layers already run one fused kernel per norm, activation and rotary,
-# so recording them as they are leaves Inductor little to fuse, and Dynamo breaks the graph at every layer boundary
-# (sglang 0.5.23 builds msgspec records there). Both backends it serves give sglang's tokens in its own engine;
-# `cudagraph` starts about 40 s sooner (no compile) and was as fast or faster at 3 of 4 batches (docs/results.md,
-# "How much faster is the draft phase?").
-PLUGIN_DEFAULT_BACKEND = "cudagraph"
 # Refused at start-up. reduce-overhead: CUDA-graph trees clear every stream's cached cuBLAS workspace around each
 # warm-up and recording (torch._inductor.cudagraph_trees.clear_cublas_manager), so a graph captured before them
 # replays its split-K GEMMs into freed memory (shown with torch alone; tests/test_reduce_overhead_serving_gpu.py checks
@@ -36,16 +32,8 @@ UNSERVED_BACKENDS = ("reduce-overhead",)
 FLAG = "--enable-draft-graph-capture"
 BACKEND_FLAG = "--draft-graph-capture-backend"
 MANIFEST_FLAG = "--draft-graph-manifest-dir"
-PROJECTIONS_FLAG = "--draft-graph-projections"
-# Whose kernels run the draft model's projections inside graphcap's captured iteration: graphcap's skinny GEMM up
-# to 8 rows, sglang's above (graphcap.sglang.linear), or sglang's own at every batch.
-PROJECTIONS = ("graphcap", "sglang")
-VERIFY_ATTENTION_FLAG = "--draft-graph-verify-attention"
-# Whose kernel runs the target verify's attention: graphcap's split-KV verify kernel in sglang's Triton backend
-# (graphcap.sglang.verify), or sglang's extend kernel.
-VERIFY_ATTENTION = ("graphcap", "sglang")
-ENV_VAR = "GRAPHCAP_SGLANG_DRAFT_CAPTURE"
-TRACE_ENV = "GRAPHCAP_SGLANG_TRACE"  # a directory: record every draft call (graphcap.sglang.trace)
+PROJECTIONS_FLAG = "--draft-graph-projections"  # its values: settings.PROJECTIONS
+VERIFY_ATTENTION_FLAG = "--draft-graph-verify-attention"  # its values: settings.VERIFY_ATTENTION
 ATTR = "_graphcap_draft_capture"  # on ServerArgs: underscore names are bookkeeping, allowed even on a sealed record
 FLAG_DESTS = {"enabled": "enable_draft_graph_capture", "backend": "draft_graph_capture_backend",  # argparse's
               "manifest_dir": "draft_graph_manifest_dir", "projections": "draft_graph_projections",
@@ -71,39 +59,6 @@ WORKER_HOOKS = (WORKER_INIT_GRAPHS, WORKER_DRAFT, WORKER_EXTEND_PREFILL, WORKER_
                 BATCH_EVICT_SWA)
 RUNTIME_HOOKS = (CHECK_SERVER_ARGS, *WORKER_HOOKS)
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"  # imported in every process that runs a scheduler
-
-
-@dataclass(frozen=True)
-class DraftCaptureOptions:
-    enabled: bool = False
-    backend: str = PLUGIN_DEFAULT_BACKEND
-    manifest_dir: str | None = None  # None: graphcap's default ($GRAPHCAP_MANIFEST_DIR or ~/.cache/graphcap/...)
-    projections: str = PROJECTIONS[0]
-    verify_attention: str = VERIFY_ATTENTION[0]
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_mapping(cls, data: Any, source: str) -> DraftCaptureOptions:
-        if not isinstance(data, dict) or set(data) - set(FLAG_DESTS):
-            raise DraftCaptureConfigError(f"{source}: expected a JSON object with keys {', '.join(FLAG_DESTS)}; "
-                                          f"got {data!r}")
-        opts = cls(**data)
-        if not isinstance(opts.enabled, bool):
-            raise DraftCaptureConfigError(f"{source}: enabled must be true or false, got {opts.enabled!r}")
-        if opts.backend not in GRAPH_BACKENDS:
-            raise DraftCaptureConfigError(f"{source}: backend must be one of {', '.join(GRAPH_BACKENDS)}, "
-                                          f"got {opts.backend!r}")
-        if opts.manifest_dir is not None and not isinstance(opts.manifest_dir, str):
-            raise DraftCaptureConfigError(f"{source}: manifest_dir must be a string, got {opts.manifest_dir!r}")
-        if opts.projections not in PROJECTIONS:
-            raise DraftCaptureConfigError(f"{source}: projections must be one of {', '.join(PROJECTIONS)}, "
-                                          f"got {opts.projections!r}")
-        if opts.verify_attention not in VERIFY_ATTENTION:
-            raise DraftCaptureConfigError(f"{source}: verify_attention must be one of {', '.join(VERIFY_ATTENTION)}, "
-                                          f"got {opts.verify_attention!r}")
-        return opts
 
 
 def unpatched_worker_hooks() -> list[str]:
@@ -175,46 +130,61 @@ def options_from_namespace(args) -> DraftCaptureOptions:
                                                  or VERIFY_ATTENTION[0]))
 
 
-def options_from_env() -> DraftCaptureOptions:
-    raw = os.environ.get(ENV_VAR)
-    if not raw:
-        return DraftCaptureOptions()
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise DraftCaptureConfigError(f"${ENV_VAR}: not valid JSON ({e})") from None
-    return DraftCaptureOptions.from_mapping(data, f"${ENV_VAR}")
-
-
 def options_of(server_args) -> DraftCaptureOptions:
-    """The options a ServerArgs record carries (CLI path), else those in the environment (Engine path)."""
+    """The options a ServerArgs record carries (CLI path), else those in the environment (Engine path:
+    $GRAPHCAP_SGLANG_DRAFT_CAPTURE)."""
     data = getattr(server_args, ATTR, None) if server_args is not None else None
     if data is not None:
         return DraftCaptureOptions.from_mapping(dict(data), f"ServerArgs.{ATTR}")
-    return options_from_env()
+    return plugin_settings().draft_capture
 
 
 def attach_options(server_args, opts: DraftCaptureOptions) -> None:
     """Store on the record (plain dict: unpickles without graphcap's classes) and export for child processes."""
-    setattr(server_args, ATTR, asdict(opts))
+    setattr(server_args, ATTR, dataclasses.asdict(opts))
     if opts.enabled:
-        os.environ[ENV_VAR] = opts.to_json()
+        os.environ[DRAFT_CAPTURE_ENV] = opts.to_json()
     else:
-        os.environ.pop(ENV_VAR, None)  # the command line wins over an inherited variable
+        os.environ.pop(DRAFT_CAPTURE_ENV, None)  # the command line wins over an inherited variable
 
 
 # -----------------------------------------------------------------------------------------------------------------
 # Start-up validation (launcher, after sglang resolved the arguments; the worker re-checks with the real objects)
 
 
+def check_sglang_version(allow_untested: bool | None = None, version: str | None = None) -> str | None:
+    """Refuse (DraftCaptureConfigError naming the versions tested) an installed sglang outside `TESTED_SGLANG`,
+    unless `allow_untested` (None: $GRAPHCAP_SGLANG_ALLOW_UNTESTED=1 in this process's settings), which logs a
+    warning instead. Returns the version."""
+    version = sglang_compat.sglang_version() if version is None else version
+    if version in TESTED_SGLANG:
+        return version
+    if allow_untested is None:
+        allow_untested = plugin_settings().allow_untested
+    what = f"sglang {version}" if version else "an sglang without package metadata"
+    if allow_untested:
+        log.warning("graphcap: %s is installed; --enable-draft-graph-capture is tested with sglang %s only. "
+                    "Going on because $%s=1: a layout graphcap does not know is named when it is met.",
+                    what, ", ".join(TESTED_SGLANG), ALLOW_UNTESTED_ENV)
+        return version
+    raise DraftCaptureConfigError(
+        f"{FLAG}: {what} is installed; graphcap's plugin is tested with sglang "
+        f"{', '.join(TESTED_SGLANG)} only. Install one of those, or drop the flag "
+        f"(${ALLOW_UNTESTED_ENV}=1 goes on anyway, for developers).")
+
+
 def validate_server_args(server_args) -> DraftCaptureOptions:
     """Error naming the unsupported setting, or - where leaving graphcap off is safe - a warning and disabled options
-    (stored back on the record, so the scheduler process sees them). Returns the options in force. An sglang
-    outside TESTED_SGLANG is refused first (`check_sglang_version`)."""
+    (stored back on the record, so the scheduler process sees them). Returns the options in force. Every
+    environment variable of the plugin is parsed first (`plugin_settings`: a bad value is refused naming it, with or
+    without the flag), then with the flag an sglang outside TESTED_SGLANG is refused (`check_sglang_version`)."""
+    settings = plugin_settings()
+    if settings.trace_dir is not None:  # the trace runs with or without the flag
+        _writable_dir(f"${TRACE_ENV}={settings.trace_dir}", settings.trace_dir)
     opts = options_of(server_args)
     if not opts.enabled:
         return opts
-    check_sglang_version()
+    check_sglang_version(settings.allow_untested)
     get, resolved = resolution_reader(server_args)
     algo = get("speculative_algorithm")
     algo = str(algo).upper() if algo else None
@@ -257,6 +227,9 @@ def validate_server_args(server_args) -> DraftCaptureOptions:
             f"{FLAG}: {BACKEND_FLAG} {opts.backend} with --enable-torch-compile is not supported: to compile sglang's "
             "layers graphcap makes Dynamo break around their residual-stream bookkeeping, which sglang's own "
             "fullgraph compile of the target cannot take. Use the default backend (cudagraph) or drop one of the two.")
+    scope = compile_scope_refusal(settings, opts)
+    if scope is not None:
+        raise DraftCaptureConfigError(scope)
     if get("speculative_adaptive"):
         raise DraftCaptureConfigError(f"{FLAG}: --speculative-adaptive is not supported with FROZEN_KV_MTP")
     attn_dp = _attention_dp(get)
@@ -273,13 +246,29 @@ def validate_server_args(server_args) -> DraftCaptureOptions:
             f"{FLAG} captures the draft into CUDA graphs, but {graphs_off}. Drop {FLAG} (sglang then runs its "
             "draft eagerly) or enable CUDA graphs.")
     if opts.manifest_dir is not None:
-        try:
-            os.makedirs(opts.manifest_dir, exist_ok=True)
-        except OSError as e:
-            raise DraftCaptureConfigError(f"{MANIFEST_FLAG} {opts.manifest_dir}: cannot create it ({e.strerror or e})") from None
-        if not os.access(opts.manifest_dir, os.W_OK):
-            raise DraftCaptureConfigError(f"{MANIFEST_FLAG} {opts.manifest_dir}: not writable")
+        _writable_dir(f"{MANIFEST_FLAG} {opts.manifest_dir}", opts.manifest_dir)
+    elif settings.manifest_dir is not None:
+        _writable_dir(f"${MANIFEST_DIR_ENV}={settings.manifest_dir}", settings.manifest_dir)
     return opts
+
+
+def compile_scope_refusal(settings: PluginSettings, opts: DraftCaptureOptions) -> str | None:
+    """Why $GRAPHCAP_SGLANG_COMPILE_SCOPE does not fit the backend, or None: scope `model` compiles sglang's model
+    inside a recorded graph of the iteration, which only inductor-cudagraph asks for."""
+    if settings.compile_scope == "model" and opts.backend != "inductor-cudagraph":
+        return f"${COMPILE_SCOPE_ENV}=model needs {BACKEND_FLAG} inductor-cudagraph, got {opts.backend}"
+    return None
+
+
+def _writable_dir(what: str, path: str | os.PathLike) -> None:
+    """Create `path` (and its parents) where missing; an error naming `what` where that fails or it is not
+    writable."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise DraftCaptureConfigError(f"{what}: cannot create it ({e.strerror or e})") from None
+    if not os.access(path, os.W_OK):
+        raise DraftCaptureConfigError(f"{what}: not writable")
 
 
 def _attention_dp(get) -> str | None:
@@ -316,6 +305,6 @@ def _cuda_graphs_off(get) -> str | None:
 def _stays_off(server_args, opts: DraftCaptureOptions, why: str) -> DraftCaptureOptions:
     log.warning("graphcap: %s is set but %s; draft graph capture stays off and sglang runs as without the flag.",
                 FLAG, why)
-    off = DraftCaptureOptions(enabled=False, backend=opts.backend, manifest_dir=opts.manifest_dir)
+    off = dataclasses.replace(opts, enabled=False)
     attach_options(server_args, off)
     return off

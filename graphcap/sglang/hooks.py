@@ -1,4 +1,4 @@
-"""The hook functions `graphcap.sglang.plugin.register_runtime_hooks` installs (only when the flag is on).
+"""The hook functions `graphcap.sglang.plugin.register_runtime_hooks` installs (the worker's only when the flag is on).
 
 Each is thin: it finds the worker's graphcap runtime (or every live runtime, for the schedule-batch hooks) and hands
 over; with no runtime attached it is a pass-through, so a worker graphcap declined to serve behaves as stock sglang.
@@ -10,9 +10,8 @@ import logging
 import weakref
 
 from graphcap.sglang import variants
-from graphcap.sglang.compat import SglangLayoutError, swa_evicted_len
-from graphcap.sglang.config import (DraftCaptureConfigError, options_of, unpatched_worker_hooks,
-                                                  validate_server_args)
+from graphcap.sglang.compat import DraftCaptureConfigError, SglangLayoutError, swa_evicted_len
+from graphcap.sglang.config import options_of, unpatched_worker_hooks, validate_server_args
 from graphcap.sglang.runtime import GraphcapDraftRuntime
 from graphcap.sglang.slots import slot_of
 

@@ -12,7 +12,9 @@ unless asked:
   process that runs a scheduler the hooks on the draft worker and the schedule batch (RUNTIME_HOOKS below), which
   hand the draft phase to `graphcap.sglang.runtime`.
 - With or without the flag, where $GRAPHCAP_SGLANG_TRACE names a directory: the draft trace
-  (`graphcap.sglang.trace`) in scheduler processes - a measurement aid, off unless set.
+  (`graphcap.sglang.trace`) in scheduler processes - a measurement aid, off unless set - and the start-up check.
+- With or without the flag, where one of the plugin's environment variables holds a bad value
+  (graphcap.sglang.settings): the start-up check, which refuses it by name.
 
 Serves sglang 0.5.18 and 0.5.23 (TESTED_SGLANG; what differs between them is found by feature in
 `graphcap.sglang.compat`); with the flag on, another sglang is refused at start-up, naming the versions
@@ -20,20 +22,17 @@ tested. docs/sglang.md says what was exercised against each real package.
 """
 from __future__ import annotations
 
-import os
 import sys
 
-from graphcap.sglang.config import (  # noqa: F401 - the plugin's public names, re-exported
-    ADD_CLI_ARGS, BACKEND_FLAG, CHECK_SERVER_ARGS, DRAFT_WORKER, ENV_VAR, FLAG, FROM_CLI_ARGS, MANIFEST_FLAG,
-    PLUGIN_DEFAULT_BACKEND, RUNTIME_HOOKS, SCHEDULER_MODULE, TESTED_SGLANG, WORKER_DRAFT, WORKER_HOOKS,
-    DraftCaptureConfigError,
-    DraftCaptureOptions, attach_options, log, options_from_env, options_from_namespace, options_of, sglang_tp_rank,
-    unpatched_worker_hooks, validate_server_args, FLAG_DESTS, ATTR, WORKER_INIT_GRAPHS, WORKER_EXTEND_PREFILL,
-    WORKER_EXTEND_DECODE, BATCH_RETRACT, BATCH_EVICT_SWA, SERVER_ARGS, SCHEDULE_BATCH, ARG_HOOKS, TRACE_ENV,
-    PROJECTIONS, PROJECTIONS_FLAG, ALLOW_UNTESTED_ENV, SglangLayoutError, check_sglang_version)
 from graphcap.backends import GRAPH_BACKENDS
-from graphcap.sglang.config import TRITON_BACKEND_INIT, VERIFY_ATTENTION, VERIFY_ATTENTION_FLAG
-from graphcap.sglang import compat as sglang_compat
+from graphcap.sglang import compat as sglang_compat  # its sglang_version by attribute: tests stand in for it
+from graphcap.sglang.compat import TESTED_SGLANG, DraftCaptureConfigError
+from graphcap.sglang.config import (ADD_CLI_ARGS, BACKEND_FLAG, BATCH_EVICT_SWA, BATCH_RETRACT, CHECK_SERVER_ARGS,
+                                    FLAG, FLAG_DESTS, FROM_CLI_ARGS, MANIFEST_FLAG, PROJECTIONS_FLAG,
+                                    SCHEDULER_MODULE, TRITON_BACKEND_INIT, VERIFY_ATTENTION_FLAG, WORKER_DRAFT,
+                                    WORKER_EXTEND_DECODE, WORKER_EXTEND_PREFILL, WORKER_INIT_GRAPHS, attach_options,
+                                    check_sglang_version, log, options_from_namespace)
+from graphcap.sglang.settings import PLUGIN_DEFAULT_BACKEND, PROJECTIONS, VERIFY_ATTENTION, plugin_settings
 
 
 class _State:
@@ -52,38 +51,43 @@ STATE = _State()
 def register() -> None:
     """`sglang.srt.plugins` entry point. Runs in every sglang process, before argument parsing in the launcher.
 
-    With the flag on (from the environment: a child of a launcher that parsed it, or an Engine user who set the
-    variable) on an sglang outside TESTED_SGLANG it installs only the start-up check (which refuses, naming the
-    versions tested, in the process that checks the arguments) and raises the same error here (sglang logs it and
-    carries on without graphcap's worker hooks: stock sglang). Without the flag, such an sglang gets a warning."""
+    A bad value of one of the plugin's environment variables (graphcap.sglang.settings), or with the flag on (from
+    the environment: a child of a launcher that parsed it, or an Engine user who set the variable) an sglang outside
+    TESTED_SGLANG: it installs only the start-up check (which refuses, naming the variable or the versions tested,
+    in the process that checks the arguments) and raises the same error here (sglang logs it and carries on without
+    graphcap's worker hooks: stock sglang). Without the flag, an untested sglang gets a warning."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     STATE.registered += 1
     HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, _after_from_cli_args, HookType.AFTER)
-    opts = options_from_env()
-    if opts.enabled:
-        try:
-            check_sglang_version()
-        except DraftCaptureConfigError:
-            register_runtime_hooks(workers=False)
-            raise
-        register_runtime_hooks(workers=SCHEDULER_MODULE in sys.modules)
+    try:
+        settings = plugin_settings()
+        if settings.draft_capture.enabled:
+            check_sglang_version(settings.allow_untested)
+    except DraftCaptureConfigError:
+        register_runtime_hooks(workers=False)
+        raise
+    scheduler = SCHEDULER_MODULE in sys.modules
+    if settings.draft_capture.enabled:
+        register_runtime_hooks(workers=scheduler)
     else:
         _warn_untested_version()
-    trace_dir = os.environ.get(TRACE_ENV)
-    if SCHEDULER_MODULE in sys.modules and (opts.enabled or trace_dir):  # Triton's compiles in the scheduler
+        if settings.trace_dir is not None:  # the start-up check: whether the trace's directory can be written
+            register_runtime_hooks(workers=False)
+    if scheduler and (settings.draft_capture.enabled or settings.trace_dir):  # Triton's compiles in the scheduler
         from graphcap.sglang.variants import install_process
 
-        install_process(trace_dir or None)
-    if trace_dir and SCHEDULER_MODULE in sys.modules and not STATE.trace:  # after graphcap's hooks: wraps them
+        install_process(settings.trace_dir)
+    if settings.trace_dir and scheduler and not STATE.trace:  # after graphcap's hooks: wraps them
         from graphcap.sglang.trace import install
 
-        STATE.trace = install(trace_dir, WORKER_DRAFT)
+        STATE.trace = install(settings, WORKER_DRAFT)
 
 
 def register_runtime_hooks(workers: bool) -> None:
-    """The hooks that do the work; `workers`: also those on the draft worker and schedule batch (a scheduler process)."""
+    """The hooks that do the work; `workers`: also those on the draft worker and schedule batch (a scheduler
+    process)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from graphcap.sglang import hooks as h

@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import weakref
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import torch
@@ -32,11 +33,13 @@ import torch
 from graphcap import manifest as mf
 from graphcap.backends import COMPILED_BACKENDS
 from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.options import CaptureOptions
 from graphcap.engine.guards import CaptureError
 from graphcap.sglang import linear as sglang_linear
 from graphcap.sglang import variants
-from graphcap.sglang.compat import gathers_draft_inputs, translates_kv_locations
-from graphcap.sglang.config import FLAG, DraftCaptureConfigError, DraftCaptureOptions, sglang_parallel
+from graphcap.sglang.compat import DraftCaptureConfigError, gathers_draft_inputs, translates_kv_locations
+from graphcap.sglang.config import FLAG, compile_scope_refusal, sglang_parallel
+from graphcap.sglang.settings import CHECK_ENV, DraftCaptureOptions, PluginSettings, plugin_settings
 from graphcap.sglang.loop import GraphcapDraftAttention, SglangAssistantLoop
 from graphcap.sglang.slots import SlotTracker, bind_window, slot_of  # noqa: F401 - bind_window re-exported
 from graphcap.engine.iteration import DraftOutput
@@ -45,40 +48,32 @@ from graphcap.engine.observers import CaptureObserver, LoggingProgress
 from graphcap.window import WindowBuffers
 
 log = logging.getLogger("graphcap.sglang")
-CHECK_ENV = "GRAPHCAP_SGLANG_CHECK"  # =1: after each replay, check every length against sglang's (syncs)
-FLUSH_ENV = "GRAPHCAP_MANIFEST_FLUSH_S"  # seconds between manifest writes (0: every iteration, for short runs)
-COMPILE_SCOPE_ENV = "GRAPHCAP_SGLANG_COMPILE_SCOPE"  # "iteration" (default) or "model": what torch.compile traces
 
 
 # -----------------------------------------------------------------------------------------------------------------
 # graphcap's capture engine over sglang's tables (the window buffers: slots.bind_window)
 
 
-def capture_graphs(window: WindowBuffers, fn, *, buckets, example_inputs, static_tensors, backend: str,
-                   manifest_dir: str | None, name: str, steps: int,
-                   parallel: mf.Parallel | None = None) -> DraftGraphs:
+def capture_graphs(window: WindowBuffers, fn, *, buckets: Sequence[int], example_inputs, static_tensors, backend: str,
+                   manifest_dir: str | None, name: str, steps: int, parallel: mf.Parallel | None = None,
+                   flush_every_s: float = PluginSettings.manifest_flush_s) -> DraftGraphs:
     """Capture `fn` per bucket. Every process writes a manifest of its own, its ranks in the file and in the file's
     name (`parallel`, None: `sglang_parallel()`, sglang's runtime context): `...-tp1.json` under tensor parallelism,
     `...-dp1-tp0.json` with data-parallel replicas too, the plain single-GPU name where nothing is split (or sglang
     says nothing). A bucket that fails on one rank only is then in that rank's file, and `graphcap inspect` over the
     directory says where the ranks disagree. Progress goes to the server's log (`graphcap.sglang`), and the counters
     since the last timed flush are written when the scheduler process exits (the plugin registers that here: the
-    library registers no exit hooks)."""
+    library registers no exit hooks). `flush_every_s`: seconds between manifest writes (the runtime passes
+    $GRAPHCAP_MANIFEST_FLUSH_S's)."""
     parallel = sglang_parallel() if parallel is None else parallel
     # Not a capture spec (sglang's model defines the draft): a stand-in with the fields a manifest records.
     spec = SimpleNamespace(name=name, hash=f"w{window.window}-s{steps}", source="sglang", window=window.window,
                            capture=SimpleNamespace(steps=steps), parallel=parallel)
     path = mf.manifest_path(manifest_dir or mf.default_manifest_dir(), name, spec.hash, backend, parallel)
-    raw = os.environ.get(FLUSH_ENV, "10")
-    try:
-        flush_s = float(raw)
-    except ValueError:
-        flush_s = -1.0
-    if not flush_s >= 0:  # also NaN
-        raise DraftCaptureConfigError(f"${FLUSH_ENV}: expected seconds >= 0, got {raw!r}")
-    graphs = DraftGraphs(fn, buckets=list(buckets), padding_slot=window.padding_slot, example_inputs=example_inputs,
-                         static_tensors=static_tensors, backend=backend, spec=spec, manifest_path=path,
-                         flush_every_s=flush_s, observers=[LoggingProgress(log)])
+    options = CaptureOptions(backend=backend, buckets=tuple(buckets), manifest_path=path, flush_every_s=flush_every_s)
+    graphs = DraftGraphs(fn, example_inputs=example_inputs, static_tensors=static_tensors,
+                         padding_slot=window.padding_slot, options=options, spec=spec,
+                         observers=[LoggingProgress(log)])
     graphs.capture()
     atexit.register(_flush_at_exit, weakref.ref(graphs))  # weak: a replaced DraftGraphs is not kept alive
     return graphs
@@ -179,12 +174,13 @@ def verify_tree_mask(target_backend, bs: int, host_seq_lens_sum: int | None, def
 
 
 class GraphcapDraftRuntime:
-    def __init__(self, worker, options: DraftCaptureOptions, window: WindowBuffers, target_pool) -> None:
+    def __init__(self, worker, options: DraftCaptureOptions, window: WindowBuffers, target_pool,
+                 settings: PluginSettings | None = None) -> None:
+        """`settings`: the environment's (None: this process's, `plugin_settings()`), taken once: the draft path
+        reads no environment."""
         self.worker, self.options, self.window, self.target_pool = worker, options, window, target_pool
-        check = os.environ.get(CHECK_ENV, "0")
-        if check not in ("0", "1"):
-            raise DraftCaptureConfigError(f"${CHECK_ENV}: expected 0 or 1, got {check!r}")
-        self.check = check == "1"  # read once: the draft path reads no environment per call
+        self.settings = plugin_settings() if settings is None else settings
+        self.check = self.settings.check  # every draft checked against sglang's own state (GRAPHCAP_SGLANG_CHECK)
         self.tracker = SlotTracker(window, checked=self.check)  # a joining request's rebuild: no sync unless checking
         self.steps = int(worker.speculative_num_steps)
         self.graphs: DraftGraphs | None = None
@@ -193,7 +189,7 @@ class GraphcapDraftRuntime:
         self.loop: SglangAssistantLoop | None = None  # set by capture(); tests attach graphs over other functions
 
     @classmethod
-    def for_worker(cls, worker, options: DraftCaptureOptions):
+    def for_worker(cls, worker, options: DraftCaptureOptions, settings: PluginSettings | None = None):
         """Check the worker's real configuration: an error naming what graphcap cannot serve, None (with a warning)
         where staying off is safe, else a runtime bound to the target's req_to_token and SWA mapping."""
         from sglang.srt.model_executor.cuda_graph_config import cuda_graph_fully_disabled
@@ -214,7 +210,8 @@ class GraphcapDraftRuntime:
             raise DraftCaptureConfigError(
                 f"{FLAG}: sglang gathers the draft's inputs across ranks here (attention data parallelism, "
                 "--attn-dp-size > 1, or a MoE all-to-all / --moe-dense-tp-size layout); this is not supported")
-        window = getattr(worker.draft_model_runner, "sliding_window_size", None) or getattr(backend, "sliding_window_size", None)
+        window = (getattr(worker.draft_model_runner, "sliding_window_size", None)
+                  or getattr(backend, "sliding_window_size", None))
         if not window or window < 1:
             raise DraftCaptureConfigError(f"{FLAG}: the draft model has no sliding window; graphcap serves SWA-hybrid "
                                           "drafts (Gemma 4 assistant)")
@@ -230,7 +227,7 @@ class GraphcapDraftRuntime:
             return None
         steps = int(worker.speculative_num_steps)
         buffers = bind_window(worker.req_to_token_pool.req_to_token, int(window), full_to_swa, max_accepted=steps + 1)
-        return cls(worker, options, buffers, target_pool)
+        return cls(worker, options, buffers, target_pool, settings)
 
     def capture(self) -> None:
         """Replaces the worker's `_capture_cuda_graphs` (called inside its TP/PP/MoE contexts)."""
@@ -239,13 +236,10 @@ class GraphcapDraftRuntime:
         w = self.worker
         attention = GraphcapDraftAttention(self.window, self.target_pool,
                                            int(w.target_worker.model_runner.model_config.context_len))
-        scope = os.environ.get(COMPILE_SCOPE_ENV, "iteration")
-        backend = self.options.backend
-        if scope not in ("iteration", "model"):
-            raise DraftCaptureConfigError(f"{COMPILE_SCOPE_ENV} must be 'iteration' or 'model', got {scope!r}")
-        if scope == "model" and backend != "inductor-cudagraph":
-            raise DraftCaptureConfigError(f"{COMPILE_SCOPE_ENV}=model needs the inductor-cudagraph backend, "
-                                          f"got {backend}")
+        scope, backend = self.settings.compile_scope, self.options.backend
+        refusal = compile_scope_refusal(self.settings, self.options)  # the start-up check's, for a record it missed
+        if refusal is not None:
+            raise DraftCaptureConfigError(refusal)
         loop = SglangAssistantLoop(w, self.window, attention, self.steps)
         buckets = sorted(set(get_batch_sizes_to_capture(w.draft_model_runner, 1)[0]))
         # model scope: sglang's model under torch.compile inside a plain recorded graph of the iteration
@@ -275,7 +269,8 @@ class GraphcapDraftRuntime:
             graphs = capture_graphs(self.window, self.tracker.in_iteration(loop), buckets=buckets,
                                     example_inputs=loop.example_inputs,
                                     static_tensors=static, backend=backend, manifest_dir=self.options.manifest_dir,
-                                    name=name, steps=self.steps, parallel=sglang_parallel(w))
+                                    name=name, steps=self.steps, parallel=sglang_parallel(w),
+                                    flush_every_s=self.settings.manifest_flush_s)
         self.attach(graphs)
         graphs.serving = self.serving_record
         # The window rebuild is graphcap's one kernel outside the graphs (a request joins): compiled now, on a row no
@@ -299,7 +294,8 @@ class GraphcapDraftRuntime:
             v, since = vlog.summary(), vlog.serving_since or 0.0
             rec.variants_preloaded, rec.variants_preload_failed = v.preloaded, v.preload_failed
             rec.variants_at_startup, rec.variants_while_serving = v.at_startup, v.while_serving
-            rec.late_compiles = [mf.LateCompile(r.kernel, r.variant, round(r.seconds, 4), round(max(0.0, r.t - since), 3))
+            rec.late_compiles = [mf.LateCompile(r.kernel, r.variant, round(r.seconds, 4),
+                                                round(max(0.0, r.t - since), 3))
                                  for r in v.late]
         return rec
 

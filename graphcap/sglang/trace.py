@@ -6,8 +6,9 @@ around the worker's `draft`, on the current stream: it includes any stall the dr
 that leaves the GPU idle while the host catches up). Installed by the plugin's `register()` in scheduler processes
 when the variable is set, after graphcap's own hooks, so it wraps whichever draft runs.
 
-Cost: a clone of the draft tokens and two events per call; one sync every FLUSH_EVERY calls, when the records are
-read back and appended to DIR/draft-trace-<pid>.jsonl. Meant for measurement runs, not for serving.
+Cost: a clone of the draft tokens and two events per call; one sync every `GRAPHCAP_SGLANG_TRACE_FLUSH` calls
+(default 16), when the records are read back and appended to DIR/draft-trace-<pid>.jsonl. Meant for measurement
+runs, not for serving. The variables are parsed by graphcap.sglang.settings (and checked at start-up).
 
 `GRAPHCAP_SGLANG_TRACE_PROFILE=8,64` (batch sizes) also profiles the kernels of PROFILE_CALLS draft calls at each
 of those batch sizes, after PROFILE_SKIP warm ones (torch.profiler's CUDA activity, CUDA-graph replays' kernels
@@ -24,12 +25,8 @@ import time
 import torch
 
 from graphcap.sglang import variants
-from graphcap.sglang.config import TRACE_ENV  # noqa: F401 - where the variable is named
-# Records read back per sync: few enough that a killed scheduler (sglang's engine shutdown kills its children, so
-# no exit handler runs) loses little; `GRAPHCAP_SGLANG_TRACE_FLUSH=1` loses nothing, at one sync per draft.
-FLUSH_ENV = "GRAPHCAP_SGLANG_TRACE_FLUSH"
-FLUSH_EVERY = 16
-PROFILE_ENV = "GRAPHCAP_SGLANG_TRACE_PROFILE"
+from graphcap.sglang.settings import PluginSettings
+
 PROFILE_SKIP, PROFILE_CALLS = 8, 5
 
 
@@ -38,7 +35,9 @@ def _cuda_profiler():
 
 
 class DraftTrace:
-    def __init__(self, directory: str, flush_every: int = FLUSH_EVERY, profile_batches: tuple[int, ...] = (),
+    # `flush_every`: records read back per sync - few enough that a killed scheduler (sglang's engine shutdown kills
+    # its children, so no exit handler runs) loses little; 1 loses nothing, at one sync per draft.
+    def __init__(self, directory: str, flush_every: int, profile_batches: tuple[int, ...] = (),
                  profiler=_cuda_profiler) -> None:
         self.flush_every = flush_every
         os.makedirs(directory, exist_ok=True)
@@ -69,7 +68,8 @@ class DraftTrace:
             out = {"batch": b, "draft_calls": PROFILE_CALLS,
                    "gpu_us_per_draft": sum(us for us, _ in totals.values()) / PROFILE_CALLS,
                    "launches_per_draft": sum(n for _, n in totals.values()) / PROFILE_CALLS,
-                   "kernels": [{"name": name, "launches_per_draft": n / PROFILE_CALLS, "us_per_draft": us / PROFILE_CALLS}
+                   "kernels": [{"name": name, "launches_per_draft": n / PROFILE_CALLS,
+                                "us_per_draft": us / PROFILE_CALLS}
                                for name, (us, n) in rows]}
             with open(os.path.join(self.directory, f"draft-profile-{os.getpid()}-b{b}.json"), "w") as f:
                 json.dump(out, f, indent=1)
@@ -119,17 +119,14 @@ class DraftTrace:
                 f.write(json.dumps(rec) + "\n")
 
 
-def install(directory: str, target: str) -> DraftTrace:
+def install(settings: PluginSettings, target: str) -> DraftTrace:
+    """The trace of `settings` (its directory, flush count and profiled batch sizes) around `target`."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    raw = os.environ.get(FLUSH_ENV, str(FLUSH_EVERY))
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"${FLUSH_ENV}: expected a whole number of draft calls >= 1, got {raw!r}")
-    prof = [x.strip() for x in os.environ.get(PROFILE_ENV, "").split(",") if x.strip()]
-    if not all(x.isdigit() and int(x) >= 1 for x in prof):
-        raise ValueError(f"${PROFILE_ENV}: expected batch sizes >= 1 separated by commas, got "
-                         f"{os.environ.get(PROFILE_ENV)!r}")
-    trace = DraftTrace(directory, int(raw), tuple(int(x) for x in prof))
-    atexit.register(trace.flush)  # the records since the last FLUSH_EVERY reach the file at the scheduler's exit
+    if settings.trace_dir is None:
+        raise ValueError("graphcap.sglang.trace.install: the settings name no trace directory "
+                         "($GRAPHCAP_SGLANG_TRACE)")
+    trace = DraftTrace(settings.trace_dir, settings.trace_flush, settings.trace_profile)
+    atexit.register(trace.flush)  # the records since the last read-back reach the file at the scheduler's exit
     HookRegistry.register(target, trace.around_draft, HookType.AROUND)
     return trace

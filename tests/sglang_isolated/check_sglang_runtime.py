@@ -46,6 +46,8 @@ from sglang.srt.speculative.frozen_kv_mtp_worker_v2 import FrozenKVMTPDraftWorke
 
 from graphcap.sglang import plugin  # noqa: E402
 from graphcap.sglang import compat as compat  # noqa: E402
+from graphcap.sglang import config  # noqa: E402
+from graphcap.sglang.settings import DRAFT_CAPTURE_ENV, DraftCaptureOptions  # noqa: E402
 from graphcap.sglang import hooks as hooks  # noqa: E402
 from graphcap.sglang.runtime import (  # noqa: E402
     GraphcapDraftRuntime, SlotTracker, bind_window, chain_tree_inputs)
@@ -74,9 +76,9 @@ def _load_plugins(env: str | None) -> None:
     plugin.STATE.runtime_hooks.clear()
     with mock.patch.dict(os.environ):
         if env is None:
-            os.environ.pop(plugin.ENV_VAR, None)
+            os.environ.pop(DRAFT_CAPTURE_ENV, None)
         else:
-            os.environ[plugin.ENV_VAR] = env
+            os.environ[DRAFT_CAPTURE_ENV] = env
         plugins.load_plugins()
 
 
@@ -94,16 +96,16 @@ def _raw(target: str):
 def test_scheduler_process_without_the_flag_patches_nothing():
     """Whichever tests ran before (a test with the flag leaves the real classes hooked): loading the plugins without
     the flag registers only the argument hooks and leaves every runtime target as it found it."""
-    found = {target: _raw(target) for target in plugin.RUNTIME_HOOKS}
+    found = {target: _raw(target) for target in config.RUNTIME_HOOKS}
     _load_plugins(None)
-    assert set(HookRegistry._hooks) == set(plugin.ARG_HOOKS)
+    assert set(HookRegistry._hooks) == set(config.ARG_HOOKS)
     for target, fn in found.items():
         assert _raw(target) is fn, target
 
 
 def test_scheduler_process_with_the_flag_hooks_the_real_classes():
-    _load_plugins(plugin.DraftCaptureOptions(enabled=True).to_json())
-    for target in plugin.ARG_HOOKS + plugin.RUNTIME_HOOKS:
+    _load_plugins(DraftCaptureOptions(enabled=True).to_json())
+    for target in config.ARG_HOOKS + config.RUNTIME_HOOKS:
         assert target in HookRegistry._patched, f"sglang did not apply {target}"
         fn = _raw(target)
         assert hasattr(fn, "__wrapped__"), target
@@ -114,8 +116,8 @@ def test_scheduler_process_with_the_flag_hooks_the_real_classes():
 @pytest.fixture
 def patched():
     """The flag's hooks applied once in this process (tests below may run alone, e.g. with -k)."""
-    if not hasattr(_raw(plugin.BATCH_EVICT_SWA), "__wrapped__"):
-        _load_plugins(plugin.DraftCaptureOptions(enabled=True).to_json())
+    if not hasattr(_raw(config.BATCH_EVICT_SWA), "__wrapped__"):
+        _load_plugins(DraftCaptureOptions(enabled=True).to_json())
 
 
 class _Runtime:  # what the batch hooks need of a GraphcapDraftRuntime
@@ -143,7 +145,7 @@ def _outcome(fn, *args):
 def test_hooked_draft_is_sglang_draft_without_a_runtime(patched):
     """Without a graphcap runtime the AROUND hook runs sglang's own body: the hooked draft does exactly what the
     unhooked one does (here on the idle path), whatever that is."""
-    hooked = _raw(plugin.WORKER_DRAFT)
+    hooked = _raw(config.WORKER_DRAFT)
     assert hooked.__wrapped__ is not hooked
 
     def worker():
@@ -234,7 +236,7 @@ def test_retract_hook_forgets_retracted_rows(patched):
 
         assert hooks.around_retract_decode(retract, batch)[0] == [reqs[1], reqs[2]]
         assert tracker.owner == {0: "a"}
-        assert hasattr(_raw(plugin.BATCH_RETRACT), "__wrapped__")  # and this hook is what sglang's method runs
+        assert hasattr(_raw(config.BATCH_RETRACT), "__wrapped__")  # and this hook is what sglang's method runs
     finally:
         hooks._RUNTIMES.discard(rt)
 
@@ -243,18 +245,18 @@ def test_for_worker_names_what_it_cannot_serve():
     class TritonAttnBackend:
         sliding_window_size = 8
 
-    opts = plugin.DraftCaptureOptions(enabled=True)
-    with pytest.raises(plugin.DraftCaptureConfigError, match=r"--speculative-eagle-topk must be 1, got 2"):
+    opts = DraftCaptureOptions(enabled=True)
+    with pytest.raises(compat.DraftCaptureConfigError, match=r"--speculative-eagle-topk must be 1, got 2"):
         GraphcapDraftRuntime.for_worker(SimpleNamespace(topk=2), opts)
-    with pytest.raises(plugin.DraftCaptureConfigError, match=r"draft runs on FlashInferAttnBackend"):
+    with pytest.raises(compat.DraftCaptureConfigError, match=r"draft runs on FlashInferAttnBackend"):
         GraphcapDraftRuntime.for_worker(SimpleNamespace(topk=1, draft_attn_backend=type("FlashInferAttnBackend", (), {})()), opts)
     translating = SimpleNamespace(kv_index_translator=SimpleNamespace(is_translating=True))  # 0.5.23's marker
-    with pytest.raises(plugin.DraftCaptureConfigError, match=r"unified KV pool"):
+    with pytest.raises(compat.DraftCaptureConfigError, match=r"unified KV pool"):
         GraphcapDraftRuntime.for_worker(SimpleNamespace(topk=1, draft_attn_backend=TritonAttnBackend(),
                                                         draft_model_runner=translating), opts)
     backend = TritonAttnBackend()
     backend._translate_kv_loc = lambda locs: locs  # 0.5.18's: the Triton backend's v2p hook
-    with pytest.raises(plugin.DraftCaptureConfigError, match=r"unified KV pool"):
+    with pytest.raises(compat.DraftCaptureConfigError, match=r"unified KV pool"):
         GraphcapDraftRuntime.for_worker(SimpleNamespace(topk=1, draft_attn_backend=backend,
                                                         draft_model_runner=SimpleNamespace()), opts)
     with pytest.raises(compat.SglangLayoutError, match=r"kv_index_translator \(sglang 0.5.23\) nor as the Triton "
@@ -291,8 +293,8 @@ def test_hooked_init_cuda_graphs_captures_graphcaps_loop_at_every_step_count(pat
     loop at 1 step too, where sglang 0.5.18's own `_capture_cuda_graphs` returns without a graph (next test)."""
     calls = _without_contexts(monkeypatch)
     server_args = SimpleNamespace()
-    monkeypatch.setenv(plugin.ENV_VAR, "")  # attach_options exports it: removed again after the test
-    plugin.attach_options(server_args, plugin.DraftCaptureOptions(enabled=True))
+    monkeypatch.setenv(DRAFT_CAPTURE_ENV, "")  # attach_options exports it: removed again after the test
+    config.attach_options(server_args, DraftCaptureOptions(enabled=True))
     worker = SimpleNamespace(server_args=server_args, speculative_num_steps=steps, parallel_layout=None,
                              draft_model_runner=SimpleNamespace(tp_group=None),
                              draft_tp_context=lambda group: contextlib.nullcontext())
@@ -614,7 +616,7 @@ def test_draft_tail_builds_sglangs_tree_without_reading_device_lengths(monkeypat
     runner = SimpleNamespace(attn_backend=backend, model_config=SimpleNamespace(context_len=ctx))
     worker = SimpleNamespace(speculative_num_steps=steps, speculative_num_draft_tokens=n,
                              target_worker=SimpleNamespace(model_runner=runner))
-    rt = GraphcapDraftRuntime(worker, plugin.DraftCaptureOptions(enabled=True), _window_buffers(), target_pool=None)
+    rt = GraphcapDraftRuntime(worker, DraftCaptureOptions(enabled=True), _window_buffers(), target_pool=None)
     tokens = torch.randint(0, 1000, (bs, steps), generator=g).to(device)
     rt.graphs = object()  # captured (iterate is replaced below: the replay is tested elsewhere)
     monkeypatch.setattr(rt, "iterate", lambda batch: DraftOutput(tokens, None, None, None))
