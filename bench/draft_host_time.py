@@ -19,15 +19,15 @@ import argparse
 import os
 import sys
 from types import SimpleNamespace
-from unittest import mock
 
 import torch
 from tabulate import tabulate
 
 from graphcap.bench.timing import call_us
 from graphcap.engine.capture import DraftGraphs
-from graphcap.sglang.config import DraftCaptureOptions
-from graphcap.sglang.runtime import CHECK_ENV, GraphcapDraftRuntime, bind_window
+from graphcap.engine.options import CaptureOptions
+from graphcap.sglang.runtime import GraphcapDraftRuntime, bind_window
+from graphcap.sglang.settings import DraftCaptureOptions, PluginSettings
 from graphcap.engine.iteration import DraftOutput
 
 HIDDEN = 2816  # the Gemma 4 assistant's backbone width (the hidden state copied in per row)
@@ -66,10 +66,9 @@ def build(device: str, check: bool, rows: int, width: int, window: int):
     r2t = (1 + torch.randperm(rows * width, generator=g)).reshape(rows, width).to(torch.int32).to(device)
     f2s = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(rows * width, generator=g)]).to(device)
     wb = bind_window(r2t, window, f2s, max_accepted=4)
-    # the runtime reads the switch once, here; the process's environment is left as it was (tests call this in-process)
-    with mock.patch.dict(os.environ, {CHECK_ENV: "1" if check else "0"}):
-        rt = GraphcapDraftRuntime(SimpleNamespace(speculative_num_steps=3), DraftCaptureOptions(enabled=True), wb,
-                                  None)
+    # the check mode as the runtime's settings (what GRAPHCAP_SGLANG_CHECK sets): no environment touched
+    rt = GraphcapDraftRuntime(SimpleNamespace(speculative_num_steps=3), DraftCaptureOptions(enabled=True), wb, None,
+                              settings=PluginSettings(check=check))
 
     def iteration(slots, accepted, tokens, hidden):
         return DraftOutput(torch.stack([tokens, tokens, tokens], 1), hidden[:, :3].float(), hidden[:, :3].float(),
@@ -81,9 +80,9 @@ def build(device: str, check: bool, rows: int, width: int, window: int):
                 torch.zeros(b, HIDDEN, dtype=torch.bfloat16, device=device))
 
     fn = rt.tracker.in_iteration(iteration) if hasattr(rt.tracker, "in_iteration") else iteration
-    graphs = DraftGraphs(fn, buckets=list(BUCKETS), padding_slot=wb.padding_slot, example_inputs=example_inputs,
+    graphs = DraftGraphs(fn, padding_slot=wb.padding_slot, example_inputs=example_inputs,
                          static_tensors={**wb.static_tensors(), "pending_accepts": rt.tracker.pending},
-                         backend="eager", manifest_path=None)
+                         options=CaptureOptions(backend="eager", buckets=tuple(BUCKETS), manifest_path=None))
     graphs.capture()
     for size in BUCKETS:
         bucket = graphs.bucket_graph(size)

@@ -80,20 +80,15 @@ def _function():
     return fn, example_inputs
 
 
-def test_draft_graphs_resolves_the_defaults_and_takes_fields_as_keywords():
+def test_draft_graphs_resolves_the_defaults_of_its_options():
     fn, ex = _function()
     opts = CaptureOptions(backend="eager", buckets=(1, 4), manifest_path=None, flush_every_s=1.0)
     given = DraftGraphs(fn, example_inputs=ex, static_tensors={}, padding_slot=0, options=opts)
     # what None stands for, resolved: DraftGraphs over any function compiles per bucket and precompiles nothing
     assert given.options == opts.replace(dynamic_batch=False, precompile=False)
     assert (given.backend, given.dynamic_batch, given.precompile, given.replay_checks) == ("eager", False, False, True)
-    keywords = DraftGraphs(fn, example_inputs=ex, static_tensors={}, padding_slot=0, backend="eager", buckets=[1, 4],
-                           manifest_path=None, flush_every_s=1.0)
-    assert keywords.options == given.options
-    over = DraftGraphs(fn, example_inputs=ex, static_tensors={}, padding_slot=0, options=opts, buckets=(2,))
-    assert over.options.buckets == (2,) and over.options.flush_every_s == 1.0  # keywords over the options given
-    with pytest.raises(ValueError, match=r"^CaptureOptions has no option 'bucket'"):
-        DraftGraphs(fn, example_inputs=ex, static_tensors={}, padding_slot=0, options=opts, bucket=(2,))
+    with pytest.raises(TypeError, match="buckets"):  # the options are one value, not keywords beside it
+        DraftGraphs(fn, example_inputs=ex, static_tensors={}, padding_slot=0, options=opts, buckets=(2,))
     with pytest.raises(ValueError, match=r"^DraftGraphs: CaptureOptions.buckets is None: name the batch sizes"):
         DraftGraphs(fn, example_inputs=ex, static_tensors={}, padding_slot=0, options=CaptureOptions())
     with pytest.raises(ValueError, match=r"^DraftGraphs: options must be a CaptureOptions, got \{'backend'"):

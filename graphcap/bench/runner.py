@@ -31,6 +31,7 @@ from graphcap.bench.rows import SPEEDUP_FIELDS, BenchResult, BenchRow
 from graphcap.bench.state import TargetState, make_target_state
 from graphcap.bench.timing import Sample, collector_off, median_p90, time_call
 from graphcap.engine.capture import DraftGraphs
+from graphcap.engine.options import CaptureOptions
 from graphcap.models import DraftLoop, FrozenKVDraft
 from graphcap.kernels.gemm.skinny import DTYPES as SKINNY_DTYPES
 from graphcap.models.draft_ops import (DEFAULT_OPS, PLAIN_OPS, QNORM_KERNEL_OPS, SKINNY_4ROWS_OPS, SKINNY_OPS,
@@ -117,8 +118,8 @@ def build_modes(cfg: BenchConfig, model: FrozenKVDraft, state: TargetState, step
                 elif skinny and not cuda:
                     note = _join(note, "the skinny GEMM's torch twin (cuBLAS's math) without CUDA")
                 sizing = server_compile(cfg.spec, buckets, backend, per_bucket=name == "graphcap-per-bucket")
-                runner = DraftGraphs.for_loop(loop, backend=backend, buckets=buckets, manifest_path=None,
-                                              progress=False, **sizing)
+                runner = DraftGraphs.for_loop(loop, CaptureOptions(backend=backend, buckets=buckets, manifest_path=None,
+                                                                   progress=False, **sizing))
         except ImportError as e:
             _note(notes, f"{name} skipped: {e}")
             continue

@@ -29,7 +29,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -52,12 +51,12 @@ __all__ = ["DraftGraphs", "Replay"]  # CaptureError: graphcap.engine.guards; Cap
 log = logging.getLogger("graphcap")
 
 
-def _options(options: CaptureOptions | None, fields: dict[str, Any]) -> CaptureOptions:
-    """`options` (None: the defaults) with the fields a constructor was given as keywords."""
+def _options(options: CaptureOptions | None) -> CaptureOptions:
+    """`options`, None standing for the defaults."""
     options = CaptureOptions() if options is None else options
     if not isinstance(options, CaptureOptions):
         raise ValueError(f"DraftGraphs: options must be a CaptureOptions, got {options!r}")
-    return options.replace(**fields) if fields else options
+    return options
 
 
 class DraftGraphs:
@@ -65,11 +64,9 @@ class DraftGraphs:
 
     def __init__(self, fn: DraftFn, *, example_inputs: Callable[[int], Inputs],
                  static_tensors: dict[str, torch.Tensor], padding_slot: int, options: CaptureOptions | None = None,
-                 spec=None, observers: Sequence[CaptureObserver] = (), pool_dims: PoolDims | None = None,
-                 **fields: Any) -> None:
+                 spec=None, observers: Sequence[CaptureObserver] = (), pool_dims: PoolDims | None = None) -> None:
         """Capture `fn` (slots, accepted, tokens, hidden) -> DraftOutput per bucket of `options` (CaptureOptions:
-        backend, buckets, compile, manifest and checks); option fields may also be given as keywords, over
-        `options`. `example_inputs(b)`: inputs of b rows (their shapes, dtypes and device are the static inputs');
+        backend, buckets, compile, manifest and checks). `example_inputs(b)`: inputs of b rows (their shapes, dtypes and device are the static inputs');
         `static_tensors`: {name: every tensor the graphs read by address}; `padding_slot`: the window row padding
         rows point at; `spec`: what the manifest and the compile cache's key name; `observers`
         (graphcap.engine.observers) and `add_observer` receive the capture and every flush.
@@ -80,7 +77,7 @@ class DraftGraphs:
         context bound changes the full layer's planned split count, a constant of the graph
         (graphcap.engine.static_buffers). `for_loop` takes the loop's `pool_dims()`. The per-bucket compile
         specialises."""
-        opts = _options(options, fields)
+        opts = _options(options)
         if opts.buckets is None:
             raise ValueError("DraftGraphs: CaptureOptions.buckets is None: name the batch sizes to capture "
                              "(DraftGraphs.for_loop takes the spec's)")
@@ -146,10 +143,9 @@ class DraftGraphs:
 
     @classmethod
     def for_loop(cls, loop: CapturableLoop, options: CaptureOptions | None = None, *, steps_only: bool = False,
-                 observers: Sequence[CaptureObserver] = (), pool_dims: PoolDims | None = None,
-                 **fields: Any) -> DraftGraphs:
+                 observers: Sequence[CaptureObserver] = (), pool_dims: PoolDims | None = None) -> DraftGraphs:
         """Capture `loop` (advance + steps), or with `steps_only` just its steps (the rebuild baseline's graph), with
-        `options` (option fields may also be given as keywords, over `options`). `pool_dims`: None takes the loop's.
+        `options`. `pool_dims`: None takes the loop's.
 
         Defaults where an option is None: the spec's backend and buckets. With a compiled backend, one compile for
         every bucket (`dynamic_batch=True`; the loop plans its attention for any batch): on the H200 it captures
@@ -162,7 +158,7 @@ class DraftGraphs:
         warm restart then loads the iteration instead of tracing it. Only here, not in `DraftGraphs` itself: the
         precompiled iteration's key stands in for Dynamo's guards, and only a loop's signature says what that key must
         hold (graphcap.engine.precompile)."""
-        opts = _options(options, fields)
+        opts = _options(options)
         spec = loop.spec
         backend = opts.backend or spec.capture.backend
         dynamic = backend in COMPILED_BACKENDS if opts.dynamic_batch is None else opts.dynamic_batch
