@@ -141,14 +141,14 @@ class Reply:
     start: float = 0.0  # time.perf_counter() at the request
 
 
-async def stream(session, url: str, payload: dict, *, chat: bool, abort_after: int | None = None) -> Reply:
+async def stream(http, url: str, payload: dict, *, chat: bool, abort_after: int | None = None) -> Reply:
     """POST `payload` with streaming to sglang's native /generate (`chat` False) or /v1/chat/completions; reads the
     server-sent events to the end, or closes the connection after `abort_after` chunks with text (a client that
     goes away: sglang aborts the request)."""
     rep, t0 = Reply(start=time.perf_counter()), time.perf_counter()
     last, chunks = t0, 0
     try:
-        async with session.post(url, json=payload) as resp:
+        async with http.post(url, json=payload) as resp:
             if resp.status != 200:
                 rep.error = f"HTTP {resp.status}: {' '.join((await resp.text()).split())[:300]}"
                 return rep
@@ -254,11 +254,11 @@ async def multi_turn(url: str, model: str, words: Words, *, conversations: int =
             raise RuntimeError(f"/flush_cache answered {status}: {body}")
     if flush:  # nothing cached from before: every hit is this run's own
         await flush_cache()
-    async with _session() as session:
+    async with _session() as http:
         for r in range(rounds):
             for c in convs:
                 c.append({"role": "user", "content": words.text(user_tokens, rng)})
-            replies = await asyncio.gather(*(stream(session, url + "/v1/chat/completions",
+            replies = await asyncio.gather(*(stream(http, url + "/v1/chat/completions",
                                                     chat_payload(model, list(c), max_tokens), chat=True)
                                              for c in convs))
             for c, rep in zip(convs, replies):
@@ -278,40 +278,40 @@ async def faults(url: str, words: Words, *, largest_bucket: int, window: int, ch
     the replies, for comparing with another server given the same faults (an aborted reply is not compared)."""
     rng = random.Random(seed)
     out: dict[str, dict] = {}
-    async with _session() as session:
+    async with _session() as http:
         gen = url + "/generate"
 
         async def alive() -> bool:
-            rep = await stream(session, gen, generate_payload(words.text(16, rng), 4), chat=False)
+            rep = await stream(http, gen, generate_payload(words.text(16, rng), 4), chat=False)
             return rep.error is None and rep.completion_tokens >= 1
 
         # clients that disconnect mid-stream, beside requests that run to the end
-        aborts = [stream(session, gen, generate_payload(words.text(rng.randint(32, 1500), rng), 256), chat=False,
+        aborts = [stream(http, gen, generate_payload(words.text(rng.randint(32, 1500), rng), 256), chat=False,
                          abort_after=rng.randint(1, 24)) for _ in range(48)]
-        whole = [stream(session, gen, generate_payload(words.text(rng.randint(32, 1500), rng), 128), chat=False)
+        whole = [stream(http, gen, generate_payload(words.text(rng.randint(32, 1500), rng), 128), chat=False)
                  for _ in range(16)]
         reps = await _gather_limited(aborts + whole, 24)
         out["aborts"] = {"replies": [asdict(r) for r in reps], "alive": await alive()}
         # one output token
-        reps = await asyncio.gather(*(stream(session, gen, generate_payload(words.text(rng.randint(8, 600), rng), 1),
+        reps = await asyncio.gather(*(stream(http, gen, generate_payload(words.text(rng.randint(8, 600), rng), 1),
                                              chat=False) for _ in range(16)))
         out["one_token"] = {"replies": [asdict(r) for r in reps], "alive": await alive()}
         # prompts longer than the window and than a prefill chunk, beside short ones
         lens = [window + 300, chunk + 1000] + [rng.randint(16, 256) for _ in range(8)]
-        reps = await asyncio.gather(*(stream(session, gen, generate_payload(words.text(n, rng), 64), chat=False)
+        reps = await asyncio.gather(*(stream(http, gen, generate_payload(words.text(n, rng), 64), chat=False)
                                       for n in lens))
         out["long_prompts"] = {"prompt_tokens": lens, "replies": [asdict(r) for r in reps], "alive": await alive()}
         # stop strings: each prompt's own greedy continuation, then again stopped at its 10th word
         prompts = [words.text(rng.randint(16, 512), rng) for _ in range(12)]
-        free = await asyncio.gather(*(stream(session, gen, generate_payload(p, 24), chat=False) for p in prompts))
+        free = await asyncio.gather(*(stream(http, gen, generate_payload(p, 24), chat=False) for p in prompts))
         stops = [f.text.split()[9] if len(f.text.split()) > 9 else None for f in free]
-        stopped = await asyncio.gather(*(stream(session, gen, generate_payload(p, 24, stop=[s] if s else []),
+        stopped = await asyncio.gather(*(stream(http, gen, generate_payload(p, 24, stop=[s] if s else []),
                                                 chat=False) for p, s in zip(prompts, stops)))
         out["stop_strings"] = {"stops": stops, "free": [asdict(r) for r in free],
                                "replies": [asdict(r) for r in stopped], "alive": await alive()}
         # more requests in flight than the largest graph bucket
         n = largest_bucket + 16
-        reps = await asyncio.gather(*(stream(session, gen, generate_payload(words.text(rng.randint(8, 64), rng), 32),
+        reps = await asyncio.gather(*(stream(http, gen, generate_payload(words.text(rng.randint(8, 64), rng), 32),
                                              chat=False) for _ in range(n)))
         out["over_largest_bucket"] = {"requests": n, "replies": [asdict(r) for r in reps], "alive": await alive()}
     return out
@@ -342,7 +342,7 @@ async def sustained(url: str, model: str, words: Words, *, duration_s: float, co
     deadline = time.perf_counter() + duration_s
     records: list[dict] = []
 
-    async def client(k: int, session) -> None:
+    async def client(k: int, http) -> None:
         r = random.Random(rng.random())
         history: list[dict] = [{"role": "system", "content": words.text(r.randint(256, 1024), r)}]
         while time.perf_counter() < deadline:
@@ -351,19 +351,19 @@ async def sustained(url: str, model: str, words: Words, *, duration_s: float, co
                 if len(history) > 9:
                     history = history[:1]
                 history.append({"role": "user", "content": words.text(r.randint(16, 128), r)})
-                rep = await stream(session, url + "/v1/chat/completions", chat_payload(model, list(history), 96),
+                rep = await stream(http, url + "/v1/chat/completions", chat_payload(model, list(history), 96),
                                    chat=True)
                 history.append({"role": "assistant", "content": rep.text})
             else:
                 text = words.text(min(max_prompt, int(r.paretovariate(1.2) * 64)), r)
                 new = {"one_token": 1}.get(kind, r.randint(8, 512))
                 extra = {"stop": [words.text(1, r)]} if kind == "stop" else {}
-                rep = await stream(session, url + "/generate", generate_payload(text, new, **extra), chat=False,
+                rep = await stream(http, url + "/generate", generate_payload(text, new, **extra), chat=False,
                                    abort_after=r.randint(1, 16) if kind == "abort" else None)
             rec = asdict(rep)
             rec.update(kind=kind, client=k, text_chars=len(rep.text), text=None)  # thousands of requests: no texts
             records.append(rec)
 
-    async with _session() as session:
-        await asyncio.gather(*(client(k, session) for k in range(concurrency)))
+    async with _session() as http:
+        await asyncio.gather(*(client(k, http) for k in range(concurrency)))
     return records
