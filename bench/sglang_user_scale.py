@@ -19,13 +19,19 @@ and the host time of the draft call with the runtime calls inside it that waited
 
     python bench/sglang_user_scale.py --ckpt DIR --out OUT.json [--engines nospec,sglang,graphcap,graphcap-verify]
         [--batches 1,8,32] [--contexts 2048] [--sweep 220,670,1270,1870,2460] [--profile-batches 1,8,32]
-        [--steps 3] [--structured] [--trace] [--weights bf16|w8a8]
+        [--cases 1x32768,8x32768,1x131072] [--steps 3] [--structured] [--trace] [--weights bf16|w8a8]
+        [--context-length N] [--plan-only]
+
+`--cases`: exactly these (batch, context) cases instead of every batch at every context, profiled where their batch
+is one of `--profile-batches` (the long contexts: 1x32768,8x32768,1x131072 with --profile-batches 1,8).
 
 `--weights w8a8` (with `--structured`, on a checkpoint written with `sglang_checkpoint.py --weights w8a8`): the user's
 INT8 W8A8 target. sglang builds every linear layer of the target as its compressed-tensors W8A8 int8 scheme; after
 the engine starts, `load_target_w8a8` loads random int8 projections (seeded; per-channel fp32 scales that give the
 dequantized weights the bf16 init's scale) into every layer with load_format="direct", layer by layer, then the
-structure loads as above.
+structure loads as above. `--context-length`: the engine's (default: 8192, or what the longest context needs); the
+checkpoint's max_position_embeddings must hold it (`sglang_checkpoint.py --max-pos`). `--plan-only`: check the
+arguments against the checkpoint and print the plan (cases, profiled cases, engine batches, context length).
 
 `--trace`: graphcap's draft trace (graphcap.sglang.trace) in every MTP engine; each timed run's draft calls, their
 host and GPU time (median, max, sum) and the slowest three, where a run's wall time goes that the profile's few
@@ -58,6 +64,8 @@ if TYPE_CHECKING:  # torch is imported where it is used: the argument checks and
 SHORT_NEW = 16
 ENGINES = ("nospec", "sglang", "graphcap", "graphcap-verify")
 WEIGHTS = ("bf16", "w8a8")
+PAGE_SIZE = 64  # sglang_engine_kwargs' page size: a request's KV ends on a page
+MIN_CONTEXT_LENGTH = 8192  # the engine's context length where the cases need less (the recorded runs')
 INT8_STD = math.sqrt((255**2 - 1) / 12)  # std of an int8 drawn uniformly from [-127, 127]
 # stage annotations sglang's profiler writes (by-stage decode profile) -> phase
 PHASES = (("verify", re.compile(r"VERIFY")), ("draft_extend", re.compile(r"^draft_extend|DRAFT_EXTEND")),
@@ -154,6 +162,12 @@ def load_trace(path: str) -> list[dict]:
 
 def target_dir(ckpt: str) -> str:
     return os.path.join(ckpt, "target")
+
+
+def context_length_for(contexts: Iterable[int], new: int, steps: int, page: int = PAGE_SIZE) -> int:
+    """The context length an engine needs for prompts of `contexts` tokens and `new` new ones: the longest prompt, its
+    new tokens, a verify's draft tokens past them (twice: the overlap scheduler's next one) and a page."""
+    return max(contexts) + new + 2 * (steps + 1) + page
 
 
 def engine_kwargs(cfg: dict) -> dict:
@@ -534,6 +548,21 @@ def profile_plan(batches: list[int], contexts: list[int], profiled: list[int], s
     return first + [(sweep_batch, c) for c in sweep if (sweep_batch, c) not in first]
 
 
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """`--cases`: "BxC,..." (batch x context), e.g. "1x32768,8x32768,1x131072"."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        b, sep, c = item.lower().partition("x")
+        if not sep or not b.strip().isdigit() or not c.strip().isdigit() or int(b) < 1 or int(c) < 1:
+            raise ValueError(f"--cases: {item!r} is not BATCHxCONTEXT (positive integers, e.g. 8x32768)")
+        out.append((int(b), int(c)))
+    if not out:
+        raise ValueError("--cases: no case given (BATCHxCONTEXT, separated by commas)")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt")
@@ -542,6 +571,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="2048")
     ap.add_argument("--sweep", default="", help="contexts at --profile-batch after the first context's cases")
+    ap.add_argument("--cases", default="", help="BATCHxCONTEXT,... (e.g. 1x32768,8x32768,1x131072): these cases "
+                    "instead of --batches x --contexts (no --sweep); profiled where their batch is a --profile-batches")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
@@ -556,12 +587,16 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", action="store_true", help="graphcap's draft trace around every draft call of the MTP "
                     "engines: per timed run, the draft calls' host and GPU time (one sync per 16 calls)")
     ap.add_argument("--mem-fraction", type=float, default=0.88)
-    ap.add_argument("--context-length", type=int, default=8192)
+    ap.add_argument("--context-length", type=int, default=None,
+                    help=f"the engine's context length (default: {MIN_CONTEXT_LENGTH}, or what the longest context "
+                         "with its new tokens needs); at most the checkpoint's max_position_embeddings")
     ap.add_argument("--timeout", type=float, default=480, help="seconds per engine")
     ap.add_argument("--fresh-jit-cache", action="store_true",
                     help="each engine with an empty Triton cache of its own (TRITON_CACHE_DIR), so no engine loads "
                          "kernels another compiled: a first-time compile then shows in every engine's warm runs")
     ap.add_argument("--work", help="logs, configs and profiler traces (default: beside --out)")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="print the run's plan (cases, profiled cases, engine batches, context length) and exit")
     ap.add_argument("--child")
     ap.add_argument("--child-out")
     a = ap.parse_args(argv)
@@ -582,8 +617,17 @@ def main(argv=None) -> int:
         profiled = [int(x) for x in a.profile_batches.split(",") if x.strip()] or [a.profile_batch]
     except ValueError:
         ap.error("--batches/--contexts/--sweep/--profile-batches: integers separated by commas")
-    cases = [(b, c) for c in contexts for b in batches] + [(a.profile_batch, c) for c in sweep]
-    profile_cases = profile_plan(batches, contexts, profiled, a.profile_batch, sweep)
+    if a.cases:
+        if sweep:
+            ap.error("--cases and --sweep: give the sweep's cases in --cases")
+        try:
+            cases = parse_cases(a.cases)
+        except ValueError as e:
+            ap.error(str(e))
+        profile_cases = [c for c in cases if c[0] in profiled]
+    else:
+        cases = [(b, c) for c in contexts for b in batches] + [(a.profile_batch, c) for c in sweep]
+        profile_cases = profile_plan(batches, contexts, profiled, a.profile_batch, sweep)
     config_path = os.path.join(target_dir(a.ckpt), "config.json")
     if not os.path.isfile(config_path):
         ap.error(f"--ckpt {a.ckpt}: no target/config.json (write the pair with bench/sglang_checkpoint.py)")
@@ -595,14 +639,28 @@ def main(argv=None) -> int:
     if a.weights == "w8a8" and not a.structured:
         ap.error("--weights w8a8 needs --structured: the int8 projections' weight-update session leaves sglang's "
                  "int8 weights transposed until the structure's session ends (load_target_w8a8)")
+    need = context_length_for([c for _, c in cases], a.new, a.steps)
+    context_length = a.context_length if a.context_length is not None else max(MIN_CONTEXT_LENGTH, need)
+    if context_length < need:
+        ap.error(f"--context-length {context_length}: the longest case's context with its {a.new} new tokens needs "
+                 f"{need}")
+    max_pos = tcfg.get("max_position_embeddings")
+    if max_pos is not None and context_length > max_pos:
+        ap.error(f"context length {context_length} exceeds the checkpoint's max_position_embeddings {max_pos} "
+                 f"({config_path}): write it with bench/sglang_checkpoint.py --max-pos {context_length} or more")
+    engine_batches = sorted({b for b, _ in cases})  # the decode graphs and running requests every case needs
+    if a.plan_only:
+        print(json.dumps({"cases": cases, "profile_cases": profile_cases, "batches": engine_batches,
+                          "context_length": context_length, "weights": a.weights, "engines": engines}))
+        return 0
     work = a.work or os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
     os.makedirs(work, exist_ok=True)
     results = {}
     for e in engines:
-        cfg = {"engine": e, "ckpt": a.ckpt, "work": work, "batches": batches, "cases": cases, "steps": a.steps,
+        cfg = {"engine": e, "ckpt": a.ckpt, "work": work, "batches": engine_batches, "cases": cases, "steps": a.steps,
                "new": a.new, "repeats": a.repeats, "profile_cases": profile_cases, "profile_steps": a.profile_steps,
                "structured": a.structured, "weights": a.weights, "trace": a.trace, "mem_fraction": a.mem_fraction,
-               "context_length": a.context_length, "fresh_jit_cache": a.fresh_jit_cache, "vocab": tcfg["vocab_size"]}
+               "context_length": context_length, "fresh_jit_cache": a.fresh_jit_cache, "vocab": tcfg["vocab_size"]}
         results[e] = spawn(cfg, work, a.timeout)
         record = {"engines": results, "rows": summarize(results)}
         json.dump(record, open(a.out, "w"), indent=1)

@@ -357,3 +357,61 @@ def test_a_w8a8_checkpoint_holds_the_structure_alone(tiny_w8a8):
     summary = json.loads((tiny_w8a8 / "summary.json").read_text())
     assert (summary["weights"], summary["target_matrices"], summary["max_position_embeddings"]) == ("w8a8", False,
                                                                                                     135168)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the run's plan: the long contexts, the W8A8 target
+
+
+def plan(capsys, ckpt, *args):
+    assert us.main(["--ckpt", str(ckpt), "--out", "unused.json", "--plan-only", *args]) == 0
+    import json
+
+    return json.loads(capsys.readouterr().out)
+
+
+def refused(capsys, ckpt, *args) -> str:
+    with pytest.raises(SystemExit) as e:
+        us.main(["--ckpt", str(ckpt), "--out", "unused.json", "--plan-only", *args])
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_the_long_context_cases_plan(capsys, tiny_w8a8):
+    """The issue's long contexts - batch 1 at 32k and 128k, batch 8 at 32k, each profiled - as gpu-check's
+    USER_CASES passes them, on a checkpoint whose max_position_embeddings holds 128k and its new tokens."""
+    p = plan(capsys, tiny_w8a8, "--cases", "1x32768,8x32768,1x131072", "--profile-batches", "1,8", "--structured",
+             "--weights", "w8a8", "--engines", "nospec,graphcap-verify", "--batches", "8", "--contexts", "2048")
+    assert p == {"cases": [[1, 32768], [8, 32768], [1, 131072]], "profile_cases": [[1, 32768], [8, 32768], [1, 131072]],
+                 "batches": [1, 8], "context_length": 131072 + 96 + 8 + 64, "weights": "w8a8",
+                 "engines": ["nospec", "graphcap-verify"]}
+    assert plan(capsys, tiny_w8a8, "--cases", "8x32768,1x131072", "--structured", "--weights", "w8a8")[
+        "profile_cases"] == [[8, 32768]]  # the default profiled batch: 8
+
+
+def test_the_short_context_plan_is_unchanged(capsys, tiny_w8a8):
+    """The recorded runs' plans: batch 8 at 2048 (and the sweep at batch 8), the engine's context length 8192."""
+    p = plan(capsys, tiny_w8a8, "--batches", "8", "--contexts", "2048", "--sweep", "220,2460", "--structured",
+             "--weights", "w8a8")
+    assert p["cases"] == [[8, 2048], [8, 220], [8, 2460]] and p["profile_cases"] == p["cases"]
+    assert p["batches"] == [8] and p["context_length"] == 8192
+    # a sweep at a batch not in --batches gets its decode graphs too
+    assert plan(capsys, tiny_w8a8, "--batches", "8", "--sweep", "4096", "--profile-batch", "1", "--structured",
+                "--weights", "w8a8")["batches"] == [1, 8]
+
+
+def test_plans_refused_naming_what_is_wrong(capsys, tiny_w8a8, tmp_path):
+    ck = load_bench_script("sglang_checkpoint")
+    ck.make_pair("tiny", tmp_path / "bf16", device="cpu", sample=64)  # max_position_embeddings 32768
+    w8 = ("--structured", "--weights", "w8a8")
+    assert "--weights w8a8 needs --structured" in refused(capsys, tiny_w8a8, "--weights", "w8a8")
+    assert "declares a w8a8 target" in refused(capsys, tiny_w8a8, "--structured")
+    assert "declares a bf16 target (write the checkpoint with bench/sglang_checkpoint.py --weights w8a8)" in refused(
+        capsys, tmp_path / "bf16", *w8)
+    err = refused(capsys, tmp_path / "bf16", "--cases", "1x131072")
+    assert "exceeds the checkpoint's max_position_embeddings 32768" in err and "--max-pos 131240" in err
+    assert "--context-length 4096: the longest case's context with its 96 new tokens needs 4264" in refused(
+        capsys, tiny_w8a8, *w8, "--contexts", "4096", "--context-length", "4096")
+    assert "'8k32768' is not BATCHxCONTEXT" in refused(capsys, tiny_w8a8, *w8, "--cases", "8k32768")
+    assert "give the sweep's cases in --cases" in refused(capsys, tiny_w8a8, *w8, "--cases", "1x2048", "--sweep", "220")
+    assert "no target/config.json" in refused(capsys, tmp_path / "none")
