@@ -415,3 +415,72 @@ def test_plans_refused_naming_what_is_wrong(capsys, tiny_w8a8, tmp_path):
     assert "'8k32768' is not BATCHxCONTEXT" in refused(capsys, tiny_w8a8, *w8, "--cases", "8k32768")
     assert "give the sweep's cases in --cases" in refused(capsys, tiny_w8a8, *w8, "--cases", "1x2048", "--sweep", "220")
     assert "no target/config.json" in refused(capsys, tmp_path / "none")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scripts/gpu-check.sh's user-scale stage: its command lines, as a GPU session would run them
+
+GPU_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check.sh"
+
+
+def gpu_check_steps(tmp_path, **knobs) -> tuple[int, list[list[str]], str]:
+    """The user-scale stage of scripts/gpu-check.sh run by bash with its steps recorded instead of run (and
+    engine_env a no-op): (exit status, each step's command line, stderr)."""
+    rec = tmp_path / "steps"
+    stage = GPU_CHECK.read_text()
+    run_stage = stage[stage.index("run_stage() {"):]
+    run_stage = run_stage[:run_stage.index("\n}\n") + 3]
+    script = (f"set -uo pipefail\nWORK={tmp_path}/work; LOG={tmp_path}/log\n"
+              f"step() {{ local a; for a in \"$@\"; do printf '%s\\037' \"$a\"; done >> {rec}; echo >> {rec}; }}\n"
+              f"engine_env() {{ :; }}\n{run_stage}\nrun_stage user-scale\nexit 0\n")  # gpu_main ignores its status
+    env = {"PATH": "/usr/bin:/bin", **knobs}
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    steps = [line.split("\x1f")[:-1] for line in rec.read_text().splitlines()] if rec.exists() else []
+    return r.returncode, steps, r.stderr
+
+
+def replay(steps: list[list[str]], capsys) -> dict:
+    """The stage's checkpoint step at the tiny size on CPU (the user-scale one builds 5.6 GB of embeddings), then its
+    harness step with --plan-only: the plan the GPU session's command line gives."""
+    ckpt, harness = steps[-2], steps[-1]
+    assert ckpt[0] == "ckpt-user-scale" and harness[0] == "user-scale"
+    args = ckpt[ckpt.index("bench/sglang_checkpoint.py") + 1:]
+    args[args.index("--size") + 1], args[args.index("--device") + 1] = "tiny", "cpu"
+    assert load_bench_script("sglang_checkpoint").main([*args, "--sample", "64"]) == 0
+    capsys.readouterr()
+    assert us.main([*harness[harness.index("bench/sglang_user_scale.py") + 1:], "--plan-only"]) == 0
+    import json
+
+    return json.loads(capsys.readouterr().out)
+
+
+def test_gpu_check_runs_the_w8a8_long_context_cases(tmp_path, capsys):
+    """USER_WEIGHTS=w8a8 with USER_CASES: the checkpoint writer and the harness both get --weights w8a8, the
+    checkpoint its own directory and a max_position_embeddings that holds 128k; the harness plans the three cases."""
+    rc, steps, err = gpu_check_steps(tmp_path, USER_WEIGHTS="w8a8", USER_STRUCTURED="1", USER_VERIFY_ALONE="0",
+                                     USER_CASES="1x32768,8x32768,1x131072", USER_PROFILE="1,8")
+    assert rc == 0, err
+    ckpt = steps[0]
+    assert ckpt[ckpt.index("--out") + 1] == f"{tmp_path}/work/ckpt-us-w8a8"
+    assert ckpt[ckpt.index("--weights") + 1] == "w8a8" and ckpt[ckpt.index("--max-pos") + 1] == str(131072 + 4096)
+    p = replay(steps, capsys)
+    assert p["weights"] == "w8a8" and p["cases"] == [[1, 32768], [8, 32768], [1, 131072]]
+    assert p["profile_cases"] == p["cases"] and p["context_length"] == 131072 + 96 + 8 + 64
+
+
+def test_gpu_check_default_is_the_recorded_bf16_run(tmp_path, capsys):
+    """No new knob: the bf16 checkpoint in $WORK/ckpt-us at max_position_embeddings 32768, batch 8 at 2048."""
+    rc, steps, err = gpu_check_steps(tmp_path, USER_STRUCTURED="1", USER_VERIFY_ALONE="0")
+    assert rc == 0, err
+    ckpt = steps[0]
+    assert ckpt[ckpt.index("--out") + 1] == f"{tmp_path}/work/ckpt-us" and ckpt[ckpt.index("--max-pos") + 1] == "32768"
+    p = replay(steps, capsys)
+    assert (p["weights"], p["cases"], p["context_length"]) == ("bf16", [[8, 2048]], 8192)
+    assert "--weights" in steps[1] and "--structured" in steps[1]
+
+
+def test_gpu_check_refuses_w8a8_without_the_structure(tmp_path):
+    rc, steps, err = gpu_check_steps(tmp_path, USER_WEIGHTS="w8a8", USER_VERIFY_ALONE="0")
+    assert rc == 2 and "USER_WEIGHTS=w8a8 needs USER_STRUCTURED=1" in err and not steps
+    rc, _, err = gpu_check_steps(tmp_path, USER_WEIGHTS="int4")
+    assert rc == 2 and "USER_WEIGHTS: bf16 or w8a8, got int4" in err
