@@ -18,7 +18,6 @@ Run in a fresh interpreter (it initialises torch.distributed), as tests/test_sgl
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import sys
@@ -31,15 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("sglang", reason="the real sglang package is not installed")
 sys.path[:0] = [str(ROOT / "tests" / "sglang_isolated"), str(ROOT / "tests")]
-from _sglang_env import install_torchvision_stub  # noqa: E402
+from _sglang_env import install_torchvision_stub, install_vllm_rope_stub  # noqa: E402
 from bench_scripts import load_bench_script, load_file  # noqa: E402
 
 install_torchvision_stub()
-if "vllm" not in sys.modules:  # sglang's RotaryEmbedding imports vllm's rope op off CUDA (used only on its fallback)
-    _v = types.ModuleType("vllm")
-    _v._custom_ops = types.ModuleType("vllm._custom_ops")
-    _v._custom_ops.rotary_embedding = None
-    sys.modules.update({"vllm": _v, "vllm._custom_ops": _v._custom_ops})
+install_vllm_rope_stub()
 
 ck = load_bench_script("sglang_checkpoint")
 us = load_bench_script("sglang_user_scale")
