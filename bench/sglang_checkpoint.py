@@ -1,7 +1,8 @@
 """Write a Gemma 4 target + MTP assistant checkpoint pair that sglang 0.5.23 loads (`Gemma4ForCausalLM`,
 `Gemma4AssistantForCausalLM`, frozen-KV MTP), with weights built so that the draft's acceptance is real and set.
 
-    python bench/sglang_checkpoint.py --size tiny|draft-shapes --out DIR [--disagree 0.3] [--seed 0] [--device cuda]
+    python bench/sglang_checkpoint.py --size tiny|draft-shapes|user-scale --out DIR [--disagree 0.3] [--seed 0]
+        [--device cuda] [--max-pos 32768] [--weights bf16|w8a8]
 
 Both models predict a function of the last token; their layers add small (nonzero) residuals:
 - target: greedy next token after x is x+1 (mod V);
@@ -12,6 +13,12 @@ tokenizer over the whole vocabulary: tokenizer.json, tokenizer_config.json with 
 (margins and intended-token fractions from a float32 emulation of both heads, layers ignored). With the tokenizer,
 sglang's server tokenizes, detokenizes and streams text as it does for a real model: token `i` is the word `w<i>`
 (a few ids are chat-template words), so any token sequence survives text and back unchanged.
+
+`--weights w8a8`: the target's config.json declares the user's INT8 W8A8 quantization (compressed-tensors, `W8A8`:
+int8 weights with per-output-channel fp32 scales, dynamic per-token int8 activations; lm_head left out, embeddings and
+norms bf16 as in the user's checkpoint), so sglang builds every linear layer of the target as its W8A8 int8 scheme.
+The checkpoint then holds the target's structure alone at every size (embeddings, lm_head, norms, layer scalars):
+bench/sglang_user_scale.py loads int8 projections of its own into the engine. The assistant stays bf16.
 """
 from __future__ import annotations
 
@@ -30,6 +37,18 @@ ALPHA2 = 0.3  # share of |E[t]|^2 in pre_projection's range (what the assistant 
 CLUSTER2 = 0.5  # share of |lm_head_d[y]|^2 shared by y's centroid cluster (so the centroid top-k finds it)
 PREV_GAIN = 0.05  # |prev_hidden part of pre_projection output| relative to the token part: participates, never decides
 SL, FU = "sliding_attention", "full_attention"
+WEIGHTS = ("bf16", "w8a8")
+# compressed-tensors' W8A8 int8 as sglang reads it (CompressedTensorsConfig.from_config -> CompressedTensorsW8A8Int8):
+# every Linear module, weights int8 per output channel (static, symmetric), activations int8 per token (dynamic,
+# symmetric); lm_head stays bf16. The embeddings are no Linear module and stay bf16 without naming them.
+W8A8_QUANTIZATION = {
+    "quant_method": "compressed-tensors", "format": "int-quantized",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}}},
+    "ignore": ["lm_head"],
+}
 # The tokenizer's words: the special tokens at the ids the configs name (pad 0, eos 1, bos 2), then the chat template's
 # words, then `w<id>` for every other id. Word-level over whitespace: text and ids convert both ways exactly.
 SPECIAL_WORDS = ("<pad>", "<eos>", "<bos>", "<unk>")
@@ -89,7 +108,9 @@ def _text_config(s: Shapes, hidden: int, ffn: int, types: tuple[str, ...], windo
     }
 
 
-def configs(s: Shapes, window: int, max_pos: int) -> tuple[dict, dict]:
+def configs(s: Shapes, window: int, max_pos: int, weights: str = "bf16") -> tuple[dict, dict]:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     target = {"architectures": ["Gemma4ForCausalLM"],
               **_text_config(s, s.t_hidden, s.t_ffn, s.t_types, window, max_pos),
               # model_type gemma4_text gets no Gemma 4 override in sglang's get_config: state its names directly.
@@ -99,6 +120,8 @@ def configs(s: Shapes, window: int, max_pos: int) -> tuple[dict, dict]:
               "swa_num_key_value_heads": s.swa_kv, "swa_head_dim": s.swa_hd, "swa_v_head_dim": s.swa_hd,
               "per_layer_config": {}, "num_kv_shared_layers": 0, "attention_k_eq_v": False,
               "tie_word_embeddings": False}  # lm_head row y = E[y-1] (next token x+1), not E[y]
+    if weights == "w8a8":
+        target["quantization_config"] = json.loads(json.dumps(W8A8_QUANTIZATION))  # a copy: callers may edit theirs
     text = {**_text_config(s, s.d_hidden, s.d_ffn, s.d_types, window, max_pos),
             # gemma4_assistant IS overridden by sglang (_apply_gemma4_attention_overrides): it overwrites swa_* from
             # transformers' per_layer_config, so state the split the transformers way: base = sliding, global = full.
@@ -285,20 +308,23 @@ def write_tokenizer(directory: Path, vocab: int, max_pos: int) -> None:
 
 
 def make_pair(size: str, out: str | Path, disagree: float = 0.3, seed: int = 0, device: str = "cuda",
-              window: int = 1024, max_pos: int = 32768, sample: int = 2048) -> dict:
-    """Write out/target and out/assistant; returns the summary (also out/summary.json). The user-scale target holds
-    no projection matrices (`summary["target_matrices"]` is false): load it with load_format="dummy", then its
-    structure over them (sglang_user_scale.load_target_structure)."""
+              window: int = 1024, max_pos: int = 32768, sample: int = 2048, weights: str = "bf16") -> dict:
+    """Write out/target and out/assistant; returns the summary (also out/summary.json). The user-scale target, and a
+    w8a8 target at any size, holds no projection matrices (`summary["target_matrices"]` is false): load it with
+    load_format="dummy", then its structure over them (sglang_user_scale.load_target_structure), after the int8
+    projections for w8a8 (sglang_user_scale.load_target_w8a8)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     s, out = SIZES[size], Path(out)
     torch.manual_seed(seed)
-    matrices = size != "user-scale"
+    matrices = size != "user-scale" and weights == "bf16"
     with torch.no_grad():
         tw, dw, tau = build(s, disagree, seed, device, target_matrices=matrices)
         summary = {"size": size, "seed": seed, "disagree": disagree, "sliding_window_config": window,
-                   "target_matrices": matrices,
+                   "target_matrices": matrices, "weights": weights, "max_position_embeddings": max_pos,
                    "sglang_window_tokens": window - 1,  # both models: get_attention_sliding_window_size = w - 1
                    **check(s, tw, dw, tau, sample, seed, device)}
-    tcfg, dcfg = configs(s, window, max_pos)
+    tcfg, dcfg = configs(s, window, max_pos, weights)
     gen_cfg = {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
     for name, cfg, w in (("target", tcfg, tw), ("assistant", dcfg, dw)):
         d = out / name
@@ -322,8 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=1024, help="config.sliding_window (sglang attends to window-1)")
     ap.add_argument("--max-pos", type=int, default=32768, help="max_position_embeddings (sglang's context length)")
     ap.add_argument("--sample", type=int, default=2048, help="tokens checked by the head emulation")
+    ap.add_argument("--weights", choices=WEIGHTS, default="bf16",
+                    help="the target's linear layers: bf16, or the user's INT8 W8A8 (compressed-tensors; the "
+                         "checkpoint then holds the target's structure alone, the harness loads the int8 layers)")
     a = ap.parse_args(argv)
-    summary = make_pair(a.size, a.out, a.disagree, a.seed, a.device, a.window, a.max_pos, a.sample)
+    if a.max_pos < 1:
+        ap.error(f"--max-pos must be a positive number of positions, got {a.max_pos}")
+    summary = make_pair(a.size, a.out, a.disagree, a.seed, a.device, a.window, a.max_pos, a.sample, a.weights)
     print(json.dumps(summary, indent=2))
     ok = summary["target"]["intended_frac"] == 1.0 and summary["assistant"]["intended_frac"] == 1.0
     return 0 if ok else 1

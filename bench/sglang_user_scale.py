@@ -19,7 +19,19 @@ and the host time of the draft call with the runtime calls inside it that waited
 
     python bench/sglang_user_scale.py --ckpt DIR --out OUT.json [--engines nospec,sglang,graphcap,graphcap-verify]
         [--batches 1,8,32] [--contexts 2048] [--sweep 220,670,1270,1870,2460] [--profile-batches 1,8,32]
-        [--steps 3] [--structured] [--trace]
+        [--cases 1x32768,8x32768,1x131072] [--steps 3] [--structured] [--trace] [--weights bf16|w8a8]
+        [--context-length N] [--plan-only]
+
+`--cases`: exactly these (batch, context) cases instead of every batch at every context, profiled where their batch
+is one of `--profile-batches` (the long contexts: 1x32768,8x32768,1x131072 with --profile-batches 1,8).
+
+`--weights w8a8` (with `--structured`, on a checkpoint written with `sglang_checkpoint.py --weights w8a8`): the user's
+INT8 W8A8 target. sglang builds every linear layer of the target as its compressed-tensors W8A8 int8 scheme; after
+the engine starts, `load_target_w8a8` loads random int8 projections (seeded; per-channel fp32 scales that give the
+dequantized weights the bf16 init's scale) into every layer with load_format="direct", layer by layer, then the
+structure loads as above. `--context-length`: the engine's (default: 8192, or what the longest context needs); the
+checkpoint's max_position_embeddings must hold it (`sglang_checkpoint.py --max-pos`). `--plan-only`: check the
+arguments against the checkpoint and print the plan (cases, profiled cases, engine batches, context length).
 
 `--trace`: graphcap's draft trace (graphcap.sglang.trace) in every MTP engine; each timed run's draft calls, their
 host and GPU time (median, max, sum) and the slowest three, where a run's wall time goes that the profile's few
@@ -33,6 +45,7 @@ import argparse
 import glob
 import gzip
 import json
+import math
 import os
 import random
 import re
@@ -41,9 +54,19 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: the argument checks and trace readers run without it
+    import torch
 
 SHORT_NEW = 16
 ENGINES = ("nospec", "sglang", "graphcap", "graphcap-verify")
+WEIGHTS = ("bf16", "w8a8")
+PAGE_SIZE = 64  # sglang_engine_kwargs' page size: a request's KV ends on a page
+MIN_CONTEXT_LENGTH = 8192  # the engine's context length where the cases need less (the recorded runs')
+INT8_STD = math.sqrt((255**2 - 1) / 12)  # std of an int8 drawn uniformly from [-127, 127]
 # stage annotations sglang's profiler writes (by-stage decode profile) -> phase
 PHASES = (("verify", re.compile(r"VERIFY")), ("draft_extend", re.compile(r"^draft_extend|DRAFT_EXTEND")),
           ("draft", re.compile(r"^draft$|DRAFT_LOOP|^draft\b")), ("decode", re.compile(r"DECODE")))
@@ -141,6 +164,12 @@ def target_dir(ckpt: str) -> str:
     return os.path.join(ckpt, "target")
 
 
+def context_length_for(contexts: Iterable[int], new: int, steps: int, page: int = PAGE_SIZE) -> int:
+    """The context length an engine needs for prompts of `contexts` tokens and `new` new ones: the longest prompt, its
+    new tokens, a verify's draft tokens past them (twice: the overlap scheduler's next one) and a page."""
+    return max(contexts) + new + 2 * (steps + 1) + page
+
+
 def engine_kwargs(cfg: dict) -> dict:
     from graphcap.bench.served import sglang_engine_kwargs
 
@@ -164,28 +193,163 @@ def structure_tensors(target: str, device: str) -> list[tuple[str, "object"]]:
     return [item for f in files for item in load_file(f, device=device).items()]
 
 
-def load_target_structure(engine, target: str, device: str = "cuda", request_cls=None) -> dict:
-    """Load the target checkpoint's structure over the target runner's dummy weights, in place (the captured graphs
-    keep their addresses), and not into the draft runner: `update_weights_from_tensor` on selector "target", between
-    `begin_weight_update` and `end_weight_update` (sglang refuses it outside them). `request_cls`: sglang's
+def update_target(engine, batches: Iterable[tuple[list, str | None]], request_cls=None) -> tuple[bool, str, int]:
+    """One weight-update session on the target runner alone, not the draft runner: `begin_weight_update` with
+    selector "target", then for each batch of (name, tensor) `update_weights_from_tensor` with its load format, then
+    `end_weight_update` (also after a failed update; sglang refuses updates outside a session). The tensors change
+    in place (the captured graphs keep their addresses). `batches` may be a generator: a batch is built when its turn
+    comes, and this loop holds no reference to it once its request is answered. `request_cls`: sglang's
     UpdateWeightsFromTensorReqInput (its `selector` field is what Engine.update_weights_from_tensor does not
-    expose)."""
+    expose). Returns (ok, message, batches loaded)."""
     if request_cls is None:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput as request_cls
-    named = structure_tensors(target, device)
-    out = {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
     ok, msg = engine.begin_weight_update(selector="target")[:2]
     if not ok:
-        return {**out, "ok": False, "message": f"begin_weight_update: {msg}"}
+        return False, f"begin_weight_update: {msg}", 0
+    done = 0
     try:
-        req = request_cls(serialized_named_tensors=engine._serialize_tensors_per_rank(named, None), load_format=None,
-                          flush_cache=True, selector="target")
-        ok, msg = engine.loop.run_until_complete(engine.tokenizer_manager.update_weights_from_tensor(req, None))[:2]
+        for named, load_format in batches:
+            req = request_cls(serialized_named_tensors=engine._serialize_tensors_per_rank(named, load_format),
+                              load_format=load_format, flush_cache=True, selector="target")
+            del named  # the generator's reference is then the last: it frees the batch before building the next
+            ok, msg = engine.loop.run_until_complete(engine.tokenizer_manager.update_weights_from_tensor(req, None))[:2]
+            del req
+            if not ok:
+                msg = f"batch {done}: {msg}"
+                break
+            done += 1
     finally:
         end_ok, end_msg = engine.end_weight_update()[:2]
     if ok and not end_ok:
         ok, msg = False, f"end_weight_update: {end_msg}"
-    return {**out, "ok": bool(ok), "message": str(msg)}
+    return bool(ok), str(msg), done
+
+
+def load_target_structure(engine, target: str, device: str = "cuda", request_cls=None) -> dict:
+    """Load the target checkpoint's structure over the target runner's dummy weights with sglang's own loader
+    (the model's load_weights: load_format None), in one session of `update_target`."""
+    named = structure_tensors(target, device)
+    out = {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
+    ok, msg, _ = update_target(engine, [(named, None)], request_cls)
+    return {**out, "ok": ok, "message": msg}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# the W8A8 target's int8 projections (pure but for the engine calls: tested on CPU against sglang's own model)
+
+
+@dataclass(frozen=True)
+class Int8Projection:
+    """One W8A8 linear layer of the target as sglang's model holds it: `name` the module (sglang's fused modules:
+    qkv_proj = q;k;v, gate_up_proj = gate;up), `n` output channels, `k` input features. Its parameters:
+    `{name}.weight` int8, created [n, k] and held as its transpose, a [k, n] column-major view, after the
+    scheme's process_weights_after_loading; `{name}.weight_scale` fp32 [n, 1] (compressed-tensors W8A8 int8,
+    channel strategy)."""
+
+    name: str
+    n: int
+    k: int
+
+
+def target_projections(config: dict) -> list[tuple[Int8Projection, ...]]:
+    """Per layer of a target config.json (sglang_checkpoint.configs' keys, which sglang's Gemma4Attention reads: the
+    sliding layers' heads from swa_*, the full layers' from num_key_value_heads / head_dim), its four quantized
+    projections: qkv_proj, o_proj, gate_up_proj, down_proj."""
+    if config.get("attention_k_eq_v"):
+        raise ValueError("target config: attention_k_eq_v is set (its full layers' v is its k, which load_target_w8a8 "
+                         "does not build); sglang_checkpoint.py writes the target with attention_k_eq_v false")
+    hidden, ffn, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    layers = []
+    for i, kind in enumerate(config["layer_types"]):
+        if kind == "sliding_attention":
+            q_heads = config.get("swa_num_attention_heads", heads)
+            kv = config.get("swa_num_key_value_heads", config["num_key_value_heads"])
+            hd = config.get("swa_head_dim", config["head_dim"])
+        elif kind == "full_attention":
+            q_heads, kv, hd = heads, config["num_key_value_heads"], config["head_dim"]
+        else:
+            raise ValueError(f"target config: layer {i} has layer type {kind!r}, not sliding_attention or "
+                             "full_attention")
+        p = f"model.layers.{i}"
+        layers.append((Int8Projection(f"{p}.self_attn.qkv_proj", (q_heads + 2 * kv) * hd, hidden),
+                       Int8Projection(f"{p}.self_attn.o_proj", hidden, q_heads * hd),
+                       Int8Projection(f"{p}.mlp.gate_up_proj", 2 * ffn, hidden),
+                       Int8Projection(f"{p}.mlp.down_proj", hidden, ffn)))
+    return layers
+
+
+def int8_specs(proj: Int8Projection) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of the tensors `int8_projection` makes: sglang's parameters as the W8A8 int8 scheme holds
+    them once loaded (the weight [k, n], the transpose of the checkpoint's [n, k]; the scale [n, 1])."""
+    import torch
+
+    return [(f"{proj.name}.weight", (proj.k, proj.n), torch.int8),
+            (f"{proj.name}.weight_scale", (proj.n, 1), torch.float32)]
+
+
+def int8_projection(proj: Int8Projection, seed: int, device: str = "cuda") -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one projection as load_format="direct" copies them into sglang's parameters: the weight
+    [k, n] int8 (the layout sglang holds it in; the checkpoint's [n, k] weight is its transpose), uniform in
+    [-127, 127], and weight_scale [n, 1] fp32, positive, spread over 0.5-1.5x per output channel (a misplaced scale
+    changes the output) and scaled so the dequantized weight's RMS is 1 / sqrt(k), the scale of the bf16 checkpoints'
+    random projections (sglang_checkpoint._layers). Deterministic in `seed` on a given device type."""
+    import torch
+
+    (w_name, w_shape, w_dtype), (s_name, s_shape, s_dtype) = int8_specs(proj)
+    g = torch.Generator(device=device).manual_seed(seed)
+    weight = torch.randint(-127, 128, w_shape, generator=g, dtype=w_dtype, device=device)
+    spread = torch.rand(s_shape, generator=g, dtype=s_dtype, device=device) + 0.5
+    scale = spread / spread.pow(2).mean().sqrt() / (math.sqrt(proj.k) * INT8_STD)
+    return [(w_name, weight), (s_name, scale)]
+
+
+def int8_layer(projs: tuple[Int8Projection, ...], layer: int, seed: int, device: str = "cuda"
+               ) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every projection of layer `layer`, each from a seed of its own (`seed`, the layer, the
+    projection): what one direct load sends."""
+    return [t for j, p in enumerate(projs) for t in int8_projection(p, seed * 1_000_003 + 4 * layer + j, device)]
+
+
+def load_target_w8a8(engine, config: dict, device: str = "cuda", request_cls=None, seed: int = 0) -> dict:
+    """Load int8 projections (`int8_layer`, seeded per layer and projection) into every W8A8 linear layer of
+    the target runner, one `update_weights_from_tensor` per layer with load_format "direct" (sglang copies each
+    tensor into the parameter of its name: its model's load_weights would not, as the transposed int8 weight has no
+    weight_loader), in one session of `update_target`; a layer's tensors are freed before the next one's are built.
+
+    The structure's session (`load_target_structure`) must follow: sglang ends every session with each quantized
+    layer's process_weights_after_loading, and the W8A8 int8 scheme's transposes the weight again, while its
+    restore_weights_before_loading (run at a session's begin) is sglang's no-op. The engine starts with each weight
+    as a [k, n] view (what this session loads into), this session's end leaves an [n, k] one, the next session's
+    end a [k, n] one again: the layout sglang's int8 GEMM takes."""
+    layers = target_projections(config)
+    sent = {"tensors": 0, "bytes": 0}
+
+    def batches() -> Iterator[tuple[list, str]]:
+        for i, projs in enumerate(layers):
+            named = int8_layer(projs, i, seed, device)
+            sent["tensors"] += len(named)
+            sent["bytes"] += sum(t.numel() * t.element_size() for _, t in named)
+            yield named, "direct"
+            # sglang's process has copied the layer: free it (tensors sent through CUDA IPC wait for ipc_collect)
+            del named
+            if device.startswith("cuda"):
+                import torch
+
+                torch.cuda.ipc_collect()
+
+    ok, msg, done = update_target(engine, batches(), request_cls)
+    return {"layers": len(layers), "layers_loaded": done, **sent, "load_format": "direct", "seed": seed, "ok": ok,
+            "message": msg}
+
+
+def checkpoint_weights(config: dict) -> str:
+    """"w8a8" where a target config.json declares compressed-tensors int8 weights (sglang_checkpoint.py --weights
+    w8a8), else "bf16"."""
+    q = config.get("quantization_config") or {}
+    if q.get("quant_method") != "compressed-tensors":
+        return "bf16"
+    groups = (q.get("config_groups") or {}).values()
+    return "w8a8" if any((g.get("weights") or {}).get("type") == "int" for g in groups) else "bf16"
 
 
 def trace_summary(rows: list[dict], rids: list[str], window: tuple[float, float] | None = None) -> dict | None:
@@ -251,6 +415,11 @@ def child(cfg: dict) -> dict:
     engine = sglang.Engine(**engine_kwargs(cfg))
     res = {"config": cfg, "startup_s": time.perf_counter() - t0, "cases": []}
     try:
+        if cfg.get("weights", "bf16") == "w8a8":  # before the structure: its session puts the int8 layout right
+            config = json.load(open(os.path.join(target_dir(cfg["ckpt"]), "config.json")))
+            res["int8_loaded"] = load_target_w8a8(engine, config)
+            if not res["int8_loaded"]["ok"]:
+                raise RuntimeError(f"the target's int8 projections did not load: {res['int8_loaded']['message']}")
         if cfg["structured"]:
             res["structure_loaded"] = load_target_structure(engine, target_dir(cfg["ckpt"]))
             if not res["structure_loaded"]["ok"]:
@@ -358,6 +527,7 @@ def summarize(results: dict) -> list[dict]:
             theirs = stock.get((c["batch"], c["context"])) if name.startswith("graphcap") else None
             rows.append({"engine": name, "batch": c["batch"], "context": c["context"],
                          "steps": r["config"]["steps"] if name != "nospec" else 0,
+                         "weights": r["config"].get("weights", "bf16"),  # records from before w8a8 ran bf16
                          "decode_tok_s_per_req": round(c["decode_tok_s_per_req"], 2),
                          "accept_len": c.get("accept_len"),
                          "verify_ms": (p.get("verify") or {}).get("gpu_span_ms"),
@@ -378,6 +548,21 @@ def profile_plan(batches: list[int], contexts: list[int], profiled: list[int], s
     return first + [(sweep_batch, c) for c in sweep if (sweep_batch, c) not in first]
 
 
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """`--cases`: "BxC,..." (batch x context), e.g. "1x32768,8x32768,1x131072"."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        b, sep, c = item.lower().partition("x")
+        if not sep or not b.strip().isdigit() or not c.strip().isdigit() or int(b) < 1 or int(c) < 1:
+            raise ValueError(f"--cases: {item!r} is not BATCHxCONTEXT (positive integers, e.g. 8x32768)")
+        out.append((int(b), int(c)))
+    if not out:
+        raise ValueError("--cases: no case given (BATCHxCONTEXT, separated by commas)")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt")
@@ -386,6 +571,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="2048")
     ap.add_argument("--sweep", default="", help="contexts at --profile-batch after the first context's cases")
+    ap.add_argument("--cases", default="", help="BATCHxCONTEXT,... (e.g. 1x32768,8x32768,1x131072): these cases "
+                    "instead of --batches x --contexts (no --sweep); profiled where their batch is a --profile-batches")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
@@ -394,15 +581,22 @@ def main(argv=None) -> int:
                     help="batches profiled at the first context (default: --profile-batch); every --sweep case is")
     ap.add_argument("--profile-steps", type=int, default=6)
     ap.add_argument("--structured", action="store_true")
+    ap.add_argument("--weights", choices=WEIGHTS, default="bf16",
+                    help="the target's linear layers: bf16 (dummy), or w8a8: the user's INT8 W8A8 (needs --structured "
+                         "and a checkpoint written with sglang_checkpoint.py --weights w8a8)")
     ap.add_argument("--trace", action="store_true", help="graphcap's draft trace around every draft call of the MTP "
                     "engines: per timed run, the draft calls' host and GPU time (one sync per 16 calls)")
     ap.add_argument("--mem-fraction", type=float, default=0.88)
-    ap.add_argument("--context-length", type=int, default=8192)
+    ap.add_argument("--context-length", type=int, default=None,
+                    help=f"the engine's context length (default: {MIN_CONTEXT_LENGTH}, or what the longest context "
+                         "with its new tokens needs); at most the checkpoint's max_position_embeddings")
     ap.add_argument("--timeout", type=float, default=480, help="seconds per engine")
     ap.add_argument("--fresh-jit-cache", action="store_true",
                     help="each engine with an empty Triton cache of its own (TRITON_CACHE_DIR), so no engine loads "
                          "kernels another compiled: a first-time compile then shows in every engine's warm runs")
     ap.add_argument("--work", help="logs, configs and profiler traces (default: beside --out)")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="print the run's plan (cases, profiled cases, engine batches, context length) and exit")
     ap.add_argument("--child")
     ap.add_argument("--child-out")
     a = ap.parse_args(argv)
@@ -423,17 +617,50 @@ def main(argv=None) -> int:
         profiled = [int(x) for x in a.profile_batches.split(",") if x.strip()] or [a.profile_batch]
     except ValueError:
         ap.error("--batches/--contexts/--sweep/--profile-batches: integers separated by commas")
-    vocab = json.load(open(os.path.join(target_dir(a.ckpt), "config.json")))["vocab_size"]
-    cases = [(b, c) for c in contexts for b in batches] + [(a.profile_batch, c) for c in sweep]
-    profile_cases = profile_plan(batches, contexts, profiled, a.profile_batch, sweep)
+    if a.cases:
+        if sweep:
+            ap.error("--cases and --sweep: give the sweep's cases in --cases")
+        try:
+            cases = parse_cases(a.cases)
+        except ValueError as e:
+            ap.error(str(e))
+        profile_cases = [c for c in cases if c[0] in profiled]
+    else:
+        cases = [(b, c) for c in contexts for b in batches] + [(a.profile_batch, c) for c in sweep]
+        profile_cases = profile_plan(batches, contexts, profiled, a.profile_batch, sweep)
+    config_path = os.path.join(target_dir(a.ckpt), "config.json")
+    if not os.path.isfile(config_path):
+        ap.error(f"--ckpt {a.ckpt}: no target/config.json (write the pair with bench/sglang_checkpoint.py)")
+    tcfg = json.load(open(config_path))
+    have = checkpoint_weights(tcfg)
+    if have != a.weights:
+        ap.error(f"--weights {a.weights}: {config_path} declares a {have} target (write the checkpoint with "
+                 f"bench/sglang_checkpoint.py --weights {a.weights})")
+    if a.weights == "w8a8" and not a.structured:
+        ap.error("--weights w8a8 needs --structured: the int8 projections' weight-update session leaves sglang's "
+                 "int8 weights transposed until the structure's session ends (load_target_w8a8)")
+    need = context_length_for([c for _, c in cases], a.new, a.steps)
+    context_length = a.context_length if a.context_length is not None else max(MIN_CONTEXT_LENGTH, need)
+    if context_length < need:
+        ap.error(f"--context-length {context_length}: the longest case's context with its {a.new} new tokens needs "
+                 f"{need}")
+    max_pos = tcfg.get("max_position_embeddings")
+    if max_pos is not None and context_length > max_pos:
+        ap.error(f"context length {context_length} exceeds the checkpoint's max_position_embeddings {max_pos} "
+                 f"({config_path}): write it with bench/sglang_checkpoint.py --max-pos {context_length} or more")
+    engine_batches = sorted({b for b, _ in cases})  # the decode graphs and running requests every case needs
+    if a.plan_only:
+        print(json.dumps({"cases": cases, "profile_cases": profile_cases, "batches": engine_batches,
+                          "context_length": context_length, "weights": a.weights, "engines": engines}))
+        return 0
     work = a.work or os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
     os.makedirs(work, exist_ok=True)
     results = {}
     for e in engines:
-        cfg = {"engine": e, "ckpt": a.ckpt, "work": work, "batches": batches, "cases": cases, "steps": a.steps,
+        cfg = {"engine": e, "ckpt": a.ckpt, "work": work, "batches": engine_batches, "cases": cases, "steps": a.steps,
                "new": a.new, "repeats": a.repeats, "profile_cases": profile_cases, "profile_steps": a.profile_steps,
-               "structured": a.structured, "trace": a.trace, "mem_fraction": a.mem_fraction,
-               "context_length": a.context_length, "fresh_jit_cache": a.fresh_jit_cache, "vocab": vocab}
+               "structured": a.structured, "weights": a.weights, "trace": a.trace, "mem_fraction": a.mem_fraction,
+               "context_length": context_length, "fresh_jit_cache": a.fresh_jit_cache, "vocab": tcfg["vocab_size"]}
         results[e] = spawn(cfg, work, a.timeout)
         record = {"engines": results, "rows": summarize(results)}
         json.dump(record, open(a.out, "w"), indent=1)

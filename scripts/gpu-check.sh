@@ -192,18 +192,36 @@ case $1 in
     # profiled at the first context - every sweep case is; USER_VERIFY_ALONE=0: no kernel timing first;
     # USER_REPEATS: timed runs per case, the median kept; USER_TRACE=1: each timed run's draft calls, host and GPU ms;
     # USER_TIMEOUT: seconds per engine, default 215; USER_FRESH_JIT=1: each engine with an empty Triton cache of
-    # its own)
+    # its own; USER_WEIGHTS=w8a8, with USER_STRUCTURED=1: the user's INT8 W8A8 target - the checkpoint writer and the
+    # harness both get --weights w8a8, the checkpoint in $WORK/ckpt-us-w8a8 (compressed-tensors W8A8 int8 declared,
+    # the structure alone), the harness loading seeded int8 projections into the engine; USER_CONTEXTS: the prompts'
+    # lengths, default 2048; USER_CASES=1x32768,8x32768,1x131072: exactly these batch x context cases instead, each
+    # profiled whose batch is in USER_PROFILE. The checkpoint's max_position_embeddings is the longest context + 4096,
+    # 32768 at least)
     engine_env
+    local weights=${USER_WEIGHTS:-bf16} ckpt=$WORK/ckpt-us longest=0 c
+    case $weights in
+      bf16) ;;
+      w8a8) ckpt=$WORK/ckpt-us-w8a8
+        [ -n "${USER_STRUCTURED:-}" ] || { echo "USER_WEIGHTS=w8a8 needs USER_STRUCTURED=1" >&2; exit 2; } ;;
+      *) echo "USER_WEIGHTS: bf16 or w8a8, got $weights" >&2; exit 2 ;;
+    esac
+    for c in $(echo "${USER_CONTEXTS:-2048},${USER_SWEEP:-},${USER_CASES:-}" | tr , ' '); do
+      c=${c##*[xX]}  # a case's context
+      [[ $c =~ ^[0-9]+$ ]] && (( c > longest )) && longest=$c
+    done
     if [ "${USER_VERIFY_ALONE:-1}" != 0 ]; then  # USER_VERIFY_ALONE=0: straight to the engines
       STEP_LIMIT=${STEP_LIMIT:-120} step verify-attention python3 bench/verify_attention.py --batches 1,8,32 --n-q 4 \
         --rep-ms 30 --out "$LOG/verify-attention"
     fi
-    step ckpt-user-scale python3 bench/sglang_checkpoint.py --size user-scale --out "$WORK/ckpt-us" --device cuda
-    STEP_LIMIT=${STEP_LIMIT:-480} step user-scale python3 bench/sglang_user_scale.py --ckpt "$WORK/ckpt-us" \
-      --engines "${USER_ENGINES:-nospec,graphcap-verify,sglang}" --batches "${USER_BATCHES:-8}" --contexts 2048 \
+    step ckpt-user-scale python3 bench/sglang_checkpoint.py --size user-scale --out "$ckpt" --device cuda \
+      --weights "$weights" --max-pos $(( longest + 4096 > 32768 ? longest + 4096 : 32768 ))
+    STEP_LIMIT=${STEP_LIMIT:-480} step user-scale python3 bench/sglang_user_scale.py --ckpt "$ckpt" \
+      --engines "${USER_ENGINES:-nospec,graphcap-verify,sglang}" --batches "${USER_BATCHES:-8}" \
+      --contexts "${USER_CONTEXTS:-2048}" ${USER_CASES:+--cases "$USER_CASES"} \
       ${USER_SWEEP:+--sweep "$USER_SWEEP"} ${USER_PROFILE:+--profile-batches "$USER_PROFILE"} \
       --steps "${USER_STEPS:-3}" ${USER_STRUCTURED:+--structured} ${USER_TRACE:+--trace} \
-      ${USER_FRESH_JIT:+--fresh-jit-cache} \
+      ${USER_FRESH_JIT:+--fresh-jit-cache} --weights "$weights" \
       --repeats "${USER_REPEATS:-1}" --new 96 --timeout "${USER_TIMEOUT:-215}" \
       --work "$WORK/user-scale" --out "$LOG/user-scale.json"
     mkdir -p "$LOG/user-scale-engines"  # each engine's log end and graphcap's manifests (traces stay in $WORK)

@@ -1,5 +1,7 @@
 """bench/sglang_user_scale.py's reading of sglang's profiler trace (a synthetic chrome trace with the annotation names
-sglang's by-stage profile writes) and its argument checks; the engine runs themselves need a GPU."""
+sglang's by-stage profile writes), its argument checks and plans (the long contexts, the W8A8 target), and the W8A8
+target's int8 projections and their load (against sglang's own model: tests/sglang_isolated/check_w8a8_target_load.py);
+the engine runs themselves need a GPU."""
 from __future__ import annotations
 
 import gzip
@@ -63,10 +65,12 @@ def test_bad_arguments_exit_2_naming_them(args, msg):
 
 
 class _Engine:
-    """sglang's Engine as load_target_structure uses it, recording the calls (the real one needs a GPU)."""
+    """sglang's Engine as load_target_structure and load_target_w8a8 use it, recording the calls (the real one needs
+    a GPU; tests/sglang_isolated/check_w8a8_target_load.py answers them with sglang's own scheduler-side code).
+    `update_ok`: every update's answer; `fail_at`: the one update (0-based) that fails."""
 
-    def __init__(self, update_ok=True, begin_ok=True):
-        self.calls, self.update_ok, self.begin_ok = [], update_ok, begin_ok
+    def __init__(self, update_ok=True, begin_ok=True, fail_at=None):
+        self.calls, self.update_ok, self.begin_ok, self.fail_at = [], update_ok, begin_ok, fail_at
         self.loop = self
         self.tokenizer_manager = self
 
@@ -79,8 +83,9 @@ class _Engine:
         return ["payload"]
 
     def update_weights_from_tensor(self, req, request):
+        n = sum(c[0] == "update" for c in self.calls)
         self.calls.append(("update", req))
-        return self.update_ok, "u"
+        return (self.update_ok and n != self.fail_at), "u"
 
     def run_until_complete(self, x):
         return x
@@ -230,3 +235,252 @@ def test_an_engine_past_its_time_is_stopped_with_what_it_started(tmp_path, monke
     res = us.spawn({"engine": "nospec"}, str(tmp_path), timeout=3)
     assert res["crashed"] and time.perf_counter() - t < 30
     assert process_gone(int(pid_file.read_text())), "the engine's child outlived the timeout"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the W8A8 target
+
+USER_SCALE_CONFIG = load_bench_script("sglang_checkpoint").configs(
+    load_bench_script("sglang_checkpoint").SIZES["user-scale"], 1024, 32768, "w8a8")[0]
+
+
+def test_user_scale_projections_are_the_fused_gemma4_shapes():
+    """60 layers (5 sliding : 1 full) of four quantized projections each, in sglang's fused names: q;k;v from the
+    sliding layers' 32 x 256 queries and 16 x 256 KV, the full layers' 32 x 512 and 4 x 512, gate;up from the FFN."""
+    layers = us.target_projections(USER_SCALE_CONFIG)
+    assert len(layers) == 60
+    sliding, full = layers[0], layers[5]
+    assert [(p.name, p.n, p.k) for p in sliding] == [
+        ("model.layers.0.self_attn.qkv_proj", (32 + 2 * 16) * 256, 5376),
+        ("model.layers.0.self_attn.o_proj", 5376, 32 * 256), ("model.layers.0.mlp.gate_up_proj", 2 * 21504, 5376),
+        ("model.layers.0.mlp.down_proj", 5376, 21504)]
+    assert [(p.n, p.k) for p in full] == [((32 + 2 * 4) * 512, 5376), (5376, 32 * 512), (43008, 5376), (5376, 21504)]
+    assert sum(p.n * p.k for projs in layers for p in projs) == 50 * 478_937_088 + 10 * 544_997_376  # 29.4 GB int8
+    with pytest.raises(ValueError, match="attention_k_eq_v"):
+        us.target_projections({**USER_SCALE_CONFIG, "attention_k_eq_v": True})
+    with pytest.raises(ValueError, match="layer 1 has layer type 'chunked'"):
+        us.target_projections({**USER_SCALE_CONFIG, "layer_types": ["sliding_attention", "chunked"]})
+
+
+def test_int8_projection_is_seeded_int8_with_the_bf16_inits_scale():
+    """The tensors carry int8_specs' names, shapes and dtypes; the weight spans [-127, 127]; the scales are positive,
+    spread per channel, and give the dequantized weight an RMS of 1/sqrt(k); a seed gives the same tensors again,
+    another seed others."""
+    import torch
+
+    p = us.Int8Projection("model.layers.3.mlp.down_proj", 256, 1024)
+    (wn, w), (sn, scale) = us.int8_projection(p, 7, "cpu")
+    assert [(n, tuple(t.shape), t.dtype) for n, t in ((wn, w), (sn, scale))] == [
+        (n, shape, dtype) for n, shape, dtype in us.int8_specs(p)]
+    assert (wn, sn) == ("model.layers.3.mlp.down_proj.weight", "model.layers.3.mlp.down_proj.weight_scale")
+    assert w.shape == (1024, 256) and scale.shape == (256, 1)  # sglang's layout: the checkpoint's [n, k] transposed
+    assert int(w.min()) == -127 and int(w.max()) == 127
+    assert bool((scale > 0).all()) and float(scale.max() / scale.min()) > 2
+    rms = (w.float() * scale.reshape(1, -1)).pow(2).mean().sqrt().item()
+    assert rms == pytest.approx(1 / 1024 ** 0.5, rel=0.03)
+    again = us.int8_projection(p, 7, "cpu")
+    assert torch.equal(again[0][1], w) and torch.equal(again[1][1], scale)
+    assert not torch.equal(us.int8_projection(p, 8, "cpu")[0][1], w)
+
+
+@pytest.fixture(scope="module")
+def tiny_w8a8(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ck-w8a8")
+    load_bench_script("sglang_checkpoint").make_pair("tiny", d, device="cpu", sample=64, weights="w8a8",
+                                                     max_pos=135168)
+    return d
+
+
+def test_w8a8_loads_each_layer_direct_to_the_target_runner(tiny_w8a8):
+    """One session on the target runner: per layer one update with load_format "direct" holding that layer's four
+    projections (weight and scale each), the layers in order; the record counts what went."""
+    import json
+
+    config = json.loads((tiny_w8a8 / "target" / "config.json").read_text())
+    eng = _Engine()
+    r = us.load_target_w8a8(eng, config, device="cpu", request_cls=_Req)
+    assert r["ok"] and r["layers"] == r["layers_loaded"] == 4 and r["tensors"] == 32 and r["load_format"] == "direct"
+    kinds = [c[0] for c in eng.calls]
+    assert kinds == ["begin"] + ["serialize", "update"] * 4 + ["end"] and eng.calls[0] == ("begin", "target")
+    layers = us.target_projections(config)
+    for i, projs in enumerate(layers):
+        _, names, load_format = eng.calls[1 + 2 * i]
+        assert load_format == "direct" and names == [n for p in projs for n, _, _ in us.int8_specs(p)]
+        req = eng.calls[2 + 2 * i][1]
+        assert (req.selector, req.load_format) == ("target", "direct")
+    assert r["bytes"] == sum(p.n * p.k + 4 * p.n for projs in layers for p in projs)
+
+
+def test_a_failed_layer_stops_the_load_and_ends_the_session(tiny_w8a8):
+    import json
+
+    config = json.loads((tiny_w8a8 / "target" / "config.json").read_text())
+    eng = _Engine(fail_at=2)
+    r = us.load_target_w8a8(eng, config, device="cpu", request_cls=_Req)
+    assert not r["ok"] and r["layers_loaded"] == 2 and r["message"] == "batch 2: u"
+    assert [c[0] for c in eng.calls][-3:] == ["serialize", "update", "end"]
+    eng = _Engine(begin_ok=False)
+    r = us.load_target_w8a8(eng, config, device="cpu", request_cls=_Req)
+    assert not r["ok"] and "begin_weight_update" in r["message"] and [c[0] for c in eng.calls] == ["begin"]
+
+
+def test_the_checkpoints_weights_are_read_from_its_config(tiny_w8a8, tmp_path):
+    import json
+
+    ck = load_bench_script("sglang_checkpoint")
+    config = json.loads((tiny_w8a8 / "target" / "config.json").read_text())
+    assert config["quantization_config"] == ck.W8A8_QUANTIZATION and us.checkpoint_weights(config) == "w8a8"
+    bf16, _ = ck.configs(ck.SIZES["tiny"], 1024, 32768)
+    assert "quantization_config" not in bf16 and us.checkpoint_weights(bf16) == "bf16"
+    fp8 = {"quantization_config": {"quant_method": "compressed-tensors",
+                                   "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8}}}}}
+    assert us.checkpoint_weights(fp8) == "bf16"
+    with pytest.raises(ValueError, match="weights must be one of bf16, w8a8, got 'int4'"):
+        ck.configs(ck.SIZES["tiny"], 1024, 32768, "int4")
+
+
+def test_a_w8a8_checkpoint_holds_the_structure_alone(tiny_w8a8):
+    """At every size a w8a8 target's checkpoint holds no projection (the harness loads the int8 ones), only what stays
+    bf16 in the user's checkpoint: embeddings, lm_head, norms, layer scalars; the assistant keeps its layers."""
+    import json
+
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tiny_w8a8 / "target" / "model.safetensors")))
+    assert not [n for n in names if n.endswith("_proj.weight")]
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.3.layer_scalar",
+            "model.layers.0.self_attn.k_norm.weight"} <= names
+    assistant = set(load_file(str(tiny_w8a8 / "assistant" / "model.safetensors")))
+    assert "model.layers.0.self_attn.q_proj.weight" in assistant
+    assistant_cfg = json.loads((tiny_w8a8 / "assistant" / "config.json").read_text())
+    assert "quantization_config" not in assistant_cfg
+    summary = json.loads((tiny_w8a8 / "summary.json").read_text())
+    assert (summary["weights"], summary["target_matrices"], summary["max_position_embeddings"]) == ("w8a8", False,
+                                                                                                    135168)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the run's plan: the long contexts, the W8A8 target
+
+
+def plan(capsys, ckpt, *args):
+    assert us.main(["--ckpt", str(ckpt), "--out", "unused.json", "--plan-only", *args]) == 0
+    import json
+
+    return json.loads(capsys.readouterr().out)
+
+
+def refused(capsys, ckpt, *args) -> str:
+    with pytest.raises(SystemExit) as e:
+        us.main(["--ckpt", str(ckpt), "--out", "unused.json", "--plan-only", *args])
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_the_long_context_cases_plan(capsys, tiny_w8a8):
+    """The issue's long contexts - batch 1 at 32k and 128k, batch 8 at 32k, each profiled - as gpu-check's
+    USER_CASES passes them, on a checkpoint whose max_position_embeddings holds 128k and its new tokens."""
+    p = plan(capsys, tiny_w8a8, "--cases", "1x32768,8x32768,1x131072", "--profile-batches", "1,8", "--structured",
+             "--weights", "w8a8", "--engines", "nospec,graphcap-verify", "--batches", "8", "--contexts", "2048")
+    assert p == {"cases": [[1, 32768], [8, 32768], [1, 131072]], "profile_cases": [[1, 32768], [8, 32768], [1, 131072]],
+                 "batches": [1, 8], "context_length": 131072 + 96 + 8 + 64, "weights": "w8a8",
+                 "engines": ["nospec", "graphcap-verify"]}
+    assert plan(capsys, tiny_w8a8, "--cases", "8x32768,1x131072", "--structured", "--weights", "w8a8")[
+        "profile_cases"] == [[8, 32768]]  # the default profiled batch: 8
+
+
+def test_the_short_context_plan_is_unchanged(capsys, tiny_w8a8):
+    """The recorded runs' plans: batch 8 at 2048 (and the sweep at batch 8), the engine's context length 8192."""
+    p = plan(capsys, tiny_w8a8, "--batches", "8", "--contexts", "2048", "--sweep", "220,2460", "--structured",
+             "--weights", "w8a8")
+    assert p["cases"] == [[8, 2048], [8, 220], [8, 2460]] and p["profile_cases"] == p["cases"]
+    assert p["batches"] == [8] and p["context_length"] == 8192
+    # a sweep at a batch not in --batches gets its decode graphs too
+    assert plan(capsys, tiny_w8a8, "--batches", "8", "--sweep", "4096", "--profile-batch", "1", "--structured",
+                "--weights", "w8a8")["batches"] == [1, 8]
+
+
+def test_plans_refused_naming_what_is_wrong(capsys, tiny_w8a8, tmp_path):
+    ck = load_bench_script("sglang_checkpoint")
+    ck.make_pair("tiny", tmp_path / "bf16", device="cpu", sample=64)  # max_position_embeddings 32768
+    w8 = ("--structured", "--weights", "w8a8")
+    assert "--weights w8a8 needs --structured" in refused(capsys, tiny_w8a8, "--weights", "w8a8")
+    assert "declares a w8a8 target" in refused(capsys, tiny_w8a8, "--structured")
+    assert "declares a bf16 target (write the checkpoint with bench/sglang_checkpoint.py --weights w8a8)" in refused(
+        capsys, tmp_path / "bf16", *w8)
+    err = refused(capsys, tmp_path / "bf16", "--cases", "1x131072")
+    assert "exceeds the checkpoint's max_position_embeddings 32768" in err and "--max-pos 131240" in err
+    assert "--context-length 4096: the longest case's context with its 96 new tokens needs 4264" in refused(
+        capsys, tiny_w8a8, *w8, "--contexts", "4096", "--context-length", "4096")
+    assert "'8k32768' is not BATCHxCONTEXT" in refused(capsys, tiny_w8a8, *w8, "--cases", "8k32768")
+    assert "give the sweep's cases in --cases" in refused(capsys, tiny_w8a8, *w8, "--cases", "1x2048", "--sweep", "220")
+    assert "no target/config.json" in refused(capsys, tmp_path / "none")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scripts/gpu-check.sh's user-scale stage: its command lines, as a GPU session would run them
+
+GPU_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check.sh"
+
+
+def gpu_check_steps(tmp_path, **knobs) -> tuple[int, list[list[str]], str]:
+    """The user-scale stage of scripts/gpu-check.sh run by bash with its steps recorded instead of run (and
+    engine_env a no-op): (exit status, each step's command line, stderr)."""
+    rec = tmp_path / "steps"
+    stage = GPU_CHECK.read_text()
+    run_stage = stage[stage.index("run_stage() {"):]
+    run_stage = run_stage[:run_stage.index("\n}\n") + 3]
+    script = (f"set -uo pipefail\nWORK={tmp_path}/work; LOG={tmp_path}/log\n"
+              f"step() {{ local a; for a in \"$@\"; do printf '%s\\037' \"$a\"; done >> {rec}; echo >> {rec}; }}\n"
+              f"engine_env() {{ :; }}\n{run_stage}\nrun_stage user-scale\nexit 0\n")  # gpu_main ignores its status
+    env = {"PATH": "/usr/bin:/bin", **knobs}
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    steps = [line.split("\x1f")[:-1] for line in rec.read_text().splitlines()] if rec.exists() else []
+    return r.returncode, steps, r.stderr
+
+
+def replay(steps: list[list[str]], capsys) -> dict:
+    """The stage's checkpoint step at the tiny size on CPU (the user-scale one builds 5.6 GB of embeddings), then its
+    harness step with --plan-only: the plan the GPU session's command line gives."""
+    ckpt, harness = steps[-2], steps[-1]
+    assert ckpt[0] == "ckpt-user-scale" and harness[0] == "user-scale"
+    args = ckpt[ckpt.index("bench/sglang_checkpoint.py") + 1:]
+    args[args.index("--size") + 1], args[args.index("--device") + 1] = "tiny", "cpu"
+    assert load_bench_script("sglang_checkpoint").main([*args, "--sample", "64"]) == 0
+    capsys.readouterr()
+    assert us.main([*harness[harness.index("bench/sglang_user_scale.py") + 1:], "--plan-only"]) == 0
+    import json
+
+    return json.loads(capsys.readouterr().out)
+
+
+def test_gpu_check_runs_the_w8a8_long_context_cases(tmp_path, capsys):
+    """USER_WEIGHTS=w8a8 with USER_CASES: the checkpoint writer and the harness both get --weights w8a8, the
+    checkpoint its own directory and a max_position_embeddings that holds 128k; the harness plans the three cases."""
+    rc, steps, err = gpu_check_steps(tmp_path, USER_WEIGHTS="w8a8", USER_STRUCTURED="1", USER_VERIFY_ALONE="0",
+                                     USER_CASES="1x32768,8x32768,1x131072", USER_PROFILE="1,8")
+    assert rc == 0, err
+    ckpt = steps[0]
+    assert ckpt[ckpt.index("--out") + 1] == f"{tmp_path}/work/ckpt-us-w8a8"
+    assert ckpt[ckpt.index("--weights") + 1] == "w8a8" and ckpt[ckpt.index("--max-pos") + 1] == str(131072 + 4096)
+    p = replay(steps, capsys)
+    assert p["weights"] == "w8a8" and p["cases"] == [[1, 32768], [8, 32768], [1, 131072]]
+    assert p["profile_cases"] == p["cases"] and p["context_length"] == 131072 + 96 + 8 + 64
+
+
+def test_gpu_check_default_is_the_recorded_bf16_run(tmp_path, capsys):
+    """No new knob: the bf16 checkpoint in $WORK/ckpt-us at max_position_embeddings 32768, batch 8 at 2048."""
+    rc, steps, err = gpu_check_steps(tmp_path, USER_STRUCTURED="1", USER_VERIFY_ALONE="0")
+    assert rc == 0, err
+    ckpt = steps[0]
+    assert ckpt[ckpt.index("--out") + 1] == f"{tmp_path}/work/ckpt-us" and ckpt[ckpt.index("--max-pos") + 1] == "32768"
+    p = replay(steps, capsys)
+    assert (p["weights"], p["cases"], p["context_length"]) == ("bf16", [[8, 2048]], 8192)
+    assert "--weights" in steps[1] and "--structured" in steps[1]
+
+
+def test_gpu_check_refuses_w8a8_without_the_structure(tmp_path):
+    rc, steps, err = gpu_check_steps(tmp_path, USER_WEIGHTS="w8a8", USER_VERIFY_ALONE="0")
+    assert rc == 2 and "USER_WEIGHTS=w8a8 needs USER_STRUCTURED=1" in err and not steps
+    rc, _, err = gpu_check_steps(tmp_path, USER_WEIGHTS="int4")
+    assert rc == 2 and "USER_WEIGHTS: bf16 or w8a8, got int4" in err

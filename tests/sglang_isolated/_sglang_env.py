@@ -69,6 +69,17 @@ def install_torchvision_stub() -> bool:
     return True
 
 
+def install_vllm_rope_stub() -> None:
+    """sglang's RotaryEmbedding imports vllm's rope op off CUDA (used only on its fallback): where no vllm is imported,
+    an empty `vllm._custom_ops` answers the import."""
+    if "vllm" in sys.modules:
+        return
+    vllm = types.ModuleType("vllm")
+    vllm._custom_ops = types.ModuleType("vllm._custom_ops")
+    vllm._custom_ops.rotary_embedding = None
+    sys.modules.update({"vllm": vllm, "vllm._custom_ops": vllm._custom_ops})
+
+
 class _ImageProcessorRegistry:
     """transformers' AutoImageProcessor where transformers hands out a torchvision placeholder: sglang's multimodal
     configs register their image processors at import; nothing these tests run looks one up."""

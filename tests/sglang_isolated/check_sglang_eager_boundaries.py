@@ -21,14 +21,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytest.importorskip("sglang", reason="the real sglang package is not installed")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "sglang_isolated")]
-from _sglang_env import install_torchvision_stub  # noqa: E402
+from _sglang_env import install_torchvision_stub, install_vllm_rope_stub  # noqa: E402
 
 install_torchvision_stub()
-if "vllm" not in sys.modules:  # sglang's RotaryEmbedding imports vllm's rope op off CUDA (used only on its fallback)
-    _v = types.ModuleType("vllm")
-    _v._custom_ops = types.ModuleType("vllm._custom_ops")
-    _v._custom_ops.rotary_embedding = None
-    sys.modules.update({"vllm": _v, "vllm._custom_ops": _v._custom_ops})
+install_vllm_rope_stub()
 
 DTYPE, STEPS = torch.bfloat16, 3
 
