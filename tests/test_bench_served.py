@@ -50,9 +50,11 @@ def test_served_bench_times_each_engine_and_compares_tokens(tmp_path, fake_sglan
         even = 1e3 * 96 * SLEEP_PER_TOKEN_S / (math.ceil(96 / 2.5) + 1)
         assert r["sglang_gap_ms"] == pytest.approx((even, even)) and r["graphcap_gap_ms"] == pytest.approx((even, even))
         assert r["tokens_equal"] == b
-        # the long run's 64 extra tokens over its extra time: the stand-in sleeps SLEEP_PER_TOKEN_S per token
+        # the long run's 64 extra tokens over its extra time: the stand-in sleeps SLEEP_PER_TOKEN_S per token. A
+        # difference of two wall times: on a busy CPU a short run held up longer than its long run reads faster
+        # (measured once under load: 1.13x), so the bound says "of the stand-in's rate", not its last percent
         for e in served.ENGINES:
-            assert 0.3 / SLEEP_PER_TOKEN_S < r[f"{e}_tok_s"] <= 1.05 / SLEEP_PER_TOKEN_S
+            assert 0.3 / SLEEP_PER_TOKEN_S < r[f"{e}_tok_s"] <= 1.5 / SLEEP_PER_TOKEN_S
     # what each engine was started with
     kw = {e: json.loads((fake_sglang / f"{e}.json").read_text()) for e in served.ENGINES}
     assert "speculative_algorithm" not in kw["nospec"]["kw"] and kw["nospec"]["capture"] is None
