@@ -52,7 +52,7 @@ def test_served_bench_times_each_engine_and_compares_tokens(tmp_path, fake_sglan
         assert r["tokens_equal"] == b
         # the long run's 64 extra tokens over its extra time: the stand-in sleeps SLEEP_PER_TOKEN_S per token. A
         # difference of two wall times: on a busy CPU a short run held up longer than its long run reads faster
-        # (measured once under load: 1.13x), so the bound says "of the stand-in's rate", not its last percent
+        # than the stand-in sleeps, so the bound says "of the stand-in's rate", not its last percent
         for e in served.ENGINES:
             assert 0.3 / SLEEP_PER_TOKEN_S < r[f"{e}_tok_s"] <= 1.5 / SLEEP_PER_TOKEN_S
     # what each engine was started with
