@@ -110,7 +110,8 @@ case $1 in
   layers)  # in the order that keeps what matters most if the call is cut
     for s in ${LAYERS_STEPS:-unit bench host profile replay}; do
       case $s in
-        unit) step unit-layers python3 -m pytest -q -rs -m gpu tests/test_layer_fusions.py tests/test_fused_ops.py ;;
+        unit) step unit-layers python3 -m pytest -q -rs -m gpu tests/kernels/test_layer_fusions.py \
+          tests/kernels/test_fused_ops.py ;;
         bench) step bench-layers python3 -m graphcap.cli bench --batch ${LAYERS_BATCH:-1,8,64} --context 2048 \
           --steps 3 \
           --modes ${BENCH_MODES:-graphcap-torch-ops,graphcap-skinny-gemm,compile-nosync,compile-plain,graphcap} \
@@ -122,7 +123,7 @@ case $1 in
           step profile-torch-ops-b8 python3 lab/profile_iteration.py --batch 8 --context 2048 --torch-ops \
             --out "$LOG/profile-torch-ops-b8" ;;
         replay) STEP_LIMIT=${STEP_LIMIT:-300} step pytest-replay-dynamic python3 -m pytest -q -rs -m gpu \
-          tests/test_capture_gpu.py -k "${REPLAY_K:-dynamic or precompiled}" ;;
+          tests/engine/test_capture_gpu.py -k "${REPLAY_K:-dynamic or precompiled}" ;;
         *) echo "LAYERS_STEPS: unit bench host profile replay, got $s" >&2; exit 2 ;;
       esac
     done

@@ -125,9 +125,10 @@ user_setup() {  # the user-setup stage: one bench/sglang_engine.py run per (sgla
 run_stage() {
 case $1 in
   unit)  # the kernels' GPU tests alone: quick (UNIT_TESTS: other test files)
-    step unit-gpu python3 -m pytest -q -rs -m gpu ${UNIT_TESTS:-tests/test_attention.py tests/test_attention_plan.py \
-      tests/test_centroid_head.py tests/test_small_topk.py tests/test_candidate_pick.py tests/test_fused_ops.py \
-      tests/test_layer_fusions.py tests/test_skinny_gemm.py}
+    step unit-gpu python3 -m pytest -q -rs -m gpu ${UNIT_TESTS:-tests/kernels/test_decode_attention.py \
+      tests/kernels/test_attention_plan.py tests/kernels/test_centroid_head.py tests/kernels/test_small_topk.py \
+      tests/kernels/test_candidate_pick.py tests/kernels/test_fused_ops.py tests/kernels/test_layer_fusions.py \
+      tests/kernels/test_skinny_gemm.py}
     ;;
   tests)  # the whole suite, thorough tier (tests/conftest.py: every test, hypothesis at its full example counts)
     local k=() args="-q -rs --durations=30"
@@ -265,7 +266,7 @@ case $1 in
   int8-gemm)  # sgl_kernel's W8A8 int8 GEMM as the stand-in runs it, at Gemma-4-31B's projection shapes: its GPU tests,
     # then bench/int8_gemm.py against the int8 weight-read floor and torch._int_mm (INT8_GEMM_ARGS: the bench's options
     # besides --out, e.g. --candidates to time every candidate config, or --ms / --shapes for a shorter run)
-    step int8-gemm-gpu python3 -m pytest -q -rs -m gpu tests/test_int8_gemm.py
+    step int8-gemm-gpu python3 -m pytest -q -rs -m gpu tests/sglang/test_int8_gemm.py
     STEP_LIMIT=${STEP_LIMIT:-480} step int8-gemm python3 bench/int8_gemm.py --out "$LOG/int8-gemm.json" \
       ${INT8_GEMM_ARGS:-}
     ;;

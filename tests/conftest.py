@@ -2,18 +2,55 @@
 themselves (not only their torch twins) are checked in CI. The variable must be set before triton is imported.
 
 The tiers (tests/tiers.py): GRAPHCAP_TEST_TIER=ci (the default) leaves out the tests marked `thorough` and loads the
-`ci` hypothesis profile; GRAPHCAP_TEST_TIER=thorough runs every test under the `thorough` profile."""
+`ci` hypothesis profile; GRAPHCAP_TEST_TIER=thorough runs every test under the `thorough` profile.
+
+The layout: the tests mirror the package (tests/kernels/ holds graphcap/kernels/' tests, tests/sglang/
+graphcap/sglang/'s and the sgl_kernel stand-in's, ...; a top-level module's tests are in tests/), in directories
+without __init__.py, so pytest imports each test module by its file name: a name must be unique across tests/
+(pytest refuses a second one: "import file mismatch"). The shared helpers stay in tests/, imported by module name
+(`from tiers import examples`): pytest puts tests/ on sys.path to import this file, and `_test_dirs_on_path` puts the
+directories of tests there too, once, at collection, before any test runs (process_state's guard compares each test's
+state with the state it started in)."""
+import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from process_state import process_state_guard  # noqa: F401 - an autouse fixture, registered by its import here
-from tiers import CI_EXAMPLES, THOROUGH_EXAMPLES, TIER, TIERS
+TESTS = Path(__file__).resolve().parent
+TEST_DIRS = tuple(sorted(d for d in TESTS.iterdir() if d.is_dir() and any(d.glob("test_*.py"))))
+
+
+def _test_dirs_on_path() -> None:
+    """tests/ and each directory of tests on sys.path, where pytest would put each one only when it imports a test
+    module from it: a test module imported by another from a directory of its own (bench/test_bench.py imports
+    models/test_models.py) is then found whichever is collected first, in a run of one file too. A directory on
+    sys.path is also a namespace package of its name wherever nothing else has the name: where the real sglang is
+    not installed, `import sglang` would find tests/sglang/ and the tests that skip without sglang would fail. Such a
+    name is taken out of the import system (None in sys.modules: find_spec gives None, an import raises
+    ModuleNotFoundError); a real package of the name is left alone."""
+    for d in (TESTS, *TEST_DIRS):
+        if str(d) not in sys.path:
+            sys.path.insert(0, str(d))
+    for d in TEST_DIRS:
+        if d.name in sys.modules:
+            continue
+        spec = importlib.util.find_spec(d.name)
+        if spec is not None and spec.origin is None and all(Path(p).resolve().is_relative_to(TESTS)
+                                                             for p in spec.submodule_search_locations or ()):
+            sys.modules[d.name] = None
+
+
+_test_dirs_on_path()
+
+from process_state import process_state_guard  # noqa: E402, F401 - an autouse fixture, registered by its import here
+from tiers import CI_EXAMPLES, THOROUGH_EXAMPLES, TIER, TIERS  # noqa: E402
 
 try:
     import torch
@@ -78,7 +115,7 @@ def _manifests_in_tmp(process_state_guard, tmp_path_factory, monkeypatch):
 def cpu_twins():
     """CPU tensors through the kernels' torch twins, for tests of what is built on the kernels (dispatch, capture
     logic, the draft model) where Triton's interpreter would only make them slow. The kernels themselves are tested
-    against their twins and references in test_window.py and test_attention.py; CUDA tensors still use them."""
+    against their twins and references in test_window.py and test_decode_attention.py; CUDA tensors still use them."""
     from graphcap.kernels import twins_on_cpu
 
     with twins_on_cpu():

@@ -21,7 +21,7 @@ model object it closes over travels as external data (it is the live object of t
 
 Experimental in torch (2.11 and 2.13 both have the API; 2.11 only under Dynamo's `enable_aot_compile`). On the H200
 it saved and loaded (docs/results.md, capture section), and its replays over larger pools equal the same code without
-graphs (tests/test_capture_gpu.py). CPU: equal to the eager loop (tests/test_compile_cache.py).
+graphs (tests/engine/test_capture_gpu.py). CPU: equal to the eager loop (tests/engine/test_compile_cache.py).
 """
 from __future__ import annotations
 

@@ -24,9 +24,9 @@ log = logging.getLogger("graphcap.sglang")
 
 # Refused at start-up. reduce-overhead: CUDA-graph trees clear every stream's cached cuBLAS workspace around each
 # warm-up and recording (torch._inductor.cudagraph_trees.clear_cublas_manager), so a graph captured before them
-# replays its split-K GEMMs into freed memory (shown with torch alone; tests/test_reduce_overhead_serving_gpu.py checks
-# it per torch). sglang captures its target graphs first, and its engine crashed with an illegal address in such a
-# GEMM at the verify after the first draft (which graph's GEMM was not identified: docs/results.md). The manual-graph
+# replays its split-K GEMMs into freed memory (shown with torch alone; tests/engine/test_reduce_overhead_serving_gpu.py
+# checks it per torch). sglang captures its target graphs first, and its engine crashed with an illegal address in such
+# a GEMM at the verify after the first draft (which graph's GEMM was not identified: docs/results.md). The manual-graph
 # backends clear nothing.
 UNSERVED_BACKENDS = ("reduce-overhead",)
 FLAG = "--enable-draft-graph-capture"

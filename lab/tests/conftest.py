@@ -1,7 +1,8 @@
 """lab/tests: the lab scripts' tests, outside both tiers of the suite (`make test-lab`, `lab/gpu-lab.sh tests`).
 The suite's set-up is tests/conftest.py's (Triton's interpreter without CUDA, the GPU tests' skip, the fixtures):
 loaded here under a name of its own. lab/ is on sys.path for the scripts (as `python lab/<script>.py` puts it), tests/
-for the suite's helpers (sm90.py, tiers.py)."""
+for the suite's helpers (sm90.py, tiers.py), and the suite's conftest puts its directories of tests there too
+(test_skinny_gemm_script.py imports tests/kernels/test_skinny_gemm.py)."""
 import importlib.util
 import sys
 from pathlib import Path

@@ -1,6 +1,6 @@
 """lab/skinny_gemm.py, the skinny GEMM's bench: its own logic (contestants, the check against the cuBLAS expression,
 the read-only ceilings, the config grid and names, the summary and its files) at tiny shapes, a wall clock or a
-stand-in in place of its CUDA-graph timer. The kernel itself is tests/test_skinny_gemm.py's."""
+stand-in in place of its CUDA-graph timer. The kernel itself is tests/kernels/test_skinny_gemm.py's."""
 from __future__ import annotations
 
 import subprocess

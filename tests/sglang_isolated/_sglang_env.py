@@ -5,7 +5,7 @@ sglang.srt.configs imports two multimodal helpers that do `import torchvision.tr
 (multimodal/internvl_utils.py, configs/deepseek_ocr.py). torchvision cannot be installed here without dragging a CUDA
 torch in, and nothing these tests run calls it, so `install_torchvision_stub()` answers `import torchvision...` with
 empty modules. It first pins transformers' (lru-cached) "is torchvision available?" answers to False, so transformers
-never takes the stub for the real thing. Use only in a fresh interpreter (test_sglang_runtime.py runs these checks
+never takes the stub for the real thing. Use only in a fresh interpreter (tests/sglang/test_runtime.py runs these checks
 in one): the stub is process-wide.
 
 sglang 0.5.18 imports `torchvision.io` at `import sglang` itself, and its transformers (5.12) hands out

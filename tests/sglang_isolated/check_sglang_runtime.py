@@ -1,5 +1,5 @@
 """Deep checks against the real sglang runtime modules (0.5.23 in the venv; 0.5.18 with its directory in front of
-PYTHONPATH), run in a fresh interpreter by test_sglang_runtime.py (they import sglang's
+PYTHONPATH), run in a fresh interpreter by tests/sglang/test_runtime.py (they import sglang's
 scheduler, schedule batch, Triton backend and Frozen-KV MTP worker, with torchvision stubbed: see _sglang_env.py).
 Run alone: `pytest -o python_files='check_*.py' tests/sglang_isolated`.
 
@@ -558,8 +558,8 @@ def _plain(t):
 
 def _tree_twin(*args):
     """sglang's tree kernel (it runs on the GPU, reading the lengths there), here the sgl_kernel stand-in's twin of
-    sgl_kernel's op (tests/test_spec_tree_ops.py holds it to sglang's own Triton version), loaded without the stand-in
-    package: this process runs sglang without an sgl_kernel."""
+    sgl_kernel's op (tests/sglang/test_spec_tree_ops.py holds it to sglang's own Triton version), loaded without the
+    stand-in package: this process runs sglang without an sgl_kernel."""
     from standin_ops import speculative
 
     build_tree_kernel_efficient_torch = speculative.build_tree_kernel_efficient_torch

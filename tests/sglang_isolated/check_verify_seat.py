@@ -1,4 +1,5 @@
-"""Run by test_sglang_runtime.py in a fresh interpreter (sglang's Triton backend imports with torchvision stubbed).
+"""Run by tests/sglang/test_runtime.py in a fresh interpreter (sglang's Triton backend imports with torchvision
+stubbed).
 
 graphcap's verify seat (graphcap/sglang/verify.py) driven by sglang's own
 `TritonAttnBackend.forward_extend`: a target-verify call goes through sglang's real dispatch into the seat, gives what

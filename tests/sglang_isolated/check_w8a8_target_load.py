@@ -13,7 +13,7 @@ first GPU run of `--weights w8a8` would otherwise find out.
   weights are transposed (sglang's end of a session runs the scheme's process_weights_after_loading again): the
   structure's session must follow, as the harness requires.
 
-Run in a fresh interpreter (it initialises torch.distributed), as tests/test_sglang_runtime.py does:
+Run in a fresh interpreter (it initialises torch.distributed), as tests/sglang/test_runtime.py does:
     pytest -o python_files='check_*.py' -o addopts= <this file>"""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""pytest plugin (`-p sglang_0518_pytest`) for the runs against sglang 0.5.18 (tests/test_sglang_runtime.py): prepares
+"""pytest plugin (`-p sglang_0518_pytest`) for the runs against sglang 0.5.18 (tests/sglang/test_runtime.py): prepares
 `import sglang` on a CPU machine (_sglang_env.prepare_sglang_import) before any test module imports it, and fails the
 run at once unless the sglang imported is the one asked for (the PYTHONPATH did not take)."""
 from __future__ import annotations

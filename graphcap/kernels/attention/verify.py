@@ -196,7 +196,7 @@ def plan_verify(batch: int, kv_heads: int, q_heads: int, head_dim: int, n_q: int
     if torch.device(device).type == "cuda" and head_dim >= 512 and not (arch or device_arch(device)).hopper:
         # Without wgmma (which reads its operands from shared memory) the [rows, 512] tiles of q, the accumulator
         # and K/V live in registers: at 4 warps ptxas spills ~670 bytes per thread on sm_80; 8 warps hold them
-        # (compiled in tests/test_sm80.py; not timed on an A100)
+        # (compiled in tests/kernels/test_sm80.py; not timed on an A100)
         attention = replace(attention, num_warps=8, block_n=16, min_chunk=32)
     return VerifyPlan(attention, n_q, heads, head_tiles, max(16, triton.next_power_of_2(heads * n_q)))
 

@@ -179,8 +179,8 @@ def pipeline_smem(cfg: Config, m: int, gated: bool, elem_bytes: int = 2, arch: G
     them, gate and up, when gated) - num_stages copies where Triton makes the tl.dot a wgmma (sm_90 with at least 64
     weight rows, a warp group's tile: it reads its operands from shared memory while the next loads land),
     num_stages - 1 where it is an mma.sync (the tile in use is in registers). Triton's own count for these kernels
-    (tests/test_sm80.py compiles every candidate for sm_80 and sm_90), exact from two stages up, above it at one;
-    over the device's limit a launch fails with OutOfResources."""
+    (tests/kernels/test_sm80.py compiles every candidate for sm_80 and sm_90), exact from two stages up, above it at
+    one; over the device's limit a launch fails with OutOfResources."""
     block_m = max(16, triton.next_power_of_2(m))
     wgmma = arch.hopper and cfg.block_n >= 64
     copies = cfg.num_stages if wgmma else max(1, cfg.num_stages - 1)

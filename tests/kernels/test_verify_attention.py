@@ -223,7 +223,8 @@ def test_gpu_replays_in_a_cuda_graph_with_new_prefixes():
 
 def test_plan_without_wgmma_keeps_the_wide_tiles_in_registers():
     """An sm_80 plan of the full layer (D = 512) takes 8 warps and 16-key tiles, where ptxas spills ~670 bytes per
-    thread at the H200's 4 warps (tests/test_sm80.py compiles both); the H200's plan is the one measured there."""
+    thread at the H200's 4 warps (tests/kernels/test_sm80.py compiles both); the H200's plan is the one
+    measured there."""
     from graphcap.kernels.arch import SM80, SM90
 
     a = plan_verify(8, 4, 32, 512, 4, torch.bfloat16, "cuda", 8192, arch=SM80).attention

@@ -221,7 +221,8 @@ def test_every_engine_setting_is_a_field_of_sglangs_server_args(version):
         if not (place / "sglang").is_dir():
             pytest.skip(f"sglang 0.5.18 is not installed at {place} (make venv installs it)")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(place), env.get("PYTHONPATH")) if p)
-    isolated = Path(__file__).parent / "sglang_isolated"  # _sglang_env: 0.5.18 imports torchvision at `import sglang`
+    # tests/sglang_isolated/_sglang_env: 0.5.18 imports torchvision at `import sglang`
+    isolated = Path(__file__).parents[1] / "sglang_isolated"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(isolated)) if p)
     code = ("import _sglang_env; _sglang_env.prepare_sglang_import(); import dataclasses, importlib.metadata, json; "
             "from sglang.srt.server_args import ServerArgs as S; "  # 0.5.23: a msgspec Struct, 0.5.18: a dataclass

@@ -20,7 +20,7 @@ from graphcap.window import WindowBuffers
 from random_norms import random_norm_draft
 
 # the model and the loop around the kernels are the point here; the kernels are test_window.py's and
-# test_attention.py's: the torch twins on CPU
+# test_decode_attention.py's: the torch twins on CPU
 pytestmark = pytest.mark.usefixtures("cpu_twins")
 
 
@@ -175,7 +175,7 @@ def test_layer_regions_trace_one_body_per_layer_shape_and_draft_the_same(device)
     one traced body per layer shape (the sliding layers share one, the full layer has its own), and the traced
     function, run eagerly, drafts bit for bit what the loop without regions drafts on a twin state (tokens, scores,
     margins, hidden, windows). Dynamo only (a backend that records the graph and runs it eagerly): Inductor's code
-    for the regions is tests/test_capture_gpu.py's."""
+    for the regions is tests/engine/test_capture_gpu.py's."""
     spec = load_spec("tiny")
     lens = [9, 33, 2, 40]
     (st_a, wb_a, plain), (st_b, wb_b, _) = build(spec, lens, device, seed=4), build(spec, lens, device, seed=4)

@@ -1,7 +1,7 @@
 """`reduce-overhead` served the way sglang's engine serves graphcap's draft (issue 44), on CUDA (skipped without).
 
-What differs from tests/test_capture_gpu.py's reduce-overhead replays (graphcap's own loop, compiled whole): here the
-captured function breaks its graph inside the step loop, as graphcap's sglang loop does around sglang's residual
+What differs from tests/engine/test_capture_gpu.py's reduce-overhead replays (graphcap's own loop, compiled whole): here
+the captured function breaks its graph inside the step loop, as graphcap's sglang loop does around sglang's residual
 bookkeeping - so Dynamo runs the loop's own frame eagerly and CUDA-graph trees replay its pieces one by one, with
 eager code between them that updates the pieces' outputs in place and keeps one on a persistent object (sglang's
 StageBoundary / ResidualStream) - and it is served as sglang's scheduler serves it: on a forward stream that is not

@@ -15,7 +15,7 @@ except ImportError:  # Python < 3.11
 
 from standin_ops import run_with_standin
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = ROOT / "tests" / "support"
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 MESSAGE = ("is not provided (graphcap's engine harness covers only the Gemma 4 frozen-KV MTP path)")

@@ -504,7 +504,7 @@ def test_standin_exports_the_ops_with_sglang_0518s_call_pattern():
 
 
 # The kernels at every block size the ops launch (the tree's D up to MAX_TREE_DRAFT_TOKENS; the top-1 in one block
-# and split), in the form of tests/test_sm80.py's KERNEL_SCRIPTS.
+# and split), in the form of tests/kernels/test_sm80.py's KERNEL_SCRIPTS.
 SPEC_TREE_OPS_SCRIPT = """
 from sgl_kernel import speculative as T
 

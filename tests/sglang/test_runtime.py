@@ -5,7 +5,7 @@
   loop, head and projections on the real tiny Gemma 4 assistant. They import sglang's runtime modules with
   torchvision stubbed and patch sglang classes in place, so they must not share a process with the rest of the suite;
 - 0.5.18 (the user's; `make venv` installs it beside the venv's, in $VENV/sglang-0518, from
-  requirements/sglang-0518-cpu.txt): the same checks and tests/test_sglang_plugin.py (flag parsing, start-up
+  requirements/sglang-0518-cpu.txt): the same checks and tests/sglang/test_plugin.py (flag parsing, start-up
   validation), each with that directory in front of PYTHONPATH (`sglang_isolated/sglang_0518_pytest.py` prepares
   `import sglang` and fails the run unless 0.5.18 is what was imported).
 
@@ -28,8 +28,8 @@ from sglang_required import require_sglang_plugin
 require_sglang_plugin(runtime=True)
 pytestmark = pytest.mark.sglang
 
-HERE = Path(__file__).resolve().parent
-ISOLATED = HERE / "sglang_isolated"
+TESTS = Path(__file__).resolve().parents[1]
+ISOLATED = TESTS / "sglang_isolated"
 GPU_SKIP = "needs a CUDA GPU (scripts/gpu-check.sh runs these on one)"  # a GPU case, on a machine without one
 HAS_CUDA = torch.cuda.is_available()
 # $VENV/sglang-0518 (the Makefile's recipe) next to the interpreter's venv; GRAPHCAP_SGLANG_0518 names another place
@@ -50,7 +50,7 @@ class Run:
 
 RUNS = {
     "0.5.23-checks": Run("0.5.23", ("sglang_isolated",)),
-    "0.5.18-plugin": Run("0.5.18", ("test_sglang_plugin.py",), checks=False,
+    "0.5.18-plugin": Run("0.5.18", ("sglang/test_plugin.py",), checks=False,
                          skips=("sglang 0.5.18 has no ServerArgs.attn_dp_size",)),
     "0.5.18-runtime": Run("0.5.18", ("sglang_isolated/check_sglang_runtime.py",)),
     "0.5.18-model": Run("0.5.18", ("sglang_isolated/check_sglang_eager_boundaries.py",)),
@@ -68,12 +68,12 @@ def command(run: Run) -> tuple[list[str], dict[str, str]]:
                                             if p)
         env["GRAPHCAP_TEST_SGLANG"] = run.version
         cmd += ["-p", "sglang_0518_pytest"]
-    return cmd + [str(HERE / p) for p in run.paths], env
+    return cmd + [str(TESTS / p) for p in run.paths], env
 
 
 def execute(run: Run) -> subprocess.CompletedProcess:
     cmd, env = command(run)
-    return subprocess.run(cmd, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(cmd, cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "sglang-0518-wheels.sh"
 SGLANG_0518 = Path(os.environ.get("GRAPHCAP_SGLANG_0518") or Path(sys.prefix) / "sglang-0518")
 # 0.5.18's modules that import flashinfer at load on CUDA (the machine's path; on CPU they take another branch)

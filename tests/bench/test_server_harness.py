@@ -23,7 +23,7 @@ from graphcap.bench.server import ServerConfig, server_command, server_env
 from bench_scripts import load_bench_script
 from tiers import examples
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ck = load_bench_script("sglang_checkpoint")
 
 PY = sys.executable

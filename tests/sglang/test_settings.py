@@ -1,7 +1,7 @@
 """The plugin's environment variables in one object (graphcap.sglang.settings): docs/sglang.md's table and the
 object's fields name the same variables, every bad value is one error naming the variable, the value and what it
 takes, and the process reads them once, again only where they change. The launcher's start-up check refusing each
-bad value is tested against sglang's own ServerArgs in test_sglang_plugin.py. No sglang needed here."""
+bad value is tested against sglang's own ServerArgs in test_plugin.py. No sglang needed here."""
 from __future__ import annotations
 
 import re
@@ -14,10 +14,10 @@ from graphcap.sglang import settings as s
 from graphcap.sglang.compat import DraftCaptureConfigError
 from graphcap.sglang.settings import DraftCaptureOptions, PluginSettings
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "sglang.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "sglang.md"
 
 # (variable, a bad value, what the error says it takes): every variable with a value the parse refuses. A directory
-# is any string here: whether it can be created and written is the start-up check's (test_sglang_plugin.py).
+# is any string here: whether it can be created and written is the start-up check's (test_plugin.py).
 BAD = [
     (s.DRAFT_CAPTURE_ENV, "{not json", r"not valid JSON"),
     (s.DRAFT_CAPTURE_ENV, '{"enabled": true, "backend": "fast"}', r"backend must be one of .*got 'fast'"),

@@ -1,5 +1,5 @@
 """The capture engine's dispatcher, padding, guards, fallback and manifest, on CPU (backends `eager` and
-`compile`). Graph recording and replay are checked on the GPU (tests/test_capture_gpu.py)."""
+`compile`). Graph recording and replay are checked on the GPU (tests/engine/test_capture_gpu.py)."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +18,7 @@ from graphcap.window import WindowBuffers
 from tiers import thorough
 
 SPEC = load_spec("tiny")
-# the dispatcher is the point here, not the kernels (test_window.py, test_attention.py): the torch twins
+# the dispatcher is the point here, not the kernels (test_window.py, test_decode_attention.py): the torch twins
 pytestmark = pytest.mark.usefixtures("cpu_twins")
 
 
@@ -410,7 +410,7 @@ def test_counters_reach_the_manifest_at_exit_only_where_the_program_asks(tmp_pat
     path = tmp_path / "m.json"
     code = textwrap.dedent(f"""
         import atexit, sys, torch
-        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        sys.path[:0] = {[str(p) for p in __import__('pathlib').Path(__file__).parents[:2]]!r}  # its directory, tests/
         from test_capture import build, random_batch
         from graphcap.engine.capture import DraftGraphs
         from graphcap.engine.options import CaptureOptions

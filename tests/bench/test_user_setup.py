@@ -20,7 +20,7 @@ from bench_scripts import load_bench_script
 
 E = load_bench_script("sglang_engine")
 U = load_bench_script("user_setup")
-HERE = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 SGLANG_0518 = Path(os.environ.get("GRAPHCAP_SGLANG_0518") or Path(sys.prefix) / "sglang-0518")
 
 
@@ -291,7 +291,7 @@ def test_failure_names_the_last_exception_line_of_a_log():
 def _server_args_probe(pythonpath: str | None) -> subprocess.CompletedProcess:
     probe = textwrap.dedent(f"""\
         import inspect, json, sys
-        sys.path.insert(0, {str(HERE / "sglang_isolated")!r})
+        sys.path.insert(0, {str(TESTS / "sglang_isolated")!r})
         from _sglang_env import prepare_sglang_import
         prepare_sglang_import()
         import importlib.metadata

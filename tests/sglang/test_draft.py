@@ -1,6 +1,6 @@
 """The sglang plugin's draft-phase pieces that run in this process: the schedule-batch hooks' logging, and (below)
 graphcap's half of a draft iteration. Nothing here imports sglang's scheduler, worker or batch modules (those run in
-a fresh interpreter: test_sglang_runtime.py)."""
+a fresh interpreter: test_runtime.py)."""
 from __future__ import annotations
 
 import contextlib

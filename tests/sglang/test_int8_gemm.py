@@ -31,7 +31,7 @@ from graphcap.kernels.arch import SM80, SM90
 from standin_ops import run_with_standin
 from tiers import examples, thorough
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = ROOT / "tests" / "support"
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 HAS_COMPRESSED_TENSORS = importlib.util.find_spec("compressed_tensors") is not None  # the scheme's import needs it

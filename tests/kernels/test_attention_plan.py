@@ -143,7 +143,7 @@ def test_plan_overrides_and_checks():
 def test_a_planned_call_plans_nothing_and_equals_the_unplanned_one(device, monkeypatch):
     """The Triton launch with a plan handed in (interpreted on CPU) calls no planner, and gives bit for bit what a
     call without one (planned inside the op from its inputs) gives."""
-    from test_attention import make_case
+    from test_decode_attention import make_case
 
     case = make_case(7, lens=[40, 3, 0, 77], heads=4, kv_heads=2, dim=16, window=0, dtype=torch.float32,
                      device=device)

@@ -2,8 +2,8 @@
 `load_plugins()`, the flags through sglang's own `prepare_server_args`, the value on ServerArgs across pickling (in
 this process and in a fresh interpreter, as the scheduler subprocess gets it), start-up validation, and that without
 the flag nothing is patched. Only sglang.srt.server_args / plugins are imported here (light); the deep runtime checks
-run in a fresh interpreter (test_sglang_runtime.py). Runs against the sglang installed (0.5.23 in the venv) and, in a
-subprocess, against sglang 0.5.18 (test_sglang_runtime.py): where the two resolve arguments differently the helpers
+run in a fresh interpreter (test_runtime.py). Runs against the sglang installed (0.5.23 in the venv) and, in a
+subprocess, against sglang 0.5.18 (test_runtime.py): where the two resolve arguments differently the helpers
 here ask the installed sglang's own functions."""
 from __future__ import annotations
 
@@ -237,7 +237,7 @@ def test_enabled_installs_the_start_up_check_on_server_args(fresh):
 # launcher's start-up check - before sglang starts its scheduler - in one line naming it
 
 UNCREATABLE = "/proc/graphcap-cannot-exist"
-# One bad value per variable, and what the line says (every kind of bad value: test_sglang_settings.py)
+# One bad value per variable, and what the line says (every kind of bad value: test_settings.py)
 BAD_VARIABLES = [
     (DRAFT_CAPTURE_ENV, '{"enabled": true, "backend": "fast"}', r"backend must be one of .*got 'fast'"),
     (CHECK_ENV, "yes", r"expected 0 or 1, got 'yes'"),

@@ -122,7 +122,7 @@ def test_capture_saves_and_a_fresh_process_state_loads(tmp_path, monkeypatch, cp
     from graphcap.engine.capture import DraftGraphs
     from graphcap.engine.options import CaptureOptions
 
-    from tests.test_capture import build, random_batch
+    from test_capture import build, random_batch
 
     def fresh_inductor_cache(name):
         d = tmp_path / name

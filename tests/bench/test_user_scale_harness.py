@@ -420,7 +420,7 @@ def test_plans_refused_naming_what_is_wrong(capsys, tiny_w8a8, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # scripts/gpu-check.sh's user-scale stage: its command lines, as a GPU session would run them
 
-GPU_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check.sh"
+GPU_CHECK = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check.sh"
 
 
 def gpu_check_steps(tmp_path, **knobs) -> tuple[int, list[list[str]], str]:

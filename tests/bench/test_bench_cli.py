@@ -17,7 +17,7 @@ from graphcap.bench.report import CPU_SCOPE, CPU_TABLE_NOTE, footnotes, format_t
 from graphcap.bench.rows import BenchResult, BenchRow
 from graphcap.cli import build_parser, main
 
-SPEC_DIR = Path(__file__).resolve().parents[1] / "graphcap" / "capture_specs"
+SPEC_DIR = Path(__file__).resolve().parents[2] / "graphcap" / "capture_specs"
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA refuses")
 
 
