@@ -194,13 +194,13 @@ def structure_tensors(target: str, device: str) -> list[tuple[str, "object"]]:
 
 
 def update_target(engine, batches: Iterable[tuple[list, str | None]], request_cls=None) -> tuple[bool, str, int]:
-    """One weight-update session on the target runner alone, not the draft runner: `begin_weight_update` with
-    selector "target", then for each batch of (name, tensor) `update_weights_from_tensor` with its load format, then
-    `end_weight_update` (also after a failed update; sglang refuses updates outside a session). The tensors change
-    in place (the captured graphs keep their addresses). `batches` may be a generator: a batch is built when its turn
-    comes, and this loop holds no reference to it once its request is answered. `request_cls`: sglang's
-    UpdateWeightsFromTensorReqInput (its `selector` field is what Engine.update_weights_from_tensor does not
-    expose). Returns (ok, message, batches loaded)."""
+    """One weight update on the target runner alone, not the draft runner: `begin_weight_update` with selector "target",
+    then for each batch of (name, tensor) `update_weights_from_tensor` with its load format, then `end_weight_update`
+    (also after a failed update; sglang refuses updates outside a begin/end pair). The tensors change in place (the
+    captured graphs keep their addresses). `batches` may be a generator: a batch is built when its turn comes, and this
+    loop holds no reference to it once its request is answered. `request_cls`: sglang's UpdateWeightsFromTensorReqInput
+    (its `selector` field is what Engine.update_weights_from_tensor does not expose). Returns (ok, message, batches
+    loaded)."""
     if request_cls is None:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput as request_cls
     ok, msg = engine.begin_weight_update(selector="target")[:2]
@@ -227,7 +227,7 @@ def update_target(engine, batches: Iterable[tuple[list, str | None]], request_cl
 
 def load_target_structure(engine, target: str, device: str = "cuda", request_cls=None) -> dict:
     """Load the target checkpoint's structure over the target runner's dummy weights with sglang's own loader
-    (the model's load_weights: load_format None), in one session of `update_target`."""
+    (the model's load_weights: load_format None), in one weight update of `update_target`."""
     named = structure_tensors(target, device)
     out = {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
     ok, msg, _ = update_target(engine, [(named, None)], request_cls)
@@ -311,16 +311,16 @@ def int8_layer(projs: tuple[Int8Projection, ...], layer: int, seed: int, device:
 
 
 def load_target_w8a8(engine, config: dict, device: str = "cuda", request_cls=None, seed: int = 0) -> dict:
-    """Load int8 projections (`int8_layer`, seeded per layer and projection) into every W8A8 linear layer of
-    the target runner, one `update_weights_from_tensor` per layer with load_format "direct" (sglang copies each
-    tensor into the parameter of its name: its model's load_weights would not, as the transposed int8 weight has no
-    weight_loader), in one session of `update_target`; a layer's tensors are freed before the next one's are built.
+    """Load int8 projections (`int8_layer`, seeded per layer and projection) into every W8A8 linear layer of the target
+    runner, one `update_weights_from_tensor` per layer with load_format "direct" (sglang copies each tensor into the
+    parameter of its name: its model's load_weights would not, as the transposed int8 weight has no weight_loader), in
+    one weight update of `update_target`; a layer's tensors are freed before the next one's are built.
 
-    The structure's session (`load_target_structure`) must follow: sglang ends every session with each quantized
-    layer's process_weights_after_loading, and the W8A8 int8 scheme's transposes the weight again, while its
-    restore_weights_before_loading (run at a session's begin) is sglang's no-op. The engine starts with each weight
-    as a [k, n] view (what this session loads into), this session's end leaves an [n, k] one, the next session's
-    end a [k, n] one again: the layout sglang's int8 GEMM takes."""
+    The structure's weight update (`load_target_structure`) must follow: sglang ends every weight update with each
+    quantized layer's process_weights_after_loading, and the W8A8 int8 scheme's transposes the weight again, while its
+    restore_weights_before_loading (run at a weight update's begin) is sglang's no-op. The engine starts with each
+    weight as a [k, n] view (what this weight update loads into), this weight update's end leaves an [n, k] one, the
+    next weight update's end a [k, n] one again: the layout sglang's int8 GEMM takes."""
     layers = target_projections(config)
     sent = {"tensors": 0, "bytes": 0}
 
@@ -415,7 +415,7 @@ def child(cfg: dict) -> dict:
     engine = sglang.Engine(**engine_kwargs(cfg))
     res = {"config": cfg, "startup_s": time.perf_counter() - t0, "cases": []}
     try:
-        if cfg.get("weights", "bf16") == "w8a8":  # before the structure: its session puts the int8 layout right
+        if cfg.get("weights", "bf16") == "w8a8":  # before the structure: its weight update puts the int8 layout right
             config = json.load(open(os.path.join(target_dir(cfg["ckpt"]), "config.json")))
             res["int8_loaded"] = load_target_w8a8(engine, config)
             if not res["int8_loaded"]["ok"]:
@@ -637,8 +637,8 @@ def main(argv=None) -> int:
         ap.error(f"--weights {a.weights}: {config_path} declares a {have} target (write the checkpoint with "
                  f"bench/sglang_checkpoint.py --weights {a.weights})")
     if a.weights == "w8a8" and not a.structured:
-        ap.error("--weights w8a8 needs --structured: the int8 projections' weight-update session leaves sglang's "
-                 "int8 weights transposed until the structure's session ends (load_target_w8a8)")
+        ap.error("--weights w8a8 needs --structured: the int8 projections' weight update leaves sglang's "
+                 "int8 weights transposed until the structure's weight update ends (load_target_w8a8)")
     need = context_length_for([c for _, c in cases], a.new, a.steps)
     context_length = a.context_length if a.context_length is not None else max(MIN_CONTEXT_LENGTH, need)
     if context_length < need:

@@ -292,7 +292,7 @@ def tiny_w8a8(tmp_path_factory):
 
 
 def test_w8a8_loads_each_layer_direct_to_the_target_runner(tiny_w8a8):
-    """One session on the target runner: per layer one update with load_format "direct" holding that layer's four
+    """One weight update on the target runner: per layer one update with load_format "direct" holding that layer's four
     projections (weight and scale each), the layers in order; the record counts what went."""
     import json
 
@@ -418,7 +418,7 @@ def test_plans_refused_naming_what_is_wrong(capsys, tiny_w8a8, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# scripts/gpu-check.sh's user-scale stage: its command lines, as a GPU session would run them
+# scripts/gpu-check.sh's user-scale stage: its command lines, as a GPU machine runs them
 
 GPU_CHECK = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check.sh"
 
@@ -441,7 +441,7 @@ def gpu_check_steps(tmp_path, **knobs) -> tuple[int, list[list[str]], str]:
 
 def replay(steps: list[list[str]], capsys) -> dict:
     """The stage's checkpoint step at the tiny size on CPU (the user-scale one builds 5.6 GB of embeddings), then its
-    harness step with --plan-only: the plan the GPU session's command line gives."""
+    harness step with --plan-only: the plan the GPU machine's command line gives."""
     ckpt, harness = steps[-2], steps[-1]
     assert ckpt[0] == "ckpt-user-scale" and harness[0] == "user-scale"
     args = ckpt[ckpt.index("bench/sglang_checkpoint.py") + 1:]

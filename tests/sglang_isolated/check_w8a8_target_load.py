@@ -5,13 +5,13 @@ first GPU run of `--weights w8a8` would otherwise find out.
   on the meta device with the quantization sglang reads from that config): the harness's int8 tensors carry the
   names, shapes and dtypes of sglang's own parameters, in the layout the W8A8 int8 scheme holds after loading, and
   with the checkpoint's structure they cover every parameter of the model (none left at the dummy init).
-- On the tiny pair, with real tensors: sglang's dummy loader builds the target, then the harness's two sessions run
-  through sglang's own SchedulerWeightUpdaterManager and the model runner's WeightUpdater (the scheduler's side of
+- On the tiny pair, with real tensors: sglang's dummy loader builds the target, then the harness's two weight updates
+  run through sglang's own SchedulerWeightUpdaterManager and the model runner's WeightUpdater (the scheduler's side of
   Engine.update_weights_from_tensor; only the hop from the engine's process to the scheduler's is left out): the int8
   projections (load_format "direct") and the structure land where the harness meant them, and each layer's forward -
-  sglang's own, with the stand-in's int8_scaled_mm as its GEMM - computes x W^T. After the int8 session alone the
-  weights are transposed (sglang's end of a session runs the scheme's process_weights_after_loading again): the
-  structure's session must follow, as the harness requires.
+  sglang's own, with the stand-in's int8_scaled_mm as its GEMM - computes x W^T. After the int8 weight update alone the
+  weights are transposed (sglang's end of a weight update runs the scheme's process_weights_after_loading again): the
+  structure's weight update must follow, as the harness requires.
 
 Run in a fresh interpreter (it initialises torch.distributed), as tests/sglang/test_runtime.py does:
     pytest -o python_files='check_*.py' -o addopts= <this file>"""
@@ -150,8 +150,8 @@ def test_user_scale_int8_tensors_are_sglangs_parameters(runtime, tmp_path):
 
 class _Engine:
     """sglang.Engine's weight-update calls as load_target_w8a8 and load_target_structure make them, each answered by
-    sglang's own scheduler-side code: the sessions and runner selection of SchedulerWeightUpdaterManager, the loads
-    of the target model runner's WeightUpdater. The payloads pass as they are (one per rank; sglang's serializer
+    sglang's own scheduler-side code: the weight updates and runner selection of SchedulerWeightUpdaterManager, the
+    loads of the target model runner's WeightUpdater. The payloads pass as they are (one per rank; sglang's serializer
     sends CUDA tensors only). A draft runner that fails if asked stands beside the target's."""
 
     def __init__(self, model, mc):
@@ -272,10 +272,10 @@ def test_int8_projections_then_structure_load_as_sglang_serves_them(tiny_w8a8, m
                                                     for n, _, _ in us.int8_specs(p)} | set(structure)
 
 
-def test_after_the_int8_session_alone_the_weights_are_transposed(tiny_w8a8, monkeypatch):
-    """What makes the structure's session necessary: sglang's end of the int8 session transposes each int8 weight
-    view again, so the GEMM refuses the weight (sgl_kernel's own check: column-major [k, n]); the next session's end
-    turns it back (the test above)."""
+def test_after_the_int8_update_alone_the_weights_are_transposed(tiny_w8a8, monkeypatch):
+    """What makes the structure's weight update necessary: sglang's end of the int8 weight update transposes each int8
+    weight view again, so the GEMM refuses the weight (sgl_kernel's own check: column-major [k, n]); the next weight
+    update's end turns it back (the test above)."""
     model, engine, target, config = tiny_w8a8
     assert us.load_target_w8a8(engine, config, device="cpu", request_cls=None)["ok"]
     p = us.target_projections(config)[0][0]
@@ -286,8 +286,8 @@ def test_after_the_int8_session_alone_the_weights_are_transposed(tiny_w8a8, monk
 
 
 def test_a_wrong_name_fails_the_update_and_ends_the_session(tiny_w8a8, monkeypatch):
-    """sglang's direct load raises on a name its model does not have; the harness's session still ends (the next
-    session can begin)."""
+    """sglang's direct load raises on a name its model does not have; the harness's weight update still ends (the next
+    weight update can begin)."""
     model, engine, target, config = tiny_w8a8
     monkeypatch.setattr(us, "target_projections", lambda c: [(us.Int8Projection("model.layers.0.qkv", 8, 16),)])
     with pytest.raises(KeyError, match="model.layers.0.qkv.weight"):
