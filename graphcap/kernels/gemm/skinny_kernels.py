@@ -32,8 +32,9 @@ def _mac(acc, w, xt, DOT: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _round(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 -> dtype, to nearest even."""
+def round_to(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> dtype, to nearest even: Triton's CPU interpreter truncates fp32 -> bf16 casts, so under it (INTERPRET)
+    the bf16 rounding is done on the bits first, as a GPU's cast does (the interpreted kernel has the GPU's bits)."""
     if INTERPRET and dtype == tl.bfloat16:
         bits = v.to(tl.int32, bitcast=True)
         v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # now exact in bf16
@@ -84,7 +85,7 @@ def skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn
     mask = mask_n[:, None] & mask_m[None, :]
     y_ptr = y + pid_s * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
     if not FIXUP:  # the output, or (split K) this split's fp32 partial for the sum kernel
-        tl.store(y_ptr, _round(acc, y.dtype.element_ty, INTERPRET), mask=mask)
+        tl.store(y_ptr, round_to(acc, y.dtype.element_ty, INTERPRET), mask=mask)
     else:
         # Split K in one kernel: store the partial, count this split in, and the n-block's last split to arrive sums
         # all partials in order 0..S-1 (the sum kernel's order and bits) and stores the output. The barrier puts the
@@ -101,7 +102,7 @@ def skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn
             for s in tl.static_range(1, SPLITS):
                 total += tl.load(ws_ptr + s * stride_ys, mask=mask, other=0.0, cache_modifier=".cg")
             o_ptr = out + offs_m[None, :] * stride_om + offs_n[:, None]
-            tl.store(o_ptr, _round(total, out.dtype.element_ty, INTERPRET), mask=mask)
+            tl.store(o_ptr, round_to(total, out.dtype.element_ty, INTERPRET), mask=mask)
             tl.atomic_xchg(counters + pid_n, 0)
 
 
@@ -140,7 +141,7 @@ def gemv_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl
     g = tl.sum(acc, 1)
     if GATED:
         g = _gelu_tanh_mul(g, tl.sum(acc_u, 1))
-    tl.store(out + m * stride_om + offs_n, _round(g, out.dtype.element_ty, INTERPRET), mask=mask_n)
+    tl.store(out + m * stride_om + offs_n, round_to(g, out.dtype.element_ty, INTERPRET), mask=mask_n)
 
 
 @triton.jit
@@ -150,7 +151,7 @@ def splitk_sum_kernel(ws, out, M, N, SPLITS, stride_om, BLOCK: tl.constexpr, INT
     acc = tl.load(ws + offs, mask=mask, other=0.0)
     for s in range(1, SPLITS):  # always split 0, 1, ... in order: the same bits on every call
         acc += tl.load(ws + s * M * N + offs, mask=mask, other=0.0)
-    tl.store(out + (offs // N) * stride_om + offs % N, _round(acc, out.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(out + (offs // N) * stride_om + offs % N, round_to(acc, out.dtype.element_ty, INTERPRET), mask=mask)
 
 
 MAX_FIXUP_BLOCKS = 4096  # n-blocks one fixup launch may have (N / block_n): 16 KiB of counters per device

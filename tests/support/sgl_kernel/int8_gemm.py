@@ -51,6 +51,7 @@ from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
 from graphcap.kernels.arch import GpuArch, device_arch
+from graphcap.kernels.gemm.skinny_kernels import round_to  # the GPU's bf16 rounding under the interpreter too
 
 OP = "int8_scaled_mm"
 OUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -282,18 +283,6 @@ def int8_scaled_mm_torch(mat_a: torch.Tensor, mat_b: torch.Tensor, scales_a: tor
 # ---------------------------------------------------------------------------------------------------------------
 # the Triton kernels
 
-# INTERPRET (CPU tensors, under TRITON_INTERPRET=1): Triton's CPU interpreter truncates fp32 -> bf16 casts; _round
-# rounds to nearest even first, as a GPU's cast does, so the interpreted kernel has the GPU's bits.
-
-
-@triton.jit
-def _round(v, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    if INTERPRET and dtype == tl.bfloat16:
-        bits = v.to(tl.int32, bitcast=True)
-        v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # exact in bf16 now
-    return v.to(dtype)
-
-
 @triton.jit
 def _epilogue(acc, xs, ws, b, HAS_BIAS: tl.constexpr, SM90: tl.constexpr):
     """fp32 result of an int32 sum (module docstring: the two orders); xs, ws, b broadcast against acc."""
@@ -353,7 +342,7 @@ def _int8_mm_kernel(a, b, xs_ptr, ws_ptr, bias_ptr, out, M, N, K, k_split, strid
             bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         v = _epilogue(acc, xs[None, :], ws[:, None], bias[:, None], HAS_BIAS, SM90)
         o_ptr = out + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-        tl.store(o_ptr, _round(v, out.dtype.element_ty, INTERPRET), mask=mask)
+        tl.store(o_ptr, round_to(v, out.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @triton.jit
@@ -371,7 +360,7 @@ def _int8_splitk_epilogue_kernel(ws, xs_ptr, ws_ptr, bias_ptr, out, M, N, SPLITS
     if HAS_BIAS:
         bias = tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
     v = _epilogue(acc, xs, w_s, bias, HAS_BIAS, SM90)
-    tl.store(out + m * stride_om + n, _round(v, out.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(out + m * stride_om + n, round_to(v, out.dtype.element_ty, INTERPRET), mask=mask)
 
 
 SPLITK_EPILOGUE_BLOCK = 1024
