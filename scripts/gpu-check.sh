@@ -6,7 +6,8 @@
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA, thorough tier (GPU-marked tests and every heavy
 #                                 variant), on TESTS_WORKERS (8) pytest-xdist workers sharing the GPU where xdist is
 #                                 installed, so the suite fits one 600 s call on an H200 (docs/results.md#gpu-tests).
-#                                 TESTS_PATHS runs some files or ids, TESTS_K a -k expression, TESTS_ARGS pytest's
+#                                 TESTS_PATHS runs some files or ids, TESTS_K a -k expression, TESTS_M a -m
+#                                 expression (gpu: the GPU-marked tests alone), TESTS_ARGS pytest's
 #                                 options instead of the default, e.g. -v for a per-test log that a cut call keeps;
 #                                 GRAPHCAP_GPU_ALL_BUCKETS=1: the replay tests over every bucket)
 #   scripts/gpu-check.sh bench    `graphcap bench`: graphcap / compile(-nosync, -plain, -tuned) / sglang / eager-rebuild
@@ -133,6 +134,7 @@ case $1 in
   tests)  # the whole suite, thorough tier (tests/conftest.py: every test, hypothesis at its full example counts)
     local k=() args="-q -rs --durations=30"
     [ -n "${TESTS_K:-}" ] && k=(-k "$TESTS_K")
+    [ -n "${TESTS_M:-}" ] && k+=(-m "$TESTS_M")  # TESTS_M=gpu: the GPU-marked tests alone
     # the tests are independent processes' worth of state (own temporary dirs, manifests, caches keyed by content)
     python3 -c 'import xdist' 2>/dev/null && args="$args -n ${TESTS_WORKERS:-8} --dist worksteal"
     # Inductor's compile workers per process: 2, not one per core, for 8 processes on 16 cores

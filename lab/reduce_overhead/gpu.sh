@@ -30,12 +30,17 @@
 #              clobbered; then the tree case returned to the driver, plain and under memcheck: ~1-2 min
 #   keepws     memcheck again with GRAPHCAP_LAB_KEEP_CUBLAS=1 (the tree no longer clears cuBLAS's workspaces): what
 #              the tree does without its clear (it refused its own recording: the bucket ran eagerly): 2-4 min
+#   recapture  issue 54's capture order: reduce-overhead with GRAPHCAP_LAB_RECAPTURE=1 (sglang's target graphs captured
+#              again after graphcap's trees, the trees then sealed), all seven buckets, batch RO_RECAPTURE_BATCH (8),
+#              512-token prompts; then stock sglang's draft on the same requests; $LOG/recapture.json: finished, the
+#              tokens equal or the first difference, late tree work: ~3-4 min cold
+#   recapture-memcheck  the recapture case under compute-sanitizer memcheck (bucket 1, batch 1): 3-8 min
 # Each engine run writes $LOG/<step>.json (engine_case.py's summary: crashed, CUDA error, sanitizer reports, probe
 # events, manifests, tree log counts) and $LOG/<step>/ (child.log, probe, manifests, sanitizer logs), all packed into
 # $OUT/reduce-overhead-<stages>.tar.gz. RO_CASE: more engine_case.py arguments for every engine run (e.g.
 # "--batch 8 --prompt-len 512"); RO_STEP_LIMIT: seconds per engine run (default 300; sanitizer runs 540).
 STAGES="tools repros crash crash-one logs localize memcheck initcheck racecheck synccheck csan bisect control"
-STAGES+=" workspace keepws"
+STAGES+=" workspace keepws recapture recapture-memcheck"
 DEFAULT_STAGE=tools
 PACK_NAME=reduce-overhead
 source "$(dirname "$0")/../../scripts/gpu-lib.sh"
@@ -128,6 +133,15 @@ triton.__version__)"; } > "$LOG/tools.txt" 2>&1
     fi
     ;;
   keepws) ckpt; GRAPHCAP_LAB_KEEP_CUBLAS=1 san_run memcheck keepws-memcheck ;;
+  recapture)
+    ckpt
+    v="--batch ${RO_RECAPTURE_BATCH:-8} --prompt-len 512 --new 96"
+    engine_run recapture-ro GRAPHCAP_LAB_RECAPTURE=1 -- $v
+    engine_run recapture-stock -- --backend '' $v
+    step recapture-compare python3 lab/reduce_overhead/compare_tokens.py "$LOG/recapture-ro.json" \
+      "$LOG/recapture-stock.json" --out "$LOG/recapture.json"
+    ;;
+  recapture-memcheck) ckpt; GRAPHCAP_LAB_RECAPTURE=1 san_run memcheck recapture-memcheck ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;
 esac
 }

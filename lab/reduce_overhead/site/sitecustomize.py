@@ -22,6 +22,10 @@ sitecustomize, if there is one further down sys.path, runs as it would have.
 - GRAPHCAP_LAB_KEEP_CUBLAS=1: CUDA-graph trees stop clearing cuBLAS's cached workspaces around their warm-ups and
   recordings (`torch._inductor.cudagraph_trees.clear_cublass_cache` does nothing), so a graph captured earlier
   (sglang's) keeps the workspace it embeds (repro_cublas_workspace.py shows the clear freeing it).
+- GRAPHCAP_LAB_RECAPTURE=1 (issue 54's capture order): once graphcap's runtime has captured its draft (CUDA-graph
+  trees recorded for every bucket), sglang's target graphs are captured again (`model_runner.init_cuda_graphs()`), so
+  no graph that serves was captured before a tree cleared cuBLAS's workspaces; then the trees are sealed: a tree
+  warm-up, recording or workspace clear after start-up raises (a late re-record is an error, never a silent fault).
 """
 from __future__ import annotations
 
@@ -237,6 +241,61 @@ def _probe_verify(module) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# GRAPHCAP_LAB_RECAPTURE
+
+
+class LateTreeWork(RuntimeError):
+    """A CUDA-graph tree warmed up, recorded or cleared cuBLAS's workspaces after start-up."""
+
+
+def seal_trees() -> None:
+    """From now on every tree warm-up, recording and cuBLAS workspace clear raises LateTreeWork, named."""
+    from torch._inductor import cudagraph_trees as ct
+
+    def refuse(what):
+        def late(*args, **kwargs):
+            if _PROBE is not None:
+                _PROBE.event(event="late-tree-work", what=what)
+            raise LateTreeWork(f"graphcap lab: {what} after start-up: the CUDA-graph trees were sealed once sglang's "
+                               "target graphs were captured again (a late re-record would free their cuBLAS "
+                               "workspace)")
+        return late
+
+    ct.CUDAGraphTreeManager.record_function = refuse("a CUDA-graph tree recording")
+    ct.CUDAGraphTreeManager.run_eager = refuse("a CUDA-graph tree warm-up")
+    ct.clear_cublass_cache = refuse("a CUDA-graph tree's cuBLAS workspace clear")
+    _note("CUDA-graph trees sealed: a warm-up, recording or cuBLAS workspace clear from now on raises")
+
+
+def _recapture_runtime(module) -> None:
+    """GraphcapDraftRuntime.capture, then sglang's target graphs captured again and the trees sealed."""
+    cls = module.GraphcapDraftRuntime
+    capture = cls.capture
+
+    def capture_then_target(self):
+        capture(self)
+        if self.options.backend != "reduce-overhead":
+            return
+        import torch
+
+        runner = self.worker.target_worker.model_runner
+        old = runner.decode_cuda_graph_runner
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.init_cuda_graphs()
+        torch.cuda.synchronize()
+        new = runner.decode_cuda_graph_runner
+        _note(f"sglang's target graphs captured again after graphcap's trees in {time.perf_counter() - t0:.1f} s "
+              f"(runner {'replaced' if new is not old else 'NOT replaced'}, buckets "
+              f"{list(getattr(new, 'capture_bs', []) or [])})")
+        if _PROBE is not None:
+            _PROBE.event(event="target-recaptured", seconds=time.perf_counter() - t0, replaced=new is not old)
+        seal_trees()
+
+    cls.capture = capture_then_target
+
+
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def _install() -> None:
@@ -249,6 +308,9 @@ def _install() -> None:
         _after_import("torch._inductor.config", _inductor)
     if os.environ.get("GRAPHCAP_LAB_KEEP_CUBLAS") == "1":
         _after_import("torch._inductor.cudagraph_trees", _keep_cublas)
+    if os.environ.get("GRAPHCAP_LAB_RECAPTURE") == "1":
+        for name in RUNTIME_MODULES:
+            _after_import(name, _recapture_runtime)
     if os.environ.get("GRAPHCAP_LAB_PROBE"):
         _PROBE = Probe(os.environ["GRAPHCAP_LAB_PROBE"], os.environ.get("GRAPHCAP_LAB_SYNC") == "1")
         for name in RUNTIME_MODULES:
