@@ -112,6 +112,18 @@ def _manifests_in_tmp(process_state_guard, tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture
+def dynamo_limits_restored(process_state_guard):
+    """Capturing a function with graph breaks raises Dynamo's recompile limits for the process on purpose
+    (graphcap.engine.recording.compile_iteration: a serving process keeps them, so a guard that fails after capture
+    recompiles and is counted instead of running eagerly unseen); a test that does so puts them back."""
+    import torch
+
+    keys = ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit")
+    with torch._dynamo.config.patch(**{k: getattr(torch._dynamo.config, k) for k in keys}):
+        yield
+
+
+@pytest.fixture
 def cpu_twins():
     """CPU tensors through the kernels' torch twins, for tests of what is built on the kernels (dispatch, capture
     logic, the draft model) where Triton's interpreter would only make them slow. The kernels themselves are tested

@@ -24,10 +24,14 @@ import pytest
 # Set with setdefault by a library on its first import or use: sglang points the JIT caches at its own cache
 # directory (sglang.srt.environ.redirect_third_party_caches), Inductor's first cache_dir() sets its own, and its first
 # C++ module load the address its generated code reads. Changing or removing one is still a leak.
+# On CUDA, Inductor's first compile points Triton at torch's own ptxas (TRITON_PTXAS_PATH).
 FIRST_USE_ENV = frozenset({"CUDA_CACHE_PATH", "FLASHINFER_WORKSPACE_BASE", "TILELANG_CACHE_DIR",
-                           "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"})
+                           "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH",
+                           "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"})
 FIRST_USE_PATHS = ("setuptools/_vendor",)  # appended to sys.path by setuptools' first import
-GENERATED_MODULES = ("torch._inductor.runtime.compile_tasks.",)  # Inductor's generated code, loaded again at will
+# Generated code, loaded again at will: Inductor's, and the launcher Triton's CUDA driver builds per kernel (each
+# loaded under one module name, __triton_launcher)
+GENERATED_MODULES = ("torch._inductor.runtime.compile_tasks.", "__triton_launcher")
 PYTEST_ENV = frozenset({"PYTEST_CURRENT_TEST"})  # pytest's own, per phase
 CONFIG_MODULES = ("torch._dynamo.config", "torch._inductor.config")
 _UNSET = "<unset>"

@@ -33,7 +33,8 @@
 #   recapture  issue 54's capture order: reduce-overhead with GRAPHCAP_LAB_RECAPTURE=1 (sglang's target graphs captured
 #              again after graphcap's trees, the trees then sealed), all seven buckets, batch RO_RECAPTURE_BATCH (8),
 #              512-token prompts; then stock sglang's draft on the same requests; $LOG/recapture.json: finished, the
-#              tokens equal or the first difference, late tree work: ~3-4 min cold
+#              tokens equal or the first difference, late tree work: ~5-6 min cold (RO_RECAPTURE_REFERENCE: an earlier
+#              call's stock summary for the same case, instead of a stock run)
 #   recapture-memcheck  the recapture case under compute-sanitizer memcheck (bucket 1, batch 1): 3-8 min
 # Each engine run writes $LOG/<step>.json (engine_case.py's summary: crashed, CUDA error, sanitizer reports, probe
 # events, manifests, tree log counts) and $LOG/<step>/ (child.log, probe, manifests, sanitizer logs), all packed into
@@ -137,9 +138,10 @@ triton.__version__)"; } > "$LOG/tools.txt" 2>&1
     ckpt
     v="--batch ${RO_RECAPTURE_BATCH:-8} --prompt-len 512 --new 96"
     engine_run recapture-ro GRAPHCAP_LAB_RECAPTURE=1 -- $v
-    engine_run recapture-stock -- --backend '' $v
-    step recapture-compare python3 lab/reduce_overhead/compare_tokens.py "$LOG/recapture-ro.json" \
-      "$LOG/recapture-stock.json" --out "$LOG/recapture.json"
+    local ref=${RO_RECAPTURE_REFERENCE:-$LOG/recapture-stock.json}  # an earlier call's stock run, same case
+    [ -n "${RO_RECAPTURE_REFERENCE:-}" ] || engine_run recapture-stock -- --backend '' $v
+    step recapture-compare python3 lab/reduce_overhead/compare_tokens.py "$LOG/recapture-ro.json" "$ref" \
+      --out "$LOG/recapture.json"
     ;;
   recapture-memcheck) ckpt; GRAPHCAP_LAB_RECAPTURE=1 san_run memcheck recapture-memcheck ;;
   *) echo "unknown stage $1" >&2; exit 2 ;;

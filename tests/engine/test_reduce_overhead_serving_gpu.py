@@ -22,7 +22,7 @@ from graphcap.engine.guards import cudagraph_skips
 from graphcap.engine.iteration import DraftOutput
 from graphcap.engine.options import CaptureOptions
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("dynamo_limits_restored")]
 
 V, H, SLOTS, STEPS = 2048, 128, 32, 3
 BUCKETS = (1, 4, 8)
