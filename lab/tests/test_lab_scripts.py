@@ -68,3 +68,31 @@ def test_centroid_config_bench_names_what_it_needs(capsys, tmp_path):
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and want in err[-1] and "Traceback" not in "\n".join(err)
     assert not (tmp_path / "x").exists()
+
+
+def test_recapture_comparison_finds_the_first_difference():
+    """lab/reduce_overhead/compare_tokens.py against a from-scratch scan: random greedy outputs, one token changed or
+    one output cut short at a random place, and the verdict names that request and position (equal outputs: none)."""
+    import random
+
+    mod = load_lab_script("reduce_overhead/compare_tokens")
+    rng = random.Random(5)
+    for _ in range(200):
+        ref = [[rng.randrange(1000) for _ in range(rng.randrange(1, 30))] for _ in range(rng.randrange(1, 9))]
+        case = [list(t) for t in ref]
+        assert mod.first_difference(case, ref) is None
+        i = rng.randrange(len(case))
+        j = rng.randrange(len(case[i]))
+        if rng.random() < 0.5:
+            case[i][j] = (case[i][j] + 1 + rng.randrange(999)) % 1000
+            want = {"request": i, "position": j, "case": case[i][j], "reference": ref[i][j]}
+        else:
+            del case[i][j:]
+            want = {"request": i, "position": j, "why": f"{j} tokens against {len(ref[i])}"}
+        assert mod.first_difference(case, ref) == want
+        summary = {"finished": True, "tokens": case, "probe": {"last_events": [], "draft_calls": 3}, "log_tail": ""}
+        verdict = mod.compare(summary, {"finished": True, "tokens": ref})
+        assert not verdict["equal"] and verdict["first_difference"] == want and not verdict["late_tree_work"]
+    crashed = mod.compare({"finished": False, "tokens": None, "log_tail": "LateTreeWork: ..."},
+                          {"finished": True, "tokens": [[1]]})
+    assert not crashed["equal"] and crashed["late_tree_work"]
