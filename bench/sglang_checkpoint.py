@@ -311,8 +311,8 @@ def make_pair(size: str, out: str | Path, disagree: float = 0.3, seed: int = 0, 
               window: int = 1024, max_pos: int = 32768, sample: int = 2048, weights: str = "bf16") -> dict:
     """Write out/target and out/assistant; returns the summary (also out/summary.json). The user-scale target, and a
     w8a8 target at any size, holds no projection matrices (`summary["target_matrices"]` is false): load it with
-    load_format="dummy", then its structure over them (sglang_user_scale.load_target_structure), after the int8
-    projections for w8a8 (sglang_user_scale.load_target_w8a8)."""
+    load_format="dummy", then its structure over them (graphcap.bench.target_weights.load_target_structure), after
+    the int8 projections for w8a8 (load_target_w8a8 there)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     s, out = SIZES[size], Path(out)

@@ -4,7 +4,10 @@ client and graphcap's clients (graphcap.bench.server, graphcap.bench.load, graph
     python3 bench/sglang_server.py --ckpt CK --servers graphcap,sglang,nospec --phases bench,gsp,multiturn \
         --work W --out W/server.json
 
-CK is a pair bench/sglang_checkpoint.py wrote (CK/target, CK/assistant, with their tokenizer). Servers, one at a time,
+CK is a pair bench/sglang_checkpoint.py wrote (CK/target, CK/assistant, with their tokenizer); a target that holds
+its structure alone (the 31B-shaped `user-scale` pair, any `--weights w8a8` target) starts on random layers
+(`--load-format dummy`) and gets its structure - and the W8A8 target its seeded int8 layers first - through the
+server's own weight-update API before any phase (`load_weights`, graphcap.bench.target_weights). Servers, one at a time,
 each started as `python -m sglang.launch_server` with sglang's defaults (graphcap.bench.server.ServerConfig says
 which settings differ and why): `nospec` (the target alone), `sglang` (stock MTP), `graphcap` (MTP with the flag),
 and any of them with `-small` (a KV pool of --small-pool tokens: the radix cache evicts and sglang retracts) or,
@@ -35,6 +38,7 @@ import time
 from pathlib import Path
 
 from graphcap.bench import load
+from graphcap.bench import target_weights as tw
 from graphcap.bench import server_report as rep
 from graphcap.bench.served import machine
 from graphcap.bench.server import LAUNCHER, Server, ServerConfig, ServerFailed, http_json
@@ -42,11 +46,22 @@ from graphcap.bench.server import LAUNCHER, Server, ServerConfig, ServerFailed, 
 PHASES = ("bench", "gsp", "multiturn", "faults", "soak")
 
 
+def structure_only(ckpt: Path) -> bool:
+    """A pair whose target checkpoint holds its structure alone (bench/sglang_checkpoint.py at the user-scale size,
+    or any w8a8 target: `target_matrices` false in its summary)."""
+    f = ckpt / "summary.json"
+    return f.exists() and json.loads(f.read_text()).get("target_matrices") is False
+
+
 def server_config(label: str, ckpt: Path, args: argparse.Namespace, port: int) -> ServerConfig:
     kind, *mods = label.split("-")
-    extra: tuple[str, ...] = ()
+    extra: tuple[str, ...] = tuple(args.server_arg)
     if "small" in mods:
-        extra = ("--max-total-tokens", str(args.small_pool))
+        extra += ("--max-total-tokens", str(args.small_pool))
+    if structure_only(ckpt):  # random layers, then the structure (and int8 layers) over HTTP: load_weights
+        extra += ("--load-format", "dummy")
+        if kind != "nospec":
+            extra += ("--speculative-draft-load-format", "auto")  # the structured assistant, from disk
     return ServerConfig(kind=kind, model_path=str(ckpt / "target"),
                         draft_model_path=None if kind == "nospec" else str(ckpt / "assistant"), steps=args.steps,
                         port=port, prefill_graphs=args.prefill_graphs, check="check" in mods, extra_args=extra,
@@ -161,6 +176,23 @@ def run_phases(srv: Server, args: argparse.Namespace, words: load.Words, work: P
     return out
 
 
+def load_weights(srv: Server, ckpt: Path, device: str) -> dict:
+    """A structure-only target's weights, through the server's weight-update API (graphcap.bench.target_weights):
+    the W8A8 target's seeded int8 layers first where its config declares them, then the structure. Both to the target
+    runner alone; the structure in batches of at most 1 GiB beside the server on the GPU."""
+    target = ckpt / "target"
+    config = json.loads((target / "config.json").read_text())
+    updates = tw.HttpUpdates(srv.cfg.url)
+    out: dict = {"weights": tw.checkpoint_weights(config)}
+    t0 = time.perf_counter()
+    if out["weights"] == "w8a8":
+        out["int8"] = tw.load_target_w8a8(updates, config, device=device)
+        if not out["int8"]["ok"]:
+            return {**out, "ok": False, "seconds": round(time.perf_counter() - t0, 1)}
+    out["structure"] = tw.load_target_structure(updates, str(target), device=device, batch_bytes=2**30)
+    return {**out, "ok": out["structure"]["ok"], "seconds": round(time.perf_counter() - t0, 1)}
+
+
 def summarize_server(label: str, srv: Server, phases: dict) -> dict:
     """A server's record: what it ran with, start-up, each phase's numbers (texts left to the comparisons)."""
     compiles = rep.read_jsonl(srv.trace_dir / "compiles-*.jsonl")
@@ -247,7 +279,8 @@ def comparisons(texts: dict[str, dict[str, list]]) -> dict:
     for a in labels:
         runs = sorted(k for k in texts[a] if k.startswith("bench-c"))
         if a.split("-")[0] == "sglang" and len(runs) > 1:
-            out[f"{a} across concurrencies"] = {f"{runs[0]} vs {k}": rep.replies_compared(texts[a][runs[0]], texts[a][k])
+            first = texts[a][runs[0]]
+            out[f"{a} across concurrencies"] = {f"{runs[0]} vs {k}": rep.replies_compared(first, texts[a][k])
                                                 for k in runs[1:]}
     return out
 
@@ -276,12 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=None,
                     help="epoch seconds: start no phase after this; a soak ends by then")
     ap.add_argument("--port", type=int, default=31000)
+    ap.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
+                    help="one more sglang flag (or its value) for every server, e.g. --server-arg=--context-length "
+                         "--server-arg=8192; listed with the record's departures from sglang's defaults")
     ap.add_argument("--variants-from", type=Path, default=None,
                     help="a directory of graphcap variants files (an earlier run's manifest directory) for every "
                          "graphcap server to compile at start-up")
     # for tests on a CPU: a stand-in server, sglang's client with stubs for what it imports and never uses there
     ap.add_argument("--launcher", default=" ".join(LAUNCHER), help=argparse.SUPPRESS)
     ap.add_argument("--bench-serving", default=" ".join(load.BENCH_SERVING), help=argparse.SUPPRESS)
+    ap.add_argument("--weights-device", default="cuda", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.launcher, a.bench_serving = tuple(shlex.split(a.launcher)), tuple(shlex.split(a.bench_serving))
     try:
@@ -319,13 +356,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: {e}", flush=True)
             continue
         print(f"{label}: up in {srv.startup_s:.0f} s", flush=True)
+        weights = None
         try:
-            phases = run_phases(srv, a, words, a.work, shared)
+            if structure_only(a.ckpt):
+                weights = load_weights(srv, a.ckpt, a.weights_device)
+                print(f"{label}: weights {'loaded' if weights['ok'] else 'NOT loaded'} in {weights['seconds']} s",
+                      flush=True)
+            phases = run_phases(srv, a, words, a.work, shared) if weights is None or weights["ok"] else {}
         finally:
             srv.stop()
+        if weights is not None and not weights["ok"]:  # random layers would serve noise: no phase runs on them
+            record["servers"][label] = {"weights_loaded": weights, "startup_s": srv.startup_s,
+                                        "log": str(srv.log_path)}
+            a.out.write_text(json.dumps(record, indent=1, default=str))
+            continue
         (a.work / f"{label}-phases.json").write_text(json.dumps(phases))
         texts[label] = texts_of(phases)
         record["servers"][label] = summarize_server(label, srv, phases)
+        if weights is not None:
+            record["servers"][label]["weights_loaded"] = weights
         record["comparisons"] = comparisons(texts)
         a.out.write_text(json.dumps(record, indent=1, default=str))
         print(json.dumps({label: {k: v for k, v in record["servers"][label].items()

@@ -6,9 +6,9 @@ Checkpoint: `bench/sglang_checkpoint.py --size user-scale` (the draft-shapes ass
 target config whose checkpoint holds only the structure: embeddings, lm_head, norms, layer scalars). The engine loads
 both models with load_format="dummy": the same random init, so every draft token is accepted and only the
 iteration's time is measured. `--structured` loads the structured assistant from disk and the target's structure
-over its dummy weights (`load_target_structure`: sglang's `update_weights_from_tensor` on the target runner alone -
-its `update_weights_from_disk` also loads the draft runner, which fails on the target's embeddings), so the draft's
-acceptance is the structured pair's: real, and what the record's `accept_len` measures.
+over its dummy weights (graphcap.bench.target_weights: sglang's `update_weights_from_tensor` on the target runner
+alone - its `update_weights_from_disk` also loads the draft runner, which fails on the target's embeddings), so the
+draft's acceptance is the structured pair's: real, and what the record's `accept_len` measures.
 
 Per engine (each in a child process of its own), per (batch, context): decode tokens/s per request from pairs of a short
 and a long run of the same prompts (the same prefill in both) after two warm runs as long as the long one, and the
@@ -27,11 +27,12 @@ is one of `--profile-batches` (the long contexts: 1x32768,8x32768,1x131072 with 
 
 `--weights w8a8` (with `--structured`, on a checkpoint written with `sglang_checkpoint.py --weights w8a8`): the user's
 INT8 W8A8 target. sglang builds every linear layer of the target as its compressed-tensors W8A8 int8 scheme; after
-the engine starts, `load_target_w8a8` loads random int8 projections (seeded; per-channel fp32 scales that give the
-dequantized weights the bf16 init's scale) into every layer with load_format="direct", layer by layer, then the
-structure loads as above. `--context-length`: the engine's (default: 8192, or what the longest context needs); the
-checkpoint's max_position_embeddings must hold it (`sglang_checkpoint.py --max-pos`). `--plan-only`: check the
-arguments against the checkpoint and print the plan (cases, profiled cases, engine batches, context length).
+the engine starts, graphcap.bench.target_weights.load_target_w8a8 loads random int8 projections (seeded; per-channel
+fp32 scales that give the dequantized weights the bf16 init's scale) into every layer with load_format="direct", layer
+by layer, then the structure loads as above. `--context-length`: the engine's (default: 8192, or what the longest
+context needs); the checkpoint's max_position_embeddings must hold it (`sglang_checkpoint.py --max-pos`).
+`--plan-only`: check the arguments against the checkpoint and print the plan (cases, profiled cases, engine batches,
+context length).
 
 `--trace`: graphcap's draft trace (graphcap.sglang.trace) in every MTP engine; each timed run's draft calls, their
 host and GPU time (median, max, sum) and the slowest three, where a run's wall time goes that the profile's few
@@ -45,7 +46,6 @@ import argparse
 import glob
 import gzip
 import json
-import math
 import os
 import random
 import re
@@ -54,9 +54,10 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+from graphcap.bench import target_weights as tw
 
 if TYPE_CHECKING:  # torch is imported where it is used: the argument checks and trace readers run without it
     import torch
@@ -66,7 +67,6 @@ ENGINES = ("nospec", "sglang", "graphcap", "graphcap-verify")
 WEIGHTS = ("bf16", "w8a8")
 PAGE_SIZE = 64  # sglang_engine_kwargs' page size: a request's KV ends on a page
 MIN_CONTEXT_LENGTH = 8192  # the engine's context length where the cases need less (the recorded runs')
-INT8_STD = math.sqrt((255**2 - 1) / 12)  # std of an int8 drawn uniformly from [-127, 127]
 # stage annotations sglang's profiler writes (by-stage decode profile) -> phase
 PHASES = (("verify", re.compile(r"VERIFY")), ("draft_extend", re.compile(r"^draft_extend|DRAFT_EXTEND")),
           ("draft", re.compile(r"^draft$|DRAFT_LOOP|^draft\b")), ("decode", re.compile(r"DECODE")))
@@ -182,176 +182,6 @@ def engine_kwargs(cfg: dict) -> dict:
                                 max_running=max(cfg["batches"]), mem_fraction=cfg["mem_fraction"], **extra)
 
 
-def structure_tensors(target: str, device: str) -> list[tuple[str, "object"]]:
-    """(name, tensor) of every tensor in the target checkpoint's safetensors files (sglang_checkpoint.py writes the
-    structure alone at this size), as sglang's loader reads them from disk."""
-    from safetensors.torch import load_file
-
-    files = sorted(glob.glob(os.path.join(target, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {target}")
-    return [item for f in files for item in load_file(f, device=device).items()]
-
-
-def update_target(engine, batches: Iterable[tuple[list, str | None]], request_cls=None) -> tuple[bool, str, int]:
-    """One weight update on the target runner alone, not the draft runner: `begin_weight_update` with selector "target",
-    then for each batch of (name, tensor) `update_weights_from_tensor` with its load format, then `end_weight_update`
-    (also after a failed update; sglang refuses updates outside a begin/end pair). The tensors change in place (the
-    captured graphs keep their addresses). `batches` may be a generator: a batch is built when its turn comes, and this
-    loop holds no reference to it once its request is answered. `request_cls`: sglang's UpdateWeightsFromTensorReqInput
-    (its `selector` field is what Engine.update_weights_from_tensor does not expose). Returns (ok, message, batches
-    loaded)."""
-    if request_cls is None:
-        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput as request_cls
-    ok, msg = engine.begin_weight_update(selector="target")[:2]
-    if not ok:
-        return False, f"begin_weight_update: {msg}", 0
-    done = 0
-    try:
-        for named, load_format in batches:
-            req = request_cls(serialized_named_tensors=engine._serialize_tensors_per_rank(named, load_format),
-                              load_format=load_format, flush_cache=True, selector="target")
-            del named  # the generator's reference is then the last: it frees the batch before building the next
-            ok, msg = engine.loop.run_until_complete(engine.tokenizer_manager.update_weights_from_tensor(req, None))[:2]
-            del req
-            if not ok:
-                msg = f"batch {done}: {msg}"
-                break
-            done += 1
-    finally:
-        end_ok, end_msg = engine.end_weight_update()[:2]
-    if ok and not end_ok:
-        ok, msg = False, f"end_weight_update: {end_msg}"
-    return bool(ok), str(msg), done
-
-
-def load_target_structure(engine, target: str, device: str = "cuda", request_cls=None) -> dict:
-    """Load the target checkpoint's structure over the target runner's dummy weights with sglang's own loader
-    (the model's load_weights: load_format None), in one weight update of `update_target`."""
-    named = structure_tensors(target, device)
-    out = {"tensors": len(named), "bytes": sum(t.numel() * t.element_size() for _, t in named)}
-    ok, msg, _ = update_target(engine, [(named, None)], request_cls)
-    return {**out, "ok": ok, "message": msg}
-
-
-# -----------------------------------------------------------------------------------------------------------------
-# the W8A8 target's int8 projections (pure but for the engine calls: tested on CPU against sglang's own model)
-
-
-@dataclass(frozen=True)
-class Int8Projection:
-    """One W8A8 linear layer of the target as sglang's model holds it: `name` the module (sglang's fused modules:
-    qkv_proj = q;k;v, gate_up_proj = gate;up), `n` output channels, `k` input features. Its parameters:
-    `{name}.weight` int8, created [n, k] and held as its transpose, a [k, n] column-major view, after the
-    scheme's process_weights_after_loading; `{name}.weight_scale` fp32 [n, 1] (compressed-tensors W8A8 int8,
-    channel strategy)."""
-
-    name: str
-    n: int
-    k: int
-
-
-def target_projections(config: dict) -> list[tuple[Int8Projection, ...]]:
-    """Per layer of a target config.json (sglang_checkpoint.configs' keys, which sglang's Gemma4Attention reads: the
-    sliding layers' heads from swa_*, the full layers' from num_key_value_heads / head_dim), its four quantized
-    projections: qkv_proj, o_proj, gate_up_proj, down_proj."""
-    if config.get("attention_k_eq_v"):
-        raise ValueError("target config: attention_k_eq_v is set (its full layers' v is its k, which load_target_w8a8 "
-                         "does not build); sglang_checkpoint.py writes the target with attention_k_eq_v false")
-    hidden, ffn, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
-    layers = []
-    for i, kind in enumerate(config["layer_types"]):
-        if kind == "sliding_attention":
-            q_heads = config.get("swa_num_attention_heads", heads)
-            kv = config.get("swa_num_key_value_heads", config["num_key_value_heads"])
-            hd = config.get("swa_head_dim", config["head_dim"])
-        elif kind == "full_attention":
-            q_heads, kv, hd = heads, config["num_key_value_heads"], config["head_dim"]
-        else:
-            raise ValueError(f"target config: layer {i} has layer type {kind!r}, not sliding_attention or "
-                             "full_attention")
-        p = f"model.layers.{i}"
-        layers.append((Int8Projection(f"{p}.self_attn.qkv_proj", (q_heads + 2 * kv) * hd, hidden),
-                       Int8Projection(f"{p}.self_attn.o_proj", hidden, q_heads * hd),
-                       Int8Projection(f"{p}.mlp.gate_up_proj", 2 * ffn, hidden),
-                       Int8Projection(f"{p}.mlp.down_proj", hidden, ffn)))
-    return layers
-
-
-def int8_specs(proj: Int8Projection) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape, dtype) of the tensors `int8_projection` makes: sglang's parameters as the W8A8 int8 scheme holds
-    them once loaded (the weight [k, n], the transpose of the checkpoint's [n, k]; the scale [n, 1])."""
-    import torch
-
-    return [(f"{proj.name}.weight", (proj.k, proj.n), torch.int8),
-            (f"{proj.name}.weight_scale", (proj.n, 1), torch.float32)]
-
-
-def int8_projection(proj: Int8Projection, seed: int, device: str = "cuda") -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of one projection as load_format="direct" copies them into sglang's parameters: the weight
-    [k, n] int8 (the layout sglang holds it in; the checkpoint's [n, k] weight is its transpose), uniform in
-    [-127, 127], and weight_scale [n, 1] fp32, positive, spread over 0.5-1.5x per output channel (a misplaced scale
-    changes the output) and scaled so the dequantized weight's RMS is 1 / sqrt(k), the scale of the bf16 checkpoints'
-    random projections (sglang_checkpoint._layers). Deterministic in `seed` on a given device type."""
-    import torch
-
-    (w_name, w_shape, w_dtype), (s_name, s_shape, s_dtype) = int8_specs(proj)
-    g = torch.Generator(device=device).manual_seed(seed)
-    weight = torch.randint(-127, 128, w_shape, generator=g, dtype=w_dtype, device=device)
-    spread = torch.rand(s_shape, generator=g, dtype=s_dtype, device=device) + 0.5
-    scale = spread / spread.pow(2).mean().sqrt() / (math.sqrt(proj.k) * INT8_STD)
-    return [(w_name, weight), (s_name, scale)]
-
-
-def int8_layer(projs: tuple[Int8Projection, ...], layer: int, seed: int, device: str = "cuda"
-               ) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every projection of layer `layer`, each from a seed of its own (`seed`, the layer, the
-    projection): what one direct load sends."""
-    return [t for j, p in enumerate(projs) for t in int8_projection(p, seed * 1_000_003 + 4 * layer + j, device)]
-
-
-def load_target_w8a8(engine, config: dict, device: str = "cuda", request_cls=None, seed: int = 0) -> dict:
-    """Load int8 projections (`int8_layer`, seeded per layer and projection) into every W8A8 linear layer of the target
-    runner, one `update_weights_from_tensor` per layer with load_format "direct" (sglang copies each tensor into the
-    parameter of its name: its model's load_weights would not, as the transposed int8 weight has no weight_loader), in
-    one weight update of `update_target`; a layer's tensors are freed before the next one's are built.
-
-    The structure's weight update (`load_target_structure`) must follow: sglang ends every weight update with each
-    quantized layer's process_weights_after_loading, and the W8A8 int8 scheme's transposes the weight again, while its
-    restore_weights_before_loading (run at a weight update's begin) is sglang's no-op. The engine starts with each
-    weight as a [k, n] view (what this weight update loads into), this weight update's end leaves an [n, k] one, the
-    next weight update's end a [k, n] one again: the layout sglang's int8 GEMM takes."""
-    layers = target_projections(config)
-    sent = {"tensors": 0, "bytes": 0}
-
-    def batches() -> Iterator[tuple[list, str]]:
-        for i, projs in enumerate(layers):
-            named = int8_layer(projs, i, seed, device)
-            sent["tensors"] += len(named)
-            sent["bytes"] += sum(t.numel() * t.element_size() for _, t in named)
-            yield named, "direct"
-            # sglang's process has copied the layer: free it (tensors sent through CUDA IPC wait for ipc_collect)
-            del named
-            if device.startswith("cuda"):
-                import torch
-
-                torch.cuda.ipc_collect()
-
-    ok, msg, done = update_target(engine, batches(), request_cls)
-    return {"layers": len(layers), "layers_loaded": done, **sent, "load_format": "direct", "seed": seed, "ok": ok,
-            "message": msg}
-
-
-def checkpoint_weights(config: dict) -> str:
-    """"w8a8" where a target config.json declares compressed-tensors int8 weights (sglang_checkpoint.py --weights
-    w8a8), else "bf16"."""
-    q = config.get("quantization_config") or {}
-    if q.get("quant_method") != "compressed-tensors":
-        return "bf16"
-    groups = (q.get("config_groups") or {}).values()
-    return "w8a8" if any((g.get("weights") or {}).get("type") == "int" for g in groups) else "bf16"
-
-
 def trace_summary(rows: list[dict], rids: list[str], window: tuple[float, float] | None = None) -> dict | None:
     """The draft calls of one timed run (graphcap's draft trace: the calls whose requests are exactly `rids`): how
     many, their GPU and host ms (median, max, sum), and the three slowest by host time with their lengths - where a
@@ -417,11 +247,11 @@ def child(cfg: dict) -> dict:
     try:
         if cfg.get("weights", "bf16") == "w8a8":  # before the structure: its weight update puts the int8 layout right
             config = json.load(open(os.path.join(target_dir(cfg["ckpt"]), "config.json")))
-            res["int8_loaded"] = load_target_w8a8(engine, config)
+            res["int8_loaded"] = tw.load_target_w8a8(tw.EngineUpdates(engine), config)
             if not res["int8_loaded"]["ok"]:
                 raise RuntimeError(f"the target's int8 projections did not load: {res['int8_loaded']['message']}")
         if cfg["structured"]:
-            res["structure_loaded"] = load_target_structure(engine, target_dir(cfg["ckpt"]))
+            res["structure_loaded"] = tw.load_target_structure(tw.EngineUpdates(engine), target_dir(cfg["ckpt"]))
             if not res["structure_loaded"]["ok"]:
                 raise RuntimeError(f"the target's structure did not load: {res['structure_loaded']['message']}")
         rng = random.Random(0)
@@ -632,7 +462,7 @@ def main(argv=None) -> int:
     if not os.path.isfile(config_path):
         ap.error(f"--ckpt {a.ckpt}: no target/config.json (write the pair with bench/sglang_checkpoint.py)")
     tcfg = json.load(open(config_path))
-    have = checkpoint_weights(tcfg)
+    have = tw.checkpoint_weights(tcfg)
     if have != a.weights:
         ap.error(f"--weights {a.weights}: {config_path} declares a {have} target (write the checkpoint with "
                  f"bench/sglang_checkpoint.py --weights {a.weights})")

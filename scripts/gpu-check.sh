@@ -52,7 +52,10 @@
 #                                 after that, a soak ends by then), SERVER_VARIANTS_FROM (a directory in
 #                                 the tree holding an earlier call's graphcap variants files), SERVER_FRESH_TRITON=1 (an
 #                                 empty Triton cache for this stage), SERVER_SGLANG=0.5.18 (that sglang, from .whl-0.5.18
-#                                 as user-setup installs it). sglang's Python radix-tree core (its Rust one is built
+#                                 as user-setup installs it), SERVER_PAIR (draft-shapes; user-scale, user-scale-w8a8:
+#                                 the 31B-shaped pair, its weights loaded over the server's HTTP API), SERVER_ARGS (more
+#                                 sglang flags for every server, space-separated, e.g. "--context-length 8192").
+#                                 sglang's Python radix-tree core (its Rust one is built
 #                                 for another torch); datasets stubbed where missing (tests/bench_serving_stubbed.py)
 #   scripts/gpu-check.sh int8-gemm  the stand-in's int8_scaled_mm: its GPU tests, bench/int8_gemm.py (INT8_GEMM_ARGS)
 # Several stages run in one call in order: scripts/gpu-check.sh unit bench. Logs: $GPU_WORK/logs (default
@@ -254,9 +257,19 @@ case $1 in
           && export SGLANG_IS_FLASHINFER_AVAILABLE=false
       fi
     fi
-    [ -f "$WORK/ckpt-ds/target/tokenizer.json" ] || step ckpt-draft-shapes python3 bench/sglang_checkpoint.py \
-      --size draft-shapes --out "$WORK/ckpt-ds" --device cuda
-    STEP_LIMIT=${STEP_LIMIT:-580} step server python3 bench/sglang_server.py --ckpt "$WORK/ckpt-ds" \
+    local ckpt=$WORK/ckpt-ds sargs=()
+    case ${SERVER_PAIR:-draft-shapes} in  # user-scale pairs: random layers, the structure (int8 layers) over HTTP
+      draft-shapes) [ -f "$ckpt/target/tokenizer.json" ] || step ckpt-draft-shapes python3 bench/sglang_checkpoint.py \
+        --size draft-shapes --out "$ckpt" --device cuda ;;
+      user-scale|user-scale-w8a8)
+        local w=bf16; [ "$SERVER_PAIR" = user-scale-w8a8 ] && w=w8a8
+        ckpt=$WORK/ckpt-us; [ $w = w8a8 ] && ckpt=$WORK/ckpt-us-w8a8
+        [ -f "$ckpt/target/tokenizer.json" ] || step ckpt-user-scale python3 bench/sglang_checkpoint.py \
+          --size user-scale --out "$ckpt" --device cuda --weights $w --max-pos 32768 ;;
+      *) echo "SERVER_PAIR: draft-shapes, user-scale or user-scale-w8a8, got $SERVER_PAIR" >&2; exit 2 ;;
+    esac
+    local a; for a in ${SERVER_ARGS:-}; do sargs+=("--server-arg=$a"); done
+    STEP_LIMIT=${STEP_LIMIT:-580} step server python3 bench/sglang_server.py --ckpt "$ckpt" "${sargs[@]}" \
       --servers "${SERVER_SERVERS:-graphcap,sglang,nospec}" --phases "${SERVER_PHASES:-bench,gsp,multiturn}" \
       --concurrency "${SERVER_CONCURRENCY:-1,8,32}" --soak-s "${SERVER_SOAK_S:-480}" --until "$until" \
       --work "$WORK/server" --out "$LOG/server.json" "${bs[@]}" "${extra[@]}"

@@ -2,7 +2,9 @@
 and graphcap's server harness use it (/health, /generate and /v1/chat/completions streamed as sglang streams them,
 /v1/models, /model_info, /server_info, /flush_cache), over a "model" whose greedy next token after x is x + 1
 (special ids skipped), with a prefix cache that reports cached tokens, and - like graphcap's plugin in a scheduler -
-a draft trace and a Triton compile log under $GRAPHCAP_SGLANG_TRACE and a capture manifest with the flag.
+a draft trace and a Triton compile log under $GRAPHCAP_SGLANG_TRACE and a capture manifest with the flag; and
+sglang's weight-update routes (/begin_weight_update, /update_weights_from_tensor, /end_weight_update), each payload
+unpickled as sglang's scheduler unpickles it and logged (name, shape, dtype, sum) to $FAKE_SGLANG_WEIGHTS_LOG.
 
     python tests/fake_sglang_server.py --model-path CK/target --port P [any sglang flag]
 
@@ -126,6 +128,48 @@ def build_app(args: argparse.Namespace, model: Model, sched: Scheduler) -> web.A
         sched.cache.clear()
         return web.Response(text="Cache flushed.\n")
 
+    weights = {"open": None}
+
+    def weights_log(rec: dict) -> None:
+        path = os.environ.get("FAKE_SGLANG_WEIGHTS_LOG")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps({"port": args.port, **rec}) + "\n")
+
+    def answer(ok: bool, message: str = ""):
+        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+
+    async def begin_update(request):
+        body = await request.json()
+        if weights["open"] is not None:
+            return answer(False, "a weight update is already open")
+        weights["open"] = body.get("selector", "all")
+        weights_log({"event": "begin", "selector": weights["open"]})
+        return answer(True)
+
+    async def update_tensor(request):
+        import base64
+        import pickle
+
+        import torch  # noqa: F401 - torch's rebuild functions for the unpickling
+
+        body = await request.json()
+        if weights["open"] is None:
+            return answer(False, "no weight update is open")
+        payloads = body["serialized_named_tensors"]
+        named = pickle.loads(base64.b64decode(payloads[0], validate=True))
+        weights_log({"event": "update", "selector": body.get("selector"), "load_format": body.get("load_format"),
+                     "ranks": len(payloads), "tensors": [[n, list(t.shape), str(t.dtype), float(t.double().sum())]
+                                                         for n, t in named]})
+        return answer(True)
+
+    async def end_update(_):
+        if weights["open"] is None:
+            return answer(False, "no weight update is open")
+        weights["open"] = None
+        weights_log({"event": "end"})
+        return answer(True)
+
     async def sse(request, events):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -180,7 +224,8 @@ def build_app(args: argparse.Namespace, model: Model, sched: Scheduler) -> web.A
     app.add_routes([web.get("/health", health), web.get("/health_generate", health), web.get("/v1/models", models),
                     web.get("/model_info", model_info), web.get("/server_info", server_info),
                     web.post("/flush_cache", flush), web.get("/flush_cache", flush), web.post("/generate", generate),
-                    web.post("/v1/chat/completions", chat)])
+                    web.post("/v1/chat/completions", chat), web.post("/begin_weight_update", begin_update),
+                    web.post("/update_weights_from_tensor", update_tensor), web.post("/end_weight_update", end_update)])
 
     async def start_loop(app):
         app["loop"] = asyncio.create_task(sched.loop())

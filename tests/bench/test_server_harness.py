@@ -264,3 +264,52 @@ def test_sglangs_own_client_runs_and_its_numbers_are_kept(ckpt, tmp_path):
     assert s["gsp"]["completed"] == 32 and s["gsp"]["cached_tokens"] > 0
     across = out["comparisons"]["sglang across concurrencies"]["bench-c1 vs bench-c3"]
     assert across["compared"] == 5 and across["equal"] == 5
+
+
+@pytest.fixture(scope="module")
+def w8a8_ckpt(tmp_path_factory):
+    """The tiny pair with a W8A8 target: its checkpoint holds the target's structure alone."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("ck-w8a8")
+    ck.make_pair("tiny", d, device="cpu", sample=64, weights="w8a8")
+    return d
+
+
+@pytest.mark.subprocess
+def test_a_structure_only_target_gets_its_weights_over_http_before_any_phase(w8a8_ckpt, tmp_path):
+    """Every server of a structure-only pair starts on random layers (--load-format dummy; the MTP ones load the
+    assistant from disk) and, before its first phase, gets through sglang's weight-update routes - one update each,
+    to the target runner alone - the W8A8 target's seeded int8 layers (load format direct), then the checkpoint's
+    structure: the stand-in server's log of what it unpickled equals the harness's own tensors, name by name."""
+    from safetensors.torch import load_file
+
+    from graphcap.bench import target_weights as tw
+
+    log_path = tmp_path / "weights.jsonl"
+    rc, out, log = harness(w8a8_ckpt, tmp_path, "--servers", "graphcap,nospec", "--phases", "multiturn",
+                           "--weights-device", "cpu", env={"FAKE_SGLANG_WEIGHTS_LOG": str(log_path)},
+                           port=free_port())
+    assert rc == 0, log
+    config = json.loads((w8a8_ckpt / "target" / "config.json").read_text())
+    int8 = [dict(tw.int8_layer(projs, i, 0, "cpu")) for i, projs in enumerate(tw.target_projections(config))]
+    structure = load_file(str(w8a8_ckpt / "target" / "model.safetensors"))
+    events = [json.loads(x) for x in log_path.read_text().splitlines()]
+    for label in ("graphcap", "nospec"):
+        s = out["servers"][label]
+        w = s["weights_loaded"]
+        assert w["ok"] and w["weights"] == "w8a8" and w["int8"]["layers_loaded"] == len(int8)
+        assert w["structure"]["tensors"] == len(structure) and w["structure"]["batches"] == 1
+        assert "--load-format dummy" in s["command"] and s["multiturn"]["kept"], s
+        assert ("--speculative-draft-load-format auto" in s["command"]) == (label == "graphcap")
+        port = int(s["command"].split("--port ")[1].split()[0])
+        mine = [e for e in events if e["port"] == port]
+        assert [e["event"] for e in mine] == ["begin"] + ["update"] * len(int8) + ["end", "begin", "update", "end"]
+        assert all(e["selector"] == "target" for e in mine if e["event"] != "end")
+        updates = [e for e in mine if e["event"] == "update"]
+        for sent, e in zip(int8 + [structure], updates):
+            assert e["load_format"] == ("direct" if sent is not structure else None) and e["ranks"] == 1
+            assert {n: (shape, dtype) for n, shape, dtype, _ in e["tensors"]} == {
+                n: (list(t.shape), str(t.dtype)) for n, t in sent.items()}
+            for n, _, _, total in e["tensors"]:
+                assert total == pytest.approx(float(sent[n].double().sum()), rel=1e-12, abs=1e-9), n

@@ -33,11 +33,12 @@ sys.path[:0] = [str(ROOT / "tests" / "sglang_isolated"), str(ROOT / "tests")]
 from _sglang_env import install_torchvision_stub, install_vllm_rope_stub  # noqa: E402
 from bench_scripts import load_bench_script, load_file  # noqa: E402
 
+from graphcap.bench import target_weights as tw  # noqa: E402
+
 install_torchvision_stub()
 install_vllm_rope_stub()
 
 ck = load_bench_script("sglang_checkpoint")
-us = load_bench_script("sglang_user_scale")
 SM90 = (9, 0)  # the capability compressed-tensors' scheme check reads (an H200's; the scheme needs 80)
 
 
@@ -124,9 +125,9 @@ def test_user_scale_int8_tensors_are_sglangs_parameters(runtime, tmp_path):
     model = build_meta_model(target)
     params = {n: p for n, p in model.named_parameters()}
     buffers = dict(model.named_buffers())
-    layers = us.target_projections(config)
+    layers = tw.target_projections(config)
     assert len(layers) == 60
-    harness = {n: (shape, dtype) for projs in layers for p in projs for n, shape, dtype in us.int8_specs(p)}
+    harness = {n: (shape, dtype) for projs in layers for p in projs for n, shape, dtype in tw.int8_specs(p)}
     for name, (shape, dtype) in harness.items():
         assert name in params, f"{name}: not a parameter of sglang's model"
         p = params[name]
@@ -154,7 +155,7 @@ class _Engine:
     loads of the target model runner's WeightUpdater. The payloads pass as they are (one per rank; sglang's serializer
     sends CUDA tensors only). A draft runner that fails if asked stands beside the target's."""
 
-    def __init__(self, model, mc):
+    def __init__(self, model, mc, deserialize=None):
         from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
         from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
@@ -168,13 +169,14 @@ class _Engine:
         draft = types.SimpleNamespace(weight_updater=types.SimpleNamespace(
             begin_weight_update=refuse, end_weight_update=refuse, update_weights_from_tensor=refuse))
         tp_worker = types.SimpleNamespace(weight_update_runners=lambda: [("target", target)],
-                                          deserialize_own_rank=lambda payloads: payloads[0])
+                                          deserialize_own_rank=lambda payloads: (deserialize or (lambda x: x))(
+                                              payloads[0]))
         self.manager = SchedulerWeightUpdaterManager(
             tp_worker=tp_worker, draft_worker=types.SimpleNamespace(weight_update_runners=lambda: [("draft", draft)]),
             memory_saver_adapter=None, flush_cache=lambda **kw: True, is_fully_idle=lambda **kw: True,
             scheduler=types.SimpleNamespace(record_weight_version_change=lambda **kw: None))
         self.loop = self.tokenizer_manager = self
-        self.updates = []
+        self.updates, self.mc = [], mc
 
     def begin_weight_update(self, selector: str = "all"):
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
@@ -240,12 +242,102 @@ def layer_forward(module, x: torch.Tensor, monkeypatch) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def test_int8_projections_then_structure_load_as_sglang_serves_them(tiny_w8a8, monkeypatch):
+@contextlib.contextmanager
+def http_bridge(engine: _Engine):
+    """A server at the yielded URL answering sglang's three weight-update routes as sglang's HTTP server does: each
+    JSON body built into sglang's own request class (an unknown field is refused), the base64 payloads decoded to the
+    bytes sglang's scheduler deserializes, then the scheduler-side manager's answer as {"success", "message"}."""
+    import base64
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from sglang.srt.managers.io_struct import (BeginWeightUpdateReqInput, EndWeightUpdateReqInput,
+                                               UpdateWeightsFromTensorReqInput)
+
+    def answer(path: str, body: dict):
+        m = engine.manager
+        if path == "/begin_weight_update":
+            return m.begin_weight_update(BeginWeightUpdateReqInput(**body))
+        if path == "/end_weight_update":
+            return m.end_weight_update(EndWeightUpdateReqInput(**body))
+        if path == "/update_weights_from_tensor":
+            body = {**body, "serialized_named_tensors": [base64.b64decode(x, validate=True)
+                                                         for x in body["serialized_named_tensors"]]}
+            req = UpdateWeightsFromTensorReqInput(**body)
+            engine.updates.append((req.load_format, req.selector))
+            return m.update_weights_from_tensor(req)
+        raise KeyError(path)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            try:
+                out = answer(self.path, body)
+                status, reply = (200 if out.success else 400), {"success": out.success, "message": out.message}
+            except Exception as e:  # sglang answers a bad request with its error; the test sees it in the message
+                status, reply = 400, {"success": False, "message": f"{type(e).__name__}: {e}"}
+            data = json.dumps(reply).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextlib.contextmanager
+def torch_tensor_reduction():
+    """torch's own tensor reduction for ForkingPickler while inside: sglang's patch of it (applied once sglang's
+    modules load) rewrites a CUDA tensor's device index to its UUID and fails on the CPU tensors this run sends."""
+    from torch.multiprocessing import reductions
+
+    patched = getattr(reductions, "_reduce_tensor_original", None)
+    if patched is None:
+        yield
+        return
+    modified = reductions.reduce_tensor
+    reductions.reduce_tensor = reductions._reduce_tensor_original
+    reductions.init_reductions()
+    try:
+        yield
+    finally:
+        reductions.reduce_tensor = modified
+        reductions.init_reductions()
+
+
+@pytest.mark.parametrize("path", ["engine", "http"])
+def test_int8_projections_then_structure_load_as_sglang_serves_them(tiny_w8a8, monkeypatch, path):
+    """Both routes - the in-process engine's calls and a server's HTTP API (the payloads serialized as sglang's
+    client serializes them, deserialized by sglang's own MultiprocessingSerializer) - load the same weights."""
     model, engine, target, config = tiny_w8a8
-    r = us.load_target_w8a8(engine, config, device="cpu", request_cls=None, seed=5)
+    with contextlib.ExitStack() as stack:
+        if path == "http":
+            from sglang.srt.utils import MultiprocessingSerializer
+
+            engine = _Engine(model, engine.mc, deserialize=MultiprocessingSerializer.deserialize)
+            updates = tw.HttpUpdates(stack.enter_context(http_bridge(engine)))
+            stack.enter_context(torch_tensor_reduction())
+        else:
+            updates = tw.EngineUpdates(engine)
+        _check_int8_then_structure(model, engine, updates, target, config, monkeypatch)
+
+
+def _check_int8_then_structure(model, engine, updates, target, config, monkeypatch):
+    r = tw.load_target_w8a8(updates, config, device="cpu", seed=5)
     assert r["ok"], r
     assert r["layers_loaded"] == r["layers"] == 4 and r["tensors"] == 4 * 4 * 2
-    s = us.load_target_structure(engine, str(target), device="cpu")
+    s = tw.load_target_structure(updates, str(target), device="cpu")
     assert s["ok"], s
     assert engine.updates == [("direct", "target")] * 4 + [(None, "target")]
     from safetensors.torch import load_file as load_safetensors
@@ -255,8 +347,8 @@ def test_int8_projections_then_structure_load_as_sglang_serves_them(tiny_w8a8, m
     for name, t in structure.items():
         assert torch.equal(state[name].to(t.dtype), t), name
     g = torch.Generator().manual_seed(0)
-    for i, projs in enumerate(us.target_projections(config)):
-        sent = dict(us.int8_layer(projs, i, 5, "cpu"))
+    for i, projs in enumerate(tw.target_projections(config)):
+        sent = dict(tw.int8_layer(projs, i, 5, "cpu"))
         for p in projs:
             w, scale = sent[f"{p.name}.weight"], sent[f"{p.name}.weight_scale"]
             m = model.get_submodule(p.name)
@@ -268,8 +360,8 @@ def test_int8_projections_then_structure_load_as_sglang_serves_them(tiny_w8a8, m
             got = layer_forward(m, x, monkeypatch).float()
             assert got.shape == (3, p.n)
             assert (got - want).norm() / want.norm() < 0.03, p.name  # int8 activations: ~1% of the norm
-    assert set(dict(model.named_parameters())) <= {n for projs in us.target_projections(config) for p in projs
-                                                    for n, _, _ in us.int8_specs(p)} | set(structure)
+    assert set(dict(model.named_parameters())) <= {n for projs in tw.target_projections(config) for p in projs
+                                                    for n, _, _ in tw.int8_specs(p)} | set(structure)
 
 
 def test_after_the_int8_update_alone_the_weights_are_transposed(tiny_w8a8, monkeypatch):
@@ -277,8 +369,8 @@ def test_after_the_int8_update_alone_the_weights_are_transposed(tiny_w8a8, monke
     weight view again, so the GEMM refuses the weight (sgl_kernel's own check: column-major [k, n]); the next weight
     update's end turns it back (the test above)."""
     model, engine, target, config = tiny_w8a8
-    assert us.load_target_w8a8(engine, config, device="cpu", request_cls=None)["ok"]
-    p = us.target_projections(config)[0][0]
+    assert tw.load_target_w8a8(tw.EngineUpdates(engine), config, device="cpu")["ok"]
+    p = tw.target_projections(config)[0][0]
     m = model.get_submodule(p.name)
     assert m.weight.shape == (p.n, p.k)
     with pytest.raises(ValueError, match="mat_b"):
@@ -289,8 +381,8 @@ def test_a_wrong_name_fails_the_update_and_ends_the_session(tiny_w8a8, monkeypat
     """sglang's direct load raises on a name its model does not have; the harness's weight update still ends (the next
     weight update can begin)."""
     model, engine, target, config = tiny_w8a8
-    monkeypatch.setattr(us, "target_projections", lambda c: [(us.Int8Projection("model.layers.0.qkv", 8, 16),)])
+    monkeypatch.setattr(tw, "target_projections", lambda c: [(tw.Int8Projection("model.layers.0.qkv", 8, 16),)])
     with pytest.raises(KeyError, match="model.layers.0.qkv.weight"):
-        us.load_target_w8a8(engine, config, device="cpu", request_cls=None)
+        tw.load_target_w8a8(tw.EngineUpdates(engine), config, device="cpu")
     assert engine.begin_weight_update("target")[0]
     assert engine.end_weight_update()[0]
