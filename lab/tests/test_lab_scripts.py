@@ -96,3 +96,20 @@ def test_recapture_comparison_finds_the_first_difference():
     crashed = mod.compare({"finished": False, "tokens": None, "log_tail": "LateTreeWork: ..."},
                           {"finished": True, "tokens": [[1]]})
     assert not crashed["equal"] and crashed["late_tree_work"]
+
+
+def test_sealed_trees_refuse_every_late_warm_up_recording_and_workspace_clear(monkeypatch):
+    """lab/reduce_overhead/site/sitecustomize.py's seal: after it, a CUDA-graph tree's recording, warm-up and cuBLAS
+    workspace clear each raise LateTreeWork naming what was attempted (torch's own objects, restored after)."""
+    from torch._inductor import cudagraph_trees as ct
+
+    site = load_lab_script("reduce_overhead/site/sitecustomize")
+    for name in ("record_function", "run_eager"):
+        monkeypatch.setattr(ct.CUDAGraphTreeManager, name, getattr(ct.CUDAGraphTreeManager, name))
+    monkeypatch.setattr(ct, "clear_cublass_cache", ct.clear_cublass_cache)
+    site.seal_trees()
+    for call, what in ((lambda: ct.CUDAGraphTreeManager.record_function(None, [], 0), "recording"),
+                       (lambda: ct.CUDAGraphTreeManager.run_eager(None, [], 0), "warm-up"),
+                       (lambda: ct.clear_cublas_manager().__enter__(), "cuBLAS workspace clear")):
+        with pytest.raises(site.LateTreeWork, match=f"a CUDA-graph tree('s)? {what} after start-up"):
+            call()
