@@ -28,6 +28,9 @@
 #                             in-graph (lab/centroid_config.py; CENTROID_CONFIG_ARGS)
 #   lab/gpu-lab.sh row-kernels  warps per program of the one-program-per-row kernels (small top-k, the layer's norm
 #                             chains) at the draft's sizes, in-graph (lab/row_kernels.py; ROW_KERNELS_ARGS)
+#   lab/gpu-lab.sh pdl        programmatic dependent launch over a chain of dependent GEMVs in one CUDA graph: per
+#                             launch, with and without it, the weights' first tile before the wait (lab/pdl_chain.py;
+#                             PDL_ARGS; sm_90+)
 #   lab/gpu-lab.sh persistent-mlp  the MLP at one row as one persistent kernel (a grid-wide barrier between gate/up
 #                             and down) against graphcap's two launches, in-graph (lab/persistent_mlp.py)
 #   lab/gpu-lab.sh ncu        Nsight Compute's speed-of-light, memory, occupancy and warp-stall sections for the first
@@ -38,7 +41,7 @@
 # Several stages run in one call in order: lab/gpu-lab.sh kernels profile. Logs: $GPU_WORK/logs (default
 # /tmp/graphcap-gpu), packed into $OUT/gpu-lab-<stages joined by ->.tar.gz (default OUT=out/gpu).
 STAGES="gemm kernels host variants profile splits attention-grid regions layers prefetch centroid-config row-kernels"
-STAGES+=" persistent-mlp ncu tests"
+STAGES+=" persistent-mlp ncu tests pdl"
 DEFAULT_STAGE=kernels
 PACK_NAME=gpu-lab
 source "$(dirname "$0")/../scripts/gpu-lib.sh"
@@ -136,6 +139,9 @@ case $1 in
     ;;
   row-kernels)
     step row-kernels python3 lab/row_kernels.py ${ROW_KERNELS_ARGS:-} --out "$LOG/row-kernels"
+    ;;
+  pdl)
+    STEP_LIMIT=${STEP_LIMIT:-240} step pdl-chain python3 lab/pdl_chain.py ${PDL_ARGS:-} --out "$LOG/pdl-chain"
     ;;
   persistent-mlp)
     STEP_LIMIT=${STEP_LIMIT:-240} step persistent-mlp python3 lab/persistent_mlp.py --out "$LOG/persistent-mlp"

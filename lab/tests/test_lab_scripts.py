@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lab_scripts import load_lab_script
+from lab_scripts import LAB_DIR as LAB, load_lab_script
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check: a GPU host runs the graph path itself")
@@ -113,3 +113,80 @@ def test_sealed_trees_refuse_every_late_warm_up_recording_and_workspace_clear(mo
                        (lambda: ct.clear_cublas_manager().__enter__(), "cuBLAS workspace clear")):
         with pytest.raises(site.LateTreeWork, match=f"a CUDA-graph tree('s)? {what} after start-up"):
             call()
+
+
+def test_pdl_chain_computes_the_chain_and_every_peel_gives_the_same_bits():
+    """lab/pdl_chain.py's kernel under Triton's interpreter: each step of the chain of dependent GEMVs (the draft MLP's
+    widths alternating) against float64 on the same bf16 input: within half a bf16 step of each value (rounded to
+    nearest; the fp32 sum's own error is far below that), so at most one step off where fp32 and float64 straddle a
+    rounding boundary; the first weight tile loaded before the (here absent) wait gives the same bits as after it."""
+    import triton
+
+    mod = load_lab_script("pdl_chain")
+    for batch in (1, 5):
+        chain = mod.Chain(batch, 4, "cpu", seed=batch)
+        chain.run("off")
+        for i, out in enumerate(chain.outs):
+            x = chain.x0 if i == 0 else chain.outs[i - 1]
+            exact = x.double() @ chain.weights[i % 2].double().t()
+            size = torch.maximum(exact.abs(), out.double().abs()).clamp_min(2.0 ** -100)
+            ulp = 2.0 ** (size.log2().floor() - 7)  # bf16: 8 significant bits, in the larger one's binade
+            assert ((out.double() - exact).abs() <= ulp).all(), f"step {i}"
+        x, w = chain.x0, chain.weights[0]
+        ys = []
+        for prefetch in (False, True):
+            y = torch.empty(batch, w.shape[0], dtype=torch.bfloat16)
+            mod._chain_gemv_kernel[(triton.cdiv(w.shape[0], mod.BLOCK_N),)](
+                x, w, y, w.shape[0], w.shape[1], batch, x.stride(0), w.stride(0), y.stride(0), BLOCK_M=16,
+                BLOCK_N=mod.BLOCK_N, BLOCK_K=mod.BLOCK_K, GDC=False, PREFETCH=prefetch, LATE=False, F32_DOT=True)
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], mod.gemv(x, w, torch.empty_like(ys[0])))
+    with pytest.raises(ValueError, match="variant: one of off, pdl, pdl-prefetch, pdl-late"):
+        mod.gemv(x, w, ys[0], "pdl-early")
+
+
+def test_pdl_chain_names_what_it_needs(capsys, tmp_path):
+    """Programmatic dependent launch is sm_90's: elsewhere the script exits 2 with one line, writing nothing; a bad
+    option is one line too."""
+    mod = load_lab_script("pdl_chain")
+    for args, msg in ((["--batches", "0,8"], "--batches: rows between 1 and 16"),
+                      (["--launches", "1"], "--launches: a chain of at least 2"),
+                      ([], "compute capability 9.0")):
+        if not args and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+            continue  # an sm_90 GPU is here: the script would run
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--out", str(tmp_path / "x"), *args])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and msg in err[-1] and len(err) == 1
+    assert not (tmp_path / "x").exists()
+
+
+def test_pdl_chain_kernel_compiles_for_sm90_with_its_waits_where_they_belong(tmp_path):
+    """Compiled for an H100/H200 (Triton's own compiler and ptxas, no GPU): the PDL variants carry sm_90's
+    griddepcontrol.wait and .launch_dependents, `off` neither; with the prefetch a weight load is issued before the
+    wait, without it none; launched with PDL the kernel's metadata says so."""
+    from sm90 import compile_for_sm90
+
+    script = f"""
+import importlib.util
+spec = importlib.util.spec_from_file_location("pdl_chain", {str(LAB / "pdl_chain.py")!r})
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+types = {{"x": "*bf16", "w": "*bf16", "y": "*bf16"}}
+for name, gdc, prefetch, late in (("off", 0, 0, 0), ("pdl", 1, 0, 0), ("pdl-prefetch", 1, 1, 0), ("pdl-late", 1, 0, 1)):
+    consts = dict(BLOCK_M=16, BLOCK_N=mod.BLOCK_N, BLOCK_K=mod.BLOCK_K, GDC=bool(gdc), PREFETCH=bool(prefetch),
+                  LATE=bool(late), F32_DOT=False)
+    sig = {{p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in mod._chain_gemv_kernel.params}}
+    k = triton.compile(ASTSource(mod._chain_gemv_kernel, sig, consts), target=target(),
+                       options=options(num_warps=4, num_stages=3, launch_pdl=bool(gdc)))
+    ptx = k.asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    first_load = ptx.find("ld.global")
+    print(name, wait >= 0, "griddepcontrol.launch_dependents" in ptx, 0 <= first_load < wait,
+          bool(k.metadata.launch_pdl))
+print("compiled")
+"""
+    out = {line.split()[0]: line.split()[1:] for line in compile_for_sm90(script, tmp_path).splitlines()
+           if line.split() and line.split()[0] in ("off", "pdl", "pdl-prefetch", "pdl-late")}
+    assert out == {"off": ["False", "False", "False", "False"], "pdl": ["True", "True", "False", "True"],
+                   "pdl-prefetch": ["True", "True", "True", "True"], "pdl-late": ["True", "True", "False", "True"]}
