@@ -1,7 +1,8 @@
 """graphcap.bench.target_weights: the user-scale target's structure and the W8A8 target's int8 projections, sent to
-the target runner alone in one weight update each - through an in-process engine's calls (recorded) and through a
-server's HTTP API (a server on this machine that decodes each payload as sglang does and checks it against sglang's
-own request fields)."""
+the target runner alone in one weight update each - here through an in-process engine's calls (recorded), and the
+HTTP route's answer where no server listens. The HTTP payloads meet sglang's own request classes and scheduler-side
+weight updater in tests/sglang_isolated/check_w8a8_target_load.py, and a whole harness run against the stand-in
+server in tests/bench/test_server_harness.py."""
 from __future__ import annotations
 
 import pytest
