@@ -8,9 +8,11 @@ unpickled as sglang's scheduler unpickles it and logged (name, shape, dtype, sum
 
     python tests/fake_sglang_server.py --model-path CK/target --port P [any sglang flag]
 
-Knobs for tests (environment): FAKE_SGLANG_DIVERGE=N - with the flag, the N-th request (from 0) answers one token
-off from its 3rd token on; FAKE_SGLANG_STALL_AT=K - the K-th scheduler tick stalls 0.3 s after logging a compile of
-"fake.kernels:_late" (what the harness must find inside the gap); FAKE_SGLANG_EXIT_AT=K - the process dies at tick K.
+Non-streamed /generate with return_logprob answers output_top_logprobs (the greedy token, then the next id
+FAKE_SGLANG_MARGIN below it). Knobs for tests (environment): FAKE_SGLANG_DIVERGE=N - with the flag, the N-th request
+(from 0) answers one token off from its 3rd token on; FAKE_SGLANG_STALL_AT=K - the K-th scheduler tick stalls 0.3 s
+after logging a compile of "fake.kernels:_late" (what the harness must find inside the gap); FAKE_SGLANG_EXIT_AT=K -
+the process dies at tick K.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from aiohttp import web
 
 TICK_S = 0.002  # one "iteration" of the scheduler: every running request gets its next token
+MARGIN = float(os.environ.get("FAKE_SGLANG_MARGIN", "4.0"))  # logprob gap between the greedy token and the next one
 
 
 class Model:
@@ -200,6 +203,15 @@ def build_app(args: argparse.Namespace, model: Model, sched: Scheduler) -> web.A
         last = None
         async for ev in events():
             last = ev
+        if body.get("return_logprob") and last is not None:  # the greedy token first, the next one margin below
+            x, tops = ids[-1] if ids else 4, []
+            for _ in range(last["meta_info"]["completion_tokens"]):
+                y = model.next(x)
+                z = model.next(y)
+                top = [[-0.05, y, model.tok.decode([y])], [-0.05 - MARGIN, z, model.tok.decode([z])]]
+                tops.append(top[:int(body.get("top_logprobs_num") or 1)])
+                x = y
+            last["meta_info"]["output_top_logprobs"] = tops
         return web.json_response(last)
 
     async def chat(request):

@@ -122,6 +122,11 @@ class Words:
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The text a chat request's prompt is, as the server renders it (the model's chat template, the assistant's
+        turn opened): what /generate takes to continue the same reply."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
 
 # -----------------------------------------------------------------------------------------------------------------
 # one streamed request
@@ -139,13 +144,14 @@ class Reply:
     aborted: bool = False  # the client closed the stream on purpose
     error: str | None = None
     start: float = 0.0  # time.perf_counter() at the request
+    prompt: str | None = None  # the prompt as /generate text (a chat's rendered by its template): margins ask it again
 
 
 async def stream(http, url: str, payload: dict, *, chat: bool, abort_after: int | None = None) -> Reply:
     """POST `payload` with streaming to sglang's native /generate (`chat` False) or /v1/chat/completions; reads the
     server-sent events to the end, or closes the connection after `abort_after` chunks with text (a client that
     goes away: sglang aborts the request)."""
-    rep, t0 = Reply(start=time.perf_counter()), time.perf_counter()
+    rep, t0 = Reply(start=time.perf_counter(), prompt=None if chat else payload.get("text")), time.perf_counter()
     last, chunks = t0, 0
     try:
         async with http.post(url, json=payload) as resp:
@@ -215,6 +221,21 @@ def chat_payload(model: str, messages: list[dict], max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}}
 
 
+def top_logprobs(url: str, text: str, n: int = 2, timeout: float = 120.0) -> dict:
+    """The target's `n` most likely next tokens after `text` (sglang's /generate, one greedy token, its logprobs):
+    {"top": [[logprob, token id, token text], ...], "margin": first logprob - second}, or {"error": ...}."""
+    from graphcap.bench.server import http_json
+
+    status, body = http_json(url + "/generate", {
+        "text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}, "return_logprob": True,
+        "top_logprobs_num": n, "return_text_in_logprobs": True}, timeout=timeout)
+    try:
+        top = [list(t) for t in body["meta_info"]["output_top_logprobs"][0]]
+    except (TypeError, KeyError, IndexError):
+        return {"error": f"/generate answered {status}: {str(body)[:300]}"}
+    return {"top": top, "margin": round(top[0][0] - top[1][0], 4) if len(top) > 1 else None}
+
+
 async def _gather_limited(coros, limit: int) -> list:
     sem = asyncio.Semaphore(limit)
 
@@ -262,6 +283,7 @@ async def multi_turn(url: str, model: str, words: Words, *, conversations: int =
                                                     chat_payload(model, list(c), max_tokens), chat=True)
                                              for c in convs))
             for c, rep in zip(convs, replies):
+                rep.prompt = words.chat_prompt(c)
                 c.append({"role": "assistant", "content": rep.text})
             out.append([asdict(rep) for rep in replies])
             if flush and r < rounds - 1:
@@ -361,7 +383,7 @@ async def sustained(url: str, model: str, words: Words, *, duration_s: float, co
                 rep = await stream(http, url + "/generate", generate_payload(text, new, **extra), chat=False,
                                    abort_after=r.randint(1, 16) if kind == "abort" else None)
             rec = asdict(rep)
-            rec.update(kind=kind, client=k, text_chars=len(rep.text), text=None)  # thousands of requests: no texts
+            rec.update(kind=kind, client=k, text_chars=len(rep.text), text=None, prompt=None)  # thousands: no texts
             records.append(rec)
 
     async with _session() as http:

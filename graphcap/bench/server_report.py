@@ -28,8 +28,8 @@ def compare_texts(ours: Sequence[str | None], theirs: Sequence[str | None], skip
             continue
         wa, wb = a.split(), b.split()
         at = next((j for j, (x, y) in enumerate(zip(wa, wb)) if x != y), min(len(wa), len(wb)))
-        diffs.append({"request": i, "first_word": at, "ours": " ".join(wa[at:at + 4]), "theirs": " ".join(wb[at:at + 4]),
-                      "lengths": [len(wa), len(wb)]})
+        diffs.append({"request": i, "first_word": at, "ours": " ".join(wa[at:at + 4]),
+                      "theirs": " ".join(wb[at:at + 4]), "lengths": [len(wa), len(wb)]})
     return {"compared": equal + len(diffs), "equal": equal, "differ": diffs}
 
 
@@ -38,6 +38,43 @@ def replies_compared(ours: Sequence[dict], theirs: Sequence[dict]) -> dict:
     skip = [bool(a.get("aborted") or b.get("aborted") or a.get("error") or b.get("error"))
             for a, b in zip(ours, theirs)]
     return compare_texts([r.get("text") for r in ours], [r.get("text") for r in theirs], skip)
+
+
+def continuation(reply: dict, words: int) -> str | None:
+    """The text that ends where two replies to `reply`'s request part: its prompt and its first `words` words (the
+    word-level checkpoints tokenize by whitespace, so this is the same tokens); None where the prompt is unknown."""
+    prompt = reply.get("prompt")
+    if prompt is None:
+        return None
+    head = " ".join((reply.get("text") or "").split()[:words])
+    return prompt + (" " + head if head else "")
+
+
+def self_differences(across: dict | None, key: str) -> set[tuple[int, int]] | None:
+    """Where stock sglang gave itself other text for the same requests under other batching: (request, first word)
+    of `across` ("bench-c1 vs bench-cN": compare_texts results) that involve run `key`; None where stock ran `key`'s
+    requests once (nothing to tell a near-tie by)."""
+    if not across:
+        return None
+    hits, seen = set(), False
+    for pair, cmp in across.items():
+        if key in pair.split(" vs "):
+            seen = True
+            hits |= {(d["request"], d["first_word"]) for d in cmp.get("differ", [])}
+    return hits if seen else None
+
+
+def annotate_differences(cmp: dict, margins: dict, stock_self: set[tuple[int, int]] | None) -> dict:
+    """Each difference of `cmp` (compare_texts) with the target's logit margin where the replies part (`margins`:
+    (request, word) -> top_logprobs' answer) and whether stock sglang also differs from itself there: a difference is a
+    near-tie only where it does (`stock_also_differs` None: stock ran these requests once)."""
+    for d in cmp.get("differ", []):
+        m = margins.get((d["request"], d["first_word"]))
+        if m is not None:
+            d["margin"], d["top"] = m.get("margin"), m.get("top", m.get("error"))
+        d["stock_also_differs"] = None if stock_self is None else (d["request"], d["first_word"]) in stock_self
+        d["near_tie"] = bool(d["stock_also_differs"])
+    return cmp
 
 
 def percentiles(xs: Sequence[float], scale: float = 1e3) -> dict:

@@ -152,6 +152,27 @@ def test_memory_and_compiles_summaries():
     assert s["after_warmup"] == [{"kernel": "d", "ms": 300, "variant": "d[bs1]"}]
 
 
+def test_a_difference_is_a_near_tie_only_where_stock_also_differs_and_carries_its_margin():
+    """The continuation asked where two replies part is the prompt and the words they share; stock's differences with
+    itself are gathered from every run a key takes part in (None where stock ran the requests once); a difference is
+    annotated with the margin asked for it and is a near-tie only at a position stock also differs at."""
+    assert rep.continuation({"prompt": "p q", "text": "x  y z"}, 2) == "p q x y"
+    assert rep.continuation({"prompt": "p q", "text": "x y"}, 0) == "p q"
+    assert rep.continuation({"text": "x y"}, 1) is None
+    across = {"bench-c1 vs bench-c8": {"differ": [{"request": 1, "first_word": 3}]},
+              "bench-c1 vs bench-c32": {"differ": [{"request": 4, "first_word": 0}]}}
+    assert rep.self_differences(across, "bench-c8") == {(1, 3)}
+    assert rep.self_differences(across, "bench-c1") == {(1, 3), (4, 0)}
+    assert rep.self_differences(across, "gsp") is None and rep.self_differences(None, "bench-c8") is None
+    cmp = rep.compare_texts(["a b c d", "a b c", "e f"], ["a b x d", "a b c", "e g"])
+    margins = {(0, 2): {"margin": 0.01, "top": [[-0.69, 5, "x"], [-0.70, 6, "c"]]}}
+    out = rep.annotate_differences(cmp, margins, {(0, 2)})
+    first, second = out["differ"]
+    assert (first["margin"], first["stock_also_differs"], first["near_tie"]) == (0.01, True, True)
+    assert "margin" not in second and (second["stock_also_differs"], second["near_tie"]) == (False, False)
+    assert rep.annotate_differences(rep.compare_texts(["a"], ["b"]), {}, None)["differ"][0]["near_tie"] is False
+
+
 def test_stop_string_errors_compares_with_the_free_continuation():
     fault = {"stops": ["w9", None, "w19"],
              "free": [{"text": " ".join(f"w{i}" for i in range(20))}, {"text": "w1"},
@@ -207,6 +228,12 @@ def test_a_server_that_answers_differently_is_named_where_it_does(ckpt, tmp_path
     cmp = out["comparisons"]["graphcap vs sglang"]
     kept = cmp["multiturn-kept"]
     assert kept["compared"] == 32 and [(d["request"], d["first_word"]) for d in kept["differ"]] == [(3, 2)]
+    # the target's top two next tokens where the replies part, asked of stock's server (up second) with the chat's
+    # prompt and the two words both replies share: the greedy one is stock's third word, 4.0 above the next; stock
+    # answered the multi-turn requests once, so nothing tells a near-tie
+    d = kept["differ"][0]
+    assert d["margin"] == 4.0 and d["top"][0][2].strip() == d["theirs"].split()[0] != d["ours"].split()[0]
+    assert d["stock_also_differs"] is None and d["near_tie"] is False
     assert all(not v["differ"] for k, v in cmp.items() if k != "multiturn-kept"), cmp
     for label in ("graphcap", "sglang"):
         s = out["servers"][label]
