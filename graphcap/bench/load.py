@@ -221,14 +221,18 @@ def chat_payload(model: str, messages: list[dict], max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}}
 
 
+def top_logprobs_payload(text: str, n: int) -> dict:
+    """sglang's /generate request for one greedy token after `text` with its `n` most likely tokens, decoded."""
+    return {"text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}, "return_logprob": True,
+            "top_logprobs_num": n, "return_text_in_logprobs": True}
+
+
 def top_logprobs(url: str, text: str, n: int = 2, timeout: float = 120.0) -> dict:
     """The target's `n` most likely next tokens after `text` (sglang's /generate, one greedy token, its logprobs):
     {"top": [[logprob, token id, token text], ...], "margin": first logprob - second}, or {"error": ...}."""
     from graphcap.bench.server import http_json
 
-    status, body = http_json(url + "/generate", {
-        "text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}, "return_logprob": True,
-        "top_logprobs_num": n, "return_text_in_logprobs": True}, timeout=timeout)
+    status, body = http_json(url + "/generate", top_logprobs_payload(text, n), timeout=timeout)
     try:
         top = [list(t) for t in body["meta_info"]["output_top_logprobs"][0]]
     except (TypeError, KeyError, IndexError):

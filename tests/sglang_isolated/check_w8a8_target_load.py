@@ -1,5 +1,7 @@
-"""bench/sglang_user_scale.py's W8A8 target against sglang's own model and weight updater (0.5.23, CPU): what the
-first GPU run of `--weights w8a8` would otherwise find out.
+"""The W8A8 target's weights as graphcap.bench.target_weights loads them (bench/sglang_user_scale.py in process,
+bench/sglang_server.py over HTTP) against sglang's own model, request classes and weight updater (0.5.23, CPU): what
+the first GPU run of `--weights w8a8` would otherwise find out. Beside it, the server harness's other request of its
+own making (the logit margin's /generate) built into sglang's GenerateReqInput.
 
 - At the user's scale (the 60-layer config bench/sglang_checkpoint.py writes with --weights w8a8, sglang's model built
   on the meta device with the quantization sglang reads from that config): the harness's int8 tensors carry the
@@ -11,7 +13,8 @@ first GPU run of `--weights w8a8` would otherwise find out.
   projections (load_format "direct") and the structure land where the harness meant them, and each layer's forward -
   sglang's own, with the stand-in's int8_scaled_mm as its GEMM - computes x W^T. After the int8 weight update alone the
   weights are transposed (sglang's end of a weight update runs the scheme's process_weights_after_loading again): the
-  structure's weight update must follow, as the harness requires.
+  structure's weight update must follow, as the harness requires. Over HTTP (each JSON body built into sglang's own
+  request class, the payloads deserialized by sglang's MultiprocessingSerializer) the same weights land.
 
 Run in a fresh interpreter (it initialises torch.distributed), as tests/sglang/test_runtime.py does:
     pytest -o python_files='check_*.py' -o addopts= <this file>"""
@@ -386,3 +389,15 @@ def test_a_wrong_name_fails_the_update_and_ends_the_session(tiny_w8a8, monkeypat
         tw.load_target_w8a8(tw.EngineUpdates(engine), config, device="cpu")
     assert engine.begin_weight_update("target")[0]
     assert engine.end_weight_update()[0]
+
+
+def test_the_margin_request_is_sglangs_own_generate_request():
+    """The server harness's logit-margin request (graphcap.bench.load.top_logprobs_payload) builds sglang's own
+    GenerateReqInput - every field one it has - asking one greedy token and the top two with their text."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from graphcap.bench import load
+
+    req = GenerateReqInput(**load.top_logprobs_payload("a b c", 2))
+    assert (req.return_logprob, req.top_logprobs_num, req.return_text_in_logprobs) == (True, 2, True)
+    assert req.sampling_params == {"temperature": 0.0, "max_new_tokens": 1} and req.text == "a b c"
