@@ -247,37 +247,12 @@ def summarize_server(label: str, srv: Server, phases: dict) -> dict:
     return s
 
 
-def texts_of(phases: dict) -> dict[str, list]:
-    """Every phase's replies, keyed for comparison across servers: `bench-c8`, `gsp`, `multiturn-kept`, ..."""
-    out: dict[str, list] = {}
-    for c, r in (phases.get("bench") or {}).items():
-        if isinstance(r, dict) and r.get("texts"):
-            out[f"bench-c{c}"] = [{"text": t} for t in r["texts"]]
-    if (phases.get("gsp") or {}).get("texts"):
-        out["gsp"] = [{"text": t} for t in phases["gsp"]["texts"]]
-    for key, v in (phases.get("multiturn") or {}).items():
-        if isinstance(v, dict) and "rounds" in v:
-            out[f"multiturn-{key}"] = [r for rnd in v["rounds"] for r in rnd]
-    for key, v in (phases.get("faults") or {}).items():
-        if isinstance(v, dict) and "replies" in v:
-            out[f"faults-{key}"] = v["replies"]
-    return out
-
-
-def compared_pairs(labels: list[str]) -> list[tuple[str, str]]:
-    """The servers compared: graphcap against stock sglang, stock against the target alone (each with its own kind
-    of pool: plain with plain, small with small)."""
-    return [(a, b) for a in labels for b in labels
-            if ("small" in a) == ("small" in b) and (a.split("-")[0], b.split("-")[0]) in (("graphcap", "sglang"),
-                                                                                       ("sglang", "nospec"))]
-
-
 def margins_while_up(label: str, url: str, texts: dict[str, dict[str, list]], limit: int = 48) -> dict:
     """For each pair `label` makes with a server that ran before it, where their replies part: the target's top two
     next tokens there, asked of `label`'s server while it is up (the replies agree up to that word, so either
     server's target answers the same question). At most `limit` per pair. {pair: {phase key: {(request, word): ...}}}"""
     out: dict = {}
-    for a, b in compared_pairs(list(texts)):
+    for a, b in rep.compared_pairs(list(texts)):
         if label not in (a, b) or a not in texts or b not in texts:
             continue
         asked = 0
@@ -292,27 +267,6 @@ def margins_while_up(label: str, url: str, texts: dict[str, dict[str, list]], li
                 out.setdefault(f"{a} vs {b}", {}).setdefault(k, {})[(d["request"], d["first_word"])] = \
                     load.top_logprobs(url, text)
                 asked += 1
-    return out
-
-
-def comparisons(texts: dict[str, dict[str, list]], margins: dict | None = None) -> dict:
-    """graphcap against stock sglang, stock against the target alone (`compared_pairs`), and stock against itself
-    across concurrencies (the same requests, other batching); each difference with its logit margin where one was
-    asked (`margins_while_up`) and whether stock also differs from itself there (a near-tie only then)."""
-    out: dict = {}
-    for a in texts:
-        runs = sorted(k for k in texts[a] if k.startswith("bench-c"))
-        if a.split("-")[0] == "sglang" and len(runs) > 1:
-            first = texts[a][runs[0]]
-            out[f"{a} across concurrencies"] = {f"{runs[0]} vs {k}": rep.replies_compared(first, texts[a][k])
-                                                for k in runs[1:]}
-    for a, b in compared_pairs(list(texts)):
-        stock = a if a.split("-")[0] == "sglang" else b
-        pair = f"{a} vs {b}"
-        out[pair] = {k: rep.annotate_differences(
-                        rep.replies_compared(texts[a][k], texts[b][k]), (margins or {}).get(pair, {}).get(k, {}),
-                        rep.self_differences(out.get(f"{stock} across concurrencies"), k))
-                     for k in texts[a] if k in texts[b] and len(texts[a][k]) == len(texts[b][k])}
     return out
 
 
@@ -396,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
             phases = run_phases(srv, a, words, a.work, shared) if weights is None or weights["ok"] else {}
             if phases and srv.alive():  # where its replies part from an earlier server's: the margin, asked now
-                texts[label] = texts_of(phases)
+                texts[label] = rep.texts_of(phases)
                 for pair, by_key in margins_while_up(label, srv.cfg.url, texts).items():
                     for k, m in by_key.items():
                         margins.setdefault(pair, {}).setdefault(k, {}).update(m)
@@ -408,16 +362,16 @@ def main(argv: list[str] | None = None) -> int:
             a.out.write_text(json.dumps(record, indent=1, default=str))
             continue
         (a.work / f"{label}-phases.json").write_text(json.dumps(phases))
-        texts[label] = texts_of(phases)
+        texts[label] = rep.texts_of(phases)
         record["servers"][label] = summarize_server(label, srv, phases)
         if weights is not None:
             record["servers"][label]["weights_loaded"] = weights
-        record["comparisons"] = comparisons(texts, margins)
+        record["comparisons"] = rep.comparisons(texts, margins)
         a.out.write_text(json.dumps(record, indent=1, default=str))
         print(json.dumps({label: {k: v for k, v in record["servers"][label].items()
                                   if k in ("startup_s", "died", "bench", "log_errors")}}, default=str)[:3000],
               flush=True)
-    record["comparisons"] = comparisons(texts, margins)
+    record["comparisons"] = rep.comparisons(texts, margins)
     a.out.write_text(json.dumps(record, indent=1, default=str))
     return 0
 

@@ -77,6 +77,53 @@ def annotate_differences(cmp: dict, margins: dict, stock_self: set[tuple[int, in
     return cmp
 
 
+def texts_of(phases: dict) -> dict[str, list]:
+    """Every phase's replies, keyed for comparison across servers: `bench-c8`, `gsp`, `multiturn-kept`, ..."""
+    out: dict[str, list] = {}
+    for c, r in (phases.get("bench") or {}).items():
+        if isinstance(r, dict) and r.get("texts"):
+            out[f"bench-c{c}"] = [{"text": t} for t in r["texts"]]
+    if (phases.get("gsp") or {}).get("texts"):
+        out["gsp"] = [{"text": t} for t in phases["gsp"]["texts"]]
+    for key, v in (phases.get("multiturn") or {}).items():
+        if isinstance(v, dict) and "rounds" in v:
+            out[f"multiturn-{key}"] = [r for rnd in v["rounds"] for r in rnd]
+    for key, v in (phases.get("faults") or {}).items():
+        if isinstance(v, dict) and "replies" in v:
+            out[f"faults-{key}"] = v["replies"]
+    return out
+
+
+def compared_pairs(labels: list[str]) -> list[tuple[str, str]]:
+    """The servers compared: graphcap against stock sglang, stock against the target alone (each with its own kind
+    of pool: plain with plain, small with small)."""
+    return [(a, b) for a in labels for b in labels
+            if ("small" in a) == ("small" in b) and (a.split("-")[0], b.split("-")[0]) in (("graphcap", "sglang"),
+                                                                                       ("sglang", "nospec"))]
+
+
+def comparisons(texts: dict[str, dict[str, list]], margins: dict | None = None) -> dict:
+    """graphcap against stock sglang, stock against the target alone (`compared_pairs`), and stock against itself
+    across concurrencies (the same requests, other batching); each difference with its logit margin where one was
+    asked (`margins`: bench/sglang_server.py asks them while the later server is up) and whether stock also differs
+    from itself there (a near-tie only then)."""
+    out: dict = {}
+    for a in texts:
+        runs = sorted(k for k in texts[a] if k.startswith("bench-c"))
+        if a.split("-")[0] == "sglang" and len(runs) > 1:
+            first = texts[a][runs[0]]
+            out[f"{a} across concurrencies"] = {f"{runs[0]} vs {k}": replies_compared(first, texts[a][k])
+                                                for k in runs[1:]}
+    for a, b in compared_pairs(list(texts)):
+        stock = a if a.split("-")[0] == "sglang" else b
+        pair = f"{a} vs {b}"
+        out[pair] = {k: annotate_differences(
+                        replies_compared(texts[a][k], texts[b][k]), (margins or {}).get(pair, {}).get(k, {}),
+                        self_differences(out.get(f"{stock} across concurrencies"), k))
+                     for k in texts[a] if k in texts[b] and len(texts[a][k]) == len(texts[b][k])}
+    return out
+
+
 def percentiles(xs: Sequence[float], scale: float = 1e3) -> dict:
     """p50 / p99 / max of `xs` (seconds) in ms; None values left out."""
     v = sorted(x * scale for x in xs if x is not None)
