@@ -169,9 +169,10 @@ def run_phases(srv: Server, args: argparse.Namespace, words: load.Words, work: P
         except Exception as e:  # a phase that breaks is a finding: record it and go on to the next
             out[phase] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"}
         out.setdefault("seconds", {})[phase] = round(time.perf_counter() - t0, 1)
-        out.setdefault("alive_after", {})[phase] = srv.alive()
-        if not srv.alive():
-            out["died"] = srv.why()
+        responsive = srv.responsive()
+        out.setdefault("alive_after", {})[phase] = responsive
+        if not responsive:
+            out["died"] = srv.why() if not srv.alive() else "alive but not answering /health"
             break
     return out
 

@@ -174,6 +174,16 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def responsive(self, timeout_s: float = 10.0, exit_grace_s: float = 5.0) -> bool:
+        """Alive and answering /health. One that does not answer is given `exit_grace_s` to finish dying: clients
+        see a dying server's connections close before its process has exited."""
+        if self.alive() and http_json(self.cfg.url + "/health", timeout=timeout_s)[0] == 200:
+            return True
+        deadline = time.monotonic() + exit_grace_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return False
+
     def why(self) -> str:
         """What broke, from the log: its last exception line, else the exit status."""
         try:

@@ -78,6 +78,23 @@ def test_the_servers_environment(tmp_path):
     assert env["GRAPHCAP_SGLANG_CHECK"] == "1" and "GRAPHCAP_SGLANG_TRACE" not in env
 
 
+def test_a_server_that_stops_answering_is_waited_for_while_it_dies(tmp_path):
+    """A server whose connections are gone is not judged alive while its process is still exiting: `responsive`
+    answers False once /health fails, after waiting (within its grace) for the process to end."""
+    import subprocess as sp
+
+    from graphcap.bench.server import Server
+
+    srv = Server(ServerConfig(kind="nospec", model_path="m", port=free_port()), tmp_path)
+    srv.proc = sp.Popen([sys.executable, "-c", "import time; time.sleep(0.6)"])
+    try:
+        assert srv.responsive(timeout_s=1, exit_grace_s=20) is False
+        assert not srv.alive()  # it waited for the exit, not the whole grace
+    finally:
+        srv.proc.kill()
+        srv.proc.wait()
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # the report's arithmetic
 
