@@ -110,13 +110,6 @@ class Chain:
             x = gemv(x, self.weights[i], y, variant)
         return x
 
-    def reference(self) -> torch.Tensor:
-        """The chain in float64 torch, each step rounded to bf16 as the kernel stores it."""
-        x = self.x0
-        for i in range(len(self.outs)):
-            x = (x.double() @ self.weights[i].double().t()).to(torch.bfloat16)
-        return x
-
 
 def measure(batches: list[int], launches: int, rep_ms: float) -> dict:
     from graph_timing import copy_bandwidth, in_graph_us
