@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from graphcap.bench import load
 from graphcap.bench import server_report as rep
 from graphcap.bench.server import ServerConfig, server_command, server_env
-from bench_scripts import load_bench_script
+from bench_scripts import load_bench_script, tiny_w8a8  # noqa: F401 - a fixture
 from tiers import examples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -310,27 +310,19 @@ def test_sglangs_own_client_runs_and_its_numbers_are_kept(ckpt, tmp_path):
     assert across["compared"] == 5 and across["equal"] == 5
 
 
-@pytest.fixture(scope="module")
-def w8a8_ckpt(tmp_path_factory):
-    """The tiny pair with a W8A8 target: its checkpoint holds the target's structure alone."""
-    pytest.importorskip("aiohttp")
-    pytest.importorskip("transformers")
-    d = tmp_path_factory.mktemp("ck-w8a8")
-    ck.make_pair("tiny", d, device="cpu", sample=64, weights="w8a8")
-    return d
-
-
 @pytest.mark.subprocess
-def test_a_structure_only_target_gets_its_weights_over_http_before_any_phase(w8a8_ckpt, tmp_path):
+def test_a_structure_only_target_gets_its_weights_over_http_before_any_phase(tiny_w8a8, tmp_path):
     """Every server of a structure-only pair starts on random layers (--load-format dummy; the MTP ones load the
     assistant from disk) and, before its first phase, gets through sglang's weight-update routes - one update each,
     to the target runner alone - the W8A8 target's seeded int8 layers (load format direct), then the checkpoint's
     structure: the stand-in server's log of what it unpickled equals the harness's own tensors, name by name."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
     from graphcap.bench import target_weights as tw
 
-    log_path = tmp_path / "weights.jsonl"
+    w8a8_ckpt, log_path = tiny_w8a8, tmp_path / "weights.jsonl"
     rc, out, log = harness(w8a8_ckpt, tmp_path, "--servers", "graphcap,nospec", "--phases", "multiturn",
                            "--weights-device", "cpu", env={"FAKE_SGLANG_WEIGHTS_LOG": str(log_path)},
                            port=free_port())

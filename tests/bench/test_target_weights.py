@@ -6,7 +6,7 @@ server in tests/bench/test_server_harness.py."""
 from __future__ import annotations
 
 import pytest
-from bench_scripts import load_bench_script
+from bench_scripts import load_bench_script, tiny_w8a8  # noqa: F401 - a fixture
 
 from graphcap.bench import target_weights as tw
 
@@ -118,14 +118,6 @@ def test_int8_projection_is_seeded_int8_with_the_bf16_inits_scale():
     again = tw.int8_projection(p, 7, "cpu")
     assert torch.equal(again[0][1], w) and torch.equal(again[1][1], scale)
     assert not torch.equal(tw.int8_projection(p, 8, "cpu")[0][1], w)
-
-
-@pytest.fixture(scope="module")
-def tiny_w8a8(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ck-w8a8")
-    load_bench_script("sglang_checkpoint").make_pair("tiny", d, device="cpu", sample=64, weights="w8a8",
-                                                     max_pos=135168)
-    return d
 
 
 def test_w8a8_loads_each_layer_direct_to_the_target_runner(tiny_w8a8):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench_scripts import load_bench_script
+from bench_scripts import load_bench_script, tiny_w8a8  # noqa: F401 - a fixture
 
 us = load_bench_script("sglang_user_scale")
 
@@ -169,14 +169,6 @@ def test_an_engine_past_its_time_is_stopped_with_what_it_started(tmp_path, monke
     res = us.spawn({"engine": "nospec"}, str(tmp_path), timeout=3)
     assert res["crashed"] and time.perf_counter() - t < 30
     assert process_gone(int(pid_file.read_text())), "the engine's child outlived the timeout"
-
-
-@pytest.fixture(scope="module")
-def tiny_w8a8(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ck-w8a8")
-    load_bench_script("sglang_checkpoint").make_pair("tiny", d, device="cpu", sample=64, weights="w8a8",
-                                                     max_pos=135168)
-    return d
 
 
 def test_a_w8a8_checkpoint_holds_the_structure_alone(tiny_w8a8):
