@@ -20,8 +20,9 @@ included). Phases, each on every server:
   appended to its conversation; then again with /flush_cache between rounds;
 - faults: disconnecting clients, one-token requests, prompts past the window and a prefill chunk, stop strings,
   more requests than the largest graph bucket; the server must answer after each;
-- soak: --soak-s seconds of sustained mixed load at --soak-concurrency: gaps between draft calls (the draft trace),
-  Triton compiles after warm-up, GPU memory.
+- soak: --soak-s seconds of sustained mixed load at --soak-concurrency, on the servers --soak-on names (stock MTP
+  beside the flag by default: the same load's pauses on both): gaps between draft calls (the draft trace; those a
+  joining request's prefill held counted apart), Triton compiles after warm-up, GPU memory, latency per request kind.
 Greedy throughout: the same requests give the same text on every server unless the numerics differ; the record
 compares graphcap's texts with stock sglang's, and stock sglang's across its own runs (batching differs).
 """
@@ -41,7 +42,7 @@ from graphcap.bench import load
 from graphcap.bench import target_weights as tw
 from graphcap.bench import server_report as rep
 from graphcap.bench.served import machine
-from graphcap.bench.server import LAUNCHER, Server, ServerConfig, ServerFailed, http_json
+from graphcap.bench.server import KINDS, LAUNCHER, Server, ServerConfig, ServerFailed, http_json
 
 PHASES = ("bench", "gsp", "multiturn", "faults", "soak")
 
@@ -117,8 +118,9 @@ def run_phases(srv: Server, args: argparse.Namespace, words: load.Words, work: P
     tok = cfg.model_path
     for phase in args.phases:
         t0 = time.perf_counter()
-        if (args.deadline is not None and time.time() > args.deadline) or (phase == "soak" and cfg.kind != "graphcap"):
-            out.setdefault("not_run", []).append(phase)  # past the call's time; or a soak, which is the flag's
+        if (args.deadline is not None and time.time() > args.deadline) or (phase == "soak"
+                                                                             and cfg.kind not in args.soak_on):
+            out.setdefault("not_run", []).append(phase)  # past the call's time; or a soak this server is not given
             continue
         try:
             if phase == "bench":
@@ -288,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-pool", type=int, default=24576, help="KV tokens of a -small server")
     ap.add_argument("--soak-s", type=float, default=480.0)
     ap.add_argument("--soak-concurrency", type=int, default=32)
+    ap.add_argument("--soak-on", type=lambda v: tuple(v.split(",")), default=("graphcap", "sglang"),
+                    help="the server kinds that run the soak phase (default graphcap,sglang)")
     ap.add_argument("--soak-warmup-s", type=float, default=60.0, help="the soak's first seconds: warm-up")
     ap.add_argument("--prefill-graphs", action="store_true", help="keep sglang's breakable prefill CUDA graphs")
     ap.add_argument("--startup-timeout", type=float, default=420.0)
@@ -313,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = [p for p in a.phases if p not in PHASES]
         if bad or any(c < 1 for c in a.concurrency):
             raise ValueError(f"--phases from {', '.join(PHASES)}, --concurrency positive: got {bad or a.concurrency}")
+        if not set(a.soak_on) <= set(KINDS):
+            raise ValueError(f"--soak-on: kinds from {', '.join(KINDS)}, got {','.join(a.soak_on)}")
         labels = [s for s in a.servers.split(",") if s]
         for i, label in enumerate(labels):
             server_config(label, a.ckpt, a, a.port + i)

@@ -47,7 +47,8 @@
 #   scripts/gpu-check.sh server   sglang's HTTP server as users start it (bench/sglang_server.py) on the draft-shapes
 #                                 pair: SERVER_SERVERS (graphcap,sglang,nospec; -small: a small KV pool, -check: graphcap's
 #                                 check mode), SERVER_PHASES (bench,gsp,multiturn; faults, soak), SERVER_CONCURRENCY
-#                                 (1,8,32), SERVER_SOAK_S (480), SERVER_PREFILL_GRAPHS=1 (sglang's prefill graphs kept),
+#                                 (1,8,32), SERVER_SOAK_S (480), SERVER_SOAK_ON (graphcap,sglang: the servers that
+#                                 soak), SERVER_PREFILL_GRAPHS=1 (sglang's prefill graphs kept),
 #                                 SERVER_BUDGET_S (480: no server starts after that; SERVER_DEADLINE_S: no phase starts
 #                                 after that, a soak ends by then), SERVER_VARIANTS_FROM (a directory in
 #                                 the tree holding an earlier call's graphcap variants files), SERVER_FRESH_TRITON=1 (an
@@ -249,6 +250,7 @@ case $1 in
     python3 -c 'import datasets' 2>/dev/null || bs=(--bench-serving "python3 tests/bench_serving_stubbed.py")
     [ "${SERVER_PREFILL_GRAPHS:-0}" = 1 ] && extra+=(--prefill-graphs)
     [ -n "${SERVER_VARIANTS_FROM:-}" ] && extra+=(--variants-from "$SERVER_VARIANTS_FROM")
+    [ -n "${SERVER_SOAK_ON:-}" ] && extra+=(--soak-on "$SERVER_SOAK_ON")
     if [ -n "${SERVER_SGLANG:-}" ]; then  # another sglang for every server (0.5.18: from .whl-0.5.18, as user-setup)
       local site; site=$(user_setup_site "$SERVER_SGLANG") || exit 1
       if [ -n "$site" ]; then

@@ -153,21 +153,38 @@ def read_jsonl(pattern: str | Path) -> list[dict]:
 
 
 def draft_gaps(trace: Sequence[dict], *, after: float, limit_ms: float, compiles: Sequence[dict] = ()) -> dict:
-    """The wall-clock gaps between consecutive draft calls of a server's draft trace (graphcap.sglang.trace: `t` per
-    call, time.perf_counter) from `after` on: their count, median, max, and every gap over `limit_ms` with the
-    Triton compiles that started inside it (graphcap.sglang.variants, same clock). A server with no request in
-    flight makes no draft call: an idle gap is a gap too, so `after`..end should hold steady load."""
-    ts = sorted(r["t"] for r in trace if "t" in r and r["t"] >= after and not r.get("profiled"))
-    gaps = [(a, b) for a, b in zip(ts, ts[1:])]
-    ms = [(b - a) * 1e3 for a, b in gaps]
-    long = []
-    for (a, b), g in zip(gaps, ms):
+    """The wall-clock gaps between consecutive draft calls of a server's draft trace (graphcap.sglang.trace: `t`,
+    `rids` and `seq_lens` per call, time.perf_counter) from `after` on: their count, median, max, and every gap over
+    `limit_ms` with the Triton compiles that started inside it (graphcap.sglang.variants, same clock) and the requests
+    that joined the batch across it. A request joins after its prefill, and sglang's scheduler runs a prefill batch
+    between two decode iterations (speculative decoding turns mixed prefill-decode batches off), so a gap a request
+    joined across held a prefill - the scheduler's pause, stock sglang's too. One no request joined across held no
+    such prefill: it is the decode loop's own stall, or a prefill that ended no decode (a one-token request's, a
+    prompt's non-final chunk). The two kinds are counted apart. `joined_tokens`: the joined requests' lengths at the
+    next call (their prompts, cached prefixes included, plus the tokens since). A server with no request in flight
+    makes no draft call: an idle gap is a gap too, so `after`..end should hold steady load."""
+    calls = sorted((r for r in trace if "t" in r and r["t"] >= after and not r.get("profiled")), key=lambda r: r["t"])
+    long, quiet = [], []
+    for a, b in zip(calls, calls[1:]):
+        g = (b["t"] - a["t"]) * 1e3
+        before = set(a.get("rids") or ())
+        joined = [i for i, rid in enumerate(b.get("rids") or ()) if rid not in before]
+        if not joined:
+            quiet.append(g)
         if g > limit_ms:
-            inside = [c for c in compiles if a <= c["t"] <= b]
-            long.append({"at_s": round(a - after, 3), "ms": round(g, 1),
+            lens = b.get("seq_lens") or []
+            inside = [c for c in compiles if a["t"] <= c["t"] <= b["t"]]
+            long.append({"at_s": round(a["t"] - after, 3), "ms": round(g, 1), "joined": len(joined),
+                         "joined_tokens": sum(lens[i] for i in joined if i < len(lens)),
                          "compiles": [{"kernel": c["kernel"], "ms": round(c["ms"], 1)} for c in inside]})
-    return {"calls": len(ts), "median_ms": round(statistics.median(ms), 3) if ms else None,
-            "max_ms": round(max(ms), 1) if ms else None, "over_limit": long, "limit_ms": limit_ms}
+    ms = [(b["t"] - a["t"]) * 1e3 for a, b in zip(calls, calls[1:])]
+    stalls = [x for x in long if not x["joined"]]
+    return {"calls": len(calls), "median_ms": round(statistics.median(ms), 3) if ms else None,
+            "max_ms": round(max(ms), 1) if ms else None, "limit_ms": limit_ms,
+            "over_limit_joined": len(long) - len(stalls),
+            "over_limit_no_join": len(stalls), "max_ms_no_join": round(max(quiet), 1) if quiet else None,
+            "p99_ms_no_join": percentiles(quiet, scale=1)["p99"],
+            "over_limit": long}
 
 
 def compiles_summary(compiles: Sequence[dict], *, after: float | None = None) -> dict:

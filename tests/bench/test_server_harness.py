@@ -69,6 +69,20 @@ def test_bad_server_configs_are_refused(kw, match):
         ServerConfig(**{"model_path": "/m", "draft_model_path": "/d", **kw})
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--soak-on", "graphcap,eagle"], "--soak-on: kinds from nospec, sglang, graphcap, got graphcap,eagle"),
+    (["--phases", "bench,warp"], "--phases from"),
+    (["--concurrency", "8,0"], "--concurrency positive"),
+])
+def test_bad_harness_options_are_one_line(tmp_path, capsys, args, says):
+    harness_main = load_bench_script("sglang_server").main
+    rc = harness_main(["--ckpt", str(tmp_path / "ck"), "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o.json"),
+                       *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "w").exists()  # refused before anything was made
+
+
 def test_the_servers_environment(tmp_path):
     base = {"GRAPHCAP_SGLANG_DRAFT_CAPTURE": '{"enabled": true}', "GRAPHCAP_SGLANG_CHECK": "1", "KEEP": "x"}
     env = server_env(ServerConfig(kind="sglang", model_path="/m", draft_model_path="/d"), tmp_path, base)
@@ -153,6 +167,42 @@ def test_draft_gaps_names_each_long_gap_with_the_compiles_inside_it():
         [(gap_ms[0], ["m:k"]), (gap_ms[1], [])]
     ms = [(b["t"] - a["t"]) * 1e3 for a, b in zip(calls[20:], calls[21:])]
     assert g["median_ms"] == pytest.approx(round(statistics.median(ms), 3))
+    assert (g["over_limit_joined"], g["over_limit_no_join"]) == (0, 2)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(st.data())
+def test_draft_gaps_tell_a_prefill_pause_from_a_stall(data):
+    """Against a rebuild from the simulated scheduler's own log: each gap is known to hold a prefill whose requests
+    joined (with their lengths), or none."""
+    rng = random.Random(data.draw(st.integers(0, 2**31)))
+    t, running, calls, truth, next_rid = 0.0, {}, [], [], 0
+    for _ in range(data.draw(st.integers(2, 80))):
+        joined = {}
+        if rng.random() < 0.3:  # a prefill batch of 1-3 new requests ran before this decode iteration
+            for _ in range(rng.randint(1, 3)):
+                joined[f"r{next_rid}"] = rng.randint(1, 4096)
+                next_rid += 1
+        for rid in [r for r in running if rng.random() < 0.1]:
+            del running[rid]
+        gap = rng.choice([0.01, 0.03, 0.15, 0.4]) + (0.2 if joined else 0.0)
+        t += gap
+        running.update(joined)
+        if not running:
+            running[f"r{next_rid}"] = 10
+            joined[f"r{next_rid}"] = 10
+            next_rid += 1
+        order = list(running)
+        rng.shuffle(order)
+        calls.append({"t": t, "rids": order, "seq_lens": [running[r] for r in order]})
+        truth.append((gap * 1e3, len(joined), sum(joined.values())))
+    g = rep.draft_gaps(calls, after=0.0, limit_ms=100.0)
+    want = [(round(ms, 1), n, tok) for ms, n, tok in truth[1:] if ms > 100.0]
+    assert [(x["ms"], x["joined"], x["joined_tokens"]) for x in g["over_limit"]] == want
+    assert g["over_limit_joined"] == sum(n > 0 for _, n, _ in want)
+    assert g["over_limit_no_join"] == sum(n == 0 for _, n, _ in want)
+    quiet = [ms for ms, n, _ in truth[1:] if n == 0]
+    assert g["max_ms_no_join"] == (round(max(quiet), 1) if quiet else None)
 
 
 def test_memory_and_compiles_summaries():
