@@ -1,0 +1,163 @@
+"""The server record's rows (graphcap.bench.server_cases) and its writer (bench/server_record.py): each row's numbers
+against the harness output they came from, read independently; the writer's merge of runs; its one-line errors."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphcap.bench.server_cases import BENCH_KEYS, COLUMNS, case_rows, server_facts
+from bench_scripts import load_bench_script
+from tiers import examples
+
+ROOT = Path(__file__).resolve().parents[2]
+record = load_bench_script("server_record")
+
+
+def bench_summary(rng: random.Random) -> dict:
+    return {"completed": rng.randint(1, 64), "output_throughput": rng.uniform(10, 5000),
+            "median_tpot_ms": rng.uniform(1, 50), "p99_tpot_ms": rng.uniform(1, 80), "median_itl_ms": rng.uniform(1, 30),
+            "p99_itl_ms": rng.uniform(1, 300), "median_ttft_ms": rng.uniform(10, 900), "p99_ttft_ms": rng.uniform(10, 2000),
+            "accept_length": rng.uniform(1, 4), "cached_tokens": rng.randint(0, 30000), "failed_requests": 0}
+
+
+def latency(rng: random.Random, n: int) -> dict:
+    return {"requests": n, "ok": n, "errors": rng.randint(0, 2), "aborted": rng.randint(0, n),
+            "ttft_ms": {"n": n, "p50": rng.uniform(1, 99), "p99": rng.uniform(100, 999), "max": 1000.0},
+            "itl_ms": {"n": n, "p50": rng.uniform(1, 9), "p99": rng.uniform(10, 99), "max": 100.0}}
+
+
+def harness_output(rng: random.Random) -> dict:
+    """A harness output of the shape bench/sglang_server.py writes: stock and graphcap ran bench at two
+    concurrencies, multi-turn and faults; graphcap soaked; no-speculation never started."""
+    conc = sorted(rng.sample([1, 8, 16, 32], 2))
+    servers, cmp = {}, {}
+    for label in ("sglang", "graphcap"):
+        s = {"command": f"launch {label}", "died": None if rng.random() < 0.8 else "exit 3",
+             "bench": {str(c): bench_summary(rng) for c in conc},
+             "multiturn": {"kept": [{"round": i + 1, "cached_tokens": rng.randint(0, 9999),
+                                     "prompt_tokens": 10000, **latency(rng, 8)} for i in range(4)]},
+             "faults": {"aborts": {"alive_after": True, **latency(rng, 64)},
+                        "one_token": {"alive_after": rng.random() < 0.9, **latency(rng, 16)}}}
+        servers[label] = s
+    gaps = {"calls": 100, "median_ms": 30.0, "max_ms": 700.0, "over_limit_joined": rng.randint(0, 9),
+            "over_limit_no_join": rng.randint(0, 9), "max_ms_no_join": rng.uniform(0, 99), "over_limit": [{}] * 5}
+    servers["graphcap"]["soak"] = {"requests": 900, "latency": {"random": latency(rng, 800), "abort": latency(rng, 50)},
+                                   "gaps": gaps, "memory": {"growth_after_warmup_mib": rng.randint(0, 9)},
+                                   "compiles": {"after_warmup": [{"kernel": "k"}] * rng.randint(0, 3)}}
+    servers["graphcap"]["soak_s"] = 300.0
+    servers["nospec"] = {"not_run": "out of the call's time"}
+    pair = {f"bench-c{c}": {"compared": 32, "equal": rng.randint(28, 32),
+                            "differ": [{"near_tie": rng.random() < 0.5} for _ in range(rng.randint(0, 3))]}
+            for c in conc}
+    pair["multiturn-kept"] = {"compared": 32, "equal": 32, "differ": []}
+    pair["faults-aborts"] = {"compared": 16, "equal": 16, "differ": []}
+    pair["faults-one_token"] = {"compared": 16, "equal": 15, "differ": [{"near_tie": False}]}
+    cmp["graphcap vs sglang"] = pair
+    cmp["sglang across concurrencies"] = {"x": {"compared": 32, "equal": 32, "differ": []}}
+    return {"servers": servers, "comparisons": cmp, "command": "bench/sglang_server.py ..."}
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(st.integers(0, 2**31))
+def test_rows_carry_the_harness_numbers(seed):
+    rng = random.Random(seed)
+    out = harness_output(rng)
+    rows = case_rows(out, run="x", pair="p")
+    by = {(r["engine"], r["workload"], r.get("concurrency")): r for r in rows}
+    assert not any(r["engine"] == "nospec" for r in rows)  # never started: no row
+    for label in ("sglang", "graphcap"):
+        s = out["servers"][label]
+        for c, b in s["bench"].items():
+            r = by[(label, "random", int(c))]
+            for col, key in BENCH_KEYS.items():
+                assert r[col] == (b[key] if isinstance(b[key], int) else round(b[key], 2))
+            assert r["crashes"] == (1 if s["died"] else 0) and r["radix_cache"] is True and r["run"] == "x"
+            if label == "graphcap":
+                c_ = out["comparisons"]["graphcap vs sglang"][f"bench-c{c}"]
+                assert r["tokens_equal"] == f"{c_['equal']}/32"
+                assert r["near_ties"] == sum(d["near_tie"] for d in c_["differ"])
+            else:
+                assert "tokens_equal" not in r  # stock is the reference
+        mt = by[(label, "multiturn", 8)]
+        assert mt["radix_hits"] == sum(x["cached_tokens"] for x in s["multiturn"]["kept"])
+        assert mt["radix_hits_by_round"] == [x["cached_tokens"] for x in s["multiturn"]["kept"]]
+        f = by[(label, "faults", None)]
+        assert f["requests"] == 80 and f["aborts"] == sum(v["aborted"] for v in s["faults"].values())
+        assert f["answered_after_each"] == all(v["alive_after"] for v in s["faults"].values())
+    assert by[("graphcap", "faults", None)]["tokens_equal"] == "31/32"
+    soak = by[("graphcap", "soak", 32)]
+    sk = out["servers"]["graphcap"]["soak"]
+    assert soak["itl_ms_p99"] == sk["latency"]["random"]["itl_ms"]["p99"]
+    assert soak["gaps_over_100ms"] == 5 and soak["gaps_over_100ms_joined"] == sk["gaps"]["over_limit_joined"]
+    assert soak["max_gap_ms"] == 700.0 and soak["compiles_after_warmup"] == len(sk["compiles"]["after_warmup"])
+    assert soak["aborts"] == sum(v["aborted"] for v in sk["latency"].values())
+    for r in rows:  # the schema's columns first and in its order, nothing left as null
+        cols = [k for k in r if k in COLUMNS]
+        assert cols == [k for k in COLUMNS if k in r] and list(r)[:len(cols)] == cols
+        assert None not in r.values()
+
+
+def test_server_facts_count_what_a_manifest_lists():
+    s = {"startup_s": 147.16344, "weights_loaded": {"seconds": 6.4},
+         "compiles": {"preloaded": 3, "at_startup": 73, "while_serving": 38, "after_warmup": [{"kernel": "k"}]},
+         "manifest": {"buckets": [1, 2, 4], "captured": 3, "replays": 819, "fallbacks": 0, "oversize_fallbacks": 0,
+                      "serving": {"joins": 200, "late_compiles": [{"kernel": "a"}, {"kernel": "b"}]}}}
+    f = server_facts(s)
+    assert f["startup_s"] == 147.16 and f["weights_loaded_s"] == 6.4
+    assert f["compiles"] == {"preloaded": 3, "at_startup": 73, "while_serving": 38, "after_warmup": 1}
+    assert f["manifest"] == {"buckets": 3, "captured": 3, "replays": 819, "fallbacks": 0, "oversize_fallbacks": 0,
+                             "joins": 200, "late_compiles": 2}
+    assert server_facts({"command": "x"}) == {}
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+                    max_leaves=30))
+def test_layout_is_the_same_json(value):
+    assert json.loads(record.layout(value)) == value
+
+
+def write_run(tmp_path: Path, name: str, seed: int, commit: str) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "server.json").write_text(json.dumps(harness_output(random.Random(seed))))
+    (d / "env-server.txt").write_text(json.dumps({"device": "GPU X", "commit": commit}, indent=1)
+                                      + "\nname, driver\nGPU X, 1\n")
+    return d / "server.json"
+
+
+def test_the_writer_replaces_a_run_whole_and_keeps_the_rest(tmp_path):
+    rec = tmp_path / "server.json"
+    rec.write_text(json.dumps({"what": "w", "runs": {"old": {"commit": "abc1234", "pair": "p0"}},
+                               "cases": [{"run": "old", "engine": "sglang"}], "goals": {"g": 1}}))
+    a, b = write_run(tmp_path, "a", 1, "1111111"), write_run(tmp_path, "b", 2, "2222222")
+    assert record.main(["--record", str(rec), "--run", f"x={a}", "--pair", "x=p1", "--gpu-check", "x=K=1 gpu"]) == 0
+    first = json.loads(rec.read_text())
+    assert first["what"] == "w" and first["goals"] == {"g": 1}
+    assert first["runs"]["x"]["commit"] == "1111111" and first["runs"]["x"]["gpu_check"] == "K=1 gpu"
+    assert first["runs"]["x"]["order"] == ["sglang", "graphcap"]
+    n_x = sum(r["run"] == "x" for r in first["cases"])
+    assert n_x == len(case_rows(json.loads(a.read_text()), run="x", pair="p1"))
+    # the same run again from other data: its rows and commit replaced, its gpu-check kept, the old run untouched
+    assert record.main(["--record", str(rec), "--run", f"x={b}", "--pair", "x=p1"]) == 0
+    second = json.loads(rec.read_text())
+    assert second["runs"]["x"]["commit"] == "2222222" and second["runs"]["x"]["gpu_check"] == "K=1 gpu"
+    assert [r for r in second["cases"] if r["run"] == "old"] == [{"run": "old", "engine": "sglang"}]
+    assert [r for r in second["cases"] if r["run"] == "x"] == case_rows(json.loads(b.read_text()), run="x", pair="p1")
+
+
+def test_the_writer_refuses_bad_arguments_in_one_line(tmp_path):
+    rec = tmp_path / "r.json"
+    for args, says in ((["--run", "x"], "NAME=VALUE"), (["--run", f"x={tmp_path}/none.json", "--pair", "x=p"], "none"),
+                       (["--run", "x=a.json"], "--pair missing for run x")):
+        p = subprocess.run([sys.executable, str(ROOT / "bench/server_record.py"), "--record", str(rec), *args],
+                           capture_output=True, text=True, cwd=tmp_path)
+        assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert not rec.exists()
