@@ -26,9 +26,8 @@ def _equal(comparisons: dict, label: str, keys: list[str]) -> tuple[str | None, 
     differences (None where the pair was not compared: stock and no-speculation rows, or stock did not run)."""
     if label.split("-")[0] != "graphcap":
         return None, None
-    stock = {label.replace("graphcap", "sglang", 1), "sglang"}  # the same modifiers' stock server, else plain
-    pair = next((v for k, v in comparisons.items() if " vs " in k and set(k.split(" vs ")) & stock
-                 and label in k.split(" vs ")), None)
+    pair = next((v for k, v in comparisons.items() if k.startswith(f"{label} vs ")
+                 and k.split(" vs ")[1].split("-")[0] == "sglang"), None)  # its stock: server_report.compared_pairs
     got = [pair[k] for k in keys if pair and k in pair]
     if not got:
         return None, None

@@ -103,6 +103,15 @@ def test_rows_carry_the_harness_numbers(seed):
         assert None not in r.values()
 
 
+def test_a_modified_server_is_compared_with_its_own_stock():
+    out = harness_output(random.Random(3))
+    out["servers"] = {"graphcap-check-small": out["servers"]["graphcap"], "sglang-small": out["servers"]["sglang"]}
+    out["comparisons"] = {"graphcap-check-small vs sglang-small": out["comparisons"]["graphcap vs sglang"]}
+    rows = [r for r in case_rows(out, run="x", pair="p") if r["engine"] == "graphcap"]
+    assert rows and all(r["server"] == "graphcap-check-small" for r in rows)
+    assert all("tokens_equal" in r for r in rows if r["workload"] != "soak")
+
+
 def test_server_facts_count_what_a_manifest_lists():
     s = {"startup_s": 147.16344, "weights_loaded": {"seconds": 6.4},
          "compiles": {"preloaded": 3, "at_startup": 73, "while_serving": 38, "after_warmup": [{"kernel": "k"}]},
