@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         described[n] = {**described.get(n, {}), **run_facts(Path(runs[n])), "pair": pairs[n],
                         "order": [k for k, v in out["servers"].items() if "command" in v],
                         **({"gpu_check": checks[n]} if n in checks else {}),
-                        "servers": {label: {**described.get(n, {}).get("servers", {}).get(label, {}), **server_facts(sv)}
+                        "servers": {label: {**described.get(n, {}).get("servers", {}).get(label, {}),
+                                            **server_facts(sv)}
                                     for label, sv in out["servers"].items() if "command" in sv}}
     rows = sorted(kept + [r for n, out in outputs.items() for r in case_rows(out, run=n, pair=pairs[n])],
                   key=lambda r: str(r.get("run")))  # stable: each run's rows in the harness's order

@@ -21,8 +21,9 @@ record = load_bench_script("server_record")
 
 def bench_summary(rng: random.Random) -> dict:
     return {"completed": rng.randint(1, 64), "output_throughput": rng.uniform(10, 5000),
-            "median_tpot_ms": rng.uniform(1, 50), "p99_tpot_ms": rng.uniform(1, 80), "median_itl_ms": rng.uniform(1, 30),
-            "p99_itl_ms": rng.uniform(1, 300), "median_ttft_ms": rng.uniform(10, 900), "p99_ttft_ms": rng.uniform(10, 2000),
+            "median_tpot_ms": rng.uniform(1, 50), "p99_tpot_ms": rng.uniform(1, 80),
+            "median_itl_ms": rng.uniform(1, 30), "p99_itl_ms": rng.uniform(1, 300),
+            "median_ttft_ms": rng.uniform(10, 900), "p99_ttft_ms": rng.uniform(10, 2000),
             "accept_length": rng.uniform(1, 4), "cached_tokens": rng.randint(0, 30000), "failed_requests": 0}
 
 
