@@ -333,6 +333,16 @@ def test_a_stall_in_the_soak_is_placed_with_its_compile(ckpt, tmp_path):
 
 
 @pytest.mark.subprocess
+def test_stock_soaks_beside_the_flag_and_no_speculation_only_when_asked(ckpt, tmp_path):
+    rc, out, log = harness(ckpt, tmp_path, "--servers", "sglang,nospec", "--phases", "soak", "--soak-s", "3",
+                           "--soak-warmup-s", "0.5", "--soak-concurrency", "4", port=free_port())
+    assert rc == 0, log
+    stock, nospec = out["servers"]["sglang"], out["servers"]["nospec"]
+    assert stock["soak"]["requests"] > 0 and stock["soak"]["gaps"]["calls"] > 0  # stock's draft trace read too
+    assert "soak" not in nospec and nospec["not_run"] == ["soak"]
+
+
+@pytest.mark.subprocess
 def test_a_server_that_dies_is_recorded_with_why_and_the_run_goes_on(ckpt, tmp_path):
     rc, out, log = harness(ckpt, tmp_path, "--servers", "graphcap,nospec", "--phases", "faults,multiturn",
                            env={"FAKE_SGLANG_EXIT_AT": "60"}, port=free_port())
