@@ -43,6 +43,13 @@ def named(values: list[str], flag: str) -> dict[str, str]:
     return out
 
 
+def read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:  # the file named: json's message says only where in it
+        raise ValueError(f"{path}: not JSON ({e})") from None
+
+
 def run_facts(server_json: Path) -> dict:
     env = server_json.parent / "env-server.txt"
     facts: dict = {}
@@ -68,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         missing = [n for n in runs if n not in pairs]
         if missing:
             raise ValueError(f"--pair missing for run {', '.join(missing)}")
-        outputs = {n: json.loads(Path(p).read_text()) for n, p in runs.items()}
-        record = json.loads(a.record.read_text()) if a.record.exists() else {}
+        outputs = {n: read_json(Path(p)) for n, p in runs.items()}
+        for n, out in outputs.items():
+            if not isinstance(out, dict) or not isinstance(out.get("servers"), dict):
+                raise ValueError(f"run {n}: {runs[n]} is no bench/sglang_server.py output (no \"servers\")")
+        record = read_json(a.record) if a.record.exists() else {}
+        if not isinstance(record, dict):
+            raise ValueError(f"{a.record}: not a JSON object")
     except (OSError, ValueError) as e:
         print(f"server_record: {e}", file=sys.stderr)
         return 2
@@ -85,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = sorted(kept + [r for n, out in outputs.items() for r in case_rows(out, run=n, pair=pairs[n])],
                   key=lambda r: str(r.get("run")))  # stable: each run's rows in the harness's order
     record.update(runs=dict(sorted(described.items())), cases=rows)  # the other keys as they were
-    a.record.write_text(layout(record) + "\n")
+    tmp = a.record.with_name(a.record.name + ".tmp")  # written whole, then moved over: never a half record
+    tmp.write_text(layout(record) + "\n")
+    tmp.replace(a.record)
     print(f"{a.record}: {len(rows)} cases ({len(rows) - len(kept)} from {', '.join(outputs)})")
     return 0
 

@@ -110,7 +110,7 @@ def server_facts(s: dict) -> dict:
     """What a started server's record says beside its rows: start-up, weights loaded, Triton compiles (graphcap's
     variants log: preloaded, at start-up, while serving), graphcap's manifest (buckets captured, replays, eager
     fallbacks, the serving counters, the late compiles counted)."""
-    out = {k: _num(s[k]) for k in ("startup_s",) if s.get(k) is not None}
+    out = {"startup_s": _num(s["startup_s"])} if s.get("startup_s") is not None else {}
     if isinstance(s.get("weights_loaded"), dict):
         out["weights_loaded_s"] = s["weights_loaded"].get("seconds")
     if isinstance(s.get("compiles"), dict):

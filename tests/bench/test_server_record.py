@@ -165,9 +165,21 @@ def test_the_writer_replaces_a_run_whole_and_keeps_the_rest(tmp_path):
 
 def test_the_writer_refuses_bad_arguments_in_one_line(tmp_path):
     rec = tmp_path / "r.json"
+    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
     for args, says in ((["--run", "x"], "NAME=VALUE"), (["--run", f"x={tmp_path}/none.json", "--pair", "x=p"], "none"),
-                       (["--run", "x=a.json"], "--pair missing for run x")):
+                       (["--run", "x=a.json"], "--pair missing for run x"),
+                       (["--run", f"x={tmp_path}/other.json", "--pair", "x=p"], "run x: ")):
         p = subprocess.run([sys.executable, str(ROOT / "bench/server_record.py"), "--record", str(rec), *args],
                            capture_output=True, text=True, cwd=tmp_path)
         assert p.returncode == 2 and says in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-        assert not rec.exists()
+        assert not rec.exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_corrupt_record_is_named_and_left_as_it_was(tmp_path, capsys):
+    rec = tmp_path / "r.json"
+    rec.write_text('{"cases": [')
+    run = write_run(tmp_path, "a", 1, "1111111")
+    assert record.main(["--record", str(rec), "--run", f"x={run}", "--pair", "x=p"]) == 2
+    err = capsys.readouterr().err
+    assert f"server_record: {rec}: not JSON" in err and len(err.strip().splitlines()) == 1
+    assert rec.read_text() == '{"cases": ['
