@@ -200,6 +200,7 @@ def summarize_server(label: str, srv: Server, phases: dict) -> dict:
     """A server's record: what it ran with, start-up, each phase's numbers (texts left to the comparisons)."""
     compiles = rep.read_jsonl(srv.trace_dir / "compiles-*.jsonl")
     trace = rep.read_jsonl(srv.trace_dir / "draft-trace-*.jsonl")
+    prefills = rep.read_jsonl(srv.trace_dir / "prefill-trace-*.jsonl")
     s: dict = {"command": (srv.work / f"{label}.cmd").read_text().strip(), "departures": srv.cfg.departures,
                "check_mode": srv.cfg.check, "startup_s": srv.startup_s, "seconds": phases.get("seconds"),
                "not_run": phases.get("not_run"), "soak_s": phases.get("soak_s"),
@@ -233,7 +234,8 @@ def summarize_server(label: str, srv: Server, phases: dict) -> dict:
             by_kind.setdefault(r["kind"], []).append(r)
         s["soak"] = {"requests": len(sk["records"]), "memory": sk["memory"],
                      "latency": {k: rep.latency(v) for k, v in sorted(by_kind.items())},
-                     "gaps": rep.draft_gaps(trace, after=sk["warmup_end"], limit_ms=100.0, compiles=compiles),
+                     "gaps": rep.draft_gaps(trace, after=sk["warmup_end"], limit_ms=100.0, compiles=compiles,
+                                            prefills=prefills),
                      "compiles": rep.compiles_summary(compiles, after=sk["warmup_end"])}
     elif "soak" in phases:
         s["soak"] = phases["soak"]

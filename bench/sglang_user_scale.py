@@ -225,6 +225,30 @@ def trace_fields(case: dict) -> dict:
     return out
 
 
+def kv_pool_tokens(engine) -> int | None:
+    """The engine's KV pool in tokens (sglang's `max_total_num_tokens`: the full-attention layers' pool), or None
+    where the engine does not say."""
+    try:
+        n = engine.get_server_info().get("max_total_num_tokens")
+    except Exception:  # noqa: BLE001 - an engine without the record runs every case
+        return None
+    return int(n) if isinstance(n, (int, float)) else None
+
+
+def finished_cases(log: str) -> list[dict]:
+    """The cases a child printed before it stopped (one JSON object per line, `batch` and `context` in each)."""
+    out = []
+    for line in log.splitlines():
+        if line.startswith("{") and '"batch"' in line:
+            try:
+                case = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(case, dict) and "batch" in case and "context" in case:
+                out.append(case)
+    return out
+
+
 def child(cfg: dict) -> dict:
     trace_dir = os.path.join(cfg["work"], f"trace-{cfg['engine']}")
     if cfg.get("fresh_jit_cache"):  # this engine compiles every Triton kernel it runs, none loaded from another's
@@ -254,8 +278,16 @@ def child(cfg: dict) -> dict:
             res["structure_loaded"] = tw.load_target_structure(tw.EngineUpdates(engine), target_dir(cfg["ckpt"]))
             if not res["structure_loaded"]["ok"]:
                 raise RuntimeError(f"the target's structure did not load: {res['structure_loaded']['message']}")
+        pool = kv_pool_tokens(engine)
         rng = random.Random(0)
         for batch, context in cfg["cases"]:
+            need = batch * (context + cfg["new"] + cfg["steps"] + 1)
+            if pool is not None and need > pool:  # the batch would not run at once: its rate would be another's
+                case = {"batch": batch, "context": context,
+                        "not_run": f"needs {need} KV tokens at once; this engine's pool holds {pool}"}
+                res["cases"].append(case)
+                print(json.dumps(case), flush=True)
+                continue
             prompts = [[rng.randrange(3, cfg["vocab"]) for _ in range(context)] for _ in range(batch)]
 
             windows = {}  # tag -> the run's (start, end) on time.perf_counter's clock, as the draft trace's `t`
@@ -306,8 +338,8 @@ def child(cfg: dict) -> dict:
                     except Exception as e:  # noqa: BLE001 - record what broke, keep the rates
                         case["profile"] = {"error": f"{type(e).__name__}: {e}"}
             res["cases"].append(case)
-            print(json.dumps({k: v for k, v in case.items() if k not in ("profile", "tokens", "runs")}),
-                  flush=True)
+            # the case as the parent can read it back from the log should the engine not finish (its tokens left out)
+            print(json.dumps({k: v for k, v in case.items() if k not in ("tokens", "runs")}), flush=True)
         if cfg.get("trace") and res["cases"]:
             from graphcap.bench.served import read_trace as read_draft_trace
 
@@ -339,9 +371,11 @@ def spawn(cfg: dict, work: str, timeout: float) -> dict:
                                   timeout)
     rc = "timeout" if timed_out else rc
     if rc != 0 or not os.path.exists(out_path):
-        tail = open(os.path.join(work, f"{tag}.log")).read()[-2500:]
-        print(f"== {tag}: failed ({rc}) after {time.perf_counter() - t:.0f} s\n{tail}", flush=True)
-        return {"config": cfg, "crashed": True, "log_tail": tail}
+        text = open(os.path.join(work, f"{tag}.log"), errors="replace").read()
+        tail, done = text[-2500:], finished_cases(text)
+        print(f"== {tag}: failed ({rc}) after {time.perf_counter() - t:.0f} s, {len(done)} cases finished\n{tail}",
+              flush=True)
+        return {"config": cfg, "crashed": True, "log_tail": tail, "cases": done}
     print(f"== {tag}: ok in {time.perf_counter() - t:.0f} s", flush=True)
     return json.load(open(out_path))
 
@@ -353,6 +387,11 @@ def summarize(results: dict) -> list[dict]:
     stock = {(c["batch"], c["context"]): c.get("tokens") for c in results.get("sglang", {}).get("cases", [])}
     for name, r in results.items():
         for c in r.get("cases", []):
+            if "not_run" in c:
+                rows.append({"engine": name, "batch": c["batch"], "context": c["context"],
+                             "steps": r["config"]["steps"] if name != "nospec" else 0,
+                             "weights": r["config"].get("weights", "bf16"), "not_run": c["not_run"]})
+                continue
             p = c.get("profile") or {}
             theirs = stock.get((c["batch"], c["context"])) if name.startswith("graphcap") else None
             rows.append({"engine": name, "batch": c["batch"], "context": c["context"],
@@ -365,7 +404,8 @@ def summarize(results: dict) -> list[dict]:
                          "extend_ms": (p.get("draft_extend") or {}).get("gpu_span_ms"),
                          "decode_ms": (p.get("decode") or {}).get("gpu_span_ms"),
                          "iteration_ms": p.get("iteration_ms"),
-                         "tokens_equal_sglang": None if theirs is None else c.get("tokens") == theirs,
+                         "tokens_equal_sglang": (None if theirs is None or c.get("tokens") is None  # read back from a log
+                                                 else c["tokens"] == theirs),
                          **trace_fields(c)})
     return rows
 

@@ -41,8 +41,14 @@ class Engine:
         stall = os.environ.get("FAKE_SGLANG_STALL", "").split(":")
         self.stall_after = int(stall[1]) if stall[0] == tag else None
 
+    def get_server_info(self):  # FAKE_SGLANG_POOL: the KV pool's tokens, as sglang's max_total_num_tokens
+        pool = os.environ.get("FAKE_SGLANG_POOL")
+        return {{"max_total_num_tokens": int(pool)}} if pool else {{}}
+
     def generate(self, input_ids, sampling_params, rid):
         new = sampling_params[0]["max_new_tokens"]
+        if len(input_ids[0]) == int(os.environ.get("FAKE_SGLANG_HANG_CONTEXT", -1)):  # a case that never ends
+            time.sleep(600)
         t0 = time.perf_counter()
         stall = 0.0
         if self.stall_after is not None and new > self.stall_after:

@@ -4,6 +4,7 @@ memory over a soak. Pure functions over the clients' records and the files the s
 """
 from __future__ import annotations
 
+import bisect
 import glob
 import json
 import math
@@ -152,39 +153,58 @@ def read_jsonl(pattern: str | Path) -> list[dict]:
     return rows
 
 
-def draft_gaps(trace: Sequence[dict], *, after: float, limit_ms: float, compiles: Sequence[dict] = ()) -> dict:
+def draft_gaps(trace: Sequence[dict], *, after: float, limit_ms: float, compiles: Sequence[dict] = (),
+               prefills: Sequence[dict] | None = None) -> dict:
     """The wall-clock gaps between consecutive draft calls of a server's draft trace (graphcap.sglang.trace: `t`,
     `rids` and `seq_lens` per call, time.perf_counter) from `after` on: their count, median, max, and every gap over
-    `limit_ms` with the Triton compiles that started inside it (graphcap.sglang.variants, same clock) and the requests
-    that joined the batch across it. A request joins after its prefill, and sglang's scheduler runs a prefill batch
-    between two decode iterations (speculative decoding turns mixed prefill-decode batches off), so a gap a request
-    joined across held a prefill - the scheduler's pause, stock sglang's too. One no request joined across held no
-    such prefill: it is the decode loop's own stall, or a prefill that ended no decode (a one-token request's, a
-    prompt's non-final chunk). The two kinds are counted apart. `joined_tokens`: the joined requests' lengths at the
-    next call (their prompts, cached prefixes included, plus the tokens since). A server with no request in flight
-    makes no draft call: an idle gap is a gap too, so `after`..end should hold steady load."""
+    `limit_ms` with the Triton compiles that started inside it (graphcap.sglang.variants, same clock), the requests
+    that joined the batch across it, and the prefill batches the scheduler ran inside it.
+
+    sglang's scheduler runs a prefill batch between two decode iterations (speculative decoding turns mixed
+    prefill-decode batches off): a gap that holds one is the scheduler's pause, stock sglang's too; one that holds
+    none is the decode loop's own stall. With the trace's prefill records (`prefills`: `t`, `extend_tokens`,
+    `cached_tokens` per batch, every chunk and one-token request included) that is read directly: `over_limit_prefill`
+    / `over_limit_no_prefill`, with the max and p99 of the gaps that held no prefill. Without them (None) it is
+    inferred from joins: a request joins after its prefill, so a gap a request joined across held one; a gap no
+    request joined across may still hold a prefill that ended no decode (a one-token request's, a non-final chunk).
+    `joined_tokens`: the joined requests' lengths at the next call. A server with no request in flight makes no draft
+    call: an idle gap is a gap too, so `after`..end should hold steady load."""
     calls = sorted((r for r in trace if "t" in r and r["t"] >= after and not r.get("profiled")), key=lambda r: r["t"])
-    long, quiet = [], []
+    pre = sorted((p for p in prefills or () if p.get("t", -math.inf) >= after), key=lambda p: p["t"])
+    starts = [p["t"] for p in pre]
+    long, quiet, unfed = [], [], []
     for a, b in zip(calls, calls[1:]):
         g = (b["t"] - a["t"]) * 1e3
         before = set(a.get("rids") or ())
         joined = [i for i, rid in enumerate(b.get("rids") or ()) if rid not in before]
+        inside = pre[bisect.bisect_left(starts, a["t"]):bisect.bisect_right(starts, b["t"])]
         if not joined:
             quiet.append(g)
+        if not inside:
+            unfed.append(g)
         if g > limit_ms:
             lens = b.get("seq_lens") or []
-            inside = [c for c in compiles if a["t"] <= c["t"] <= b["t"]]
-            long.append({"at_s": round(a["t"] - after, 3), "ms": round(g, 1), "joined": len(joined),
-                         "joined_tokens": sum(lens[i] for i in joined if i < len(lens)),
-                         "compiles": [{"kernel": c["kernel"], "ms": round(c["ms"], 1)} for c in inside]})
+            row = {"at_s": round(a["t"] - after, 3), "ms": round(g, 1), "joined": len(joined),
+                   "joined_tokens": sum(lens[i] for i in joined if i < len(lens)),
+                   "compiles": [{"kernel": c["kernel"], "ms": round(c["ms"], 1)} for c in compiles
+                                if a["t"] <= c["t"] <= b["t"]]}
+            if prefills is not None:
+                row.update(prefills=len(inside), prefill_tokens=sum(p.get("extend_tokens") or 0 for p in inside),
+                           cached_tokens=sum(p.get("cached_tokens") or 0 for p in inside))
+            long.append(row)
     ms = [(b["t"] - a["t"]) * 1e3 for a, b in zip(calls, calls[1:])]
     stalls = [x for x in long if not x["joined"]]
-    return {"calls": len(calls), "median_ms": round(statistics.median(ms), 3) if ms else None,
-            "max_ms": round(max(ms), 1) if ms else None, "limit_ms": limit_ms,
-            "over_limit_joined": len(long) - len(stalls),
-            "over_limit_no_join": len(stalls), "max_ms_no_join": round(max(quiet), 1) if quiet else None,
-            "p99_ms_no_join": percentiles(quiet, scale=1)["p99"],
-            "over_limit": long}
+    out = {"calls": len(calls), "median_ms": round(statistics.median(ms), 3) if ms else None,
+           "max_ms": round(max(ms), 1) if ms else None, "limit_ms": limit_ms,
+           "over_limit_joined": len(long) - len(stalls),
+           "over_limit_no_join": len(stalls), "max_ms_no_join": round(max(quiet), 1) if quiet else None,
+           "p99_ms_no_join": percentiles(quiet, scale=1)["p99"]}
+    if prefills is not None:
+        bare = [x for x in long if not x["prefills"]]
+        out.update(prefill_batches=len(pre), over_limit_prefill=len(long) - len(bare),
+                   over_limit_no_prefill=len(bare), max_ms_no_prefill=round(max(unfed), 1) if unfed else None,
+                   p99_ms_no_prefill=percentiles(unfed, scale=1)["p99"])
+    return {**out, "over_limit": long}
 
 
 def compiles_summary(compiles: Sequence[dict], *, after: float | None = None) -> dict:

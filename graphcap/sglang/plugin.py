@@ -82,7 +82,7 @@ def register() -> None:
     if settings.trace_dir and scheduler and not STATE.trace:  # after graphcap's hooks: wraps them
         from graphcap.sglang.trace import install
 
-        STATE.trace = install(settings, WORKER_DRAFT)
+        STATE.trace = install(settings, WORKER_DRAFT, WORKER_EXTEND_PREFILL)
 
 
 def register_runtime_hooks(workers: bool) -> None:

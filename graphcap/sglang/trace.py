@@ -3,8 +3,11 @@
 What a user comparing `--enable-draft-graph-capture` against stock sglang needs from inside the scheduler: per draft
 call, the requests (rid), their lengths, the draft tokens proposed and the draft phase's GPU time (CUDA events
 around the worker's `draft`, on the current stream: it includes any stall the draft causes, such as a host sync
-that leaves the GPU idle while the host catches up). Installed by the plugin's `register()` in scheduler processes
-when the variable is set, after graphcap's own hooks, so it wraps whichever draft runs.
+that leaves the GPU idle while the host catches up); per prefill batch (each extend batch, a chunk
+included, ends in the worker's `_draft_extend_for_prefill`), when the scheduler ran it, its requests and tokens, in
+DIR/prefill-trace-<pid>.jsonl - so a wait between two draft calls can be told to hold a prefill or not. Installed by
+the plugin's `register()` in scheduler processes when the variable is set, after graphcap's own hooks, so it wraps
+whichever draft runs.
 
 Cost: a clone of the draft tokens and two events per call; one sync every `GRAPHCAP_SGLANG_TRACE_FLUSH` calls
 (default 16), when the records are read back and appended to DIR/draft-trace-<pid>.jsonl. Meant for measurement
@@ -43,6 +46,7 @@ class DraftTrace:
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.path = os.path.join(directory, f"draft-trace-{os.getpid()}.jsonl")
+        self.prefill_path = os.path.join(directory, f"prefill-trace-{os.getpid()}.jsonl")
         self.pending: list[tuple] = []
         self._seen = {b: 0 for b in profile_batches}  # draft calls seen per profiled batch size
         self._kernels: dict[int, dict[str, list[float]]] = {b: {} for b in profile_batches}  # name -> [us, launches]
@@ -79,7 +83,9 @@ class DraftTrace:
             return original(worker, batch, *args, **kwargs)
         variants.note_draft()
         rids = [r.rid for r in batch.reqs]
-        lens = batch.seq_lens_cpu.tolist() if getattr(batch, "seq_lens_cpu", None) is not None else None
+        # the server's decode batches carry no host copy of seq_lens: the requests' own lengths are on the host
+        lens = (batch.seq_lens_cpu.tolist() if getattr(batch, "seq_lens_cpu", None) is not None
+                else [r.seqlen for r in batch.reqs])
         profiling = self._profiling(len(rids))
         prof = self._profiler() if profiling else None
         if prof is not None:
@@ -103,13 +109,29 @@ class DraftTrace:
             self.flush()
         return result
 
+    def around_extend_prefill(self, original, worker, batch, *args, **kwargs):
+        """A prefill batch's record: its start on the draft records' clock, requests, new and cached tokens."""
+        t0 = time.perf_counter()
+        if not batch.forward_mode.is_idle():
+            self.pending.append({"t": t0, "rids": [r.rid for r in batch.reqs],
+                                 "extend_tokens": int(batch.extend_num_tokens or 0),
+                                 "cached_tokens": int(sum(batch.prefix_lens or ()))})
+        return original(worker, batch, *args, **kwargs)
+
     def flush(self) -> None:
         if not self.pending:
             return
         pending, self.pending = self.pending, []
-        pending[-1][4].synchronize()
+        drafts = [p for p in pending if isinstance(p, tuple)]
+        prefills = [p for p in pending if isinstance(p, dict)]  # host facts only, nothing to read back
+        if prefills:
+            with open(self.prefill_path, "a") as f:
+                f.writelines(json.dumps(p) + "\n" for p in prefills)
+        if not drafts:
+            return
+        drafts[-1][4].synchronize()
         with open(self.path, "a") as f:
-            for rids, lens, tokens, start, end, t0, host_ms, profiled in pending:
+            for rids, lens, tokens, start, end, t0, host_ms, profiled in drafts:
                 # t: the call's start on time.perf_counter's clock (CLOCK_MONOTONIC, one per machine), which the
                 # process timing a run reads too: where a run's wall time goes between draft calls
                 rec = {"rids": rids, "seq_lens": lens, "draft": tokens[:, 1:].tolist(),
@@ -119,8 +141,9 @@ class DraftTrace:
                 f.write(json.dumps(rec) + "\n")
 
 
-def install(settings: PluginSettings, target: str) -> DraftTrace:
-    """The trace of `settings` (its directory, flush count and profiled batch sizes) around `target`."""
+def install(settings: PluginSettings, target: str, prefill_target: str | None = None) -> DraftTrace:
+    """The trace of `settings` (its directory, flush count and profiled batch sizes) around `target` (the draft),
+    and around `prefill_target` (the draft worker's seed after a prefill batch) where given."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if settings.trace_dir is None:
@@ -129,4 +152,6 @@ def install(settings: PluginSettings, target: str) -> DraftTrace:
     trace = DraftTrace(settings.trace_dir, settings.trace_flush, settings.trace_profile)
     atexit.register(trace.flush)  # the records since the last read-back reach the file at the scheduler's exit
     HookRegistry.register(target, trace.around_draft, HookType.AROUND)
+    if prefill_target is not None:
+        HookRegistry.register(prefill_target, trace.around_extend_prefill, HookType.AROUND)
     return trace

@@ -173,19 +173,28 @@ def test_draft_gaps_names_each_long_gap_with_the_compiles_inside_it():
 @settings(max_examples=examples(40), deadline=None)
 @given(st.data())
 def test_draft_gaps_tell_a_prefill_pause_from_a_stall(data):
-    """Against a rebuild from the simulated scheduler's own log: each gap is known to hold a prefill whose requests
-    joined (with their lengths), or none."""
+    """Against a rebuild from the simulated scheduler's own log: each gap is known to hold prefill batches (whose
+    requests joined, with their lengths; or a one-token request's, which joins nothing) or none. Read from the joins
+    alone (no prefill records) a one-token request's prefill counts as no join; from the prefill records, exactly."""
     rng = random.Random(data.draw(st.integers(0, 2**31)))
-    t, running, calls, truth, next_rid = 0.0, {}, [], [], 0
+    t, running, calls, prefills, truth, next_rid = 0.0, {}, [], [], [], 0
     for _ in range(data.draw(st.integers(2, 80))):
-        joined = {}
+        joined, batches = {}, []
         if rng.random() < 0.3:  # a prefill batch of 1-3 new requests ran before this decode iteration
+            batch = {}
             for _ in range(rng.randint(1, 3)):
-                joined[f"r{next_rid}"] = rng.randint(1, 4096)
+                batch[f"r{next_rid}"] = rng.randint(1, 4096)
                 next_rid += 1
+            joined.update(batch)
+            batches.append(sum(batch.values()))
+        if rng.random() < 0.15:  # a one-token request: prefilled, finished, never in a decode batch
+            batches.append(rng.randint(1, 4096))
+            next_rid += 1
         for rid in [r for r in running if rng.random() < 0.1]:
             del running[rid]
-        gap = rng.choice([0.01, 0.03, 0.15, 0.4]) + (0.2 if joined else 0.0)
+        gap = rng.choice([0.01, 0.03, 0.15, 0.4]) + 0.2 * len(batches)
+        prefills += [{"t": t + (k + 1) * gap / (len(batches) + 1), "extend_tokens": n, "cached_tokens": 7}
+                     for k, n in enumerate(batches)]
         t += gap
         running.update(joined)
         if not running:
@@ -195,14 +204,25 @@ def test_draft_gaps_tell_a_prefill_pause_from_a_stall(data):
         order = list(running)
         rng.shuffle(order)
         calls.append({"t": t, "rids": order, "seq_lens": [running[r] for r in order]})
-        truth.append((gap * 1e3, len(joined), sum(joined.values())))
-    g = rep.draft_gaps(calls, after=0.0, limit_ms=100.0)
-    want = [(round(ms, 1), n, tok) for ms, n, tok in truth[1:] if ms > 100.0]
-    assert [(x["ms"], x["joined"], x["joined_tokens"]) for x in g["over_limit"]] == want
-    assert g["over_limit_joined"] == sum(n > 0 for _, n, _ in want)
-    assert g["over_limit_no_join"] == sum(n == 0 for _, n, _ in want)
-    quiet = [ms for ms, n, _ in truth[1:] if n == 0]
-    assert g["max_ms_no_join"] == (round(max(quiet), 1) if quiet else None)
+        truth.append((gap * 1e3, len(joined), sum(joined.values()), batches))
+    start = calls[0]["t"]
+    window = [x for x in prefills if x["t"] >= start]
+    want = [(round(ms, 1), n, tok) for ms, n, tok, _ in truth[1:] if ms > 100.0]
+    for records in (None, prefills):
+        g = rep.draft_gaps(calls, after=start, limit_ms=100.0, prefills=records)
+        assert [(x["ms"], x["joined"], x["joined_tokens"]) for x in g["over_limit"]] == want
+        assert g["over_limit_joined"] == sum(n > 0 for _, n, _ in want)
+        assert g["over_limit_no_join"] == sum(n == 0 for _, n, _ in want)
+        quiet = [ms for ms, n, _, _ in truth[1:] if n == 0]
+        assert g["max_ms_no_join"] == (round(max(quiet), 1) if quiet else None)
+    assert "over_limit_prefill" not in rep.draft_gaps(calls, after=start, limit_ms=100.0)
+    long = [(b, ms) for ms, _, _, b in truth[1:] if ms > 100.0]
+    assert [(x["prefills"], x["prefill_tokens"]) for x in g["over_limit"]] == [(len(b), sum(b)) for b, _ in long]
+    assert (g["over_limit_prefill"], g["over_limit_no_prefill"]) == (sum(bool(b) for b, _ in long),
+                                                                    sum(not b for b, _ in long))
+    bare = [ms for ms, _, _, b in truth[1:] if not b]
+    assert g["max_ms_no_prefill"] == (round(max(bare), 1) if bare else None)
+    assert g["prefill_batches"] == len(window)
 
 
 def test_memory_and_compiles_summaries():

@@ -155,6 +155,34 @@ def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch):
 
 
 @pytest.mark.subprocess
+def test_an_engine_keeps_what_it_finished_and_runs_no_case_its_pool_cannot_hold(tmp_path, monkeypatch):
+    """Against the stand-in engine with a KV pool of 1000 tokens: a case that needs more at once is not run (its
+    rate would be a smaller batch's) and says why; a case that never ends stops the engine at its timeout, and the
+    cases it finished before - with their rates and profile - still reach the record, as rows."""
+    from fake_sglang import install_fake_sglang
+
+    install_fake_sglang(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_SGLANG_POOL", "1000")
+    monkeypatch.setenv("FAKE_SGLANG_HANG_CONTEXT", "60")
+    (tmp_path / "ck" / "target").mkdir(parents=True)
+    cfg = {"engine": "graphcap", "ckpt": str(tmp_path / "ck"), "work": str(tmp_path / "work"), "batches": [1, 2, 8],
+           "cases": [[2, 30], [8, 200], [1, 60]], "steps": 3, "new": 24, "repeats": 1, "profile_cases": [],
+           "profile_steps": 6, "structured": False, "trace": False, "mem_fraction": 0.8, "context_length": 512,
+           "vocab": 977}
+    (tmp_path / "work").mkdir()
+    res = us.spawn(cfg, str(tmp_path / "work"), timeout=12)
+    assert res["crashed"]
+    done, skipped = res["cases"]
+    assert (done["batch"], done["context"], done["rates"][0] > 0) == (2, 30, True)
+    assert skipped == {"batch": 8, "context": 200,
+                       "not_run": f"needs {8 * (200 + 24 + 3 + 1)} KV tokens at once; this engine's pool holds 1000"}
+    rows = us.summarize({"graphcap": res})
+    assert [(r["batch"], r.get("not_run") is None, r.get("tokens_equal_sglang")) for r in rows] == \
+        [(2, True, None), (8, False, None)]
+    assert rows[0]["decode_tok_s_per_req"] == round(done["decode_tok_s_per_req"], 2)
+
+
+@pytest.mark.subprocess
 def test_an_engine_past_its_time_is_stopped_with_what_it_started(tmp_path, monkeypatch):
     """spawn's timeout ends the child's whole process group, as sglang's scheduler and detokenizer are children of the
     engine's process: an engine left behind would hold the GPU's memory while the next one starts. A stand-in child

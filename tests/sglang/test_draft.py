@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import re
 import sys
 from pathlib import Path
@@ -586,7 +587,7 @@ def test_the_manifest_flush_interval_reaches_the_capture(tmp_path):
     assert graphs.options.flush_every_s == 0.0 and graphs._flush_every_s == 0.0
 
 
-def test_trace_profiles_the_kernels_of_a_few_warm_draft_calls_per_listed_batch(tmp_path, monkeypatch):
+def test_trace_profiles_a_few_warm_draft_calls_per_listed_batch_and_records_prefills(tmp_path, monkeypatch):
     """GRAPHCAP_SGLANG_TRACE_PROFILE: at each listed batch size, draft calls PROFILE_SKIP .. +PROFILE_CALLS are
     profiled (their records flagged, as a profiled call pays a sync); the kernel table is the per-call mean of what
     the profiler saw, copies left out; other batch sizes are never profiled. CUDA events and the profiler are
@@ -633,15 +634,33 @@ def test_trace_profiles_the_kernels_of_a_few_warm_draft_calls_per_listed_batch(t
     def draft(worker, batch):
         return SimpleNamespace(draft_token=tr.torch.arange(len(batch.reqs) * 4))
 
-    def batch(n):
-        return SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False), seq_lens_cpu=None,
-                               reqs=[SimpleNamespace(rid=f"r{i}") for i in range(n)])
+    rng = random.Random(5)
 
-    for _ in range(tr.PROFILE_SKIP + tr.PROFILE_CALLS + 3):
-        trace.around_draft(draft, None, batch(2))
+    def batch(n, idle=False):  # a server's decode batch: no host copy of seq_lens, the requests know their lengths
+        return SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: idle), seq_lens_cpu=None,
+                               reqs=[SimpleNamespace(rid=f"r{i}", seqlen=rng.randint(1, 9000)) for i in range(n)],
+                               extend_num_tokens=rng.randint(1, 8192), prefix_lens=[rng.randint(0, 4096)] * n)
+
+    seeds, want_prefills = [], []
+    for k in range(tr.PROFILE_SKIP + tr.PROFILE_CALLS + 3):
+        b2 = batch(2)
+        trace.around_draft(draft, None, b2)
+        assert trace.pending[-1][1] == [r.seqlen for r in b2.reqs]
+        if k % 4 == 1:  # a prefill batch between two draft calls: its seed call is recorded, the seed returned
+            p = batch(k % 3 + 1, idle=k == 9)
+            seeds.append(trace.around_extend_prefill(lambda w, b, *a: ("seed", b), None, p, "hidden"))
+            assert seeds[-1] == ("seed", p)
+            if k != 9:  # an idle batch is no prefill
+                want_prefills.append(([r.rid for r in p.reqs], p.extend_num_tokens, sum(p.prefix_lens)))
         trace.around_draft(draft, None, batch(3))
     trace.flush()
     records = [json.loads(line) for line in open(trace.path)]
+    prefills = [json.loads(line) for line in open(trace.prefill_path)]
+    assert [(r["rids"], r["extend_tokens"], r["cached_tokens"]) for r in prefills] == want_prefills
+    # each prefill lies between the two draft calls it was recorded between, on the draft records' clock
+    two = [r["t"] for r in records if len(r["rids"]) == 2]
+    three = [r["t"] for r in records if len(r["rids"]) == 3]
+    assert all(any(a < p["t"] < b for a, b in zip(two, three)) for p in prefills)
     flagged = [i for i, r in enumerate(x for x in records if len(x["rids"]) == 2) if r.get("profiled")]
     assert flagged == list(range(tr.PROFILE_SKIP, tr.PROFILE_SKIP + tr.PROFILE_CALLS))
     assert not any(r.get("profiled") for r in records if len(r["rids"]) == 3)
@@ -663,11 +682,15 @@ def test_the_trace_takes_its_settings(tmp_path):
 
     settings = PluginSettings(trace_dir=str(tmp_path / "trace"), trace_flush=3, trace_profile=(8, 64))
     target = "sglang.srt.managers.scheduler.Scheduler.does_not_matter"
+    seed = "sglang.srt.managers.scheduler.Scheduler.nor_this"
     try:
-        trace = sglang_trace.install(settings, target)
+        trace = sglang_trace.install(settings, target, seed)
+        hooked = {t: list(HookRegistry._hooks.get(t, ())) for t in (target, seed)}
     finally:
         HookRegistry._hooks.pop(target, None)
+        HookRegistry._hooks.pop(seed, None)
     assert (trace.directory, trace.flush_every, sorted(trace._seen)) == (str(tmp_path / "trace"), 3, [8, 64])
+    assert all(len(v) == 1 for v in hooked.values()), hooked
     with pytest.raises(ValueError, match=r"no trace directory \(\$GRAPHCAP_SGLANG_TRACE\)"):
         sglang_trace.install(PluginSettings(), target)
 
