@@ -6,8 +6,10 @@ and graphcap's flag on one of them. `Server` starts one in a process group of it
 
 The few settings that differ from sglang's defaults are named in `ServerConfig` and said in every record
 (`ServerConfig.departures`): reporting flags (per-request cached-token counts, Prometheus metrics) that change no
-scheduling, and, unless asked for, sglang's breakable prefill CUDA graphs (start-up time; they capture the target's
-prefill, which graphcap does not touch).
+scheduling, and, unless asked for, sglang's breakable prefill CUDA graphs. Those are off for the user's own
+checkpoint anyway: sglang (0.5.18 and 0.5.23) turns them off for a multimodal architecture on neither of its
+prefill-graph allowlists, which Gemma4ForConditionalGeneration is; the stand-in checkpoints are text-only
+Gemma4ForCausalLM, which would get them. (They capture the target's prefill, which graphcap does not touch.)
 
 The parent side imports neither torch nor sglang.
 """
@@ -42,7 +44,7 @@ class ServerConfig:
     draft_model_path: str | None = None  # None for nospec
     steps: int = 3
     port: int = 30000
-    prefill_graphs: bool = False  # sglang's default is on; off here unless asked (start-up minutes, see module doc)
+    prefill_graphs: bool = False  # on for a text-only model; off, as for the user's multimodal one (module doc)
     check: bool = False  # graphcap's check mode (GRAPHCAP_SGLANG_CHECK=1): every draft checked against sglang
     extra_args: tuple[str, ...] = ()  # more sglang flags (a smaller KV pool for the faults, say)
     env: tuple[tuple[str, str], ...] = ()
@@ -70,7 +72,9 @@ class ServerConfig:
         out = ["--enable-cache-report (cached tokens per request in the OpenAI API's usage)",
                "--enable-metrics (sglang's Prometheus counters at /metrics)"]
         if not self.prefill_graphs:
-            out.append("--disable-prefill-cuda-graph (sglang's breakable prefill graphs: start-up time)")
+            out.append("--disable-prefill-cuda-graph (what sglang picks itself for the user's Gemma4ForConditional"
+                       "Generation checkpoint - a multimodal arch on neither prefill-graph allowlist - and not for the "
+                       "text-only Gemma4ForCausalLM stand-in)")
         out += [f"{a}" for a in self.extra_args if a.startswith("--")]
         return out
 

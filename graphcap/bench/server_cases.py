@@ -99,6 +99,11 @@ def case_rows(harness: dict, *, run: str, pair: str, radix_cache: bool = True) -
                          "gaps_over_100ms": len(gaps["over_limit"]) if isinstance(gaps.get("over_limit"), list)
                          else gaps.get("over_limit"),
                          "max_gap_ms_no_join": gaps.get("max_ms_no_join"),
+                         "gaps_over_100ms_prefill": gaps.get("over_limit_prefill"),
+                         "gaps_over_100ms_no_prefill": gaps.get("over_limit_no_prefill"),
+                         "max_gap_ms_no_prefill": gaps.get("max_ms_no_prefill"),
+                         "p99_gap_ms_no_prefill": gaps.get("p99_ms_no_prefill"),
+                         "prefill_batches": gaps.get("prefill_batches"),
                          "memory_growth_after_warmup_mib": mem.get("growth_after_warmup_mib"),
                          "compiles_after_warmup": len((sk.get("compiles") or {}).get("after_warmup") or [])})
     # the schema's columns first, in its order; a value nothing measured is left out

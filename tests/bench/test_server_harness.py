@@ -59,6 +59,30 @@ def test_each_kind_is_launched_with_sglangs_defaults_and_only_its_own_flags(tmp_
                                                                              **base))
 
 
+def test_sglang_turns_prefill_graphs_off_for_the_users_checkpoint_not_for_the_stand_in():
+    """Why the harness's --disable-prefill-cuda-graph is the user's own setting: sglang's model config counts Gemma 4's
+    multimodal checkpoint as a multimodal model on neither prefill-graph allowlist (its start-up then disables the
+    breakable prefill graph), while the text-only Gemma4ForCausalLM the stand-in checkpoints declare is no multimodal
+    model and would keep it. Read from the installed sglang's own tables (its module imports torchvision, which
+    this machine lacks: the lists are read from its source)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        pytest.skip("the real sglang package is not installed")
+    src = Path(spec.origin).parent / "srt" / "configs" / "model_config.py"
+    tables = {n.targets[0].id: {e.value for e in n.value.elts if isinstance(e, ast.Constant)}  # names spelled out
+              for n in ast.parse(src.read_text()).body if isinstance(n, ast.Assign)
+              and isinstance(n.targets[0], ast.Name) and n.targets[0].id.startswith("multimodal_")
+              and isinstance(n.value, ast.List)}
+    user, stand_in = "Gemma4ForConditionalGeneration", "Gemma4ForCausalLM"
+    assert user in tables["multimodal_model_archs"] and stand_in not in tables["multimodal_model_archs"]
+    assert user not in tables["multimodal_breakable_cuda_graph_supported_model_archs"]
+    assert user not in tables["multimodal_piecewise_cuda_graph_supported_model_archs"]
+    assert stand_in in json.dumps(ServerConfig(kind="nospec", model_path="m").departures)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(kind="eagle"), "server kind"),
     (dict(kind="sglang", draft_model_path=None), "needs the draft"),

@@ -48,6 +48,10 @@ def harness_output(rng: random.Random) -> dict:
         servers[label] = s
     gaps = {"calls": 100, "median_ms": 30.0, "max_ms": 700.0, "over_limit_joined": rng.randint(0, 9),
             "over_limit_no_join": rng.randint(0, 9), "max_ms_no_join": rng.uniform(0, 99), "over_limit": [{}] * 5}
+    if rng.random() < 0.5:  # a trace with prefill records: the gaps read from them too
+        gaps.update(over_limit_prefill=rng.randint(0, 5), over_limit_no_prefill=rng.randint(0, 5),
+                    max_ms_no_prefill=rng.uniform(0, 99), p99_ms_no_prefill=rng.uniform(0, 99),
+                    prefill_batches=rng.randint(0, 500))
     servers["graphcap"]["soak"] = {"requests": 900, "latency": {"random": latency(rng, 800), "abort": latency(rng, 50)},
                                    "gaps": gaps, "memory": {"growth_after_warmup_mib": rng.randint(0, 9)},
                                    "compiles": {"after_warmup": [{"kernel": "k"}] * rng.randint(0, 3)}}
@@ -97,6 +101,9 @@ def test_rows_carry_the_harness_numbers(seed):
     assert soak["itl_ms_p99"] == sk["latency"]["random"]["itl_ms"]["p99"]
     assert soak["gaps_over_100ms"] == 5 and soak["gaps_over_100ms_joined"] == sk["gaps"]["over_limit_joined"]
     assert soak["max_gap_ms"] == 700.0 and soak["compiles_after_warmup"] == len(sk["compiles"]["after_warmup"])
+    split = {"gaps_over_100ms_prefill": "over_limit_prefill", "gaps_over_100ms_no_prefill": "over_limit_no_prefill",
+             "max_gap_ms_no_prefill": "max_ms_no_prefill", "prefill_batches": "prefill_batches"}
+    assert {k: soak.get(k) for k in split} == {k: sk["gaps"].get(v) for k, v in split.items()}
     assert soak["aborts"] == sum(v["aborted"] for v in sk["latency"].values())
     for r in rows:  # the schema's columns first and in its order, nothing left as null
         cols = [k for k in r if k in COLUMNS]
