@@ -20,6 +20,12 @@ VOCAB = 4096  # the writer is the same at 262144; a small vocabulary keeps the t
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
+    # sglang first where it is installed, as in its server: `import sglang` after transformers replaces the module
+    # aliases transformers made at import, which the process-state guard would count against the next test
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        pass
     transformers = pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("tok")
     ck.write_tokenizer(d, VOCAB, max_pos=8192)
