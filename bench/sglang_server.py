@@ -112,6 +112,29 @@ def server_facts(url: str) -> dict:
                                  "cuda_graph_max_bs", "disable_radix_cache", "page_size", "attention_backend")}
 
 
+FIRST_START_S = 120.0  # a first server's start on a fresh machine (empty Triton cache, the 31B-shaped pair)
+
+
+def min_phase_s(args: argparse.Namespace, kind: str) -> float:
+    """The least time after its start that makes a server worth starting: a soak's warm-up and half a minute of it
+    where a soak is all this server would run, else a minute of phases."""
+    if args.phases == ["soak"] and kind in args.soak_on:
+        return args.soak_warmup_s + 30.0
+    return 60.0
+
+
+def time_short(deadline: float | None, now: float, startups: list[float], need_s: float) -> str | None:
+    """Why a server should not start with `deadline` (epoch s) this close - its expected start-up (the longest this
+    run has measured, FIRST_START_S before any) plus `need_s` of phases would not end by it - or None."""
+    if deadline is None:
+        return None
+    expect = max(startups, default=FIRST_START_S)
+    left = deadline - now
+    if left >= expect + need_s:
+        return None
+    return f"{left:.0f} s of the call's time left; a start (~{expect:.0f} s) and its phases ({need_s:.0f} s) need more"
+
+
 def run_phases(srv: Server, args: argparse.Namespace, words: load.Words, work: Path, shared: dict) -> dict:
     cfg, url, out = srv.cfg, srv.cfg.url, {}
     model = str(Path(cfg.model_path))
@@ -334,9 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     texts: dict[str, dict] = {}
     margins: dict = {}  # pair -> phase key -> (request, word) -> the target's top two tokens there
     shared: dict = {}
+    startups: list[float] = []  # this run's measured start-ups: what the next start is expected to take
     for i, label in enumerate(labels):
         if a.until is not None and time.time() > a.until:
             record["servers"][label] = {"not_run": "out of the call's time"}
+            continue
+        short = time_short(a.deadline, time.time(), startups, min_phase_s(a, label.split("-")[0]))
+        if short is not None:
+            record["servers"][label] = {"not_run": short}
+            print(f"{label}: not started: {short}", flush=True)
             continue
         srv = Server(server_config(label, a.ckpt, a, a.port + i), a.work, startup_timeout_s=a.startup_timeout,
                      launcher=a.launcher)
@@ -351,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: {e}", flush=True)
             continue
         print(f"{label}: up in {srv.startup_s:.0f} s", flush=True)
+        startups.append(srv.startup_s)
         weights = None
         try:
             if structure_only(a.ckpt):

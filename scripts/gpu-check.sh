@@ -50,7 +50,8 @@
 #                                 (1,8,32), SERVER_SOAK_S (480), SERVER_SOAK_ON (graphcap,sglang: the servers that
 #                                 soak), SERVER_PREFILL_GRAPHS=1 (sglang's prefill graphs kept),
 #                                 SERVER_BUDGET_S (480: no server starts after that; SERVER_DEADLINE_S: no phase starts
-#                                 after that, a soak ends by then), SERVER_VARIANTS_FROM (a directory in
+#                                 after that, a soak ends by then, and no server starts whose expected start-up and
+#                                 least useful phases would not end by then), SERVER_VARIANTS_FROM (a directory in
 #                                 the tree holding an earlier call's graphcap variants files), SERVER_FRESH_TRITON=1 (an
 #                                 empty Triton cache for this stage), SERVER_SGLANG=0.5.18 (that sglang, from .whl-0.5.18
 #                                 as user-setup installs it), SERVER_PAIR (draft-shapes; user-scale, user-scale-w8a8:

@@ -107,6 +107,31 @@ def test_bad_harness_options_are_one_line(tmp_path, capsys, args, says):
     assert not (tmp_path / "w").exists()  # refused before anything was made
 
 
+@settings(max_examples=examples(60), deadline=None)
+@given(left=st.floats(0, 900), startups=st.lists(st.floats(5, 300), max_size=3), need=st.floats(0, 400))
+def test_a_server_starts_only_if_its_start_and_phases_end_by_the_deadline(left, startups, need):
+    """The longest start-up measured so far (a fresh machine's first start before any) plus the phases' least useful
+    time must fit in what is left of the call; no deadline, no limit."""
+    sm = load_bench_script("sglang_server")
+    why = sm.time_short(1000.0 + left, 1000.0, startups, need)
+    expect = max(startups) if startups else sm.FIRST_START_S
+    assert (why is None) == (left >= expect + need)
+    if why is not None:
+        assert f"{left:.0f} s of the call's time left" in why and f"~{expect:.0f} s" in why
+    assert sm.time_short(None, 1000.0, startups, need) is None
+
+
+def test_a_soak_only_server_needs_its_warm_up_and_half_a_minute():
+    from types import SimpleNamespace
+
+    sm = load_bench_script("sglang_server")
+    a = SimpleNamespace(phases=["soak"], soak_on=["graphcap", "sglang"], soak_warmup_s=60.0)
+    assert sm.min_phase_s(a, "graphcap") == 90.0
+    assert sm.min_phase_s(a, "nospec") == 60.0  # not soaked: its other phases
+    assert sm.min_phase_s(SimpleNamespace(phases=["bench", "soak"], soak_on=["sglang"], soak_warmup_s=60.0),
+                          "sglang") == 60.0
+
+
 def test_the_servers_environment(tmp_path):
     base = {"GRAPHCAP_SGLANG_DRAFT_CAPTURE": '{"enabled": true}', "GRAPHCAP_SGLANG_CHECK": "1", "KEEP": "x"}
     env = server_env(ServerConfig(kind="sglang", model_path="/m", draft_model_path="/d"), tmp_path, base)
@@ -394,6 +419,17 @@ def test_stock_soaks_beside_the_flag_and_no_speculation_only_when_asked(ckpt, tm
     stock, nospec = out["servers"]["sglang"], out["servers"]["nospec"]
     assert stock["soak"]["requests"] > 0 and stock["soak"]["gaps"]["calls"] > 0  # stock's draft trace read too
     assert "soak" not in nospec and nospec["not_run"] == ["soak"]
+
+
+@pytest.mark.subprocess
+def test_no_server_starts_that_could_not_serve_before_the_deadline(ckpt, tmp_path):
+    import time
+
+    rc, out, log = harness(ckpt, tmp_path, "--servers", "graphcap,sglang", "--phases", "soak",
+                           "--deadline", str(time.time() + 60), port=free_port())
+    assert rc == 0, log
+    for label in ("graphcap", "sglang"):  # a first start is expected to take FIRST_START_S, the soak 90 s more
+        assert "s of the call's time left; a start (~120 s)" in out["servers"][label]["not_run"], out
 
 
 @pytest.mark.subprocess
