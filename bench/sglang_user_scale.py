@@ -20,7 +20,7 @@ and the host time of the draft call with the runtime calls inside it that waited
     python bench/sglang_user_scale.py --ckpt DIR --out OUT.json [--engines nospec,sglang,graphcap,graphcap-verify]
         [--batches 1,8,32] [--contexts 2048] [--sweep 220,670,1270,1870,2460] [--profile-batches 1,8,32]
         [--cases 1x32768,8x32768,1x131072] [--steps 3] [--structured] [--trace] [--weights bf16|w8a8]
-        [--context-length N] [--plan-only]
+        [--context-length N] [--radix-cache] [--plan-only]
 
 `--cases`: exactly these (batch, context) cases instead of every batch at every context, profiled where their batch
 is one of `--profile-batches` (the long contexts: 1x32768,8x32768,1x131072 with --profile-batches 1,8).
@@ -175,6 +175,8 @@ def engine_kwargs(cfg: dict) -> dict:
 
     mtp = cfg["engine"] != "nospec"
     extra = {"load_format": "dummy", "context_length": cfg["context_length"]}
+    if cfg.get("radix_cache"):  # a case's runs share their prompts: each prefills once (long contexts: minutes)
+        extra["disable_radix_cache"] = False
     if mtp and cfg["structured"]:  # the structured assistant beside the structured target; else both dummy (they agree)
         extra["speculative_draft_load_format"] = "auto"
     return sglang_engine_kwargs(target_dir(cfg["ckpt"]), os.path.join(cfg["ckpt"], "assistant") if mtp else None,
@@ -256,6 +258,8 @@ def child(cfg: dict) -> dict:
         shutil.rmtree(jit, ignore_errors=True)
         os.makedirs(jit)
         os.environ["TRITON_CACHE_DIR"] = jit
+    if cfg.get("radix_cache"):  # sglang's Rust radix-tree core is built for its wheel's torch; the Python one runs
+        os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
     if cfg.get("trace"):  # graphcap's draft trace around the draft call, in every MTP engine (one sync per 16 calls)
         shutil.rmtree(trace_dir, ignore_errors=True)
         os.environ["GRAPHCAP_SGLANG_TRACE"] = trace_dir
@@ -456,6 +460,10 @@ def main(argv=None) -> int:
                          "and a checkpoint written with sglang_checkpoint.py --weights w8a8)")
     ap.add_argument("--trace", action="store_true", help="graphcap's draft trace around every draft call of the MTP "
                     "engines: per timed run, the draft calls' host and GPU time (one sync per 16 calls)")
+    ap.add_argument("--radix-cache", action="store_true",
+                    help="sglang's radix cache on: the warm, short, long and profiled runs of a case share its "
+                         "prompts, so only the first prefills them (decode rates are differences of runs, which no "
+                         "prefill enters; for long contexts, where five prefills of the batch take minutes)")
     ap.add_argument("--mem-fraction", type=float, default=0.88)
     ap.add_argument("--context-length", type=int, default=None,
                     help=f"the engine's context length (default: {MIN_CONTEXT_LENGTH}, or what the longest context "
@@ -521,7 +529,8 @@ def main(argv=None) -> int:
     engine_batches = sorted({b for b, _ in cases})  # the decode graphs and running requests every case needs
     if a.plan_only:
         print(json.dumps({"cases": cases, "profile_cases": profile_cases, "batches": engine_batches,
-                          "context_length": context_length, "weights": a.weights, "engines": engines}))
+                          "context_length": context_length, "weights": a.weights, "engines": engines,
+                          "radix_cache": a.radix_cache}))
         return 0
     work = a.work or os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
     os.makedirs(work, exist_ok=True)
@@ -530,7 +539,8 @@ def main(argv=None) -> int:
         cfg = {"engine": e, "ckpt": a.ckpt, "work": work, "batches": engine_batches, "cases": cases, "steps": a.steps,
                "new": a.new, "repeats": a.repeats, "profile_cases": profile_cases, "profile_steps": a.profile_steps,
                "structured": a.structured, "weights": a.weights, "trace": a.trace, "mem_fraction": a.mem_fraction,
-               "context_length": context_length, "fresh_jit_cache": a.fresh_jit_cache, "vocab": tcfg["vocab_size"]}
+               "context_length": context_length, "fresh_jit_cache": a.fresh_jit_cache, "vocab": tcfg["vocab_size"],
+               "radix_cache": a.radix_cache}
         results[e] = spawn(cfg, work, a.timeout)
         record = {"engines": results, "rows": summarize(results)}
         json.dump(record, open(a.out, "w"), indent=1)

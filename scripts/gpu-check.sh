@@ -204,10 +204,12 @@ case $1 in
     # harness both get --weights w8a8, the checkpoint in $WORK/ckpt-us-w8a8 (compressed-tensors W8A8 int8 declared,
     # the structure alone), the harness loading seeded int8 projections into the engine; USER_CONTEXTS: the prompts'
     # lengths, default 2048; USER_CASES=1x32768,8x32768,1x131072: exactly these batch x context cases instead, each
-    # profiled whose batch is in USER_PROFILE. The checkpoint's max_position_embeddings is the longest context + 4096,
-    # 32768 at least)
+    # profiled whose batch is in USER_PROFILE, with sglang's radix cache on (USER_RADIX, default 1 with USER_CASES:
+    # a case's runs share its prompts, so one prefill of a long batch instead of five). The checkpoint's
+    # max_position_embeddings is the longest context + 4096, 32768 at least)
     engine_env
-    local weights=${USER_WEIGHTS:-bf16} ckpt=$WORK/ckpt-us longest=0 c
+    local weights=${USER_WEIGHTS:-bf16} ckpt=$WORK/ckpt-us longest=0 c radix=
+    [ "${USER_RADIX:-${USER_CASES:+1}}" = 1 ] && radix=--radix-cache
     case $weights in
       bf16) ;;
       w8a8) ckpt=$WORK/ckpt-us-w8a8
@@ -229,7 +231,7 @@ case $1 in
       --contexts "${USER_CONTEXTS:-2048}" ${USER_CASES:+--cases "$USER_CASES"} \
       ${USER_SWEEP:+--sweep "$USER_SWEEP"} ${USER_PROFILE:+--profile-batches "$USER_PROFILE"} \
       --steps "${USER_STEPS:-3}" ${USER_STRUCTURED:+--structured} ${USER_TRACE:+--trace} \
-      ${USER_FRESH_JIT:+--fresh-jit-cache} --weights "$weights" \
+      ${USER_FRESH_JIT:+--fresh-jit-cache} --weights "$weights" $radix \
       --repeats "${USER_REPEATS:-1}" --new 96 --timeout "${USER_TIMEOUT:-215}" \
       --work "$WORK/user-scale" --out "$LOG/user-scale.json"
     mkdir -p "$LOG/user-scale-engines"  # each engine's log end and graphcap's manifests (traces stay in $WORK)

@@ -31,7 +31,8 @@ class Engine:
         tag = "graphcap" if self.graphcap else ("sglang" if self.mtp else "nospec")
         with open(os.path.join(os.environ["FAKE_SGLANG_LOG"], tag + ".json"), "w") as f:
             json.dump({{"kw": kw, "capture": os.environ.get(DRAFT_CAPTURE_ENV), "trace": os.environ.get(TRACE_ENV),
-                       "triton_cache": os.environ.get("TRITON_CACHE_DIR")}}, f)
+                       "triton_cache": os.environ.get("TRITON_CACHE_DIR"),
+                       "radix_core": os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND")}}, f)
         if os.environ.get("FAKE_SGLANG_CRASH") == tag:
             raise RuntimeError("fake sglang: CUDA error: an illegal memory access was encountered")
         self.tokenizer_manager = _TokenizerManager()

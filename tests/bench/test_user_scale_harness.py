@@ -158,19 +158,23 @@ def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch):
 def test_an_engine_keeps_what_it_finished_and_runs_no_case_its_pool_cannot_hold(tmp_path, monkeypatch):
     """Against the stand-in engine with a KV pool of 1000 tokens: a case that needs more at once is not run (its
     rate would be a smaller batch's) and says why; a case that never ends stops the engine at its timeout, and the
-    cases it finished before - with their rates and profile - still reach the record, as rows."""
+    cases it finished before - with their rates and profile - still reach the record, as rows. With `radix_cache`
+    the engine starts with sglang's radix cache on, its Python tree core chosen."""
     from fake_sglang import install_fake_sglang
 
-    install_fake_sglang(tmp_path, monkeypatch)
+    log = install_fake_sglang(tmp_path, monkeypatch)
+    monkeypatch.delenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", raising=False)
     monkeypatch.setenv("FAKE_SGLANG_POOL", "1000")
     monkeypatch.setenv("FAKE_SGLANG_HANG_CONTEXT", "60")
     (tmp_path / "ck" / "target").mkdir(parents=True)
     cfg = {"engine": "graphcap", "ckpt": str(tmp_path / "ck"), "work": str(tmp_path / "work"), "batches": [1, 2, 8],
            "cases": [[2, 30], [8, 200], [1, 60]], "steps": 3, "new": 24, "repeats": 1, "profile_cases": [],
            "profile_steps": 6, "structured": False, "trace": False, "mem_fraction": 0.8, "context_length": 512,
-           "vocab": 977}
+           "vocab": 977, "radix_cache": True}
     (tmp_path / "work").mkdir()
     res = us.spawn(cfg, str(tmp_path / "work"), timeout=12)
+    started = json.loads((log / "graphcap.json").read_text())  # the radix cache on, through sglang's Python core
+    assert started["kw"]["disable_radix_cache"] is False and started["radix_core"] == "python"
     assert res["crashed"]
     done, skipped = res["cases"]
     assert (done["batch"], done["context"], done["rates"][0] > 0) == (2, 30, True)
@@ -244,7 +248,7 @@ def test_the_long_context_cases_plan(capsys, tiny_w8a8):
              "--weights", "w8a8", "--engines", "nospec,graphcap-verify", "--batches", "8", "--contexts", "2048")
     assert p == {"cases": [[1, 32768], [8, 32768], [1, 131072]], "profile_cases": [[1, 32768], [8, 32768], [1, 131072]],
                  "batches": [1, 8], "context_length": 131072 + 96 + 8 + 64, "weights": "w8a8",
-                 "engines": ["nospec", "graphcap-verify"]}
+                 "engines": ["nospec", "graphcap-verify"], "radix_cache": False}
     assert plan(capsys, tiny_w8a8, "--cases", "8x32768,1x131072", "--structured", "--weights", "w8a8")[
         "profile_cases"] == [[8, 32768]]  # the default profiled batch: 8
 
@@ -326,6 +330,10 @@ def test_gpu_check_runs_the_w8a8_long_context_cases(tmp_path, capsys):
     p = replay(steps, capsys)
     assert p["weights"] == "w8a8" and p["cases"] == [[1, 32768], [8, 32768], [1, 131072]]
     assert p["profile_cases"] == p["cases"] and p["context_length"] == 131072 + 96 + 8 + 64
+    assert p["radix_cache"] is True  # a case's runs share their prompts: one prefill of each long batch
+    rc, steps, err = gpu_check_steps(tmp_path, USER_WEIGHTS="w8a8", USER_STRUCTURED="1", USER_VERIFY_ALONE="0",
+                                     USER_CASES="1x32768", USER_RADIX="0")
+    assert rc == 0 and replay(steps, capsys)["radix_cache"] is False, err
 
 
 def test_gpu_check_default_is_the_recorded_bf16_run(tmp_path, capsys):
@@ -335,7 +343,7 @@ def test_gpu_check_default_is_the_recorded_bf16_run(tmp_path, capsys):
     ckpt = steps[0]
     assert ckpt[ckpt.index("--out") + 1] == f"{tmp_path}/work/ckpt-us" and ckpt[ckpt.index("--max-pos") + 1] == "32768"
     p = replay(steps, capsys)
-    assert (p["weights"], p["cases"], p["context_length"]) == ("bf16", [[8, 2048]], 8192)
+    assert (p["weights"], p["cases"], p["context_length"], p["radix_cache"]) == ("bf16", [[8, 2048]], 8192, False)
     assert "--weights" in steps[1] and "--structured" in steps[1]
 
 
