@@ -1,7 +1,7 @@
-"""bench/sglang_user_scale.py's reading of sglang's profiler trace (a synthetic chrome trace with the annotation names
-sglang's by-stage profile writes), its argument checks and plans (the long contexts, the W8A8 target), and the W8A8
-target's int8 projections and their load (against sglang's own model: tests/sglang_isolated/check_w8a8_target_load.py);
-the engine runs themselves need a GPU."""
+"""The reading of sglang's profiler trace (graphcap.bench.phase_profile: a synthetic chrome trace with the annotation
+names sglang's by-stage profile writes), bench/sglang_user_scale.py's argument checks and plans (the long contexts,
+the W8A8 target), and the W8A8 target's int8 projections and their load (against sglang's own model:
+tests/sglang_isolated/check_w8a8_target_load.py); the engine runs themselves need a GPU."""
 from __future__ import annotations
 
 import gzip
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from bench_scripts import load_bench_script, tiny_w8a8  # noqa: F401 - a fixture
+
+from graphcap.bench import phase_profile
 
 us = load_bench_script("sglang_user_scale")
 
@@ -36,7 +38,7 @@ def synthetic(iterations=4, period=1000.0):
 
 
 def test_phases_spans_kernels_and_the_host_wait():
-    r = us.read_trace(synthetic())
+    r = phase_profile.read_trace(synthetic())
     assert r["verify"]["spans"] == 4 and r["verify"]["gpu_span_ms"] == pytest.approx(0.6)
     assert r["verify"]["kernel_ms"] == pytest.approx(0.55)
     assert r["verify"]["top_kernels"][0] == {"name": "_fwd_kernel", "ms_per_span": pytest.approx(0.5)}
@@ -52,7 +54,7 @@ def test_no_spec_decode_sets_the_period_and_a_gz_trace_loads(tmp_path):
     p = tmp_path / "t.trace.json.gz"
     with gzip.open(p, "wt") as f:
         json.dump({"traceEvents": e}, f)
-    r = us.read_trace(us.load_trace(str(p)))
+    r = phase_profile.read_trace(phase_profile.load_trace(str(p)))
     assert r["iteration_ms"] == pytest.approx(0.5) and r["decode"]["kernel_ms"] == pytest.approx(0.3)
     assert "verify" not in r and "draft_host" not in r
 
