@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import pkgutil
 import random
@@ -181,6 +182,34 @@ def test_hooked_draft_extend_for_prefill_marks_joins(patched):
     batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=reqs)
     assert FrozenKVMTPDraftWorker._draft_extend_for_prefill(worker, batch, torch.zeros(1, 2), torch.zeros(1)) == "seed"
     assert tracker.owner == {3: "x"} and tracker.stats["joins"] == 1
+
+
+def test_the_trace_records_a_prefill_over_the_hooked_seed_with_the_installed_fields(patched, tmp_path):
+    """graphcap's draft trace reads a prefill batch's `extend_num_tokens` and `prefix_lens` and a request's `seqlen`,
+    which the installed sglang has; around the real (hooked) `_draft_extend_for_prefill` it records the batch and
+    hands on sglang's seed, graphcap's join bookkeeping still done."""
+    import inspect
+
+    from sglang.srt.managers.schedule_batch import Req
+
+    from graphcap.sglang.trace import DraftTrace
+
+    assert {"extend_num_tokens", "prefix_lens", "reqs", "forward_mode"} <= {f.name for f in
+                                                                          dataclasses.fields(ScheduleBatch)}
+    assert isinstance(inspect.getattr_static(Req, "seqlen"), property)
+    tracker = SlotTracker(_window_buffers())
+    tracker.owner.update({2: "old"})
+    worker = SimpleNamespace(_graphcap_runtime=_Runtime(tracker), _select_last_extend_hidden=lambda b, h: h,
+                             _build_seed_draft_input=lambda tok, hid: "seed")
+    batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=[_req("a", 2)], extend_num_tokens=300,
+                            prefix_lens=[64])
+    trace = DraftTrace(str(tmp_path), flush_every=16)
+    seed = trace.around_extend_prefill(FrozenKVMTPDraftWorker._draft_extend_for_prefill, worker, batch,
+                                       torch.zeros(1, 2), torch.zeros(1))
+    assert seed == "seed" and tracker.stats["joins"] == 1
+    trace.flush()
+    (rec,) = [json.loads(line) for line in open(trace.prefill_path)]
+    assert (rec["rids"], rec["extend_tokens"], rec["cached_tokens"]) == (["a"], 300, 64)
 
 
 def _swa_component():
