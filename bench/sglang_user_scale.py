@@ -318,7 +318,8 @@ def summarize(results: dict) -> list[dict]:
                          "extend_ms": (p.get("draft_extend") or {}).get("gpu_span_ms"),
                          "decode_ms": (p.get("decode") or {}).get("gpu_span_ms"),
                          "iteration_ms": p.get("iteration_ms"),
-                         "tokens_equal_sglang": (None if theirs is None or c.get("tokens") is None  # read back from a log
+                         # None where either side's tokens are unknown (a case read back from a stopped engine's log)
+                         "tokens_equal_sglang": (None if theirs is None or c.get("tokens") is None
                                                  else c["tokens"] == theirs),
                          **trace_fields(c)})
     return rows
