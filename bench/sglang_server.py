@@ -15,6 +15,7 @@ for graphcap, `-check` (GRAPHCAP_SGLANG_CHECK=1: every draft checked against sgl
 included). Phases, each on every server:
 - bench: sglang.bench_serving, random dataset (prompts from a ShareGPT-format file of the model's own words), the
   same requests at each --concurrency, after a warm-up run;
+- rate: the same requests arriving at each --request-rates (Poisson, sglang.bench_serving's own), none capped;
 - gsp: sglang.bench_serving's generated-shared-prefix dataset (prefix-cache hits across requests);
 - multiturn: graphcap's chat client, 8 conversations x 4 rounds over /v1/chat/completions, streamed, each reply
   appended to its conversation; then again with /flush_cache between rounds;
@@ -44,7 +45,7 @@ from graphcap.bench import server_report as rep
 from graphcap.bench.served import machine
 from graphcap.bench.server import KINDS, LAUNCHER, Server, ServerConfig, ServerFailed, http_json
 
-PHASES = ("bench", "gsp", "multiturn", "faults", "soak")
+PHASES = ("bench", "rate", "gsp", "multiturn", "faults", "soak")
 
 
 def structure_only(ckpt: Path) -> bool:
@@ -135,6 +136,25 @@ def time_short(deadline: float | None, now: float, startups: list[float], need_s
     return f"{left:.0f} s of the call's time left; a start (~{expect:.0f} s) and its phases ({need_s:.0f} s) need more"
 
 
+OPEN_LOOP = 4096  # bench_serving's --max-concurrency for the rate phase: more than any server here admits
+
+
+def rate_key(rate: float) -> str:
+    return f"{rate:g}"
+
+
+def random_run(cfg: ServerConfig, args: argparse.Namespace, work: Path, data: Path, key: str, *, concurrency: int,
+               request_rate: float = float("inf")) -> dict:
+    """sglang.bench_serving's random dataset - the same --num-prompts requests in every run (seed 1) - at one
+    concurrency cap and request rate: its summary and the generated texts."""
+    f = work / f"{cfg.label}-{key}.jsonl"
+    a = load.bench_serving_args(cfg.url, cfg.model_path, f, dataset="random", num_prompts=args.num_prompts,
+                                concurrency=concurrency, input_len=args.input_len, output_len=args.output_len,
+                                range_ratio=0.5, seed=1, dataset_path=data, request_rate=request_rate)
+    res = load.run_bench_serving(a, work / f"{cfg.label}-{key}.log", f, command=args.bench_serving)
+    return {"summary": load.summarize_bench(res), "texts": res.get("generated_texts")}
+
+
 def run_phases(srv: Server, args: argparse.Namespace, words: load.Words, work: Path, shared: dict) -> dict:
     cfg, url, out = srv.cfg, srv.cfg.url, {}
     model = str(Path(cfg.model_path))
@@ -153,15 +173,13 @@ def run_phases(srv: Server, args: argparse.Namespace, words: load.Words, work: P
                                                input_len=args.input_len, output_len=64, seed=99, dataset_path=data)
                 load.run_bench_serving(warm, work / f"{cfg.label}-warm.log", work / f"{cfg.label}-warm.jsonl",
                                        command=args.bench_serving)
-                runs = {}
-                for c in args.concurrency:
-                    f = work / f"{cfg.label}-bench-c{c}.jsonl"
-                    a = load.bench_serving_args(url, tok, f, dataset="random", num_prompts=args.num_prompts,
-                                                concurrency=c, input_len=args.input_len, output_len=args.output_len,
-                                                range_ratio=0.5, seed=1, dataset_path=data)
-                    res = load.run_bench_serving(a, work / f"{cfg.label}-bench-c{c}.log", f, command=args.bench_serving)
-                    runs[str(c)] = {"summary": load.summarize_bench(res), "texts": res.get("generated_texts")}
-                out[phase] = runs
+                out[phase] = {str(c): random_run(cfg, args, work, data, f"bench-c{c}", concurrency=c)
+                              for c in args.concurrency}
+            elif phase == "rate":  # open loop: Poisson arrivals at each rate, no cap on requests in flight
+                data = shared.setdefault("sharegpt", load.write_sharegpt(work / "sharegpt.json", words, seed=7))
+                out[phase] = {rate_key(r): random_run(cfg, args, work, data, f"rate-r{rate_key(r)}",
+                                                      concurrency=OPEN_LOOP, request_rate=r)
+                              for r in args.request_rates}
             elif phase == "gsp":
                 f = work / f"{cfg.label}-gsp.jsonl"
                 a = load.bench_serving_args(url, tok, f, dataset="generated-shared-prefix", num_prompts=32,
@@ -229,10 +247,10 @@ def summarize_server(label: str, srv: Server, phases: dict) -> dict:
                "not_run": phases.get("not_run"), "soak_s": phases.get("soak_s"),
                "alive_after": phases.get("alive_after"), "died": phases.get("died"),
                "compiles": rep.compiles_summary(compiles), "draft_calls": len(trace)}
-    for name in ("bench", "gsp"):
+    for name in ("bench", "rate", "gsp"):
         if name in phases:
             p = phases[name]
-            s[name] = ({c: r["summary"] for c, r in p.items()} if name == "bench" and "error" not in p
+            s[name] = ({c: r["summary"] for c, r in p.items()} if name in ("bench", "rate") and "error" not in p
                        else p.get("summary", p))
     if "multiturn" in phases:
         mt = phases["multiturn"]
@@ -307,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--request-rates", default="2,4", help="the rate phase's request rates (requests/s)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
@@ -338,6 +357,13 @@ def main(argv: list[str] | None = None) -> int:
     a.launcher, a.bench_serving = tuple(shlex.split(a.launcher)), tuple(shlex.split(a.bench_serving))
     try:
         a.concurrency = [int(x) for x in a.concurrency.split(",")]
+        raw, a.request_rates = a.request_rates, []
+        try:
+            a.request_rates = [float(x) for x in raw.split(",") if x]
+        except ValueError:
+            pass
+        if not a.request_rates or not all(0 < r < float("inf") for r in a.request_rates):
+            raise ValueError(f"--request-rates: finite requests per second > 0, got {raw!r}")
         a.phases = [p for p in a.phases.split(",") if p]
         bad = [p for p in a.phases if p not in PHASES]
         if bad or any(c < 1 for c in a.concurrency):

@@ -46,8 +46,9 @@
 #                                 graphcap once per --draft-graph-projections value)
 #   scripts/gpu-check.sh server   sglang's HTTP server as users start it (bench/sglang_server.py) on the draft-shapes
 #                                 pair: SERVER_SERVERS (graphcap,sglang,nospec; -small: a small KV pool, -check: graphcap's
-#                                 check mode), SERVER_PHASES (bench,gsp,multiturn; faults, soak), SERVER_CONCURRENCY
-#                                 (1,8,32), SERVER_SOAK_S (480), SERVER_SOAK_ON (graphcap,sglang: the servers that
+#                                 check mode), SERVER_PHASES (bench,gsp,multiturn; rate, faults, soak),
+#                                 SERVER_CONCURRENCY (1,8,32), SERVER_RATES (the rate phase's requests/s: 2,4),
+#                                 SERVER_SOAK_S (480), SERVER_SOAK_ON (graphcap,sglang: the servers that
 #                                 soak), SERVER_PREFILL_GRAPHS=1 (sglang's prefill graphs kept),
 #                                 SERVER_BUDGET_S (480: no server starts after that; SERVER_DEADLINE_S: no phase starts
 #                                 after that, a soak ends by then, and no server starts whose expected start-up and
@@ -276,7 +277,7 @@ case $1 in
     local a; for a in ${SERVER_ARGS:-}; do sargs+=("--server-arg=$a"); done
     STEP_LIMIT=${STEP_LIMIT:-580} step server python3 bench/sglang_server.py --ckpt "$ckpt" "${sargs[@]}" \
       --servers "${SERVER_SERVERS:-graphcap,sglang,nospec}" --phases "${SERVER_PHASES:-bench,gsp,multiturn}" \
-      --concurrency "${SERVER_CONCURRENCY:-1,8,32}" --soak-s "${SERVER_SOAK_S:-480}" --until "$until" \
+      --concurrency "${SERVER_CONCURRENCY:-1,8,32}" --request-rates "${SERVER_RATES:-2,4}" --soak-s "${SERVER_SOAK_S:-480}" --until "$until" \
       --work "$WORK/server" --out "$LOG/server.json" "${bs[@]}" "${extra[@]}"
     mkdir -p "$LOG/server-files"  # each server's log end, graphcap's manifests and variants files, the traces' ends
     for p in "$WORK"/server/*.log "$WORK"/server/manifests-*/*.json "$WORK"/server/trace-*/compiles-*.jsonl; do

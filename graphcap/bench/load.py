@@ -70,7 +70,7 @@ def run_bench_serving(args: Sequence[str], log_path: str | Path, out_file: str |
 
 SUMMARY_KEYS = ("completed", "duration", "output_throughput", "request_throughput", "median_tpot_ms", "p99_tpot_ms",
                 "median_itl_ms", "p99_itl_ms", "median_ttft_ms", "p99_ttft_ms", "accept_length",
-                "total_output_tokens", "max_concurrency")
+                "total_output_tokens", "max_concurrency", "request_rate")
 
 
 def summarize_bench(result: dict) -> dict:

@@ -57,6 +57,12 @@ def case_rows(harness: dict, *, run: str, pair: str, radix_cache: bool = True) -
             eq, ties = _equal(cmp, label, [f"bench-c{c}"])
             rows.append({**base, "workload": "random", "concurrency": int(c),
                          **{k: _num(b.get(v)) for k, v in BENCH_KEYS.items()}, "tokens_equal": eq, "near_ties": ties})
+        for r, b in sorted((s.get("rate") or {}).items(), key=lambda kv: float(kv[0])):
+            if not isinstance(b, dict) or "completed" not in b:
+                continue
+            eq, ties = _equal(cmp, label, [f"rate-r{r}"])
+            rows.append({**base, "workload": "random", "concurrency": None, "request_rate": float(r),
+                         **{k: _num(b.get(v)) for k, v in BENCH_KEYS.items()}, "tokens_equal": eq, "near_ties": ties})
         if isinstance(s.get("gsp"), dict) and "completed" in s["gsp"]:
             eq, ties = _equal(cmp, label, ["gsp"])
             rows.append({**base, "workload": "shared-prefix", "concurrency": 8,

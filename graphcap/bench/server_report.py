@@ -79,11 +79,15 @@ def annotate_differences(cmp: dict, margins: dict, stock_self: set[tuple[int, in
 
 
 def texts_of(phases: dict) -> dict[str, list]:
-    """Every phase's replies, keyed for comparison across servers: `bench-c8`, `gsp`, `multiturn-kept`, ..."""
+    """Every phase's replies, keyed for comparison across servers: `bench-c8`, `rate-r2`, `gsp`, `multiturn-kept`,
+    ..."""
     out: dict[str, list] = {}
     for c, r in (phases.get("bench") or {}).items():
         if isinstance(r, dict) and r.get("texts"):
             out[f"bench-c{c}"] = [{"text": t} for t in r["texts"]]
+    for rate, r in (phases.get("rate") or {}).items():
+        if isinstance(r, dict) and r.get("texts"):
+            out[f"rate-r{rate}"] = [{"text": t} for t in r["texts"]]
     if (phases.get("gsp") or {}).get("texts"):
         out["gsp"] = [{"text": t} for t in phases["gsp"]["texts"]]
     for key, v in (phases.get("multiturn") or {}).items():
@@ -105,12 +109,12 @@ def compared_pairs(labels: list[str]) -> list[tuple[str, str]]:
 
 def comparisons(texts: dict[str, dict[str, list]], margins: dict | None = None) -> dict:
     """graphcap against stock sglang, stock against the target alone (`compared_pairs`), and stock against itself
-    across concurrencies (the same requests, other batching); each difference with its logit margin where one was
+    across concurrencies and request rates (the same requests, other batching); each difference with its logit margin where one was
     asked (`margins`: bench/sglang_server.py asks them while the later server is up) and whether stock also differs
     from itself there (a near-tie only then)."""
     out: dict = {}
     for a in texts:
-        runs = sorted(k for k in texts[a] if k.startswith("bench-c"))
+        runs = sorted(k for k in texts[a] if k.startswith(("bench-c", "rate-r")))  # the same requests in each
         if a.split("-")[0] == "sglang" and len(runs) > 1:
             first = texts[a][runs[0]]
             out[f"{a} across concurrencies"] = {f"{runs[0]} vs {k}": replies_compared(first, texts[a][k])

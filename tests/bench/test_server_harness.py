@@ -95,6 +95,8 @@ def test_bad_server_configs_are_refused(kw, match):
 
 @pytest.mark.parametrize("args, says", [
     (["--soak-on", "graphcap,eagle"], "--soak-on: kinds from nospec, sglang, graphcap, got graphcap,eagle"),
+    (["--request-rates", "2,inf"], "--request-rates: finite requests per second > 0, got '2,inf'"),
+    (["--request-rates", "fast"], "--request-rates: finite requests per second > 0, got 'fast'"),
     (["--phases", "bench,warp"], "--phases from"),
     (["--concurrency", "8,0"], "--concurrency positive"),
 ])
@@ -445,19 +447,23 @@ def test_a_server_that_dies_is_recorded_with_why_and_the_run_goes_on(ckpt, tmp_p
 @pytest.mark.subprocess
 def test_sglangs_own_client_runs_and_its_numbers_are_kept(ckpt, tmp_path):
     """sglang.bench_serving, its random dataset from the harness's own ShareGPT file, the same requests at two
-    concurrencies, then its generated-shared-prefix dataset: throughput, TPOT/ITL/TTFT, acceptance and cached
-    tokens in the record; the stock server's texts compared across the two concurrencies."""
-    rc, out, log = harness(ckpt, tmp_path, "--servers", "sglang", "--phases", "bench,gsp", "--concurrency", "1,3",
-                           "--num-prompts", "5", "--input-len", "48", "--output-len", "12", port=free_port())
+    concurrencies and, open loop, at a request rate, then its generated-shared-prefix dataset: throughput,
+    TPOT/ITL/TTFT, acceptance and cached tokens in the record; the stock server's texts compared across the runs."""
+    rc, out, log = harness(ckpt, tmp_path, "--servers", "sglang", "--phases", "bench,rate,gsp", "--concurrency", "1,3",
+                           "--request-rates", "25", "--num-prompts", "5", "--input-len", "48", "--output-len", "12",
+                           port=free_port())
     assert rc == 0, log
     s = out["servers"]["sglang"]
     for c in ("1", "3"):
         b = s["bench"][c]
         assert b["completed"] == 5 and b["failed_requests"] == 0 and b["max_concurrency"] == int(c), b
         assert b["output_throughput"] > 0 and b["median_tpot_ms"] > 0 and b["accept_length"] == 2.5
+    r = s["rate"]["25"]
+    assert r["completed"] == 5 and r["request_rate"] == 25.0 and r["max_concurrency"] > 5, r  # no cap
     assert s["gsp"]["completed"] == 32 and s["gsp"]["cached_tokens"] > 0
-    across = out["comparisons"]["sglang across concurrencies"]["bench-c1 vs bench-c3"]
-    assert across["compared"] == 5 and across["equal"] == 5
+    across = out["comparisons"]["sglang across concurrencies"]
+    assert {k: (v["compared"], v["equal"]) for k, v in across.items()} == {"bench-c1 vs bench-c3": (5, 5),
+                                                                           "bench-c1 vs rate-r25": (5, 5)}
 
 
 @pytest.mark.subprocess

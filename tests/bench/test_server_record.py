@@ -37,10 +37,12 @@ def harness_output(rng: random.Random) -> dict:
     """A harness output of the shape bench/sglang_server.py writes: stock and graphcap ran bench at two
     concurrencies, multi-turn and faults; graphcap soaked; no-speculation never started."""
     conc = sorted(rng.sample([1, 8, 16, 32], 2))
+    rates = rng.sample(["0.5", "2", "4"], rng.randint(0, 2))
     servers, cmp = {}, {}
     for label in ("sglang", "graphcap"):
         s = {"command": f"launch {label}", "died": None if rng.random() < 0.8 else "exit 3",
              "bench": {str(c): bench_summary(rng) for c in conc},
+             "rate": {r: bench_summary(rng) for r in rates},
              "multiturn": {"kept": [{"round": i + 1, "cached_tokens": rng.randint(0, 9999),
                                      "prompt_tokens": 10000, **latency(rng, 8)} for i in range(4)]},
              "faults": {"aborts": {"alive_after": True, **latency(rng, 64)},
@@ -60,6 +62,7 @@ def harness_output(rng: random.Random) -> dict:
     pair = {f"bench-c{c}": {"compared": 32, "equal": rng.randint(28, 32),
                             "differ": [{"near_tie": rng.random() < 0.5} for _ in range(rng.randint(0, 3))]}
             for c in conc}
+    pair.update({f"rate-r{r}": {"compared": 32, "equal": rng.randint(28, 32), "differ": []} for r in rates})
     pair["multiturn-kept"] = {"compared": 32, "equal": 32, "differ": []}
     pair["faults-aborts"] = {"compared": 16, "equal": 16, "differ": []}
     pair["faults-one_token"] = {"compared": 16, "equal": 15, "differ": [{"near_tie": False}]}
@@ -89,6 +92,12 @@ def test_rows_carry_the_harness_numbers(seed):
                 assert r["near_ties"] == sum(d["near_tie"] for d in c_["differ"])
             else:
                 assert "tokens_equal" not in r  # stock is the reference
+        for rate, b in s["rate"].items():  # open loop: no concurrency, the rate instead
+            (r,) = [x for x in rows if x["engine"] == label and x.get("request_rate") == float(rate)]
+            assert r["workload"] == "random" and "concurrency" not in r
+            assert r["output_tok_s"] == round(b["output_throughput"], 2) and r["requests"] == b["completed"]
+            if label == "graphcap":
+                assert r["tokens_equal"] == f"{out['comparisons']['graphcap vs sglang'][f'rate-r{rate}']['equal']}/32"
         mt = by[(label, "multiturn", 8)]
         assert mt["radix_hits"] == sum(x["cached_tokens"] for x in s["multiturn"]["kept"])
         assert mt["radix_hits_by_round"] == [x["cached_tokens"] for x in s["multiturn"]["kept"]]

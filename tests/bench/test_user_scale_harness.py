@@ -361,9 +361,10 @@ def test_gpu_check_serves_the_w8a8_31b_pair(tmp_path):
     hands it to the server harness (which loads its weights over HTTP), SERVER_ARGS reaching every server as
     --server-arg items; a bad pair is refused naming the knob."""
     rc, steps, err = gpu_check_steps(tmp_path, "server", SERVER_PAIR="user-scale-w8a8",
-                                     SERVER_ARGS="--context-length 8192")
+                                     SERVER_ARGS="--context-length 8192", SERVER_RATES="1.5,3")
     assert rc == 0, err
     ckpt, server = steps[0], steps[-1]
+    assert server[server.index("--request-rates") + 1] == "1.5,3"
     assert ckpt[0] == "ckpt-user-scale" and ckpt[ckpt.index("--weights") + 1] == "w8a8"
     assert ckpt[ckpt.index("--out") + 1] == f"{tmp_path}/work/ckpt-us-w8a8"
     assert server[0] == "server" and server[server.index("--ckpt") + 1] == f"{tmp_path}/work/ckpt-us-w8a8"
