@@ -109,9 +109,9 @@ def compared_pairs(labels: list[str]) -> list[tuple[str, str]]:
 
 def comparisons(texts: dict[str, dict[str, list]], margins: dict | None = None) -> dict:
     """graphcap against stock sglang, stock against the target alone (`compared_pairs`), and stock against itself
-    across concurrencies and request rates (the same requests, other batching); each difference with its logit margin where one was
-    asked (`margins`: bench/sglang_server.py asks them while the later server is up) and whether stock also differs
-    from itself there (a near-tie only then)."""
+    across concurrencies and request rates (the same requests, other batching); each difference with its logit
+    margin where one was asked (`margins`: bench/sglang_server.py asks them while the later server is up) and whether
+    stock also differs from itself there (a near-tie only then)."""
     out: dict = {}
     for a in texts:
         runs = sorted(k for k in texts[a] if k.startswith(("bench-c", "rate-r")))  # the same requests in each
