@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from graphcap.atomic import write_atomic
 from graphcap.bench.options import OneLineParser
 from graphcap.bench.server_cases import case_rows, server_facts
 
@@ -97,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = sorted(kept + [r for n, out in outputs.items() for r in case_rows(out, run=n, pair=pairs[n])],
                   key=lambda r: str(r.get("run")))  # stable: each run's rows in the harness's order
     record.update(runs=dict(sorted(described.items())), cases=rows)  # the other keys as they were
-    tmp = a.record.with_name(a.record.name + ".tmp")  # written whole, then moved over: never a half record
-    tmp.write_text(layout(record) + "\n")
-    tmp.replace(a.record)
+    write_atomic(a.record, (layout(record) + "\n").encode(), 0o644)  # never a half record
     print(f"{a.record}: {len(rows)} cases ({len(rows) - len(kept)} from {', '.join(outputs)})")
     return 0
 

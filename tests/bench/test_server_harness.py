@@ -59,19 +59,31 @@ def test_each_kind_is_launched_with_sglangs_defaults_and_only_its_own_flags(tmp_
                                                                              **base))
 
 
-def test_sglang_turns_prefill_graphs_off_for_the_users_checkpoint_not_for_the_stand_in():
+def _sglang_root(version: str) -> Path | None:
+    """Where sglang `version` is installed for the tests: the venv's 0.5.23; 0.5.18 beside it (`make venv`, as
+    tests/sglang/test_runtime.py finds it)."""
+    import importlib.util
+
+    if version == "0.5.23":
+        spec = importlib.util.find_spec("sglang")
+        return Path(spec.origin).parent if spec is not None else None
+    root = Path(os.environ.get("GRAPHCAP_SGLANG_0518") or Path(sys.prefix) / "sglang-0518") / "sglang"
+    return root if root.is_dir() else None
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.18"])
+def test_sglang_turns_prefill_graphs_off_for_the_users_checkpoint_not_for_the_stand_in(version):
     """Why the harness's --disable-prefill-cuda-graph is the user's own setting: sglang's model config counts Gemma 4's
     multimodal checkpoint as a multimodal model on neither prefill-graph allowlist (its start-up then disables the
     breakable prefill graph), while the text-only Gemma4ForCausalLM the stand-in checkpoints declare is no multimodal
-    model and would keep it. Read from the installed sglang's own tables (its module imports torchvision, which
+    model and would keep it. Read from each installed sglang's own tables (the module imports torchvision, which
     this machine lacks: the lists are read from its source)."""
     import ast
-    import importlib.util
 
-    spec = importlib.util.find_spec("sglang")
-    if spec is None:
-        pytest.skip("the real sglang package is not installed")
-    src = Path(spec.origin).parent / "srt" / "configs" / "model_config.py"
+    root = _sglang_root(version)
+    if root is None:
+        pytest.skip(f"sglang {version} is not installed")
+    src = root / "srt" / "configs" / "model_config.py"
     tables = {n.targets[0].id: {e.value for e in n.value.elts if isinstance(e, ast.Constant)}  # names spelled out
               for n in ast.parse(src.read_text()).body if isinstance(n, ast.Assign)
               and isinstance(n.targets[0], ast.Name) and n.targets[0].id.startswith("multimodal_")
