@@ -59,6 +59,7 @@ from graphcap.sglang.settings import PLUGIN_DEFAULT_BACKEND, PROJECTIONS
 WINDOW = 1024
 CHECK_BATCHES = (1, 2, 8, 32, 64)
 SPEED_BATCHES = (1, 8, 32, 64)
+SPEED_ENGINES = ("nospec", "sglang", "graphcap", "graphcap-nopdl")  # --speed-engines' values
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 STEPS = 3  # the default of --steps
 SHORT_NEW = 32  # the short run's new tokens (speed): decode rate from the long run minus this one
@@ -129,10 +130,13 @@ def engine_kwargs(cfg: dict) -> dict:
 
 def enable_graphcap(cfg: dict) -> None:
     """The flag for an engine started in this process (the variable graphcap's plugin reads, as a launcher that
-    parsed --enable-draft-graph-capture sets it), before sglang is imported."""
+    parsed --enable-draft-graph-capture sets it), and GRAPHCAP_PDL=0 for graphcap-nopdl, before sglang is
+    imported."""
     os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(
         {"enabled": True, "backend": cfg["backend"], "manifest_dir": cfg["manifest_dir"],
          "projections": cfg.get("projections", PROJECTIONS[0])})
+    if cfg.get("pdl") is False:  # graphcap-nopdl: graphcap's kernels without programmatic dependent launch
+        os.environ["GRAPHCAP_PDL"] = "0"
 
 
 def refusal_child(cfg: dict) -> dict:
@@ -324,7 +328,8 @@ def main(argv=None) -> int:
                          "bias the first pair's decode rate up a little - leave this off for decode rates")
     ap.add_argument("--speed-engines", default="nospec,sglang,graphcap",
                     help="--speed: the engines to time, in order: nospec (the target alone), sglang (its own MTP "
-                         "draft), graphcap (one engine per backend of --backends and projections of --projections)")
+                         "draft), graphcap (one engine per backend of --backends and projections of --projections), "
+                         "graphcap-nopdl (the same with GRAPHCAP_PDL=0: no programmatic dependent launch)")
     ap.add_argument("--projections", default=PROJECTIONS[0],
                     help=f"--speed: the plugin's --draft-graph-projections values to time graphcap with, each an "
                          f"engine of its own (of {', '.join(PROJECTIONS)}; the first's engines are tagged "
@@ -385,9 +390,8 @@ def main(argv=None) -> int:
                                                                                for p in projections):
             ap.error(f"--projections: a list of {', '.join(PROJECTIONS)}, each once; got {a.projections!r}")
         engines = [e for e in a.speed_engines.split(",") if e]
-        if not engines or len(set(engines)) != len(engines) or any(e not in ("nospec", "sglang", "graphcap")
-                                                                   for e in engines):
-            ap.error(f"--speed-engines: a list of nospec, sglang, graphcap, each once; got {a.speed_engines!r}")
+        if not engines or len(set(engines)) != len(engines) or any(e not in SPEED_ENGINES for e in engines):
+            ap.error(f"--speed-engines: a list of {', '.join(SPEED_ENGINES)}, each once; got {a.speed_engines!r}")
         paths = [p for p in a.kernel_paths.split(",") if p]
         if not paths or len(set(paths)) != len(paths) or any(p not in KERNEL_PATHS for p in paths):
             ap.error(f"--kernel-paths: a list of {', '.join(KERNEL_PATHS)}, each once; got {a.kernel_paths!r}")
@@ -505,14 +509,16 @@ def run(a: argparse.Namespace) -> int:
         rows = {}
         # (tag, mode, backend, projections) in --speed-engines' order, graphcap once per backend and projections
         projections = [p for p in a.projections.split(",") if p]
-        engines = [(f"graphcap-{be}" + ("" if pr == projections[0] else f"-{pr}-proj"), "graphcap", be, pr)
-                   if mode == "graphcap" else (mode, mode, None, None)
+        engines = [(f"{mode}-{be}" + ("" if pr == projections[0] else f"-{pr}-proj"), mode, be, pr)
+                   if mode.startswith("graphcap") else (mode, mode, None, None)
                    for mode in a.speed_engines.split(",") if mode
-                   for be in (backends if mode == "graphcap" else [None])
-                   for pr in (projections if mode == "graphcap" else [None])]
+                   for be in (backends if mode.startswith("graphcap") else [None])
+                   for pr in (projections if mode.startswith("graphcap") else [None])]
         for tag, mode, be, pr in engines:
             prof = [int(x) for x in a.profile_batches.split(",") if x.strip()]
             extra = {"projections": pr} if pr else {}
+            if mode == "graphcap-nopdl":
+                mode, extra["pdl"] = "graphcap", False
             r = spawn(cfg("speed-" + tag, mode, cases, backend=be, profile_batches=prof, **extra), work)
             tr = read_trace(r["config"]["trace_dir"]) if not r.get("crashed") else []
             for c in r.get("cases", []):

@@ -2,7 +2,8 @@
 # The product's GPU checks, for a CUDA machine (docs/results.md: an H200). The experiments' stages are
 # lab/gpu-lab.sh's; what both share (environment, steps, logs packed into $OUT) is scripts/gpu-lib.sh's.
 #   scripts/gpu-check.sh unit     the kernels' GPU tests (attention, plan, centroid head, small top-k, candidate
-#                                 pick, fused ops, layer fusions, skinny GEMM; UNIT_TESTS: other test files). The default
+#                                 pick, fused ops, layer fusions, skinny GEMM, PDL; UNIT_TESTS: other test files).
+#                                 The default
 #   scripts/gpu-check.sh tests    the whole pytest suite on CUDA, thorough tier (GPU-marked tests and every heavy
 #                                 variant), on TESTS_WORKERS (8) pytest-xdist workers sharing the GPU where xdist is
 #                                 installed, so the suite fits one 600 s call on an H200 (docs/results.md#gpu-tests).
@@ -41,7 +42,8 @@
 #                                 batch, stock sglang vs graphcap vs the target alone (each engine stage wants a
 #                                 call of its own: an engine starts in 40-150 s; ENGINE_BACKENDS picks the backends;
 #                                 ENGINE_PROFILE=8,64: kernel tables of the draft at those batches, every engine;
-#                                 ENGINE_SPEED_ENGINES=sglang,graphcap: leave the target alone out; ENGINE_REPEATS;
+#                                 ENGINE_SPEED_ENGINES=sglang,graphcap: leave the target alone out (graphcap-nopdl:
+#                                 graphcap with GRAPHCAP_PDL=0 as well); ENGINE_REPEATS;
 #                                 ENGINE_CONTEXT: the prompts' length, default 2048; ENGINE_PROJECTIONS=graphcap,sglang:
 #                                 graphcap once per --draft-graph-projections value)
 #   scripts/gpu-check.sh server   sglang's HTTP server as users start it (bench/sglang_server.py) on the draft-shapes
@@ -135,7 +137,7 @@ case $1 in
     step unit-gpu python3 -m pytest -q -rs -m gpu ${UNIT_TESTS:-tests/kernels/test_decode_attention.py \
       tests/kernels/test_attention_plan.py tests/kernels/test_centroid_head.py tests/kernels/test_small_topk.py \
       tests/kernels/test_candidate_pick.py tests/kernels/test_fused_ops.py tests/kernels/test_layer_fusions.py \
-      tests/kernels/test_skinny_gemm.py}
+      tests/kernels/test_skinny_gemm.py tests/kernels/test_pdl.py}
     ;;
   tests)  # the whole suite, thorough tier (tests/conftest.py: every test, hypothesis at its full example counts)
     local k=() args="-q -rs --durations=30"

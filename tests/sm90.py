@@ -63,8 +63,16 @@ def spills(log):
     return sum(int(n) for n in re.findall(r"(\\d+) bytes spill stores", log))
 
 
+# what graphcap.kernels.pdl's launches pass as GDC on this target: programmatic dependent launch on sm_90 and up,
+# never where Triton lowers for an older capability (the sm80 switch)
+PDL = CAPABILITY >= 90 and not ARCH
+
+
 def compile(fn, types, consts, num_warps, num_stages=1, attrs=None, max_spill=None):
     sig = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in fn.params}
+    consts = dict(consts)
+    if any(p.name == "GDC" and p.is_constexpr for p in fn.params):  # a kernel that takes PDL: as launched here
+        consts.setdefault("GDC", PDL)
     consts = {p.name: consts[p.name] for p in fn.params if p.is_constexpr and p.name in consts}
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # ptxas -v, which TRITON_DUMP_PTXAS_LOG prints
@@ -76,6 +84,8 @@ def compile(fn, types, consts, num_warps, num_stages=1, attrs=None, max_spill=No
         print("spilled", TARGET_NAME, fn.__name__, spilled, consts)
     if max_spill is not None and spilled > max_spill:  # every one collected: one run names them all
         SPILLS_OVER.append((TARGET_NAME, fn.__name__, consts, num_warps, spilled, max_spill))
+    # griddepcontrol (sm_90's PDL instructions) exactly where the kernel was compiled to take PDL
+    assert ("griddepcontrol.wait" in k.asm["ptx"]) == bool(consts.get("GDC")), (TARGET_NAME, fn.__name__, consts)
     if ARCH:  # lowered for ARCH, assembled for the device
         assert ".target sm_%d" % CAPABILITY in k.asm["ptx"] and "wgmma" not in k.asm["ptx"], (fn.__name__, consts)
     return k

@@ -4,8 +4,8 @@ reads (`PluginSettings`), each parsed here and nowhere else.
 A bad value is a `DraftCaptureConfigError` naming the variable, the value and what it takes. The plugin's start-up
 check (`graphcap.sglang.config.validate_server_args`, in the launcher before sglang starts its scheduler) parses them
 all, so a typo is refused at launch rather than where the scheduler first reads it; the runtime and the trace take
-their values from the parsed object. Two variables are the library's own (`GRAPHCAP_MANIFEST_DIR`,
-`GRAPHCAP_KERNEL_PATHS`): `graphcap.envvars` parses them, here as where the library reads them.
+their values from the parsed object. Three variables are the library's own (`GRAPHCAP_MANIFEST_DIR`,
+`GRAPHCAP_KERNEL_PATHS`, `GRAPHCAP_PDL`): `graphcap.envvars` parses them, here as where the library reads them.
 
 Light (no torch): the launcher's check imports this. Imports only `compat` of the plugin (its error class);
 `config` and everything above it import this.
@@ -169,6 +169,7 @@ class PluginSettings:
     manifest_dir: Path | None = _var(envvars.MANIFEST_DIR_ENV, _library(envvars.parse_manifest_dir), None)
     allow_untested: bool = _var(ALLOW_UNTESTED_ENV, _switch, False)  # another sglang: a warning, not an error
     kernel_paths: str = _var(envvars.KERNEL_PATHS_ENV, _library(envvars.parse_kernel_paths), envvars.NATIVE)
+    pdl: bool = _var(envvars.PDL_ENV, _library(envvars.parse_pdl), True)
     compile_scope: str = _var(COMPILE_SCOPE_ENV, _compile_scope, COMPILE_SCOPES[0])
 
     @classmethod

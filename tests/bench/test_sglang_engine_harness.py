@@ -158,6 +158,7 @@ def test_speed_arguments_are_checked_before_anything_starts(capsys):
     for argv, named in ((["--repeats", "0"], "--repeats"), (["--new", str(E.SHORT_NEW)], "--new"),
                         (["--speed-engines", "sglang,vllm"], "--speed-engines"),
                         (["--speed-engines", "graphcap,graphcap"], "--speed-engines"),
+                        (["--speed-engines", "graphcap-pdl"], "--speed-engines"),
                         (["--speed-engines", ","], "--speed-engines"),
                         (["--backends", "reduce-overhead"], "--backends"), (["--backends", ","], "--backends"),
                         (["--projections", "cublas"], "--projections"),
@@ -254,6 +255,30 @@ def test_speed_runs_graphcap_once_per_backend_and_projections_value(monkeypatch,
         ("cudagraph", "graphcap"), ("cudagraph", "sglang"), ("inductor-cudagraph", "graphcap"),
         ("inductor-cudagraph", "sglang")]
     assert set(json.load(open(out))["speed"]["startup_s"]) == {c["tag"][len("speed-"):] for c in spawned}
+
+
+def test_speed_runs_graphcap_without_pdl_as_its_own_engine(monkeypatch, tmp_path):
+    """--speed-engines graphcap,graphcap-nopdl: two graphcap engines per backend, the second tagged graphcap-nopdl
+    and started with GRAPHCAP_PDL=0 (what its child sets); the first leaves the variable as it was."""
+    out = tmp_path / "s.json"
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    monkeypatch.setenv("GRAPHCAP_SGLANG_DRAFT_CAPTURE", "")
+    monkeypatch.setenv("GRAPHCAP_PDL", "1")
+    spawned = []
+
+    def spawn(cfg, work):
+        os.environ["GRAPHCAP_PDL"] = "1"  # each child starts from this process's environment
+        E.enable_graphcap(cfg)
+        spawned.append((cfg["tag"], cfg["mode"], os.environ["GRAPHCAP_PDL"]))
+        return {"config": cfg, "cases": []}
+
+    monkeypatch.setattr(E, "spawn", spawn)
+    assert E.main(["--ckpt", str(tmp_path), "--speed", "--speed-engines", "graphcap,graphcap-nopdl", "--backends",
+                   "cudagraph", "--out", str(out)]) == 0
+    assert spawned == [("speed-graphcap-cudagraph", "graphcap", "1"),
+                       ("speed-graphcap-nopdl-cudagraph", "graphcap", "0")]
+    assert set(json.load(open(out))["speed"]["startup_s"]) == {"graphcap-cudagraph", "graphcap-nopdl-cudagraph"}
 
 
 def test_steps_reach_every_engine_with_a_draft_and_the_record(monkeypatch, tmp_path):

@@ -409,7 +409,7 @@ for key, cfgs in sg.CANDIDATES.items():
                 seen.add((cfg, gated, even))
                 sig = {a: "*bf16" if a in ("x", "w", "out") else "i32" for a in GEMV_ARGS}
                 consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, INTERPRET=False, EVEN_K=even,
-                              EVEN_N=even, STAGES=cfg.num_stages)
+                              EVEN_N=even, STAGES=cfg.num_stages, GDC=True)  # GDC: as an H100/H200 launches it
                 sig.update({c: "constexpr" for c in consts})
                 attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 5, 6, 7, 8)}
                 k = triton.compile(ASTSource(sgk.gemv_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
@@ -429,16 +429,17 @@ for key, cfgs in sg.CANDIDATES.items():
                 sig.update(y="*fp32" if fixup else "*bf16", counters="*i32" if fixup else "*bf16")
                 consts = dict(BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot,
                               INTERPRET=False, EVEN_K=even, EVEN_N=even, FIXUP=fixup,
-                              SPLITS=cfg.split_k if fixup else 1)
+                              SPLITS=cfg.split_k if fixup else 1, GDC=True)
                 sig.update({c: "constexpr" for c in consts})
                 attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)}
                 k = triton.compile(ASTSource(sgk.skinny_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                    options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
                 assert k.metadata.shared <= 227 * 1024, (key, cfg, bm, k.metadata.shared)
+                assert "griddepcontrol.wait" in k.asm["ptx"], (key, cfg)  # programmatic dependent launch taken
                 print(key, cfg.name, bm, even, k.metadata.shared)
 sig = dict(ws="*fp32", out="*bf16", M="i32", N="i32", SPLITS="i32", stride_om="i32", BLOCK="constexpr",
-           INTERPRET="constexpr")
-triton.compile(ASTSource(sgk.splitk_sum_kernel, sig, dict(BLOCK=1024, INTERPRET=False)),
+           INTERPRET="constexpr", GDC="constexpr")
+triton.compile(ASTSource(sgk.splitk_sum_kernel, sig, dict(BLOCK=1024, INTERPRET=False, GDC=True)),
                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 print("compiled", len(seen) + 1)
 """

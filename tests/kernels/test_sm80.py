@@ -283,12 +283,26 @@ for heads, kv_heads, d, max_len in ((32, 16, 256, 1023), (32, 4, 512, 8192)):  #
 print("compiled", n)
 """
 
+PDL_START = """
+from graphcap.kernels import arch, pdl
+from graphcap.kernels.head import small_topk as S
+
+# pdl_start inside a kernel, both ways where the target has PDL (the prelude's compile checks griddepcontrol is in
+# the PTX exactly with GDC), plain launches only where it has not: the planners' description agrees
+assert DESC.hopper == PDL or ARCH, (DESC, PDL)
+for gdc in (False, True) if PDL else (False,):
+    compile(S._small_topk_kernel, dict(x="*bf16", values="*bf16", indices="*i64"),
+            dict(N=4096, K=32, BLOCK_N=4096, BLOCK_K=32, GDC=gdc), 4, max_spill=0)
+    n += 1
+print("compiled", n)
+"""
+
 KERNEL_SCRIPTS = {f"graphcap/kernels/{name}": script for name, script in (
     ("attention/decode_kernels.py", ATTENTION), ("attention/online_softmax.py", ONLINE_SOFTMAX),
     ("attention/verify.py", VERIFY_ATTENTION),
     ("gemm/skinny_kernels.py", SKINNY_GEMM), ("head/centroid.py", CENTROID_HEAD), ("head/small_topk.py", SMALL_TOPK),
     ("head/candidate_pick.py", CANDIDATE_PICK), ("elementwise/fused_ops.py", FUSED_OPS),
-    ("elementwise/layer_fusions.py", LAYER_FUSIONS), ("window/update.py", WINDOW_UPDATE),
+    ("elementwise/layer_fusions.py", LAYER_FUSIONS), ("window/update.py", WINDOW_UPDATE), ("pdl.py", PDL_START),
 )} | {  # shared with test_spec_tree_ops.py
     "tests/support/sgl_kernel/top_k.py": FAST_TOPK_SCRIPT,
     "tests/support/sgl_kernel/speculative.py": SPEC_TREE_OPS_SCRIPT,
@@ -341,6 +355,14 @@ def test_every_kernel_file_has_a_compile_script():
 def test_kernels_compile_for_sm80(tmp_path):
     """Every kernel file's kernels at the configurations an A100's plans launch, compiled for sm_80."""
     compile_scripts(sorted(KERNEL_SCRIPTS), TARGET_SM80, False, tmp_path)
+
+
+def test_draft_kernels_take_pdl_on_sm90(tmp_path):
+    """The draft's kernels that take programmatic dependent launch, compiled as an H100/H200 launches them (GDC on:
+    griddepcontrol in the PTX, checked by the prelude's compile), and the switch's sm_80 lowering without it."""
+    draft = ["attention/decode_kernels.py", "attention/online_softmax.py", "head/candidate_pick.py", "pdl.py"]
+    compile_scripts([f"graphcap/kernels/{name}" for name in draft], TARGET_SM90, False, tmp_path)
+    compile_scripts(["graphcap/kernels/pdl.py"], SM80_ON_SM90, False, tmp_path)
 
 
 def test_switch_lowers_for_sm80_on_sm90(tmp_path):

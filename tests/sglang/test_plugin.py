@@ -25,7 +25,7 @@ require_sglang_plugin()
 pytestmark = pytest.mark.sglang
 
 from graphcap.sglang import compat, config, plugin  # noqa: E402  (after the skip)
-from graphcap.envvars import KERNEL_PATHS_ENV, MANIFEST_DIR_ENV  # noqa: E402
+from graphcap.envvars import KERNEL_PATHS_ENV, MANIFEST_DIR_ENV, PDL_ENV  # noqa: E402
 from graphcap.sglang.settings import (ALLOW_UNTESTED_ENV, CHECK_ENV, COMPILE_SCOPE_ENV,  # noqa: E402
                                       DRAFT_CAPTURE_ENV, MANIFEST_FLUSH_ENV, PLUGIN_DEFAULT_BACKEND, TRACE_ENV,
                                       TRACE_FLUSH_ENV, TRACE_PROFILE_ENV, VARIABLES, DraftCaptureOptions,
@@ -248,6 +248,7 @@ BAD_VARIABLES = [
     (MANIFEST_DIR_ENV, UNCREATABLE, rf"={UNCREATABLE}: cannot create it"),
     (ALLOW_UNTESTED_ENV, "2", r"expected 0 or 1, got '2'"),
     (KERNEL_PATHS_ENV, "sm70", r"expected one of native, sm80 \(unset: native\), got 'sm70'"),
+    (PDL_ENV, "yes", r"expected 1/on or 0/off \(unset: on\), got 'yes'"),
     (COMPILE_SCOPE_ENV, "graph", r"expected iteration or model, got 'graph'"),
 ]
 
@@ -293,7 +294,7 @@ def test_compile_scope_model_needs_the_inductor_backend_at_start_up(fresh, monke
 def test_good_variables_pass_the_start_up_check_and_its_directories_are_made(fresh, monkeypatch, tmp_path):
     good = {CHECK_ENV: "1", TRACE_ENV: str(tmp_path / "trace"), TRACE_FLUSH_ENV: "1", TRACE_PROFILE_ENV: "8,64",
             MANIFEST_FLUSH_ENV: "0", MANIFEST_DIR_ENV: str(tmp_path / "manifests"), ALLOW_UNTESTED_ENV: "0",
-            KERNEL_PATHS_ENV: "native", COMPILE_SCOPE_ENV: "iteration"}
+            KERNEL_PATHS_ENV: "native", PDL_ENV: "0", COMPILE_SCOPE_ENV: "iteration"}
     for name, value in good.items():
         monkeypatch.setenv(name, value)
     fresh.load_plugins()

@@ -34,6 +34,8 @@ from torch.library import wrap_triton
 
 from graphcap.kernels.attention.online_softmax import LOG2E, combine_kernel, softmax_tile, split_scratch, tile_scores
 from graphcap.kernels.attention.plan import AttentionPlan, query_block
+from graphcap.kernels import pdl
+from graphcap.kernels.pdl import pdl_start
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -81,7 +83,9 @@ def _split_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, HEAD_TILES: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE: tl.constexpr, F32_DOT: tl.constexpr, WAVE_IN_KERNEL: tl.constexpr = False, NORM_ROPE: tl.constexpr = False,
+    GDC: tl.constexpr = False,
 ):
+    pdl_start(GDC)
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -203,6 +207,7 @@ def launch(
     else:  # placeholders, never read (NORM_ROPE is off)
         q_w = cos = sin = q
         rope_rows, stride_c, eps = 1, 0, 0.0
+    pdl_opts = pdl.launch_options(q)
     wrap_triton(_split_kernel)[(b, hkv * head_tiles, num_splits)](
         q, k_pool, v_pool, table, slots, lens, out, part, lse, q_w, cos, sin,
         float(sm_scale) * LOG2E, cols, num_splits, plan.min_chunk, wave, max_chunk, rope_rows, float(eps),
@@ -213,12 +218,12 @@ def launch(
         # fp32 inputs: exact fp32 dots, not TF32. On CPU (Triton's interpreter) always: its tl.dot of bf16/fp16 tiles
         # returns garbage (seen with triton 3.9), so the tiles are upcast there.
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_opts,
     )
     if not single:
         wrap_triton(combine_kernel)[(b, h)](
             part, lse, out, num_splits, out.stride(0), out.stride(1),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(plan.num_splits),
-            num_warps=plan.combine_warps, num_stages=1,
+            num_warps=plan.combine_warps, num_stages=1, **pdl_opts,
         )
     return out

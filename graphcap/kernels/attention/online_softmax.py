@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap.kernels.pdl import pdl_start
+
 LOG2E = 1.4426950408889634
 
 
@@ -57,8 +59,9 @@ def softmax_tile(s, v_base, v_rows, v_stride, v_mask, m_i, l_i, acc, V_DTYPE: tl
 @triton.jit
 def combine_kernel(
     part, lse, out, num_splits, stride_ob, stride_oh,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, GDC: tl.constexpr = False,
 ):
+    pdl_start(GDC)
     # program (row, head): the row's num_splits partials merged by their log-sum-exps; all empty gives zeros
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)

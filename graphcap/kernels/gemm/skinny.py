@@ -47,6 +47,7 @@ import triton
 
 from graphcap.kernels.gemm import skinny_kernels as kernels
 from graphcap.kernels import use_triton
+from graphcap.kernels import pdl
 from graphcap.kernels.arch import SM90, GpuArch, device_arch
 from graphcap.kernels.checks import check_same_device, check_tensor
 from graphcap.kernels.elementwise.fused_ops import gelu_tanh_and_mul
@@ -258,6 +259,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
         return out.zero_()
     if gated and cfg.split_k != 1:
         raise SkinnyGemmError(f"skinny_gate_up_gelu: config {cfg.name} splits K; the gated kernel does not")
+    pdl_opts = pdl.launch_options(x, wrapped=False)  # the op's body: never a traced launch
     if cfg.gemv:
         if cfg.split_k != 1 or cfg.dot or cfg.fixup:
             raise SkinnyGemmError(f"config {cfg.name}: a gemv config takes all of K on CUDA cores "
@@ -265,7 +267,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
         kernels.gemv_kernel[(triton.cdiv(n, cfg.block_n), m)](
             x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             GATED=gated, INTERPRET=not x.is_cuda, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
-            STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+            STAGES=cfg.num_stages, num_warps=cfg.num_warps, **pdl_opts)
         return out
     k_split, splits = k_splits(k, cfg)
     block_m = max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m)
@@ -278,10 +280,12 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cfg: Config, gat
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GATED=gated, DOT=cfg.dot, INTERPRET=not x.is_cuda,
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, FIXUP=counters is not None,
         SPLITS=splits if counters is not None else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_opts,
     )
     if splits > 1 and counters is None:
         kernels.splitk_sum_kernel[(triton.cdiv(m * n, 1024),)](y, out, m, n, splits, out.stride(0), BLOCK=1024,
-                                                                    INTERPRET=not x.is_cuda, num_warps=4)
+                                                                    INTERPRET=not x.is_cuda, num_warps=4,
+                                                                    **pdl_opts)
     return out
 
 

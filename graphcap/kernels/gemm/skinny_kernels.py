@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphcap.kernels.pdl import pdl_start
+
 
 # INTERPRET (CPU tensors, which reach a kernel only under TRITON_INTERPRET=1) works around two faults of Triton's
 # CPU interpreter with bf16: tl.dot multiplies the tiles' raw bits (it stores bf16 as uint16), and fp32 -> bf16
@@ -53,8 +55,9 @@ def _gelu_tanh_mul(g, u):
 def skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn, stride_ym, stride_ys, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
                    DOT: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                   FIXUP: tl.constexpr, SPLITS: tl.constexpr):
+                   FIXUP: tl.constexpr, SPLITS: tl.constexpr, GDC: tl.constexpr = False):
     # program (n-block, split s): columns [n0, n0 + BLOCK_N) of all M rows over K range [s * k_split, +k_split)
+    pdl_start(GDC)
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -109,7 +112,8 @@ def skinny_kernel(x, w, y, out, counters, M, N, K, k_split, stride_xm, stride_wn
 @triton.jit(do_not_specialize=["M"])
 def gemv_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GATED: tl.constexpr, INTERPRET: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 STAGES: tl.constexpr, GDC: tl.constexpr = False):
+    pdl_start(GDC)
     # program (n-block, row m): out[m, n0:n0 + BLOCK_N] over all of K on CUDA cores. Each thread keeps fp32 sums of
     # its own elements of the [BLOCK_N, BLOCK_K] tile and the tile is reduced across threads once, after the loop
     # (the broadcast configs of skinny_kernel reduce every chunk); few rows per program, so a one-row call over a
@@ -145,7 +149,9 @@ def gemv_kernel(x, w, out, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_N: tl
 
 
 @triton.jit
-def splitk_sum_kernel(ws, out, M, N, SPLITS, stride_om, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+def splitk_sum_kernel(ws, out, M, N, SPLITS, stride_om, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+                      GDC: tl.constexpr = False):
+    pdl_start(GDC)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(ws + offs, mask=mask, other=0.0)

@@ -24,6 +24,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
+from graphcap.kernels import pdl
+from graphcap.kernels.pdl import pdl_start
 from graphcap.kernels.checks import check_same_device, check_tensor
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -77,7 +79,8 @@ def candidate_greedy_torch(values: torch.Tensor, top: torch.Tensor, token_orderi
 
 @triton.jit
 def _candidate_greedy_kernel(values, top, token_ordering, token, logit, clusters, stride_vb, stride_tb,
-                             N: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr):
+                             N: tl.constexpr, T: tl.constexpr, BLOCK_N: tl.constexpr, GDC: tl.constexpr = False):
+    pdl_start(GDC)
     # program b: row b's largest candidate and the smallest id among its ties (module docstring)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
@@ -112,6 +115,7 @@ def launch(values: torch.Tensor, top: torch.Tensor, token_ordering: torch.Tensor
     wrap_triton(_candidate_greedy_kernel)[(rows,)](
         values, top, token_ordering, token, logit, token_ordering.shape[0] // tokens_per_cluster, values.stride(0),
         top.stride(0), N=n, T=tokens_per_cluster, BLOCK_N=block_n, num_warps=warps_for(block_n),
+        **pdl.launch_options(values),
     )
     return token, logit
 

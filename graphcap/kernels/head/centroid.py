@@ -26,6 +26,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
+from graphcap.kernels import pdl
+from graphcap.kernels.pdl import pdl_start
 from graphcap.kernels.checks import check_same_device, check_tensor
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -85,7 +87,9 @@ def centroid_logits_torch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Ten
 def _centroid_logits_kernel(
     lm_head, x, top, out, clusters, stride_w, stride_xb, stride_tb, stride_tk, stride_ob,
     K: tl.constexpr, T: tl.constexpr, H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
+    pdl_start(GDC)
     # program (b * K + j, t-block): BLOCK_T rows of cluster top[b, j], each dotted with x[b]
     pid = tl.program_id(0)
     b = (pid // K).to(tl.int64)
@@ -122,7 +126,7 @@ def launch(lm_head: torch.Tensor, x: torch.Tensor, top: torch.Tensor, tokens_per
     block_h = min(block_h, max(16, triton.next_power_of_2(h)))
     wrap_triton(_centroid_logits_kernel)[(b * k, triton.cdiv(t, block_t))](
         lm_head, x, top, out, lm_head.shape[0] // t, lm_head.stride(0), x.stride(0), top.stride(0), top.stride(1),
-        out.stride(0), K=k, T=t, H=h, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
+        out.stride(0), K=k, T=t, H=h, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps, **pdl.launch_options(x),
     )
     return out
 

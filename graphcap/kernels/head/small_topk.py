@@ -36,6 +36,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from graphcap.kernels import use_triton
+from graphcap.kernels import pdl
+from graphcap.kernels.pdl import pdl_start
 from graphcap.kernels.checks import check_tensor
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -71,7 +73,9 @@ def topk_torch(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _small_topk_kernel(x, values, indices, stride_xb, stride_vb, stride_ib,
-                       N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GDC: tl.constexpr = False):
+    pdl_start(GDC)
     # program b: row b's K largest, by an order-preserving integer key (module docstring)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
@@ -110,7 +114,7 @@ def launch(x: torch.Tensor, k: int, num_warps: int | None = None) -> tuple[torch
     wrap_triton(_small_topk_kernel)[(b,)](
         x, values, indices, x.stride(0), values.stride(0), indices.stride(0),
         N=n, K=k, BLOCK_N=block_n, BLOCK_K=max(2, triton.next_power_of_2(k)),
-        num_warps=num_warps or warps_for(block_n),
+        num_warps=num_warps or warps_for(block_n), **pdl.launch_options(x),
     )
     return values, indices
 
