@@ -1,10 +1,10 @@
 """The GPU graphcap's kernels plan for, as one description (`GpuArch`), and the switch that forces the paths an
 A100 takes (`GRAPHCAP_KERNEL_PATHS=sm80`, parsed by graphcap.envvars), read here and nowhere else.
 
-graphcap's own code uses no Hopper-only feature (no TMA or tensor descriptors, no programmatic dependent launch, no
-bulk copies); what differs by GPU is what the planners derive from the device's limits (shared memory per block and
-per SM, SM count) and what Triton's compiler picks for the capability it compiles for (on sm_90 wgmma for tl.dot,
-on sm_80 mma.sync with cp.async pipelining). Planners take a `GpuArch` (tests pass `SM80` / `SM90` on a CPU), or
+graphcap's own code uses one Hopper-only feature, programmatic dependent launch (graphcap.kernels.pdl, taken where
+the description is `hopper`), and no TMA, tensor descriptors or bulk copies; what differs by GPU is what the
+planners derive from the device's limits (shared memory per block and per SM, SM count) and what Triton's compiler
+picks for the capability it compiles for (on sm_90 wgmma for tl.dot, on sm_80 mma.sync with cp.async pipelining). Planners take a `GpuArch` (tests pass `SM80` / `SM90` on a CPU), or
 ask `device_arch(device)`.
 
 The switch: `GRAPHCAP_KERNEL_PATHS=sm80` (unset or `native`: the device's own). Under it every description is

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from graphcap import envvars
 from graphcap.kernels import arch, pdl
 from graphcap.kernels.attention.decode import decode_attention
+from graphcap.kernels.elementwise.fused_ops import (apply_rope_with_cos_sin_cache_inplace, gelu_tanh_and_mul,
+                                                    gemma_fused_add_rmsnorm, gemma_rmsnorm)
 from graphcap.kernels.gemm.skinny import skinny_gate_up_gelu, skinny_linear
 from graphcap.kernels.head.candidate_pick import candidate_greedy
 from graphcap.kernels.head.centroid import centroid_logits
@@ -96,9 +98,9 @@ def test_who_takes_it(switch):
 
 
 def _draft_chain(g: torch.Generator, b: int) -> tuple[dict[str, torch.Tensor], callable]:
-    """Inputs (static, refilled per replay) and the chain: q projection -> decode attention over a paged pool ->
-    o projection -> gate/up + gelu -> down -> centroid scores -> top-k -> candidate scores -> greedy pick; each
-    kernel reads what the one before wrote."""
+    """Inputs (static, refilled per replay) and the chain: norm -> q projection -> rotary -> decode attention over
+    a paged pool -> o projection -> residual add + norm -> gate/up + gelu -> (cuBLAS + gelu-mul) -> down ->
+    centroid scores -> top-k -> candidate scores -> greedy pick; each kernel reads what the one before wrote."""
     dev, dt = "cuda", torch.bfloat16
     hidden, heads, kv_heads, d, inter, c, t, k = 1536, 32, 16, 256, 6144, 2048, 128, 32
     pool = b * 1024 + 64
@@ -111,13 +113,22 @@ def _draft_chain(g: torch.Generator, b: int) -> tuple[dict[str, torch.Tensor], c
                   table=torch.randperm(pool, generator=g, device=dev)[: b * 1024].view(b, 1024).int(),
                   slots=torch.arange(b, device=dev), lens=torch.empty(b, dtype=torch.int32, device=dev))
     ordering = torch.randperm(c * t, generator=g, device=dev)
+    norm_w = torch.randn(hidden, generator=g, device=dev).to(dt)
+    angles = torch.arange(2048, device=dev)[:, None] * 10000.0 ** (-torch.arange(0, d, 2, device=dev) / d)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1).float()
 
     def chain() -> tuple[torch.Tensor, ...]:
-        q = skinny_linear(static["x"], w["q"]).view(b, heads, d)
+        x = gemma_rmsnorm(static["x"], norm_w)
+        q = skinny_linear(x, w["q"]).view(b, heads, d)
+        k_dummy = q[:, :1].clone()
+        apply_rope_with_cos_sin_cache_inplace(static["lens"].long(), q, k_dummy, d, cos_sin)
         a = decode_attention(q, static["k_pool"], static["v_pool"], static["table"], static["slots"], static["lens"],
                              1024, d ** -0.5, num_splits=4)
         h = skinny_linear(a.view(b, heads * d), w["o"])
-        h = skinny_linear(skinny_gate_up_gelu(h, w["gate_up"]), w["down"])
+        residual = static["x"].clone()
+        gemma_fused_add_rmsnorm(h, residual, norm_w)
+        mlp = skinny_gate_up_gelu(h, w["gate_up"]) + gelu_tanh_and_mul(torch.mm(h, w["gate_up"].t()))
+        h = skinny_linear(mlp, w["down"])
         top_v, top_i = small_topk(skinny_linear(h, w["centroids"]).float(), k)
         scores = centroid_logits(w["lm_head"], h, top_i, t)
         token, logit = candidate_greedy(scores, top_i, ordering, t)

@@ -31,11 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from graphcap.kernels import use_triton
+from graphcap.kernels import pdl, use_triton
 from graphcap.kernels.checks import check_same_device, check_tensor
 from graphcap.kernels.attention.online_softmax import LOG2E, combine_kernel, softmax_tile, split_scratch, tile_scores
 from graphcap.kernels.arch import GpuArch, device_arch
 from graphcap.kernels.attention.plan import AttentionError, AttentionPlan, plan_attention
+from graphcap.kernels.pdl import pdl_start
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -82,8 +83,9 @@ def _verify_split_kernel(
     stride_qt, stride_qh, stride_nt, stride_nh, stride_kp, stride_kh, stride_vp, stride_vh, stride_ot, stride_oh,
     H: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_TILES: tl.constexpr, NQ: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-    SINGLE: tl.constexpr, F32_DOT: tl.constexpr,
+    SINGLE: tl.constexpr, F32_DOT: tl.constexpr, GDC: tl.constexpr = False,
 ):
+    pdl_start(GDC)
     b = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -262,6 +264,7 @@ def verify_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     wave = ap.wave if ap.max_chunk > 0 else ap.num_splits
     max_chunk = ap.max_chunk if ap.max_chunk > 0 else 1 << 30
     block_d = max(16, triton.next_power_of_2(d))
+    pdl_opts = pdl.launch_options(q, wrapped=False)  # a direct launch, as sglang's attention backend calls it
     _verify_split_kernel[(b, hkv * plan.head_tiles, ap.num_splits)](
         q, k_new, v_new, k_pool, v_pool, indptr, indices, out, part, lse,
         float(sm_scale) * LOG2E, int(window), ap.num_splits, ap.min_chunk, wave, max_chunk,
@@ -271,12 +274,12 @@ def verify_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         BLOCK_M=plan.block_m, BLOCK_N=ap.block_n, BLOCK_E=max(16, triton.next_power_of_2(n_q)), SINGLE=single,
         # Triton's interpreter computes bf16/fp16 dots wrongly (decode_kernels says so): fp32 tiles there
         F32_DOT=q.dtype == torch.float32 or not q.is_cuda,
-        num_warps=ap.num_warps, num_stages=ap.num_stages,
+        num_warps=ap.num_warps, num_stages=ap.num_stages, **pdl_opts,
     )
     if not single:
         combine_kernel[(tokens, h)](
             part, lse, out, ap.num_splits, out.stride(0), out.stride(1),
             H=h, D=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(ap.num_splits),
-            num_warps=ap.combine_warps, num_stages=1,
+            num_warps=ap.combine_warps, num_stages=1, **pdl_opts,
         )
     return out

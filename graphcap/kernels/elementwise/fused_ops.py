@@ -14,8 +14,9 @@ what sglang launches - one kernel per norm, per fused residual-add + norm, per g
   fused_set_kv_buffer_arg=None, enable_pdl=None) -> None`: rotates the first `cos_sin_cache.shape[1]` dims of every
   query and key head in place; cache row p = [cos(p * f_i) for i < rot/2] + [sin(p * f_i)]. NeoX pairs (i, i + rot/2),
   otherwise (2i, 2i + 1).
-All arithmetic is fp32, outputs are rounded once to the output dtype. `enable_pdl` is accepted and ignored (these
-kernels use no programmatic dependent launch). Unlike sgl_kernel, the activations do not require 16-byte rows, and
+All arithmetic is fp32, outputs are rounded once to the output dtype. `enable_pdl` as sgl_kernel reads it: None (its
+default) or True launches with programmatic dependent launch where graphcap's kernels take it (graphcap.kernels.pdl:
+sm_90 and up), False without. Unlike sgl_kernel, the activations do not require 16-byte rows, and
 the weight may be any float dtype (it is read as fp32). Positions are not range-checked (that would need a sync).
 
 Dispatch (`graphcap.kernels.use_triton`): CUDA tensors and, under TRITON_INTERPRET=1, CPU tensors run the kernel;
@@ -30,6 +31,9 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
+
+from graphcap.kernels import pdl
+from graphcap.kernels.pdl import pdl_start
 
 from graphcap.kernels import use_triton
 from graphcap.kernels.checks import check_eps, check_same_device, check_tensor
@@ -79,7 +83,8 @@ def _check_rows(op: str, name: str, x: torch.Tensor) -> None:
 
 @triton.jit
 def _rmsnorm_kernel(x, res, out, w, n, x_stride, res_stride, out_stride, eps,
-                    W_OFFSET: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+                    W_OFFSET: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+    pdl_start(GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n
@@ -92,8 +97,13 @@ def _rmsnorm_kernel(x, res, out, w, n, x_stride, res_stride, out_stride, eps,
     tl.store(out + row * out_stride + cols, (v * rrms * scale).to(out.dtype.element_ty), mask=m)
 
 
+def _pdl_options(x: torch.Tensor, enable_pdl: bool) -> dict:
+    """A launch's PDL options: graphcap's choice (graphcap.kernels.pdl), unless the caller said False."""
+    return pdl.launch_options(x) if enable_pdl else {"GDC": False}
+
+
 def _norm_launch(x: torch.Tensor, res: torch.Tensor | None, out: torch.Tensor, weight: torch.Tensor, eps: float,
-                 w_offset: float) -> None:
+                 w_offset: float, enable_pdl: bool) -> None:
     n = x.shape[1]
     if x.shape[0] == 0 or n == 0:
         return
@@ -102,6 +112,7 @@ def _norm_launch(x: torch.Tensor, res: torch.Tensor | None, out: torch.Tensor, w
     wrap_triton(_rmsnorm_kernel)[(x.shape[0],)](
         x, r, out, weight, n, x.stride(0), r.stride(0), out.stride(0), eps,
         W_OFFSET=w_offset, ADD=res is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        **_pdl_options(x, enable_pdl),
     )
 
 
@@ -111,18 +122,19 @@ def _norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, w_offset: flo
 
 
 @triton_op("graphcap::rmsnorm", mutates_args={"out"})
-def _rmsnorm_op(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float, w_offset: float) -> None:
+def _rmsnorm_op(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, eps: float, w_offset: float,
+                enable_pdl: bool) -> None:
     if use_triton(input):
-        _norm_launch(input, None, out, weight, eps, w_offset)
+        _norm_launch(input, None, out, weight, eps, w_offset, enable_pdl)
     else:
         out.copy_(_norm_torch(input, weight, eps, w_offset))
 
 
 @triton_op("graphcap::fused_add_rmsnorm", mutates_args={"input", "residual"})
 def _fused_add_rmsnorm_op(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                          w_offset: float) -> None:
+                          w_offset: float, enable_pdl: bool) -> None:
     if use_triton(input):
-        _norm_launch(input, residual, input, weight, eps, w_offset)
+        _norm_launch(input, residual, input, weight, eps, w_offset, enable_pdl)
     else:
         _fused_add_twin_op(input, residual, weight, eps, w_offset)
 
@@ -150,27 +162,27 @@ def _norm_out(op: str, input: torch.Tensor, weight: torch.Tensor, eps: float, ou
 def rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None,
             enable_pdl: bool | None = None) -> torch.Tensor:
     out = _norm_out("rmsnorm", input, weight, eps, out)
-    _rmsnorm_op(out, input, weight, float(eps), 0.0)
+    _rmsnorm_op(out, input, weight, float(eps), 0.0, enable_pdl is not False)
     return out
 
 
 def gemma_rmsnorm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None,
                   enable_pdl: bool | None = None) -> torch.Tensor:
     out = _norm_out("gemma_rmsnorm", input, weight, eps, out)
-    _rmsnorm_op(out, input, weight, float(eps), 1.0)
+    _rmsnorm_op(out, input, weight, float(eps), 1.0, enable_pdl is not False)
     return out
 
 
 def fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                       enable_pdl: bool | None = None) -> None:
     _check_norm("fused_add_rmsnorm", input, weight, eps, residual=residual)
-    _fused_add_rmsnorm_op(input, residual, weight, float(eps), 0.0)
+    _fused_add_rmsnorm_op(input, residual, weight, float(eps), 0.0, enable_pdl is not False)
 
 
 def gemma_fused_add_rmsnorm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
                             enable_pdl: bool | None = None) -> None:
     _check_norm("gemma_fused_add_rmsnorm", input, weight, eps, residual=residual)
-    _fused_add_rmsnorm_op(input, residual, weight, float(eps), 1.0)
+    _fused_add_rmsnorm_op(input, residual, weight, float(eps), 1.0, enable_pdl is not False)
 
 
 def rmsnorm_ref(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None,
@@ -202,7 +214,9 @@ def gemma_fused_add_rmsnorm_ref(input: torch.Tensor, residual: torch.Tensor, wei
 
 
 @triton.jit
-def _act_mul_kernel(x, out, d, x_stride, out_stride, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(x, out, d, x_stride, out_stride, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                    GDC: tl.constexpr = False):
+    pdl_start(GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < d
@@ -240,7 +254,7 @@ def _act_and_mul_op(out: torch.Tensor, input: torch.Tensor, act: int) -> None:
         return
     block = min(1024, triton.next_power_of_2(d))
     wrap_triton(_act_mul_kernel)[(x2.shape[0], triton.cdiv(d, block))](
-        input, out, d, x2.stride(0), out.view(-1, d).stride(0), ACT=act, BLOCK=block,
+        input, out, d, x2.stride(0), out.view(-1, d).stride(0), ACT=act, BLOCK=block, **pdl.launch_options(input),
     )
 
 
@@ -287,7 +301,8 @@ silu_and_mul, silu_and_mul_ref = _act_and_mul("silu_and_mul", "silu")
 
 @triton.jit
 def _rope_kernel(q, k, cache, pos, q_ts, q_hs, k_ts, k_hs, cache_stride, nq, half,
-                 NEOX: tl.constexpr, BLOCK: tl.constexpr):
+                 NEOX: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+    pdl_start(GDC)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if h < nq:
@@ -330,7 +345,7 @@ def _rope_torch(positions: torch.Tensor, x: torch.Tensor, head_size: int, cache:
 
 @triton_op("graphcap::rope_cos_sin_cache", mutates_args={"query", "key"})
 def _rope_op(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int,
-             cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+             cos_sin_cache: torch.Tensor, is_neox: bool, enable_pdl: bool) -> None:
     if not use_triton(query):
         _rope_torch(positions, query, head_size, cos_sin_cache, is_neox)
         _rope_torch(positions, key, head_size, cos_sin_cache, is_neox)
@@ -342,7 +357,7 @@ def _rope_op(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, he
         return
     wrap_triton(_rope_kernel)[(positions.shape[0], nq + nk)](
         query, key, cos_sin_cache, positions, q_ts, q_hs, k_ts, k_hs, cos_sin_cache.stride(0), nq, half,
-        NEOX=is_neox, BLOCK=triton.next_power_of_2(half),
+        NEOX=is_neox, BLOCK=triton.next_power_of_2(half), **_pdl_options(query, enable_pdl),
     )
 
 
@@ -378,7 +393,7 @@ def apply_rope_with_cos_sin_cache_inplace(
     is_neox: bool = True, fused_set_kv_buffer_arg: object = None, enable_pdl: bool | None = None,
 ) -> None:
     _check_rope(positions, query, key, head_size, cos_sin_cache, fused_set_kv_buffer_arg)
-    _rope_op(positions, query, key, head_size, cos_sin_cache, bool(is_neox))
+    _rope_op(positions, query, key, head_size, cos_sin_cache, bool(is_neox), enable_pdl is not False)
 
 
 def apply_rope_with_cos_sin_cache_inplace_ref(
