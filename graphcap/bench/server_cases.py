@@ -110,11 +110,19 @@ def case_rows(harness: dict, *, run: str, pair: str, radix_cache: bool = True) -
                          "max_gap_ms_no_prefill": gaps.get("max_ms_no_prefill"),
                          "p99_gap_ms_no_prefill": gaps.get("p99_ms_no_prefill"),
                          "prefill_batches": gaps.get("prefill_batches"),
+                         **_prefill_columns(gaps.get("prefill_time") or {}),
                          "memory_growth_after_warmup_mib": mem.get("growth_after_warmup_mib"),
                          "compiles_after_warmup": len((sk.get("compiles") or {}).get("after_warmup") or [])})
     # the schema's columns first, in its order; a value nothing measured is left out
     return [{k: r[k] for k in COLUMNS if r.get(k) is not None} | {k: v for k, v in r.items()
                                                                   if k not in COLUMNS and v is not None} for r in rows]
+
+
+def _prefill_columns(t: dict) -> dict:
+    """A soak row's prefill pauses (server_report.prefill_time): p50 of tokens, host, GPU span and kernel ms, and
+    the GPU's idle share of the profiled spans."""
+    return {f"prefill_{k}_p50": (t.get(k) or {}).get("p50") for k in ("tokens", "host_ms", "gpu_ms", "kernel_ms")} | {
+        "prefill_gpu_idle_share": t.get("gpu_idle_share")}
 
 
 def server_facts(s: dict) -> dict:

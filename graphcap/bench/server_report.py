@@ -207,8 +207,25 @@ def draft_gaps(trace: Sequence[dict], *, after: float, limit_ms: float, compiles
         bare = [x for x in long if not x["prefills"]]
         out.update(prefill_batches=len(pre), over_limit_prefill=len(long) - len(bare),
                    over_limit_no_prefill=len(bare), max_ms_no_prefill=round(max(unfed), 1) if unfed else None,
-                   p99_ms_no_prefill=percentiles(unfed, scale=1)["p99"])
+                   p99_ms_no_prefill=percentiles(unfed, scale=1)["p99"], prefill_time=prefill_time(pre))
     return {**out, "over_limit": long}
+
+
+def prefill_time(prefills: Sequence[dict]) -> dict:
+    """What the trace's prefill records say of a prefill batch's pause (graphcap.sglang.trace: `host_ms`, the
+    worker's iteration on the host; `gpu_ms`, its span on the GPU; on profiled ones `kernel_ms`, its kernels' summed
+    time): p50 / p99 of each and of the new tokens per batch, and the GPU's idle share of the profiled spans
+    (1 - kernel_ms / gpu_ms, their median) - near 0: the GPU's own work sets the pause; large: the GPU waits on the
+    host's launches."""
+    def pcts(key: str) -> dict:
+        p = percentiles([r.get(key) for r in prefills], scale=1)
+        return {"p50": p["p50"], "p99": p["p99"]}
+
+    idle = [1 - r["kernel_ms"] / r["gpu_ms"] for r in prefills
+            if r.get("kernel_ms") is not None and r.get("gpu_ms")]
+    return {"batches": len(prefills), "tokens": pcts("extend_tokens"), "host_ms": pcts("host_ms"),
+            "gpu_ms": pcts("gpu_ms"), "profiled": len(idle),
+            "kernel_ms": pcts("kernel_ms"), "gpu_idle_share": round(statistics.median(idle), 3) if idle else None}
 
 
 def compiles_summary(compiles: Sequence[dict], *, after: float | None = None) -> dict:

@@ -50,6 +50,8 @@ WORKER_INIT_GRAPHS = f"{DRAFT_WORKER}.init_cuda_graphs"  # capture graphcap's lo
 WORKER_DRAFT = f"{DRAFT_WORKER}.draft"  # the draft phase: one replay, no per-iteration .item()
 WORKER_EXTEND_PREFILL = f"{DRAFT_WORKER}._draft_extend_for_prefill"  # requests join (after their prefill)
 WORKER_EXTEND_DECODE = f"{DRAFT_WORKER}._draft_extend_for_decode"  # verify accepted accept_lens[i] tokens
+# the speculative worker's iteration (a prefill batch's: the target's prefill, then the draft's seed): the trace's
+WORKER_ITERATION = "sglang.srt.speculative.frozen_kv_mtp_worker_v2.FrozenKVMTPWorkerV2.forward_batch_generation"
 BATCH_RETRACT = f"{SCHEDULE_BATCH}.retract_decode"  # requests retracted under memory pressure
 BATCH_EVICT_SWA = f"{SCHEDULE_BATCH}._evict_swa"  # SWA pages freed behind a request's window
 # the target's verify seat (graphcap.sglang.verify); not required: unhooked, the verify is stock

@@ -4,8 +4,11 @@ What a user comparing `--enable-draft-graph-capture` against stock sglang needs 
 call, the requests (rid), their lengths, the draft tokens proposed and the draft phase's GPU time (CUDA events
 around the worker's `draft`, on the current stream: it includes any stall the draft causes, such as a host sync
 that leaves the GPU idle while the host catches up); per prefill batch (each extend batch, a chunk
-included, ends in the worker's `_draft_extend_for_prefill`), when the scheduler ran it, its requests and tokens, in
-DIR/prefill-trace-<pid>.jsonl - so a wait between two draft calls can be told to hold a prefill or not. Installed by
+included: the speculative worker's iteration for it, the target's prefill then the draft's seed), when the scheduler
+ran it, its requests and tokens, its host time and its span on the GPU (CUDA events around it), in
+DIR/prefill-trace-<pid>.jsonl - so a wait between two draft calls can be told to hold a prefill or not, and a
+prefill's pause told GPU-bound (the GPU span well past the host's time) or launch-bound (the two about equal: the
+GPU waits on the host's launches). Installed by
 the plugin's `register()` in scheduler processes when the variable is set, after graphcap's own hooks, so it wraps
 whichever draft runs.
 
@@ -17,6 +20,8 @@ runs, not for serving. The variables are parsed by graphcap.sglang.settings (and
 of those batch sizes, after PROFILE_SKIP warm ones (torch.profiler's CUDA activity, CUDA-graph replays' kernels
 included), into DIR/draft-profile-<pid>-b<B>.json: per kernel name, launches and GPU microseconds per draft call.
 Those calls' trace records say `"profiled": true` (a profiled call pays a sync; timings should leave them out).
+With it, PROFILE_CALLS prefill batches after PROFILE_SKIP are profiled too: their records gain `kernel_ms` (the
+kernels' summed GPU time) and `launches`, so `gpu_ms - kernel_ms` is the GPU's idle time inside the prefill.
 """
 from __future__ import annotations
 
@@ -48,6 +53,9 @@ class DraftTrace:
         self.path = os.path.join(directory, f"draft-trace-{os.getpid()}.jsonl")
         self.prefill_path = os.path.join(directory, f"prefill-trace-{os.getpid()}.jsonl")
         self.pending: list[tuple] = []
+        self.pending_prefills: list[tuple] = []  # (record, start event, end event)
+        self._prefills_seen = 0
+        self._profile_prefills = bool(profile_batches)
         self._seen = {b: 0 for b in profile_batches}  # draft calls seen per profiled batch size
         self._kernels: dict[int, dict[str, list[float]]] = {b: {} for b in profile_batches}  # name -> [us, launches]
         self._profiler = profiler
@@ -109,27 +117,54 @@ class DraftTrace:
             self.flush()
         return result
 
-    def around_extend_prefill(self, original, worker, batch, *args, **kwargs):
-        """A prefill batch's record: its start on the draft records' clock, requests, new and cached tokens."""
-        t0 = time.perf_counter()
-        if not batch.forward_mode.is_idle():
-            self.pending.append({"t": t0, "rids": [r.rid for r in batch.reqs],
-                                 "extend_tokens": int(batch.extend_num_tokens or 0),
-                                 "cached_tokens": int(sum(batch.prefix_lens or ()))})
-        return original(worker, batch, *args, **kwargs)
+    def around_iteration(self, original, worker, batch, *args, **kwargs):
+        """A prefill batch's record (the worker's iteration on an extend batch; decode iterations pass through): its
+        start on the draft records' clock, requests, new and cached tokens, host ms and GPU span."""
+        mode = batch.forward_mode
+        if mode.is_idle() or not mode.is_extend():
+            return original(worker, batch, *args, **kwargs)
+        rec = {"t": time.perf_counter(), "rids": [r.rid for r in batch.reqs],
+               "extend_tokens": int(batch.extend_num_tokens or 0), "cached_tokens": int(sum(batch.prefix_lens or ()))}
+        self._prefills_seen += 1
+        prof = (self._profiler() if self._profile_prefills
+                and PROFILE_SKIP < self._prefills_seen <= PROFILE_SKIP + PROFILE_CALLS else None)
+        if prof is not None:
+            prof.__enter__()
+        # no CUDA (a CPU-only torch): no GPU span
+        start, end = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      if torch.cuda.is_available() else (None, None))
+        if start is not None:
+            start.record()
+        try:
+            return original(worker, batch, *args, **kwargs)
+        finally:
+            if end is not None:
+                end.record()
+            rec["host_ms"] = (time.perf_counter() - rec["t"]) * 1e3
+            if prof is not None:
+                if end is not None:
+                    end.synchronize()
+                prof.__exit__(None, None, None)
+                kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA
+                           and not ev.name.lower().startswith(("memcpy", "memset"))]
+                rec.update(kernel_ms=sum(ev.device_time for ev in kernels) / 1e3, launches=len(kernels),
+                           profiled=True)
+            self.pending_prefills.append((rec, start, end))
+            if len(self.pending_prefills) >= self.flush_every:
+                self.flush()
 
     def flush(self) -> None:
-        if not self.pending:
-            return
-        pending, self.pending = self.pending, []
-        drafts = [p for p in pending if isinstance(p, tuple)]
-        prefills = [p for p in pending if isinstance(p, dict)]  # host facts only, nothing to read back
+        drafts, self.pending = self.pending, []
+        prefills, self.pending_prefills = self.pending_prefills, []
+        for last in (drafts[-1][4] if drafts else None, prefills[-1][2] if prefills else None):  # read-backs
+            if last is not None:
+                last.synchronize()
         if prefills:
             with open(self.prefill_path, "a") as f:
-                f.writelines(json.dumps(p) + "\n" for p in prefills)
+                f.writelines(json.dumps({**rec, "gpu_ms": start.elapsed_time(end) if start else None}) + "\n"
+                             for rec, start, end in prefills)
         if not drafts:
             return
-        drafts[-1][4].synchronize()
         with open(self.path, "a") as f:
             for rids, lens, tokens, start, end, t0, host_ms, profiled in drafts:
                 # t: the call's start on time.perf_counter's clock (CLOCK_MONOTONIC, one per machine), which the
@@ -141,9 +176,9 @@ class DraftTrace:
                 f.write(json.dumps(rec) + "\n")
 
 
-def install(settings: PluginSettings, target: str, prefill_target: str | None = None) -> DraftTrace:
+def install(settings: PluginSettings, target: str, iteration_target: str | None = None) -> DraftTrace:
     """The trace of `settings` (its directory, flush count and profiled batch sizes) around `target` (the draft),
-    and around `prefill_target` (the draft worker's seed after a prefill batch) where given."""
+    and around `iteration_target` (the speculative worker's iteration: its prefill batches) where given."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if settings.trace_dir is None:
@@ -152,6 +187,6 @@ def install(settings: PluginSettings, target: str, prefill_target: str | None = 
     trace = DraftTrace(settings.trace_dir, settings.trace_flush, settings.trace_profile)
     atexit.register(trace.flush)  # the records since the last read-back reach the file at the scheduler's exit
     HookRegistry.register(target, trace.around_draft, HookType.AROUND)
-    if prefill_target is not None:
-        HookRegistry.register(prefill_target, trace.around_extend_prefill, HookType.AROUND)
+    if iteration_target is not None:
+        HookRegistry.register(iteration_target, trace.around_iteration, HookType.AROUND)
     return trace

@@ -288,6 +288,40 @@ def test_draft_gaps_tell_a_prefill_pause_from_a_stall(data):
     assert g["prefill_batches"] == len(window)
 
 
+@settings(max_examples=examples(40), deadline=None)
+@given(st.data())
+def test_prefill_time_against_numpy(data):
+    """Each column's p50 / p99 is numpy's nearest-rank percentile (inverted CDF) of that column; the idle share is
+    the median over the profiled records of 1 - kernel / span; records without a column are left out of it."""
+    import numpy as np
+
+    rng = random.Random(data.draw(st.integers(0, 2**31)))
+    recs = []
+    for _ in range(data.draw(st.integers(1, 60))):
+        gpu = rng.uniform(5, 300)
+        r = {"t": rng.random(), "extend_tokens": rng.randint(1, 8192), "host_ms": rng.uniform(1, 300),
+             "gpu_ms": gpu if rng.random() > 0.1 else None}
+        if r["gpu_ms"] and rng.random() < 0.3:
+            r.update(kernel_ms=gpu * rng.uniform(0.05, 1.0), launches=rng.randint(100, 4000), profiled=True)
+        recs.append(r)
+    got = rep.prefill_time(recs)
+
+    def want(key):
+        v = [r[key] for r in recs if r.get(key) is not None]
+        if not v:
+            return {"p50": None, "p99": None}
+        return {q: round(float(np.percentile(v, p, method="inverted_cdf")), 3) for q, p in (("p50", 50), ("p99", 99))}
+
+    for key in ("host_ms", "gpu_ms", "kernel_ms"):
+        assert got[key] == want(key), key
+    assert got["tokens"] == want("extend_tokens")
+    idle = [1 - r["kernel_ms"] / r["gpu_ms"] for r in recs if "kernel_ms" in r]
+    assert got["profiled"] == len(idle) and got["batches"] == len(recs)
+    assert got["gpu_idle_share"] == (round(float(np.median(idle)), 3) if idle else None)
+    calls = [{"t": -1.0, "rids": ["a"]}, {"t": 2.0, "rids": ["a"]}]  # every record inside the one gap
+    assert rep.draft_gaps(calls, after=-1.0, limit_ms=1.0, prefills=recs)["prefill_time"] == got
+
+
 def test_memory_and_compiles_summaries():
     samples = [(0.0, 1000), (1.0, 5000), (2.0, 5100), (3.0, 5050), (4.0, 5300)]
     assert rep.memory_trend(samples, after=1.5) == {"samples": 5, "at_warmup_end_mib": 5100,

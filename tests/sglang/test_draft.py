@@ -611,6 +611,7 @@ def test_trace_profiles_a_few_warm_draft_calls_per_listed_batch_and_records_pref
             return 1.5
 
     monkeypatch.setattr(tr.torch.cuda, "Event", Event)
+    monkeypatch.setattr(tr.torch.cuda, "is_available", lambda: True)  # the stand-in events are the GPU's
     cuda, cpu = tr.torch.autograd.DeviceType.CUDA, tr.torch.autograd.DeviceType.CPU
     opened = []
 
@@ -636,8 +637,10 @@ def test_trace_profiles_a_few_warm_draft_calls_per_listed_batch_and_records_pref
 
     rng = random.Random(5)
 
-    def batch(n, idle=False):  # a server's decode batch: no host copy of seq_lens, the requests know their lengths
-        return SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: idle), seq_lens_cpu=None,
+    def batch(n, idle=False, extend=False):  # a server's decode batch: no host copy of seq_lens, the requests
+        # know their lengths
+        return SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: idle, is_extend=lambda: extend),
+                               seq_lens_cpu=None,
                                reqs=[SimpleNamespace(rid=f"r{i}", seqlen=rng.randint(1, 9000)) for i in range(n)],
                                extend_num_tokens=rng.randint(1, 8192), prefix_lens=[rng.randint(0, 4096)] * n)
 
@@ -646,17 +649,19 @@ def test_trace_profiles_a_few_warm_draft_calls_per_listed_batch_and_records_pref
         b2 = batch(2)
         trace.around_draft(draft, None, b2)
         assert trace.pending[-1][1] == [r.seqlen for r in b2.reqs]
-        if k % 4 == 1:  # a prefill batch between two draft calls: its seed call is recorded, the seed returned
-            p = batch(k % 3 + 1, idle=k == 9)
-            seeds.append(trace.around_extend_prefill(lambda w, b, *a: ("seed", b), None, p, "hidden"))
-            assert seeds[-1] == ("seed", p)
-            if k != 9:  # an idle batch is no prefill
+        if k % 2 == 1:  # an iteration between two draft calls: a prefill batch's is recorded, the result returned
+            p = batch(k % 3 + 1, idle=k == 9, extend=k not in (7, 9))
+            seeds.append(trace.around_iteration(lambda w, b, *a: ("out", b), None, p, "publish"))
+            assert seeds[-1] == ("out", p)
+            if k not in (7, 9):  # a decode or idle iteration is no prefill
                 want_prefills.append(([r.rid for r in p.reqs], p.extend_num_tokens, sum(p.prefix_lens)))
         trace.around_draft(draft, None, batch(3))
     trace.flush()
     records = [json.loads(line) for line in open(trace.path)]
     prefills = [json.loads(line) for line in open(trace.prefill_path)]
     assert [(r["rids"], r["extend_tokens"], r["cached_tokens"]) for r in prefills] == want_prefills
+    assert all(r["gpu_ms"] == 1.5 and r["host_ms"] >= 0 and "kernel_ms" not in r for r in prefills)
+    assert len(prefills) <= tr.PROFILE_SKIP  # none profiled yet (test below)
     # each prefill lies between the two draft calls it was recorded between, on the draft records' clock
     two = [r["t"] for r in records if len(r["rids"]) == 2]
     three = [r["t"] for r in records if len(r["rids"]) == 3]
@@ -672,6 +677,59 @@ def test_trace_profiles_a_few_warm_draft_calls_per_listed_batch_and_records_pref
     assert table["kernels"] == [{"name": "gemm", "launches_per_draft": 2.0, "us_per_draft": gemm},
                                 {"name": "topk", "launches_per_draft": 1.0, "us_per_draft": 3.0}]
     assert table["gpu_us_per_draft"] == gemm + 3.0 and table["launches_per_draft"] == 3.0
+
+
+def test_trace_profiles_a_few_prefill_batches_when_profiling(tmp_path, monkeypatch):
+    """With profiled batch sizes, prefill batches PROFILE_SKIP + 1 .. + PROFILE_CALLS are profiled: their records
+    carry the kernels' summed GPU time (copies left out) and launches beside the GPU span, and are flagged; without
+    any, no prefill is. Stand-in events (a GPU span of 4 ms) and profiler."""
+    import json
+    from types import SimpleNamespace
+
+    from graphcap.sglang import trace as tr
+
+    class Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 4.0
+
+    monkeypatch.setattr(tr.torch.cuda, "Event", Event)
+    monkeypatch.setattr(tr.torch.cuda, "is_available", lambda: True)  # the stand-in events are the GPU's
+    cuda = tr.torch.autograd.DeviceType.CUDA
+
+    class Profiler:
+        def __enter__(self):
+            pass
+
+        def __exit__(self, *a):
+            pass
+
+        def events(self):
+            return [SimpleNamespace(name="int8_mm", device_type=cuda, device_time=1500.0),
+                    SimpleNamespace(name="norm", device_type=cuda, device_time=250.0),
+                    SimpleNamespace(name="Memset", device_type=cuda, device_time=99.0)]
+
+    extend = SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False, is_extend=lambda: True),
+                             reqs=[SimpleNamespace(rid="a")], extend_num_tokens=200, prefix_lens=[64])
+    for batches, want in (((8,), list(range(tr.PROFILE_SKIP, tr.PROFILE_SKIP + tr.PROFILE_CALLS))), ((), [])):
+        d = tmp_path / str(len(batches))
+        trace = tr.DraftTrace(str(d), flush_every=4, profile_batches=batches, profiler=Profiler)
+        for _ in range(tr.PROFILE_SKIP + tr.PROFILE_CALLS + 3):
+            trace.around_iteration(lambda w, b: None, None, extend)
+        trace.flush()
+        recs = [json.loads(line) for line in open(trace.prefill_path)]
+        assert len(recs) == tr.PROFILE_SKIP + tr.PROFILE_CALLS + 3 and all(r["gpu_ms"] == 4.0 for r in recs)
+        assert [i for i, r in enumerate(recs) if r.get("profiled")] == want
+        assert all((r["kernel_ms"], r["launches"]) == (1.75, 2) for r in recs if r.get("profiled"))
+        assert not any("kernel_ms" in r for r in recs if not r.get("profiled"))
 
 
 def test_the_trace_takes_its_settings(tmp_path):
