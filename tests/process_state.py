@@ -25,9 +25,11 @@ import pytest
 # directory (sglang.srt.environ.redirect_third_party_caches), Inductor's first cache_dir() sets its own, and its first
 # C++ module load the address its generated code reads. Changing or removing one is still a leak.
 # On CUDA, Inductor's first compile points Triton at torch's own ptxas (TRITON_PTXAS_PATH).
+# On the GPU machine's image sglang's first import on CUDA also sets Intel OpenMP's KMP_DUPLICATE_LIB_OK and
+# KMP_INIT_AT_FORK (seen where a verify test was the first of its process to import sglang).
 FIRST_USE_ENV = frozenset({"CUDA_CACHE_PATH", "FLASHINFER_WORKSPACE_BASE", "TILELANG_CACHE_DIR",
                            "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH",
-                           "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"})
+                           "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})
 FIRST_USE_PATHS = ("setuptools/_vendor",)  # appended to sys.path by setuptools' first import
 # Generated code, loaded again at will: Inductor's, and the launcher Triton's CUDA driver builds per kernel (each
 # loaded under one module name, __triton_launcher)
