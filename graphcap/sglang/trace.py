@@ -6,9 +6,9 @@ around the worker's `draft`, on the current stream: it includes any stall the dr
 that leaves the GPU idle while the host catches up); per prefill batch (each extend batch, a chunk
 included: the speculative worker's iteration for it, the target's prefill then the draft's seed), when the scheduler
 ran it, its requests and tokens, its host time and its span on the GPU (CUDA events around it), in
-DIR/prefill-trace-<pid>.jsonl - so a wait between two draft calls can be told to hold a prefill or not, and a
-prefill's pause told GPU-bound (the GPU span well past the host's time) or launch-bound (the two about equal: the
-GPU waits on the host's launches). Installed by
+DIR/prefill-trace-<pid>.jsonl - so a wait between two draft calls can be told to hold a prefill or not, and how
+long the prefill held it (host and GPU spans come out equal where the iteration ends in a sync, as it does in
+sglang's engine; the profiled prefills below tell the GPU's own work from its idle time). Installed by
 the plugin's `register()` in scheduler processes when the variable is set, after graphcap's own hooks, so it wraps
 whichever draft runs.
 
