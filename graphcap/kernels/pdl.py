@@ -32,6 +32,12 @@ import triton.language as tl
 from graphcap import envvars
 from graphcap.kernels.arch import device_arch
 
+try:  # whether torch.library.wrap_triton dispatches as its higher-order op (everywhere but an eager triton_op's body)
+    from torch._library.triton import is_wrap_triton_enabled
+except ImportError:  # a torch without the switch records a launch only under torch.compile
+    def is_wrap_triton_enabled() -> bool:
+        return False
+
 
 @functools.lru_cache(maxsize=None)
 def _switched_on() -> bool:
@@ -52,15 +58,7 @@ def _traced(wrapped: bool) -> bool:
     """torch records this launch instead of running it: torch.compile traces, or (`wrapped`: a launch through
     torch.library.wrap_triton) torch's wrapper would dispatch it as its higher-order op - everywhere but inside a
     triton_op run eagerly, where it launches the kernel itself."""
-    if torch.compiler.is_compiling():
-        return True
-    if not wrapped:
-        return False
-    try:
-        from torch._library.triton import is_wrap_triton_enabled
-    except ImportError:  # a torch without the switch records only under torch.compile
-        return False
-    return is_wrap_triton_enabled()
+    return torch.compiler.is_compiling() or (wrapped and is_wrap_triton_enabled())
 
 
 def enabled(t: torch.Tensor, wrapped: bool = True) -> bool:

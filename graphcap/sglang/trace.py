@@ -55,7 +55,6 @@ class DraftTrace:
         self.pending: list[tuple] = []
         self.pending_prefills: list[tuple] = []  # (record, start event, end event)
         self._prefills_seen = 0
-        self._profile_prefills = bool(profile_batches)
         self._seen = {b: 0 for b in profile_batches}  # draft calls seen per profiled batch size
         self._kernels: dict[int, dict[str, list[float]]] = {b: {} for b in profile_batches}  # name -> [us, launches]
         self._profiler = profiler
@@ -126,7 +125,7 @@ class DraftTrace:
         rec = {"t": time.perf_counter(), "rids": [r.rid for r in batch.reqs],
                "extend_tokens": int(batch.extend_num_tokens or 0), "cached_tokens": int(sum(batch.prefix_lens or ()))}
         self._prefills_seen += 1
-        prof = (self._profiler() if self._profile_prefills
+        prof = (self._profiler() if self._seen  # any profiled batch size: profiling asked for
                 and PROFILE_SKIP < self._prefills_seen <= PROFILE_SKIP + PROFILE_CALLS else None)
         if prof is not None:
             prof.__enter__()
