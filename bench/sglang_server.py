@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import glob
 import json
 import shlex
 import shutil
@@ -44,6 +45,7 @@ from graphcap.bench import target_weights as tw
 from graphcap.bench import server_report as rep
 from graphcap.bench.served import machine
 from graphcap.bench.server import KINDS, LAUNCHER, Server, ServerConfig, ServerFailed, http_json
+from graphcap.sglang import host_samples
 
 PHASES = ("bench", "rate", "gsp", "multiturn", "faults", "soak")
 
@@ -247,6 +249,9 @@ def summarize_server(label: str, srv: Server, phases: dict) -> dict:
                "not_run": phases.get("not_run"), "soak_s": phases.get("soak_s"),
                "alive_after": phases.get("alive_after"), "died": phases.get("died"),
                "compiles": rep.compiles_summary(compiles), "draft_calls": len(trace)}
+    host_files = sorted(glob.glob(str(srv.trace_dir / "host-samples-*.jsonl")))  # GRAPHCAP_SGLANG_TRACE_HOST
+    if host_files:
+        s["host"] = host_samples.summary(*host_files)
     for name in ("bench", "rate", "gsp"):
         if name in phases:
             p = phases[name]
@@ -277,7 +282,8 @@ def summarize_server(label: str, srv: Server, phases: dict) -> dict:
                      "latency": {k: rep.latency(v) for k, v in sorted(by_kind.items())},
                      "gaps": rep.draft_gaps(trace, after=sk["warmup_end"], limit_ms=100.0, compiles=compiles,
                                             prefills=prefills),
-                     "compiles": rep.compiles_summary(compiles, after=sk["warmup_end"])}
+                     "compiles": rep.compiles_summary(compiles, after=sk["warmup_end"]),
+                     "host": host_samples.summary(*host_files, after=sk["warmup_end"])}
     elif "soak" in phases:
         s["soak"] = phases["soak"]
     man = rep.manifest_snapshot(srv.manifest_dir)

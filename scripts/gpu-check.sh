@@ -60,6 +60,7 @@
 #                                 as user-setup installs it), SERVER_PAIR (draft-shapes; user-scale, user-scale-w8a8:
 #                                 the 31B-shaped pair, its weights loaded over the server's HTTP API), SERVER_ARGS (more
 #                                 sglang flags for every server, space-separated, e.g. "--context-length 8192").
+#                                 The trace's GRAPHCAP_SGLANG_TRACE_PROFILE and _HOST reach every server's scheduler.
 #                                 sglang's Python radix-tree core (its Rust one is built
 #                                 for another torch); datasets stubbed where missing (tests/bench_serving_stubbed.py)
 #   scripts/gpu-check.sh int8-gemm  the stand-in's int8_scaled_mm: its GPU tests, bench/int8_gemm.py (INT8_GEMM_ARGS)

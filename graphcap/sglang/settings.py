@@ -45,6 +45,7 @@ CHECK_ENV = "GRAPHCAP_SGLANG_CHECK"
 TRACE_ENV = "GRAPHCAP_SGLANG_TRACE"
 TRACE_FLUSH_ENV = "GRAPHCAP_SGLANG_TRACE_FLUSH"
 TRACE_PROFILE_ENV = "GRAPHCAP_SGLANG_TRACE_PROFILE"
+TRACE_HOST_ENV = "GRAPHCAP_SGLANG_TRACE_HOST"
 MANIFEST_FLUSH_ENV = "GRAPHCAP_MANIFEST_FLUSH_S"
 ALLOW_UNTESTED_ENV = "GRAPHCAP_SGLANG_ALLOW_UNTESTED"
 COMPILE_SCOPE_ENV = "GRAPHCAP_SGLANG_COMPILE_SCOPE"
@@ -135,6 +136,16 @@ def _seconds(name: str, raw: str) -> float:
     return value
 
 
+def _interval_ms(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0.1 <= value <= 1000:  # NaN too; finer than 0.1 ms would be the sampler's own cost
+        raise _bad(name, raw, "a sampling period in milliseconds, 0.1 to 1000")
+    return value
+
+
 def _compile_scope(name: str, raw: str) -> str:
     if raw not in COMPILE_SCOPES:
         raise _bad(name, raw, " or ".join(COMPILE_SCOPES))
@@ -165,6 +176,7 @@ class PluginSettings:
     trace_dir: str | None = _var(TRACE_ENV, _directory, None)  # the draft trace's directory (graphcap.sglang.trace)
     trace_flush: int = _var(TRACE_FLUSH_ENV, _draft_calls, 16)  # draft calls per read-back of the trace
     trace_profile: tuple[int, ...] = _var(TRACE_PROFILE_ENV, _batch_sizes, ())  # batch sizes whose kernels are profiled
+    trace_host_ms: float | None = _var(TRACE_HOST_ENV, _interval_ms, None)  # the host sampler's period (host_samples)
     manifest_flush_s: float = _var(MANIFEST_FLUSH_ENV, _seconds, 10.0)  # seconds between manifest writes
     manifest_dir: Path | None = _var(envvars.MANIFEST_DIR_ENV, _library(envvars.parse_manifest_dir), None)
     allow_untested: bool = _var(ALLOW_UNTESTED_ENV, _switch, False)  # another sglang: a warning, not an error

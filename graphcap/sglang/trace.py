@@ -22,17 +22,23 @@ included), into DIR/draft-profile-<pid>-b<B>.json: per kernel name, launches and
 Those calls' trace records say `"profiled": true` (a profiled call pays a sync; timings should leave them out).
 With it, PROFILE_CALLS prefill batches after PROFILE_SKIP are profiled too: their records gain `kernel_ms` (the
 kernels' summed GPU time) and `launches`, so `gpu_ms - kernel_ms` is the GPU's idle time inside the prefill.
+
+`GRAPHCAP_SGLANG_TRACE_HOST=MS` also samples the scheduler thread's Python stack every MS milliseconds
+(graphcap.sglang.host_samples), each sample under the phase this trace knows it is in (prefill, decode, draft, or
+the scheduler's own work between iterations): where the host time of a prefill pause goes.
 """
 from __future__ import annotations
 
 import atexit
 import json
 import os
+import threading
 import time
 
 import torch
 
 from graphcap.sglang import variants
+from graphcap.sglang.host_samples import HostSampler, sampler_path
 from graphcap.sglang.settings import PluginSettings
 
 PROFILE_SKIP, PROFILE_CALLS = 8, 5
@@ -46,7 +52,7 @@ class DraftTrace:
     # `flush_every`: records read back per sync - few enough that a killed scheduler (sglang's engine shutdown kills
     # its children, so no exit handler runs) loses little; 1 loses nothing, at one sync per draft.
     def __init__(self, directory: str, flush_every: int, profile_batches: tuple[int, ...] = (),
-                 profiler=_cuda_profiler) -> None:
+                 profiler=_cuda_profiler, sampler: HostSampler | None = None) -> None:
         self.flush_every = flush_every
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
@@ -58,6 +64,7 @@ class DraftTrace:
         self._seen = {b: 0 for b in profile_batches}  # draft calls seen per profiled batch size
         self._kernels: dict[int, dict[str, list[float]]] = {b: {} for b in profile_batches}  # name -> [us, launches]
         self._profiler = profiler
+        self.sampler = sampler
 
     def _profiling(self, b: int) -> bool:
         seen = self._seen.get(b)
@@ -98,12 +105,14 @@ class DraftTrace:
         if prof is not None:
             prof.__enter__()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        outer = self._enter_phase("draft")
         t0 = time.perf_counter()
         start.record()
         try:
             result = original(worker, batch, *args, **kwargs)
         finally:
             end.record()
+            self._leave_phase(outer)
             if prof is not None:
                 end.synchronize()  # the draft's kernels done before the profiler stops collecting
                 prof.__exit__(None, None, None)
@@ -121,7 +130,12 @@ class DraftTrace:
         start on the draft records' clock, requests, new and cached tokens, host ms and GPU span."""
         mode = batch.forward_mode
         if mode.is_idle() or not mode.is_extend():
-            return original(worker, batch, *args, **kwargs)
+            outer = self._enter_phase("decode")
+            try:
+                return original(worker, batch, *args, **kwargs)
+            finally:
+                self._leave_phase(outer)
+        outer = self._enter_phase("prefill")
         rec = {"t": time.perf_counter(), "rids": [r.rid for r in batch.reqs],
                "extend_tokens": int(batch.extend_num_tokens or 0), "cached_tokens": int(sum(batch.prefix_lens or ()))}
         self._prefills_seen += 1
@@ -151,6 +165,20 @@ class DraftTrace:
             self.pending_prefills.append((rec, start, end))
             if len(self.pending_prefills) >= self.flush_every:
                 self.flush()
+            self._leave_phase(outer)
+
+    def _enter_phase(self, phase: str) -> str | None:
+        """Tell the host sampler what the calling thread now does; returns what it did before (for `_leave_phase`)."""
+        s = self.sampler
+        if s is None:
+            return None
+        s.thread_id = threading.get_ident()  # the thread that runs the iterations is the one sampled
+        outer, s.phase = s.phase, phase
+        return outer
+
+    def _leave_phase(self, outer: str | None) -> None:
+        if self.sampler is not None and outer is not None:
+            self.sampler.phase = outer
 
     def flush(self) -> None:
         drafts, self.pending = self.pending, []
@@ -183,8 +211,12 @@ def install(settings: PluginSettings, target: str, iteration_target: str | None 
     if settings.trace_dir is None:
         raise ValueError("graphcap.sglang.trace.install: the settings name no trace directory "
                          "($GRAPHCAP_SGLANG_TRACE)")
-    trace = DraftTrace(settings.trace_dir, settings.trace_flush, settings.trace_profile)
+    sampler = (HostSampler(sampler_path(settings.trace_dir), settings.trace_host_ms / 1e3).start()
+               if settings.trace_host_ms else None)
+    trace = DraftTrace(settings.trace_dir, settings.trace_flush, settings.trace_profile, sampler=sampler)
     atexit.register(trace.flush)  # the records since the last read-back reach the file at the scheduler's exit
+    if sampler is not None:
+        atexit.register(sampler.stop)
     HookRegistry.register(target, trace.around_draft, HookType.AROUND)
     if iteration_target is not None:
         HookRegistry.register(iteration_target, trace.around_iteration, HookType.AROUND)

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from bench_scripts import load_file
+from trace_events import stand_in_events
 
 from graphcap import manifest as mf
 from graphcap.engine.capture import DraftGraphs
@@ -587,25 +588,6 @@ def test_the_manifest_flush_interval_reaches_the_capture(tmp_path):
     assert graphs.options.flush_every_s == 0.0 and graphs._flush_every_s == 0.0
 
 
-def _stand_in_events(monkeypatch, tr, elapsed_ms: float) -> None:
-    """CUDA events for the trace on a machine without a GPU: every span `elapsed_ms` long."""
-    class Event:
-        def __init__(self, **kw):
-            pass
-
-        def record(self):
-            pass
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return elapsed_ms
-
-    monkeypatch.setattr(tr.torch.cuda, "Event", Event)
-    monkeypatch.setattr(tr.torch.cuda, "is_available", lambda: True)  # the stand-in events are the GPU's
-
-
 def test_trace_profiles_a_few_warm_draft_calls_per_listed_batch_and_records_prefills(tmp_path, monkeypatch):
     """GRAPHCAP_SGLANG_TRACE_PROFILE: at each listed batch size, draft calls PROFILE_SKIP .. +PROFILE_CALLS are
     profiled (their records flagged, as a profiled call pays a sync); the kernel table is the per-call mean of what
@@ -616,7 +598,7 @@ def test_trace_profiles_a_few_warm_draft_calls_per_listed_batch_and_records_pref
 
     from graphcap.sglang import trace as tr
 
-    _stand_in_events(monkeypatch, tr, 1.5)
+    stand_in_events(monkeypatch, tr, 1.5)
     cuda, cpu = tr.torch.autograd.DeviceType.CUDA, tr.torch.autograd.DeviceType.CPU
     opened = []
 
@@ -693,7 +675,7 @@ def test_trace_profiles_a_few_prefill_batches_when_profiling(tmp_path, monkeypat
 
     from graphcap.sglang import trace as tr
 
-    _stand_in_events(monkeypatch, tr, 4.0)
+    stand_in_events(monkeypatch, tr, 4.0)
     cuda = tr.torch.autograd.DeviceType.CUDA
 
     class Profiler:

@@ -28,8 +28,8 @@ from graphcap.sglang import compat, config, plugin  # noqa: E402  (after the ski
 from graphcap.envvars import KERNEL_PATHS_ENV, MANIFEST_DIR_ENV, PDL_ENV  # noqa: E402
 from graphcap.sglang.settings import (ALLOW_UNTESTED_ENV, CHECK_ENV, COMPILE_SCOPE_ENV,  # noqa: E402
                                       DRAFT_CAPTURE_ENV, MANIFEST_FLUSH_ENV, PLUGIN_DEFAULT_BACKEND, TRACE_ENV,
-                                      TRACE_FLUSH_ENV, TRACE_PROFILE_ENV, VARIABLES, DraftCaptureOptions,
-                                      plugin_settings)
+                                      TRACE_FLUSH_ENV, TRACE_HOST_ENV, TRACE_PROFILE_ENV, VARIABLES,
+                                      DraftCaptureOptions, plugin_settings)
 from tiers import examples
 
 ENABLED = ["--model-path", "dummy", "--speculative-algorithm", "NEXTN", "--enable-draft-graph-capture"]
@@ -244,6 +244,7 @@ BAD_VARIABLES = [
     (TRACE_ENV, UNCREATABLE, rf"={UNCREATABLE}: cannot create it"),
     (TRACE_FLUSH_ENV, "x", r"expected a whole number of draft calls >= 1, got 'x'"),
     (TRACE_PROFILE_ENV, "8,x", r"expected batch sizes >= 1 separated by commas, got '8,x'"),
+    (TRACE_HOST_ENV, "0", r"expected a sampling period in milliseconds, 0.1 to 1000, got '0'"),
     (MANIFEST_FLUSH_ENV, "soon", r"expected seconds >= 0, got 'soon'"),
     (MANIFEST_DIR_ENV, UNCREATABLE, rf"={UNCREATABLE}: cannot create it"),
     (ALLOW_UNTESTED_ENV, "2", r"expected 0 or 1, got '2'"),
@@ -293,7 +294,8 @@ def test_compile_scope_model_needs_the_inductor_backend_at_start_up(fresh, monke
 
 def test_good_variables_pass_the_start_up_check_and_its_directories_are_made(fresh, monkeypatch, tmp_path):
     good = {CHECK_ENV: "1", TRACE_ENV: str(tmp_path / "trace"), TRACE_FLUSH_ENV: "1", TRACE_PROFILE_ENV: "8,64",
-            MANIFEST_FLUSH_ENV: "0", MANIFEST_DIR_ENV: str(tmp_path / "manifests"), ALLOW_UNTESTED_ENV: "0",
+            TRACE_HOST_ENV: "2", MANIFEST_FLUSH_ENV: "0", MANIFEST_DIR_ENV: str(tmp_path / "manifests"),
+            ALLOW_UNTESTED_ENV: "0",
             KERNEL_PATHS_ENV: "native", PDL_ENV: "0", COMPILE_SCOPE_ENV: "iteration"}
     for name, value in good.items():
         monkeypatch.setenv(name, value)
