@@ -111,6 +111,7 @@ def case_rows(harness: dict, *, run: str, pair: str, radix_cache: bool = True) -
                          "p99_gap_ms_no_prefill": gaps.get("p99_ms_no_prefill"),
                          "prefill_batches": gaps.get("prefill_batches"),
                          **_prefill_columns(gaps.get("prefill_time") or {}),
+                         **_host_columns(sk.get("host")),
                          "memory_growth_after_warmup_mib": mem.get("growth_after_warmup_mib"),
                          "compiles_after_warmup": len((sk.get("compiles") or {}).get("after_warmup") or [])})
     # the schema's columns first, in its order; a value nothing measured is left out
@@ -123,6 +124,16 @@ def _prefill_columns(t: dict) -> dict:
     the GPU's idle share of the profiled spans."""
     return {f"prefill_{k}_p50": (t.get(k) or {}).get("p50") for k in ("tokens", "host_ms", "gpu_ms", "kernel_ms")} | {
         "prefill_gpu_idle_share": t.get("gpu_idle_share")}
+
+
+def _host_columns(h: dict | None) -> dict:
+    """A soak row's host samples (graphcap.sglang.host_samples.summary, after warm-up): sampled ms per phase, and the
+    lines that took most of the prefill phase's host time themselves (innermost frame)."""
+    if not h:
+        return {}
+    phases = h["phases"]
+    return {"host_ms_by_phase": {p: d["ms"] for p, d in phases.items()},
+            "host_prefill_own_top": [[k, ms] for k, ms, _ in (phases.get("prefill") or {}).get("own", [])[:5]]}
 
 
 def server_facts(s: dict) -> dict:

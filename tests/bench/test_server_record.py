@@ -57,6 +57,10 @@ def harness_output(rng: random.Random) -> dict:
     servers["graphcap"]["soak"] = {"requests": 900, "latency": {"random": latency(rng, 800), "abort": latency(rng, 50)},
                                    "gaps": gaps, "memory": {"growth_after_warmup_mib": rng.randint(0, 9)},
                                    "compiles": {"after_warmup": [{"kernel": "k"}] * rng.randint(0, 3)}}
+    if rng.random() < 0.5:  # the host sampler ran (GRAPHCAP_SGLANG_TRACE_HOST)
+        own = sorted(([f"f.py:{i} g", rng.uniform(1, 50), 0.1] for i in range(7)), key=lambda r: -r[1])
+        servers["graphcap"]["soak"]["host"] = {"phases": {"prefill": {"ms": 400.0, "own": own},
+                                                          "scheduler": {"ms": rng.uniform(1, 99), "own": []}}}
     servers["graphcap"]["soak_s"] = 300.0
     servers["nospec"] = {"not_run": "out of the call's time"}
     pair = {f"bench-c{c}": {"compared": 32, "equal": rng.randint(28, 32),
@@ -114,6 +118,11 @@ def test_rows_carry_the_harness_numbers(seed):
              "max_gap_ms_no_prefill": "max_ms_no_prefill", "prefill_batches": "prefill_batches"}
     assert {k: soak.get(k) for k in split} == {k: sk["gaps"].get(v) for k, v in split.items()}
     assert soak["aborts"] == sum(v["aborted"] for v in sk["latency"].values())
+    host = sk.get("host")
+    assert ("host_ms_by_phase" in soak) == (host is not None)
+    if host is not None:
+        assert soak["host_ms_by_phase"] == {p: d["ms"] for p, d in host["phases"].items()}
+        assert soak["host_prefill_own_top"] == [r[:2] for r in host["phases"]["prefill"]["own"][:5]]
     for r in rows:  # the schema's columns first and in its order, nothing left as null
         cols = [k for k in r if k in COLUMNS]
         assert cols == [k for k in COLUMNS if k in r] and list(r)[:len(cols)] == cols
