@@ -249,6 +249,8 @@ def summarize_server(label: str, srv: Server, phases: dict) -> dict:
                "not_run": phases.get("not_run"), "soak_s": phases.get("soak_s"),
                "alive_after": phases.get("alive_after"), "died": phases.get("died"),
                "compiles": rep.compiles_summary(compiles), "draft_calls": len(trace)}
+    if prefills:  # every prefill batch's pause over the server's life (the soak's: below, after warm-up)
+        s["prefill"] = rep.prefill_time(prefills)
     host_files = sorted(glob.glob(str(srv.trace_dir / "host-samples-*.jsonl")))  # GRAPHCAP_SGLANG_TRACE_HOST
     if host_files:
         s["host"] = host_samples.summary(*host_files)

@@ -286,6 +286,9 @@ case $1 in
     for p in "$WORK"/server/*.log "$WORK"/server/manifests-*/*.json "$WORK"/server/trace-*/compiles-*.jsonl; do
       [ -f "$p" ] && tail -c 300000 "$p" > "$LOG/server-files/$(basename "$(dirname "$p")")-$(basename "$p")"
     done
+    for p in "$WORK"/server/trace-*/host-samples-*.jsonl "$WORK"/server/trace-*/prefill-trace-*.jsonl; do  # whole
+      [ -f "$p" ] && cp "$p" "$LOG/server-files/$(basename "$(dirname "$p")")-$(basename "$p")"
+    done
     ;;
   int8-gemm)  # sgl_kernel's W8A8 int8 GEMM as the stand-in runs it, at Gemma-4-31B's projection shapes: its GPU tests,
     # then bench/int8_gemm.py against the int8 weight-read floor and torch._int_mm (INT8_GEMM_ARGS: the bench's options

@@ -32,9 +32,20 @@ FLUSH_S = 10.0
 MAX_DEPTH = 64  # frames walked per sample from the innermost out (sglang's deepest stacks are ~40)
 
 
+_KEYS: dict[tuple, tuple[str, str]] = {}  # (code, line) -> frame_key's answer: a sample builds no strings
+
+
 def frame_key(frame: FrameType) -> tuple[str, str]:
     """(function, line): 'module-ish path:function' and 'path:line function', the path cut after site-packages or
     the repository so keys read the same on every machine."""
+    at = (frame.f_code, frame.f_lineno)
+    key = _KEYS.get(at)
+    if key is None:
+        key = _KEYS[at] = _frame_key(frame)
+    return key
+
+
+def _frame_key(frame: FrameType) -> tuple[str, str]:
     code = frame.f_code
     path = code.co_filename
     for marker in ("site-packages/", "dist-packages/", "/graphcap/", "/tests/support/"):
@@ -163,16 +174,21 @@ def read(*paths: str, after: float | None = None) -> dict:
     return out
 
 
-def summary(*paths: str, after: float | None = None, n: int = 12) -> dict | None:
+COMMON_SHARE = 0.98  # a function on the stack for this much of a phase's time is its frame, not a cost
+
+
+def summary(*paths: str, after: float | None = None, n: int = 30) -> dict | None:
     """What a report keeps of samples files (`read`): per phase its ms, share of all sampled time, and the `n`
-    functions (inclusive) and lines (own) taking most of it. None where nothing was sampled."""
+    functions (inclusive, those under the phase's common frames: on the stack for less than COMMON_SHARE of it)
+    and lines (own) taking most of it. None where nothing was sampled."""
     got = read(*paths, after=after)
     total = sum(d["ms"] for d in got["phases"].values())
     if not total:
         return None
     return {"samples": got["samples"], "flushes": got["flushes"], "ms": round(total, 1),
             "phases": {p: {"ms": round(d["ms"], 1), "share": round(d["ms"] / total, 3),
-                           "inclusive": top(got, p, "inclusive", n), "own": top(got, p, "own", n)}
+                           "inclusive": [r for r in top(got, p, "inclusive", n + 64) if r[2] < COMMON_SHARE][:n],
+                           "own": top(got, p, "own", n)}
                        for p, d in sorted(got["phases"].items(), key=lambda kv: -kv[1]["ms"])}}
 
 
