@@ -12,8 +12,10 @@ loses at most that much.
 Why in-process rather than an external sampler such as py-spy: the scheduler is a child of sglang's launcher and
 attaching to it needs ptrace rights the GPU machine's container need not grant; this needs nothing. Its bias: the
 thread runs only when it gets the GIL, so a sample lands where the sampled thread releases the GIL or at a switch
-interval (5 ms) - a long C call that holds the GIL is credited, whole, to the Python line that made it. Weighting by
-the wall time since the previous sample (not per sample) keeps the totals in milliseconds whatever the spacing.
+interval (5 ms). Torch ops, Triton launches and event waits release it, so the `own` table credits each such call
+with the Python time since the thread's previous release: read it as "the work leading up to this call". The
+inclusive table (every function on the stack) is the one to read for costs. Weighting by the wall time since the
+previous sample (not per sample) keeps the totals in milliseconds whatever the spacing.
 Meant for measurement runs: each sample takes the GIL for a stack walk.
 """
 from __future__ import annotations
@@ -48,10 +50,11 @@ def frame_key(frame: FrameType) -> tuple[str, str]:
 def _frame_key(frame: FrameType) -> tuple[str, str]:
     code = frame.f_code
     path = code.co_filename
-    for marker in ("site-packages/", "dist-packages/", "/graphcap/", "/tests/support/"):
-        at = path.rfind(marker)
-        if at >= 0:
-            path = path[at + len(marker):] if marker.endswith("-packages/") else path[at + 1:]
+    # the path below its import root (the longest sys.path entry holding it: site-packages, a --target dir, the
+    # repository), so keys read the same on every machine
+    for root in sorted((p for p in sys.path if p), key=len, reverse=True):
+        if path.startswith(root.rstrip("/") + "/"):
+            path = path[len(root.rstrip("/")) + 1:]
             break
     name = getattr(code, "co_qualname", code.co_name)
     return f"{path}:{name}", f"{path}:{frame.f_lineno} {name}"

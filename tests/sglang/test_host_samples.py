@@ -136,23 +136,26 @@ def test_the_thread_samples_a_busy_thread_where_it_spins(tmp_path):
     assert _key(prefill["inclusive"], "spin_here") / prefill["ms"] > 0.5
 
 
-def test_frame_keys_read_the_same_on_every_machine():
-    """Paths are cut after site-packages or at the repository's package, so two machines' files merge."""
+def test_frame_keys_read_the_same_on_every_machine(monkeypatch):
+    """Paths are cut below their import root (the longest sys.path entry holding them), so two machines' files
+    merge; a path under no root stays whole."""
     class Code:  # hashable, as a code object is (frame_key caches by code and line)
         co_qualname, co_name = "Q.f", "f"
 
         def __init__(self, path):
             self.co_filename = path
 
-    def code(path):
+    def frame(path):
         return SimpleNamespace(f_code=Code(path), f_lineno=7)
 
-    assert hs.frame_key(code("/usr/lib/python3/dist-packages/sglang/srt/x.py")) == ("sglang/srt/x.py:Q.f",
-                                                                                   "sglang/srt/x.py:7 Q.f")
-    assert hs.frame_key(code("/root/venv/lib/site-packages/torch/a.py"))[0] == "torch/a.py:Q.f"
-    assert hs.frame_key(code("/work/repo/graphcap/sglang/trace.py"))[0] == "graphcap/sglang/trace.py:Q.f"
-    assert hs.frame_key(code("/w/r/tests/support/sgl_kernel/int8_gemm.py"))[0] == \
-        "tests/support/sgl_kernel/int8_gemm.py:Q.f"
+    roots = ["", "/usr/lib/python3/dist-packages", "/tmp/site", "/w/r", "/w/r/tests/support"]
+    monkeypatch.setattr(hs.sys, "path", roots)
+    assert hs.frame_key(frame("/usr/lib/python3/dist-packages/sglang/srt/x.py")) == ("sglang/srt/x.py:Q.f",
+                                                                                    "sglang/srt/x.py:7 Q.f")
+    assert hs.frame_key(frame("/tmp/site/sglang/srt/y.py"))[0] == "sglang/srt/y.py:Q.f"
+    assert hs.frame_key(frame("/w/r/graphcap/sglang/trace.py"))[0] == "graphcap/sglang/trace.py:Q.f"
+    assert hs.frame_key(frame("/w/r/tests/support/sgl_kernel/int8_gemm.py"))[0] == "sgl_kernel/int8_gemm.py:Q.f"
+    assert hs.frame_key(frame("/tmp/sitex/a.py"))[0] == "/tmp/sitex/a.py:Q.f"  # a prefix, not a root
 
 
 def test_the_trace_tells_the_sampler_each_iterations_phase(tmp_path, monkeypatch):
