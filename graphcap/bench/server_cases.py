@@ -128,7 +128,8 @@ def _prefill_columns(t: dict) -> dict:
 
 def _host_columns(h: dict | None) -> dict:
     """A soak row's host samples (graphcap.sglang.host_samples.summary, after warm-up): sampled ms per phase, and the
-    lines that took most of the prefill phase's host time themselves (innermost frame)."""
+    five lines most of the prefill phase's host time led up to (the innermost frame of each sample: a GIL-releasing
+    call, credited with the Python time before it - host_samples says how to read it)."""
     if not h:
         return {}
     phases = h["phases"]

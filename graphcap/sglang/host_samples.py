@@ -38,8 +38,7 @@ _KEYS: dict[tuple, tuple[str, str]] = {}  # (code, line) -> frame_key's answer: 
 
 
 def frame_key(frame: FrameType) -> tuple[str, str]:
-    """(function, line): 'module-ish path:function' and 'path:line function', the path cut after site-packages or
-    the repository so keys read the same on every machine."""
+    """(function, line): 'path:function' and 'path:line function', the path below its import root."""
     at = (frame.f_code, frame.f_lineno)
     key = _KEYS.get(at)
     if key is None:
