@@ -127,14 +127,9 @@ def _prefill_columns(t: dict) -> dict:
 
 
 def _host_columns(h: dict | None) -> dict:
-    """A soak row's host samples (graphcap.sglang.host_samples.summary, after warm-up): sampled ms per phase, and the
-    five lines most of the prefill phase's host time led up to (the innermost frame of each sample: a GIL-releasing
-    call, credited with the Python time before it - host_samples says how to read it)."""
-    if not h:
-        return {}
-    phases = h["phases"]
-    return {"host_ms_by_phase": {p: d["ms"] for p, d in phases.items()},
-            "host_prefill_own_top": [[k, ms] for k, ms, _ in (phases.get("prefill") or {}).get("own", [])[:5]]}
+    """A soak row's host samples (graphcap.sglang.host_samples.summary, after warm-up): sampled ms per phase (the
+    per-function tables stay in the harness's output: its own-line table leans toward GIL-releasing calls)."""
+    return {"host_ms_by_phase": {p: d["ms"] for p, d in h["phases"].items()}} if h else {}
 
 
 def server_facts(s: dict) -> dict:

@@ -194,9 +194,9 @@ def summary(*paths: str, after: float | None = None, n: int = 30) -> dict | None
                        for p, d in sorted(got["phases"].items(), key=lambda kv: -kv[1]["ms"])}}
 
 
-def top(summary: dict, phase: str, kind: str = "inclusive", n: int = 15) -> list[tuple[str, float, float]]:
+def top(got: dict, phase: str, kind: str = "inclusive", n: int = 15) -> list[tuple[str, float, float]]:
     """The `n` largest (key, ms, share of the phase's ms) of one phase's `kind` table."""
-    d = summary["phases"].get(phase)
+    d = got["phases"].get(phase)
     if not d or not d["ms"]:
         return []
     rows = sorted(d[kind].items(), key=lambda kv: -kv[1])[:n]
