@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,6 +154,9 @@ class Server:
 
     def start(self) -> Server:
         self.work.mkdir(parents=True, exist_ok=True)
+        # the traces are this server's alone: a warm machine keeps the work dir, and an earlier server of this label
+        # would otherwise count in its compiles, draft calls, prefills and host samples
+        shutil.rmtree(self.trace_dir, ignore_errors=True)
         cmd = server_command(self.cfg, self.manifest_dir if self.cfg.kind == "graphcap" else None, self.launcher)
         (self.work / f"{self.cfg.label}.cmd").write_text(" ".join(cmd) + "\n")
         t0 = time.perf_counter()

@@ -172,6 +172,24 @@ def test_a_server_that_stops_answering_is_waited_for_while_it_dies(tmp_path):
         srv.proc.wait()
 
 
+def test_a_server_starts_with_no_earlier_servers_traces(tmp_path):
+    """A warm machine keeps the work dir: an earlier server's trace files under the same label are gone before this
+    one starts (they would count in its compiles, draft calls and host samples); other files stay."""
+    from graphcap.bench.server import Server, ServerFailed
+
+    srv = Server(ServerConfig(kind="graphcap", model_path="m", draft_model_path="d", port=free_port()), tmp_path,
+                 launcher=(sys.executable, "-c", "import sys; sys.exit(3)"))
+    srv.trace_dir.mkdir(parents=True)
+    for name in ("compiles-11.jsonl", "draft-trace-11.jsonl", "host-samples-11.jsonl", "prefill-trace-11.jsonl"):
+        (srv.trace_dir / name).write_text('{"t": 1}\n')
+    kept = tmp_path / "graphcap-phases.json"
+    kept.write_text("{}")
+    with pytest.raises(ServerFailed, match="exited with status 3"):
+        srv.start()
+    assert not srv.trace_dir.exists() or list(srv.trace_dir.iterdir()) == []
+    assert kept.read_text() == "{}"
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # the report's arithmetic
 
