@@ -52,6 +52,9 @@ WORKER_EXTEND_PREFILL = f"{DRAFT_WORKER}._draft_extend_for_prefill"  # requests 
 WORKER_EXTEND_DECODE = f"{DRAFT_WORKER}._draft_extend_for_decode"  # verify accepted accept_lens[i] tokens
 # the speculative worker's iteration (a prefill batch's: the target's prefill, then the draft's seed): the trace's
 WORKER_ITERATION = "sglang.srt.speculative.frozen_kv_mtp_worker_v2.FrozenKVMTPWorkerV2.forward_batch_generation"
+# the target worker's forward: no speculation's iteration, and nested inside the speculative one (the trace records
+# the outermost, so a server without speculation gets its prefill pauses recorded too)
+TARGET_ITERATION = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 BATCH_RETRACT = f"{SCHEDULE_BATCH}.retract_decode"  # requests retracted under memory pressure
 BATCH_EVICT_SWA = f"{SCHEDULE_BATCH}._evict_swa"  # SWA pages freed behind a request's window
 # the target's verify seat (graphcap.sglang.verify); not required: unhooked, the verify is stock

@@ -29,7 +29,8 @@ from graphcap.sglang import compat as sglang_compat  # its sglang_version by att
 from graphcap.sglang.compat import TESTED_SGLANG, DraftCaptureConfigError
 from graphcap.sglang.config import (ADD_CLI_ARGS, BACKEND_FLAG, BATCH_EVICT_SWA, BATCH_RETRACT, CHECK_SERVER_ARGS,
                                     FLAG, FLAG_DESTS, FROM_CLI_ARGS, MANIFEST_FLAG, PROJECTIONS_FLAG,
-                                    SCHEDULER_MODULE, TRITON_BACKEND_INIT, VERIFY_ATTENTION_FLAG, WORKER_DRAFT,
+                                    SCHEDULER_MODULE, TARGET_ITERATION, TRITON_BACKEND_INIT, VERIFY_ATTENTION_FLAG,
+                                    WORKER_DRAFT,
                                     WORKER_EXTEND_DECODE, WORKER_EXTEND_PREFILL, WORKER_INIT_GRAPHS, WORKER_ITERATION,
                                     attach_options,
                                     check_sglang_version, log, options_from_namespace)
@@ -83,7 +84,7 @@ def register() -> None:
     if settings.trace_dir and scheduler and not STATE.trace:  # after graphcap's hooks: wraps them
         from graphcap.sglang.trace import install
 
-        STATE.trace = install(settings, WORKER_DRAFT, WORKER_ITERATION)
+        STATE.trace = install(settings, WORKER_DRAFT, (WORKER_ITERATION, TARGET_ITERATION))
 
 
 def register_runtime_hooks(workers: bool) -> None:

@@ -3,14 +3,14 @@
 What a user comparing `--enable-draft-graph-capture` against stock sglang needs from inside the scheduler: per draft
 call, the requests (rid), their lengths, the draft tokens proposed and the draft phase's GPU time (CUDA events
 around the worker's `draft`, on the current stream: it includes any stall the draft causes, such as a host sync
-that leaves the GPU idle while the host catches up); per prefill batch (each extend batch, a chunk
-included: the speculative worker's iteration for it, the target's prefill then the draft's seed), when the scheduler
-ran it, its requests and tokens, its host time and its span on the GPU (CUDA events around it), in
-DIR/prefill-trace-<pid>.jsonl - so a wait between two draft calls can be told to hold a prefill or not, and how
-long the prefill held it (host and GPU spans come out equal where the iteration ends in a sync, as it does in
-sglang's engine; the profiled prefills below tell the GPU's own work from its idle time). Installed by
-the plugin's `register()` in scheduler processes when the variable is set, after graphcap's own hooks, so it wraps
-whichever draft runs.
+that leaves the GPU idle while the host catches up); per prefill batch (each extend batch, a chunk included: the
+speculative worker's iteration for it, the target's prefill then the draft's seed; without speculation the target
+worker's forward, so the same pause can be compared across servers), when the scheduler ran it, its requests and
+tokens, its host time and its span on the GPU (CUDA events around it), in DIR/prefill-trace-<pid>.jsonl - so a wait
+between two draft calls can be told to hold a prefill or not, and how long the prefill held it (host and GPU spans
+come out equal where the iteration ends in a sync, as it does in sglang's engine; the profiled prefills below tell
+the GPU's own work from its idle time). Installed by the plugin's `register()` in scheduler processes when the
+variable is set, after graphcap's own hooks, so it wraps whichever draft runs.
 
 Cost: a clone of the draft tokens and two events per call; one sync every `GRAPHCAP_SGLANG_TRACE_FLUSH` calls
 (default 16), when the records are read back and appended to DIR/draft-trace-<pid>.jsonl. Meant for measurement
@@ -61,6 +61,7 @@ class DraftTrace:
         self.pending: list[tuple] = []
         self.pending_prefills: list[tuple] = []  # (record, start event, end event)
         self._prefills_seen = 0
+        self._in_iteration = False  # inside a recorded iteration: a nested one is part of it
         self._seen = {b: 0 for b in profile_batches}  # draft calls seen per profiled batch size
         self._kernels: dict[int, dict[str, list[float]]] = {b: {} for b in profile_batches}  # name -> [us, launches]
         self._profiler = profiler
@@ -127,8 +128,18 @@ class DraftTrace:
 
     def around_iteration(self, original, worker, batch, *args, **kwargs):
         """A prefill batch's record (the worker's iteration on an extend batch; decode iterations pass through): its
-        start on the draft records' clock, requests, new and cached tokens, host ms and GPU span."""
-        mode = batch.forward_mode
+        start on the draft records' clock, requests, new and cached tokens, host ms and GPU span. An iteration
+        inside another (the target's forward inside the speculative worker's) or with no batch passes through."""
+        mode = getattr(batch, "forward_mode", None)
+        if self._in_iteration or mode is None:
+            return original(worker, batch, *args, **kwargs)
+        self._in_iteration = True
+        try:
+            return self._iteration(original, worker, batch, mode, *args, **kwargs)
+        finally:
+            self._in_iteration = False
+
+    def _iteration(self, original, worker, batch, mode, *args, **kwargs):
         if mode.is_idle() or not mode.is_extend():
             outer = self._enter_phase("decode")
             try:
@@ -203,9 +214,9 @@ class DraftTrace:
                 f.write(json.dumps(rec) + "\n")
 
 
-def install(settings: PluginSettings, target: str, iteration_target: str | None = None) -> DraftTrace:
+def install(settings: PluginSettings, target: str, iteration_targets: tuple[str, ...] = ()) -> DraftTrace:
     """The trace of `settings` (its directory, flush count and profiled batch sizes) around `target` (the draft),
-    and around `iteration_target` (the speculative worker's iteration: its prefill batches) where given."""
+    and around each of `iteration_targets` (a worker's iteration: its prefill batches; nested ones pass through)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if settings.trace_dir is None:
@@ -218,6 +229,6 @@ def install(settings: PluginSettings, target: str, iteration_target: str | None 
     if sampler is not None:
         atexit.register(sampler.stop)
     HookRegistry.register(target, trace.around_draft, HookType.AROUND)
-    if iteration_target is not None:
-        HookRegistry.register(iteration_target, trace.around_iteration, HookType.AROUND)
+    for it in iteration_targets:
+        HookRegistry.register(it, trace.around_iteration, HookType.AROUND)
     return trace

@@ -14,8 +14,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from bench_scripts import load_file
+from tiers import examples
 from trace_events import stand_in_events
 
 from graphcap import manifest as mf
@@ -705,6 +708,49 @@ def test_trace_profiles_a_few_prefill_batches_when_profiling(tmp_path, monkeypat
         assert not any("kernel_ms" in r for r in recs if not r.get("profiled"))
 
 
+@settings(max_examples=examples(40), deadline=None)
+@given(depths=st.lists(st.integers(1, 3), min_size=1, max_size=8), extend=st.lists(st.booleans(), min_size=8,
+                                                                                  max_size=8))
+def test_trace_records_the_outermost_iteration_once(tmp_path_factory, depths, extend):
+    """The trace wraps the speculative worker's iteration and the target worker's forward: inside a speculative
+    iteration the target's forward (and anything nested deeper) passes through, so each prefill batch is recorded
+    once, by the outermost iteration, whatever the nesting; a no-speculation server's forward is the outermost and is
+    recorded; a call with no batch (sglang passes a ForwardBatch instead) passes through. Checked against a plain
+    count of the outermost extend calls."""
+    import json
+    from types import SimpleNamespace
+
+    from graphcap.sglang import trace as tr
+
+    trace = tr.DraftTrace(str(tmp_path_factory.mktemp("t")), flush_every=1000)
+    calls = []
+
+    def batch(i: int, ext: bool):
+        return SimpleNamespace(forward_mode=SimpleNamespace(is_idle=lambda: False, is_extend=lambda: ext),
+                               reqs=[SimpleNamespace(rid=f"r{i}")], extend_num_tokens=10 + i, prefix_lens=[i])
+
+    def nest(depth: int, b):  # an iteration whose body runs `depth - 1` nested ones (the same batch)
+        def body(worker, bb, *a):
+            calls.append(depth)
+            assert trace._in_iteration  # inside: a nested one is part of it
+            return nest(depth - 1, bb) if depth > 1 else ("out", bb)
+        return trace.around_iteration(body, None, b)
+
+    want = []
+    for i, depth in enumerate(depths):
+        b = batch(i, extend[i])
+        assert nest(depth, b) == ("out", b)
+        assert not trace._in_iteration
+        assert trace.around_iteration(lambda w, bb, **kw: ("none", bb, kw), None, None, forward_batch=1) == (
+            "none", None, {"forward_batch": 1})
+        if extend[i]:
+            want.append(([f"r{i}"], 10 + i, i))
+    assert sorted(calls) == sorted(d for depth in depths for d in range(1, depth + 1))
+    trace.flush()
+    recs = [json.loads(line) for line in open(trace.prefill_path)] if os.path.exists(trace.prefill_path) else []
+    assert [(r["rids"], r["extend_tokens"], r["cached_tokens"]) for r in recs] == want
+
+
 def test_the_trace_takes_its_settings(tmp_path):
     pytest.importorskip("sglang", reason="the real sglang package is not installed")
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -715,11 +761,11 @@ def test_the_trace_takes_its_settings(tmp_path):
     target = "sglang.srt.managers.scheduler.Scheduler.does_not_matter"
     seed = "sglang.srt.managers.scheduler.Scheduler.nor_this"
     try:
-        trace = sglang_trace.install(settings, target, seed)
-        hooked = {t: list(HookRegistry._hooks.get(t, ())) for t in (target, seed)}
+        trace = sglang_trace.install(settings, target, (seed, seed + "_too"))
+        hooked = {t: list(HookRegistry._hooks.get(t, ())) for t in (target, seed, seed + "_too")}
     finally:
-        HookRegistry._hooks.pop(target, None)
-        HookRegistry._hooks.pop(seed, None)
+        for t in (target, seed, seed + "_too"):
+            HookRegistry._hooks.pop(t, None)
     assert (trace.directory, trace.flush_every, sorted(trace._seen)) == (str(tmp_path / "trace"), 3, [8, 64])
     assert all(len(v) == 1 for v in hooked.values()), hooked
     with pytest.raises(ValueError, match=r"no trace directory \(\$GRAPHCAP_SGLANG_TRACE\)"):

@@ -187,9 +187,9 @@ def test_hooked_draft_extend_for_prefill_marks_joins(patched):
 def test_the_trace_records_a_prefill_over_the_hooked_seed_with_the_installed_fields(patched, tmp_path):
     """graphcap's draft trace reads a prefill batch's `forward_mode`, `extend_num_tokens` and `prefix_lens` and a
     request's `seqlen`, which the installed sglang has, around the speculative worker's iteration, which the installed
-    sglang has too (config.WORKER_ITERATION, a method taking the batch); around an iteration that calls the real
-    (hooked) `_draft_extend_for_prefill` it records the batch and hands on sglang's seed, graphcap's join bookkeeping
-    still done."""
+    sglang has too (config.WORKER_ITERATION and the target's TARGET_ITERATION, methods taking the batch); around an
+    iteration that calls the real (hooked) `_draft_extend_for_prefill` it records the batch and hands on sglang's
+    seed, graphcap's join bookkeeping still done."""
     import importlib
     import inspect
 
@@ -200,9 +200,10 @@ def test_the_trace_records_a_prefill_over_the_hooked_seed_with_the_installed_fie
     assert {"extend_num_tokens", "prefix_lens", "reqs", "forward_mode"} <= {f.name for f in
                                                                           dataclasses.fields(ScheduleBatch)}
     assert isinstance(inspect.getattr_static(Req, "seqlen"), property)
-    module, cls, method = config.WORKER_ITERATION.rsplit(".", 2)
-    iteration = getattr(getattr(importlib.import_module(module), cls), method)
-    assert list(inspect.signature(iteration).parameters)[:2] == ["self", "batch"]
+    for target in (config.WORKER_ITERATION, config.TARGET_ITERATION):  # both take the ScheduleBatch second
+        module, cls, method = target.rsplit(".", 2)
+        iteration = getattr(getattr(importlib.import_module(module), cls), method)
+        assert list(inspect.signature(iteration).parameters)[:2] == ["self", "batch"], target
     tracker = SlotTracker(_window_buffers())
     tracker.owner.update({2: "old"})
     worker = SimpleNamespace(_graphcap_runtime=_Runtime(tracker), _select_last_extend_hidden=lambda b, h: h,
