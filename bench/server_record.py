@@ -20,16 +20,21 @@ from graphcap.bench.options import OneLineParser
 from graphcap.bench.server_cases import case_rows, server_facts
 
 
-def layout(v, indent: int = 0) -> str:
-    """JSON with each container that holds no dict and no list of containers on one line (a case, a run's list),
-    the rest one key a line: a record that reads and diffs by row."""
+def layout(v, indent: int = 0, row: bool = False) -> str:
+    """JSON with each container that holds no dict and no list of containers on one line (a run's list), and each
+    list item whose containers hold only scalars too (a case, its small tables inside), the rest one key a line: a
+    record that reads and diffs by row."""
     def nested(x) -> bool:
         return isinstance(x, dict) or isinstance(x, list) and any(isinstance(y, (dict, list)) for y in x)
-    if not isinstance(v, (dict, list)) or not any(nested(x) for x in (v.values() if isinstance(v, dict) else v)):
+
+    def values(x):
+        return x.values() if isinstance(x, dict) else x
+    if not isinstance(v, (dict, list)) or not any(nested(x) for x in values(v)) or row and not any(
+            isinstance(x, (dict, list)) and any(nested(y) for y in values(x)) for x in values(v)):
         return json.dumps(v)
     pad = " " * (indent + 1)
     items = ([f"{pad}{json.dumps(k)}: {layout(x, indent + 1)}" for k, x in v.items()] if isinstance(v, dict)
-             else [pad + layout(x, indent + 1) for x in v])
+             else [pad + layout(x, indent + 1, row=True) for x in v])
     o, c = "{}" if isinstance(v, dict) else "[]"
     return o + "\n" + ",\n".join(items) + "\n" + " " * indent + c
 

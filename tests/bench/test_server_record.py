@@ -207,3 +207,15 @@ def test_a_corrupt_record_is_named_and_left_as_it_was(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"server_record: {rec}: not JSON" in err and len(err.strip().splitlines()) == 1
     assert rec.read_text() == '{"cases": ['
+
+
+def test_layout_keeps_each_case_on_one_line_with_its_small_tables():
+    """A row of a list (a case) stays one line when its tables hold only scalars (a soak row's host time by phase);
+    a row whose table holds tables, and a dict's values, go one key a line."""
+    rec = {"cases": [{"run": "j", "host_ms_by_phase": {"prefill": 3.5, "draft": 1.0}, "tokens": [1, 2]},
+                     {"run": "k", "deep": {"a": {"b": 1}}}],
+           "goals": {"soak": {"goal": "x", "met": True}}}
+    lines = record.layout(rec).splitlines()
+    assert '  {"run": "j", "host_ms_by_phase": {"prefill": 3.5, "draft": 1.0}, "tokens": [1, 2]},' in lines
+    assert not any(ln.lstrip().startswith('{"run": "k"') and ln.rstrip().endswith(("}", "},")) for ln in lines)
+    assert '  "soak": {"goal": "x", "met": true}' in lines and json.loads("\n".join(lines)) == rec
