@@ -30,10 +30,8 @@ from graphcap.sglang.compat import TESTED_SGLANG, DraftCaptureConfigError
 from graphcap.sglang.config import (ADD_CLI_ARGS, BACKEND_FLAG, BATCH_EVICT_SWA, BATCH_RETRACT, CHECK_SERVER_ARGS,
                                     FLAG, FLAG_DESTS, FROM_CLI_ARGS, MANIFEST_FLAG, PROJECTIONS_FLAG,
                                     SCHEDULER_MODULE, TARGET_ITERATION, TRITON_BACKEND_INIT, VERIFY_ATTENTION_FLAG,
-                                    WORKER_DRAFT,
-                                    WORKER_EXTEND_DECODE, WORKER_EXTEND_PREFILL, WORKER_INIT_GRAPHS, WORKER_ITERATION,
-                                    attach_options,
-                                    check_sglang_version, log, options_from_namespace)
+                                    WORKER_DRAFT, WORKER_EXTEND_DECODE, WORKER_EXTEND_PREFILL, WORKER_INIT_GRAPHS,
+                                    WORKER_ITERATION, attach_options, check_sglang_version, log, options_from_namespace)
 from graphcap.sglang.settings import PLUGIN_DEFAULT_BACKEND, PROJECTIONS, VERIFY_ATTENTION, plugin_settings
 
 

@@ -717,9 +717,6 @@ def test_trace_records_the_outermost_iteration_once(tmp_path_factory, depths, ex
     once, by the outermost iteration, whatever the nesting; a no-speculation server's forward is the outermost and is
     recorded; a call with no batch (sglang passes a ForwardBatch instead) passes through. Checked against a plain
     count of the outermost extend calls."""
-    import json
-    from types import SimpleNamespace
-
     from graphcap.sglang import trace as tr
 
     trace = tr.DraftTrace(str(tmp_path_factory.mktemp("t")), flush_every=1000)
