@@ -25,13 +25,13 @@ included). Phases, each on every server:
   beside the flag by default: the same load's pauses on both): gaps between draft calls (the draft trace; those a
   joining request's prefill held counted apart), Triton compiles after warm-up, GPU memory, latency per request kind.
 Greedy throughout: the same requests give the same text on every server unless the numerics differ; the record
-compares graphcap's texts with stock sglang's, and stock sglang's across its own runs (batching differs).
+compares graphcap's texts with stock sglang's, and stock sglang's across its own runs (batching differs), and each
+two servers' prefill batches of the same requests (`prefill_matched`: what one adds to a prefill pause).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import shlex
 import shutil
@@ -45,7 +45,7 @@ from graphcap.bench import target_weights as tw
 from graphcap.bench import server_report as rep
 from graphcap.bench.served import machine
 from graphcap.bench.server import KINDS, LAUNCHER, Server, ServerConfig, ServerFailed, http_json
-from graphcap.sglang import host_samples
+from graphcap.bench.server_summary import summarize_server
 
 PHASES = ("bench", "rate", "gsp", "multiturn", "faults", "soak")
 
@@ -239,68 +239,6 @@ def load_weights(srv: Server, ckpt: Path, device: str) -> dict:
     return {**out, "ok": out["structure"]["ok"], "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def summarize_server(label: str, srv: Server, phases: dict) -> dict:
-    """A server's record: what it ran with, start-up, each phase's numbers (texts left to the comparisons)."""
-    compiles = rep.read_jsonl(srv.trace_dir / "compiles-*.jsonl")
-    trace = rep.read_jsonl(srv.trace_dir / "draft-trace-*.jsonl")
-    prefills = rep.read_jsonl(srv.trace_dir / "prefill-trace-*.jsonl")
-    s: dict = {"command": (srv.work / f"{label}.cmd").read_text().strip(), "departures": srv.cfg.departures,
-               "check_mode": srv.cfg.check, "startup_s": srv.startup_s, "seconds": phases.get("seconds"),
-               "not_run": phases.get("not_run"), "soak_s": phases.get("soak_s"),
-               "alive_after": phases.get("alive_after"), "died": phases.get("died"),
-               "compiles": rep.compiles_summary(compiles), "draft_calls": len(trace)}
-    if prefills:  # every prefill batch's pause over the server's life (the soak's: below, after warm-up)
-        s["prefill"] = rep.prefill_time(prefills)
-    host_files = sorted(glob.glob(str(srv.trace_dir / "host-samples-*.jsonl")))  # GRAPHCAP_SGLANG_TRACE_HOST
-    if host_files:
-        s["host"] = host_samples.summary(*host_files)
-    for name in ("bench", "rate", "gsp"):
-        if name in phases:
-            p = phases[name]
-            s[name] = ({c: r["summary"] for c, r in p.items()} if name in ("bench", "rate") and "error" not in p
-                       else p.get("summary", p))
-    if "multiturn" in phases:
-        mt = phases["multiturn"]
-        s["multiturn"] = mt if "error" in mt else {
-            key: [{"round": i + 1, "cached_tokens": sum(r.get("cached_tokens") or 0 for r in rnd),
-                   "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in rnd), **rep.latency(rnd)}
-                  for i, rnd in enumerate(v["rounds"])] for key, v in mt.items()}
-    if "faults" in phases:
-        f = phases["faults"]
-        s["faults"] = f if "error" in f else {
-            k: {"alive_after": v["alive"], **rep.latency(v["replies"]),
-                **({"stop_errors": load.stop_string_errors(v)} if k == "stop_strings" else {}),
-                **({"one_token_errors": [i for i, r in enumerate(v["replies"]) if not r.get("error")
-                                         and r.get("completion_tokens") != 1]} if k == "one_token" else {})}
-            for k, v in f.items() if isinstance(v, dict) and "replies" in v}
-        if "facts" in f:
-            s["facts"] = f["facts"]
-    if "soak" in phases and "error" not in phases["soak"]:
-        sk = phases["soak"]
-        by_kind: dict[str, list] = {}
-        for r in sk["records"]:
-            by_kind.setdefault(r["kind"], []).append(r)
-        s["soak"] = {"requests": len(sk["records"]), "memory": sk["memory"],
-                     "latency": {k: rep.latency(v) for k, v in sorted(by_kind.items())},
-                     "gaps": rep.draft_gaps(trace, after=sk["warmup_end"], limit_ms=100.0, compiles=compiles,
-                                            prefills=prefills),
-                     "compiles": rep.compiles_summary(compiles, after=sk["warmup_end"]),
-                     "host": host_samples.summary(*host_files, after=sk["warmup_end"])}
-    elif "soak" in phases:
-        s["soak"] = phases["soak"]
-    man = rep.manifest_snapshot(srv.manifest_dir)
-    if man is not None:
-        s["manifest"] = {"buckets": [b["batch_size"] for b in man["buckets"]],
-                         "captured": sum(b["status"] == "captured" for b in man["buckets"]),
-                         "replays": sum(b["replays"] for b in man["buckets"]),
-                         "fallbacks": sum(b["fallbacks"] for b in man["buckets"]),
-                         "oversize_fallbacks": man["oversize_fallbacks"], "serving": man.get("serving")}
-    errors = [ln.strip()[:300] for ln in srv.log_path.read_text(errors="replace").splitlines()
-              if any(w in ln for w in ("Traceback", "Error", "error:", "leak", "graphcap (GRAPHCAP_SGLANG_CHECK"))]
-    s["log_errors"] = errors[:12]
-    return s
-
-
 def margins_while_up(label: str, url: str, texts: dict[str, dict[str, list]], limit: int = 48) -> dict:
     """For each pair `label` makes with a server that ran before it, where their replies part: the target's top two
     next tokens there, asked of `label`'s server while it is up (the replies agree up to that word, so either
@@ -392,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     margins: dict = {}  # pair -> phase key -> (request, word) -> the target's top two tokens there
     shared: dict = {}
     startups: list[float] = []  # this run's measured start-ups: what the next start is expected to take
+    prefills: dict[str, list] = {}  # each server's prefill batches: the same load's pauses compared across servers
     for i, label in enumerate(labels):
         if a.until is not None and time.time() > a.until:
             record["servers"][label] = {"not_run": "out of the call's time"}
@@ -437,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         (a.work / f"{label}-phases.json").write_text(json.dumps(phases))
         texts[label] = rep.texts_of(phases)
         record["servers"][label] = summarize_server(label, srv, phases)
+        prefills[label] = rep.read_jsonl(srv.trace_dir / "prefill-trace-*.jsonl")
         if weights is not None:
             record["servers"][label]["weights_loaded"] = weights
         record["comparisons"] = rep.comparisons(texts, margins)
@@ -445,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                                   if k in ("startup_s", "died", "bench", "log_errors")}}, default=str)[:3000],
               flush=True)
     record["comparisons"] = rep.comparisons(texts, margins)
+    record["prefill_matched"] = rep.prefill_comparisons(prefills)
     a.out.write_text(json.dumps(record, indent=1, default=str))
     return 0
 

@@ -2,9 +2,9 @@
 and graphcap's server harness use it (/health, /generate and /v1/chat/completions streamed as sglang streams them,
 /v1/models, /model_info, /server_info, /flush_cache), over a "model" whose greedy next token after x is x + 1
 (special ids skipped), with a prefix cache that reports cached tokens, and - like graphcap's plugin in a scheduler -
-a draft trace and a Triton compile log under $GRAPHCAP_SGLANG_TRACE and a capture manifest with the flag; and
-sglang's weight-update routes (/begin_weight_update, /update_weights_from_tensor, /end_weight_update), each payload
-unpickled as sglang's scheduler unpickles it and logged (name, shape, dtype, sum) to $FAKE_SGLANG_WEIGHTS_LOG.
+a draft trace, a prefill trace and a Triton compile log under $GRAPHCAP_SGLANG_TRACE and a capture manifest with the
+flag; and sglang's weight-update routes (/begin_weight_update, /update_weights_from_tensor, /end_weight_update), each
+payload unpickled as sglang's scheduler unpickles it and logged (name, shape, dtype, sum) to $FAKE_SGLANG_WEIGHTS_LOG.
 
     python tests/fake_sglang_server.py --model-path CK/target --port P [any sglang flag]
 
@@ -28,6 +28,7 @@ from aiohttp import web
 
 TICK_S = 0.002  # one "iteration" of the scheduler: every running request gets its next token
 MARGIN = float(os.environ.get("FAKE_SGLANG_MARGIN", "4.0"))  # logprob gap between the greedy token and the next one
+PREFILL_MS, FLAG_PREFILL_MS = 0.01, 0.25  # a prefill's recorded time: per new token, and added with the flag
 
 
 class Model:
@@ -91,9 +92,14 @@ def build_app(args: argparse.Namespace, model: Model, sched: Scheduler) -> web.A
     state = {"generates": 0, "rid": 0}
     name = args.model_path
 
-    async def generate_ids(ids: list[int], max_new: int, stop: list[str], request_no: int):
+    async def generate_ids(ids: list[int], max_new: int, stop: list[str], request_no: int, cached: int = 0):
         rid = f"r{state['rid']}"
         state["rid"] += 1
+        if sched.trace_dir:  # its prefill as the plugin's trace records one: PREFILL_MS a new token, more with the flag
+            ms = PREFILL_MS * (len(ids) - cached) + (FLAG_PREFILL_MS if args.enable_draft_graph_capture else 0.0)
+            with open(os.path.join(sched.trace_dir, f"prefill-trace-{os.getpid()}.jsonl"), "a") as f:
+                f.write(json.dumps({"t": time.perf_counter(), "rids": [rid], "extend_tokens": len(ids) - cached,
+                                    "cached_tokens": cached, "host_ms": ms, "gpu_ms": ms}) + "\n")
         q: asyncio.Queue = asyncio.Queue()
         sched.running[rid] = q
         out: list[int] = []
@@ -194,7 +200,7 @@ def build_app(args: argparse.Namespace, model: Model, sched: Scheduler) -> web.A
         cached = sched.cached(list(ids))
 
         async def events():
-            async for out, text, fr in generate_ids(list(ids), max_new, stop, request_no):
+            async for out, text, fr in generate_ids(list(ids), max_new, stop, request_no, cached):
                 yield {"text": text, "meta_info": {"prompt_tokens": len(ids), "completion_tokens": len(out),
                                                    "cached_tokens": cached, "spec_accept_length": 2.5,
                                                    "finish_reason": {"type": fr} if fr else None}}
@@ -225,7 +231,8 @@ def build_app(args: argparse.Namespace, model: Model, sched: Scheduler) -> web.A
         async def events():
             yield {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
             prev, n = "", 0
-            async for out, text, fr in generate_ids(ids, int(body.get("max_tokens", 16)), [], request_no):
+            async for out, text, fr in generate_ids(ids, int(body.get("max_tokens", 16)), [], request_no,
+                                                    cached):
                 delta, prev, n = text[len(prev):], text, len(out)
                 yield {"choices": [{"index": 0, "delta": {"content": delta}, "finish_reason": fr}]}
             yield {"choices": [], "usage": {"prompt_tokens": len(ids), "completion_tokens": n,

@@ -228,6 +228,34 @@ def prefill_time(prefills: Sequence[dict]) -> dict:
             "kernel_ms": pcts("kernel_ms"), "gpu_idle_share": round(statistics.median(idle), 3) if idle else None}
 
 
+def matched_prefills(ours: Sequence[dict], theirs: Sequence[dict]) -> dict:
+    """Two servers' prefill batches (trace records) matched by their new tokens, cached tokens and requests, each
+    with the first unmatched one of the other's in time order: the same load's prefills on both, so the medians of
+    our GPU span and host time minus theirs say what one server adds to a prefill pause over the other."""
+    def key(r: dict) -> tuple:
+        return r.get("extend_tokens"), r.get("cached_tokens"), len(r.get("rids") or ())
+
+    pending: dict[tuple, list[dict]] = {}
+    for r in reversed(theirs):  # popped from the end: the earliest first
+        pending.setdefault(key(r), []).append(r)
+    pairs = [(r, pending[key(r)].pop()) for r in ours if pending.get(key(r))]
+
+    def median_diff(field: str) -> float | None:
+        d = [a[field] - b[field] for a, b in pairs if a.get(field) is not None and b.get(field) is not None]
+        return round(statistics.median(d), 3) if d else None
+    return {"matched": len(pairs), "ours": len(ours), "theirs": len(theirs),
+            "gpu_ms_diff_p50": median_diff("gpu_ms"), "host_ms_diff_p50": median_diff("host_ms")}
+
+
+def prefill_comparisons(prefills: dict[str, Sequence[dict]]) -> dict:
+    """`matched_prefills` for each two servers with prefill records and the same kind of pool, the flag first, then
+    stock, then the target alone: "graphcap vs nospec" is what speculation with the flag adds to a prefill pause."""
+    order = {"graphcap": 0, "sglang": 1, "nospec": 2}
+    labels = sorted((k for k, v in prefills.items() if v), key=lambda k: order.get(k.split("-")[0], 3))
+    return {f"{a} vs {b}": matched_prefills(prefills[a], prefills[b])
+            for i, a in enumerate(labels) for b in labels[i + 1:] if ("small" in a) == ("small" in b)}
+
+
 def compiles_summary(compiles: Sequence[dict], *, after: float | None = None) -> dict:
     """Triton compiles in a server's scheduler: how many at start-up and while serving (the log's own split at the
     first draft call), and those from `after` on (the harness's end of warm-up), named."""

@@ -5,6 +5,7 @@ A server that answers differently, stalls or dies must show in the record exactl
 runs on the GPU machine (scripts/gpu-check.sh server)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -340,6 +341,51 @@ def test_prefill_time_against_numpy(data):
     assert rep.draft_gaps(calls, after=-1.0, limit_ms=1.0, prefills=recs)["prefill_time"] == got
 
 
+@settings(max_examples=examples(60), deadline=None)
+@given(data=st.data())
+def test_matched_prefills_pair_the_same_loads_batches(data):
+    """Two servers' prefill batches of one load, ours in another order, each server with batches the other lacks:
+    every shared batch pairs with its twin, and the medians are of the known per-batch differences
+    (statistics.median)."""
+    keys = data.draw(st.lists(st.tuples(st.integers(1, 2000), st.integers(0, 4096), st.integers(1, 4)), max_size=25,
+                              unique=True), label="shared batches")
+    n = len(keys)
+    dg = data.draw(st.lists(st.floats(-50, 50, allow_nan=False), min_size=n, max_size=n), label="gpu diffs")
+    dh = data.draw(st.lists(st.floats(-50, 50, allow_nan=False), min_size=n, max_size=n), label="host diffs")
+
+    def rec(key, gpu, host):
+        return {"extend_tokens": key[0], "cached_tokens": key[1], "rids": [f"r{j}" for j in range(key[2])],
+                "gpu_ms": gpu, "host_ms": host}
+    theirs = [rec(k, 10.0 * (i + 1), 5.0 * (i + 1)) for i, k in enumerate(keys)]
+    ours = [rec(k, t["gpu_ms"] + g, t["host_ms"] + h) for k, t, g, h in zip(keys, theirs, dg, dh)]
+    ours += [rec((5000 + i, 0, 1), 1.0, 1.0) for i in range(data.draw(st.integers(0, 5), label="ours only"))]
+    theirs += [rec((9000 + i, 0, 1), 1.0, 1.0) for i in range(data.draw(st.integers(0, 5), label="theirs only"))]
+    ours = [ours[i] for i in data.draw(st.permutations(range(len(ours))), label="our order")]
+    got = rep.matched_prefills(ours, theirs)
+    assert (got["matched"], got["ours"], got["theirs"]) == (n, len(ours), len(theirs))
+    assert got["gpu_ms_diff_p50"] == (round(statistics.median(dg), 3) if n else None)
+    assert got["host_ms_diff_p50"] == (round(statistics.median(dh), 3) if n else None)
+
+
+def test_matched_prefills_pair_a_repeated_batch_in_time_order():
+    """The same batch shape served twice on both servers (two requests of one length): first with first."""
+    def rec(gpu):
+        return {"extend_tokens": 300, "cached_tokens": 64, "rids": ["a"], "gpu_ms": gpu, "host_ms": gpu}
+    got = rep.matched_prefills([rec(11.0), rec(50.0), rec(7.0)], [rec(10.0), rec(20.0)])
+    assert (got["matched"], got["gpu_ms_diff_p50"]) == (2, 15.5)  # 11 - 10 and 50 - 20; the third unmatched
+
+
+def test_prefill_comparisons_order_the_flag_first_and_keep_pools_apart():
+    one = [{"extend_tokens": 100, "cached_tokens": 0, "rids": ["a"], "gpu_ms": 30.0, "host_ms": 31.0}]
+    slower = [{**one[0], "gpu_ms": 32.5, "host_ms": 31.0}]
+    got = rep.prefill_comparisons({"nospec": one, "sglang-small": one, "graphcap": slower, "sglang": one,
+                                   "graphcap-small": [], "graphcap-check-small": slower})
+    assert set(got) == {"graphcap vs sglang", "graphcap vs nospec", "sglang vs nospec",
+                        "graphcap-check-small vs sglang-small"}  # the flag first; an empty trace left out
+    assert got["graphcap vs nospec"] == {"matched": 1, "ours": 1, "theirs": 1, "gpu_ms_diff_p50": 2.5,
+                                         "host_ms_diff_p50": 0.0}
+
+
 def test_memory_and_compiles_summaries():
     samples = [(0.0, 1000), (1.0, 5000), (2.0, 5100), (3.0, 5050), (4.0, 5300)]
     assert rep.memory_trend(samples, after=1.5) == {"samples": 5, "at_warmup_end_mib": 5100,
@@ -421,12 +467,26 @@ def harness(ckpt: Path, work: Path, *args: str, env: dict | None = None, port: i
     return p.returncode, out, p.stdout + p.stderr
 
 
-def free_port() -> int:
+def free_port(block: int = 4) -> int:
+    """A port with the `block - 1` after it free too: the harness starts its i-th server on port + i, and a port
+    taken by another test's server still stopping fails that start."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + block > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for p in range(base, base + block):
+                    t = stack.enter_context(socket.socket())
+                    t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {block} consecutive free ports")
 
 
 @pytest.mark.subprocess
@@ -459,6 +519,9 @@ def test_a_server_that_answers_differently_is_named_where_it_does(ckpt, tmp_path
         assert [r["round"] for r in rounds] == [1, 2, 3, 4]
         assert all(r["cached_tokens"] > 0 for r in rounds[1:])  # each later turn reuses the conversation so far
     assert out["servers"]["graphcap"]["manifest"]["buckets"] == [1, 8, 24]
+    # both servers' prefills of the same requests paired (the stand-in records 0.25 ms more per prefill with the flag)
+    pm = out["prefill_matched"]["graphcap vs sglang"]
+    assert pm["matched"] >= 32 and pm["gpu_ms_diff_p50"] == pytest.approx(0.25, abs=1e-3), pm
 
 
 @pytest.mark.subprocess
