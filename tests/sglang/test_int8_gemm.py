@@ -344,7 +344,7 @@ def test_plan_per_31b_shape():
 @pytest.mark.parametrize("arch", [SM90, SM80], ids=["sm90", "sm80"])
 def test_every_candidate_fits_shared_memory(arch):
     for n, k in SHAPES.values():
-        for m in (1, 16, 32, 64, 128, 200):
+        for m in (1, 16, 32, 64, 128, 192, 200, 256, 257):
             for cfg in ig.candidates(m, n, k, arch):
                 assert ig.pipeline_smem(cfg, m, arch) <= arch.smem_per_block - ig.SMEM_MARGIN, (m, n, k, cfg.name)
                 k_split, n_splits = ig.splits(k, cfg)
@@ -395,7 +395,7 @@ def compile_int8(target, tmp_path: Path, every: bool) -> str:
     from sm90 import compile_for
 
     head = (f"PATH = {str(SUPPORT / 'sgl_kernel' / 'int8_gemm.py')!r}\nSHAPES = {list(SHAPES.values())!r}\n"
-            f"ROWS = {(*bench.DEFAULT_MS, 128, 300)!r}\nALL = {every}\n")
+            f"ROWS = {(*bench.DEFAULT_MS, 128, 192, 300)!r}\nALL = {every}\n")
     return compile_for(head + COMPILE, tmp_path, target)
 
 

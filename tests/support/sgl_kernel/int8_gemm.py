@@ -159,22 +159,26 @@ _VARIANTS = ((16, 512, 1, 4, 4), (32, 256, 1, 4, 4), (32, 512, 1, 4, 4), (32, 25
              (32, 256, 4, 4, 5), (64, 256, 4, 4, 3))
 
 
-# Rows just above SKINNY_M - a verify of 32 requests x 4 draft tokens is 128 - in one block of every row, so the weights
-# are read once where the plan's 64-row blocks read them twice: timed against the plan (the plan keeps its blocks
-# until a bench says otherwise).
-_ONE_BLOCK = ((64, 256, 1, 8, 3), (64, 256, 2, 8, 3), (64, 128, 1, 8, 4), (32, 256, 1, 8, 3), (128, 128, 1, 8, 3))
+# Rows above SKINNY_M up to ONE_BLOCK_M - a verify of 32 or 48 requests x 4 draft tokens is 128 or 192 rows - in one
+# block of every row, so the weights are read once where the plan's row blocks read them two or more times: timed
+# against the plan (the plan keeps its blocks until a bench says otherwise).
+ONE_BLOCK_M = 4 * SKINNY_M
+_ONE_BLOCK = ((64, 256, 1, 8, 3), (64, 256, 2, 8, 3), (64, 128, 1, 8, 4), (64, 128, 2, 8, 4), (32, 256, 1, 8, 3),
+              (32, 128, 1, 8, 4), (128, 128, 1, 8, 3))
 
 
 def candidates(m: int, n: int, k: int, arch: GpuArch | None = None) -> tuple[Config, ...]:
     """The plan's config first, then the variations that fit `arch`: around the plan at decode rows, one block of
-    every row up to 2 * SKINNY_M rows, none above (prefill: the plan only)."""
+    every row up to ONE_BLOCK_M rows, none above (prefill: the plan only)."""
     arch = arch if arch is not None else device_arch()
     first = plan(m, n, k, arch)
     if m > SKINNY_M:
-        if m > 2 * SKINNY_M:
+        if m > ONE_BLOCK_M:
             return (first,)
-        one = (fit(Config(*v), m, arch) for v in _ONE_BLOCK)  # block_m None: every row in one block
-        return tuple(dict.fromkeys((first, *one)))
+        # block_m None: every row in one block; the accumulator at most 128 x 128 (16384) int32 (64 registers a thread at 8
+        # warps: a larger one spills on sm_80)
+        one = (Config(*v) for v in _ONE_BLOCK)
+        return tuple(dict.fromkeys((first, *(fit(c, m, arch) for c in one if c.block_n * rows_block(m, c) <= 16384))))
     out = [first]
     for v in _VARIANTS:
         c = Config(*v)
