@@ -325,7 +325,8 @@ def test_the_31b_projection_shapes():
 
 def test_plan_per_31b_shape():
     """What the plan launches on an H200 at decode rows: unsplit n-blocks of 64 on the wide shapes; on the narrow
-    ones (N = 5376) n-blocks of 32 (168 programs for 132 SMs) up to 16 rows, of 64 with K split in two (168) above."""
+    ones (N = 5376) n-blocks of 32 (168 programs for 132 SMs) up to 16 rows, of 64 with K split in two (168) above;
+    at a verify's rows one block of every row; above, a prefill's tiles."""
     def names(m: int) -> dict[str, str]:
         return {s: ig.plan(m, n, k, SM90).name for s, (n, k) in SHAPES.items()}
 
@@ -337,7 +338,14 @@ def test_plan_per_31b_shape():
                          "qkv_full": "n64k256s1w4st4", "o_full": "n64k256s2w4st4", "gate_up": "n64k256s1w4st4",
                          "down": "n64k256s2w4st4"}
     assert names(48) == names(64) == {k: v.replace("w4st4", "w8st3") for k, v in names(32).items()}
-    assert ig.plan(2048, 43008, 5376, SM90).name == "m128n128k128s1w8st3"  # prefill: tiled rows
+    # a verify's rows (65-256): one block of every row, K split in two on the narrow shapes up to 128 rows
+    narrow = {s for s, (n, _) in SHAPES.items() if n < ig.WIDE_N}
+    for m in (65, 128, 129, 192, 256):
+        split = 2 if m <= 128 else 1
+        assert names(m) == {s: f"n64k128s{split if s in narrow else 1}w8st4" for s in SHAPES}, m
+        assert all(ig.rows_block(m, ig.plan(m, n, k, SM90)) >= m for n, k in SHAPES.values())
+    assert ig.plan(257, 43008, 5376, SM90).name == "m128n128k128s1w8st3"  # prefill: tiled rows
+    assert ig.plan(2048, 43008, 5376, SM90).name == "m128n128k128s1w8st3"
     assert ig.plan(8, 5376, 8192) is ig.plan(8, 5376, 8192)  # cached, pure
 
 

@@ -25,8 +25,8 @@ The int32 sum wraps past 2**31 as sgl_kernel's does (K up to 131072 cannot reach
 The kernel (`_int8_mm_kernel`): program (n-block, split, m-block) owns BLOCK_N output columns of BLOCK_M rows over one
 K range, computed transposed (acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T, int8 tl.dot into int32: the weight rows on
 the MMA's large side, the few rows of x on its small side, padded to 16), so each weight byte is read once, in
-K-contiguous runs. At decode (M <= SKINNY_M) one m-block holds every row; above it (prefill) the rows are tiled too.
-Unsplit, the program applies the epilogue and stores the output. Split K: each split stores its int32 partial to a
+K-contiguous runs. Up to ONE_BLOCK_M rows (a decode batch, a verify) one m-block holds every row; above it (prefill)
+the rows are tiled too. Unsplit, the program applies the epilogue and stores the output. Split K: each split stores its int32 partial to a
 workspace [S, M, N] and `_int8_splitk_epilogue_kernel` sums them (exact: integers, so any order gives the same bits,
 the unsplit kernel's bits too) and applies the epilogue - two kernels and no state kept between calls, so a call
 captures in a CUDA graph at any time and any stream.
@@ -56,7 +56,8 @@ from graphcap.kernels.gemm.skinny_kernels import round_to  # the GPU's bf16 roun
 OP = "int8_scaled_mm"
 OUT_DTYPES = (torch.float16, torch.bfloat16)
 ORDERS = ("sm90", "sm80")  # the epilogue's fp32 operation order (module docstring)
-SKINNY_M = 64  # up to this many rows one m-block holds them all (a decode batch); above, rows are tiled
+SKINNY_M = 64  # up to this many rows: a decode batch's plan, every row in one m-block
+ONE_BLOCK_M = 4 * SKINNY_M  # up to this many: a verify's, every row in one m-block too; above, rows are tiled (prefill)
 WIDE_N = 8192  # from this many output columns the n-blocks alone fill the GPU (no split K)
 MIN_SPLIT_K = 1024  # K per split at the least: shorter runs pay more for the partials than they gain
 SMEM_MARGIN = 8 * 1024  # shared memory left to Triton beyond the pipeline's tiles (layout conversions)
@@ -132,8 +133,17 @@ def plan(m: int, n: int, k: int, arch: GpuArch | None = None) -> Config:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, arch: GpuArch) -> Config:
-    if m > SKINNY_M:  # prefill: a tiled GEMM, the weights re-read once per m-block
-        return fit(Config(128, 128, 1, 8, 3, block_m=64 if m <= 2 * SKINNY_M else 128), m, arch)
+    if m > ONE_BLOCK_M:  # prefill: a tiled GEMM, the weights re-read once per m-block
+        return fit(_tiled(m), m, arch)
+    if m > SKINNY_M:
+        # A verify (requests x draft tokens): every row in one block, so the weights are read once, as sgl_kernel's
+        # 2 x 1 clusters along M read them (TMA multicast). Tiles of 64 weight rows and K steps of 128 keep the
+        # 256-row pipeline in shared memory; narrow shapes split K in two up to 128 rows, where 84 n-blocks would
+        # leave SMs idle. Timed against the prefill's tiling (docs/results/int8-gemm-h100.json, verify_rows): one
+        # token's 60 layers 15.6 against 22.1 ms at 128 rows, 22.8 against 25.4 at 192 (qkv_full at 96-128 rows and
+        # qkv_sliding at 192 alone 1.1-1.2x slower).
+        split = 2 if n < WIDE_N and m <= 2 * SKINNY_M else 1
+        return fit(Config(64, 128, split, 8, 4), m, arch)
     block_m = max(16, triton.next_power_of_2(m))
     # Every n-block re-reads x from L2: M * K bytes beside its BLOCK_N * K bytes of weights. Tiles of 64 weight rows
     # (a Hopper wgmma's) keep that at half the weights' bytes or less up to 32 rows; a narrow shape's 16 rows or
@@ -151,6 +161,11 @@ def _plan(m: int, n: int, k: int, arch: GpuArch) -> Config:
     return fit(Config(block_n, 256, split, 8 if block_m > 32 else 4, stages), m, arch)
 
 
+def _tiled(m: int) -> Config:
+    """Rows tiled in m-blocks (each reads the weights again): prefill's config, timed against the plan at verify rows."""
+    return Config(128, 128, 1, 8, 3, block_m=64 if m <= 2 * SKINNY_M else 128)
+
+
 # Variations a bench times around the plan (bench/int8_gemm.py --candidates): tile widths, K steps, splits, depths.
 _VARIANTS = ((16, 512, 1, 4, 4), (32, 256, 1, 4, 4), (32, 512, 1, 4, 4), (32, 256, 1, 4, 6), (32, 256, 2, 4, 4),
              (64, 256, 1, 4, 4), (64, 256, 1, 4, 3), (64, 512, 1, 4, 3), (64, 256, 2, 4, 4), (64, 256, 4, 4, 4),
@@ -160,16 +175,14 @@ _VARIANTS = ((16, 512, 1, 4, 4), (32, 256, 1, 4, 4), (32, 512, 1, 4, 4), (32, 25
 
 
 # Rows above SKINNY_M up to ONE_BLOCK_M - a verify of 32 or 48 requests x 4 draft tokens is 128 or 192 rows - in one
-# block of every row, so the weights are read once where the plan's row blocks read them two or more times: timed
-# against the plan (the plan keeps its blocks until a bench says otherwise).
-ONE_BLOCK_M = 4 * SKINNY_M
+# block of every row (the plan's) or tiled as a prefill is.
 _ONE_BLOCK = ((64, 256, 1, 8, 3), (64, 256, 2, 8, 3), (64, 128, 1, 8, 4), (64, 128, 2, 8, 4), (32, 256, 1, 8, 3),
               (32, 128, 1, 8, 4), (128, 128, 1, 8, 3))
 
 
 def candidates(m: int, n: int, k: int, arch: GpuArch | None = None) -> tuple[Config, ...]:
-    """The plan's config first, then the variations that fit `arch`: around the plan at decode rows, one block of
-    every row up to ONE_BLOCK_M rows, none above (prefill: the plan only)."""
+    """The plan's config first, then the variations that fit `arch`: around the plan at decode rows, other one-block
+    configs and the prefill's tiling at verify rows (up to ONE_BLOCK_M), none above (prefill: the plan only)."""
     arch = arch if arch is not None else device_arch()
     first = plan(m, n, k, arch)
     if m > SKINNY_M:
@@ -178,7 +191,8 @@ def candidates(m: int, n: int, k: int, arch: GpuArch | None = None) -> tuple[Con
         # block_m None: every row in one block; the accumulator at most 128 x 128 (16384) int32 (64 registers a thread at 8
         # warps: a larger one spills on sm_80)
         one = (Config(*v) for v in _ONE_BLOCK)
-        return tuple(dict.fromkeys((first, *(fit(c, m, arch) for c in one if c.block_n * rows_block(m, c) <= 16384))))
+        one = (fit(c, m, arch) for c in one if c.block_n * rows_block(m, c) <= 16384)
+        return tuple(dict.fromkeys((first, *one, fit(_tiled(m), m, arch))))
     out = [first]
     for v in _VARIANTS:
         c = Config(*v)
