@@ -138,7 +138,7 @@ case $1 in
     step unit-gpu python3 -m pytest -q -rs -m gpu ${UNIT_TESTS:-tests/kernels/test_decode_attention.py \
       tests/kernels/test_attention_plan.py tests/kernels/test_centroid_head.py tests/kernels/test_small_topk.py \
       tests/kernels/test_candidate_pick.py tests/kernels/test_fused_ops.py tests/kernels/test_layer_fusions.py \
-      tests/kernels/test_skinny_gemm.py tests/kernels/test_pdl.py}
+      tests/kernels/test_skinny_gemm.py tests/kernels/test_pdl.py tests/sglang/test_seed.py}
     ;;
   tests)  # the whole suite, thorough tier (tests/conftest.py: every test, hypothesis at its full example counts)
     local k=() args="-q -rs --durations=30"

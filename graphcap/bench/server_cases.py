@@ -53,6 +53,9 @@ def case_rows(harness: dict, *, run: str, pair: str, radix_cache: bool = True) -
                 "crashes": int(bool(s.get("died"))), "leaked_rows": None}
         if label != engine:
             base["server"] = label
+        if s.get("check_mode"):  # GRAPHCAP_SGLANG_CHECK: a failed check raises in the scheduler and logs its name
+            failures = [ln for ln in s.get("log_errors") or [] if "GRAPHCAP_SGLANG_CHECK" in ln]
+            base |= {"checked_drafts": s.get("draft_calls"), "check_failures": len(failures) + int(bool(s.get("died")))}
         for c, b in sorted((s.get("bench") or {}).items(), key=lambda kv: int(kv[0])):
             eq, ties = _equal(cmp, label, [f"bench-c{c}"])
             rows.append({**base, "workload": "random", "concurrency": int(c),

@@ -59,6 +59,8 @@ BATCH_RETRACT = f"{SCHEDULE_BATCH}.retract_decode"  # requests retracted under m
 BATCH_EVICT_SWA = f"{SCHEDULE_BATCH}._evict_swa"  # SWA pages freed behind a request's window
 # the target's verify seat (graphcap.sglang.verify); not required: unhooked, the verify is stock
 TRITON_BACKEND_INIT = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__"
+# a joining request's seed, gathered without sglang's host sync (graphcap.sglang.seed); not required either
+WORKER_SEED_HIDDEN = f"{DRAFT_WORKER}._select_last_extend_hidden"
 ARG_HOOKS = (ADD_CLI_ARGS, FROM_CLI_ARGS)
 WORKER_HOOKS = (WORKER_INIT_GRAPHS, WORKER_DRAFT, WORKER_EXTEND_PREFILL, WORKER_EXTEND_DECODE, BATCH_RETRACT,
                 BATCH_EVICT_SWA)

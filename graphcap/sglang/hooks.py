@@ -13,6 +13,7 @@ from graphcap.sglang import variants
 from graphcap.sglang.compat import DraftCaptureConfigError, SglangLayoutError, swa_evicted_len
 from graphcap.sglang.config import options_of, unpatched_worker_hooks, validate_server_args
 from graphcap.sglang.runtime import GraphcapDraftRuntime
+from graphcap.sglang.seed import last_extend_hidden
 from graphcap.sglang.slots import slot_of
 
 log = logging.getLogger("graphcap.sglang")
@@ -71,6 +72,14 @@ def after_draft_extend_for_prefill(result, worker, batch, *args, **kwargs):
     if rt is not None and rt.active and not batch.forward_mode.is_idle():
         rt.tracker.on_join(batch.reqs)
     return None  # keep sglang's seed
+
+
+def around_select_last_extend_hidden(original, worker, batch, hidden_states, *args, **kwargs):
+    """A prefill's seed rows: graphcap.sglang.seed's gather (no host sync) where graphcap serves the worker."""
+    rt = runtime_of(worker)
+    if rt is None or not rt.active or args or kwargs:
+        return original(worker, batch, hidden_states, *args, **kwargs)
+    return last_extend_hidden(batch.extend_lens, batch.batch_size(), hidden_states)
 
 
 def after_draft_extend_for_decode(result, worker, batch, batch_result, *args, **kwargs):

@@ -31,7 +31,8 @@ from graphcap.sglang.config import (ADD_CLI_ARGS, BACKEND_FLAG, BATCH_EVICT_SWA,
                                     FLAG, FLAG_DESTS, FROM_CLI_ARGS, MANIFEST_FLAG, PROJECTIONS_FLAG,
                                     SCHEDULER_MODULE, TARGET_ITERATION, TRITON_BACKEND_INIT, VERIFY_ATTENTION_FLAG,
                                     WORKER_DRAFT, WORKER_EXTEND_DECODE, WORKER_EXTEND_PREFILL, WORKER_INIT_GRAPHS,
-                                    WORKER_ITERATION, attach_options, check_sglang_version, log, options_from_namespace)
+                                    WORKER_ITERATION, WORKER_SEED_HIDDEN, attach_options, check_sglang_version, log,
+                                    options_from_namespace)
 from graphcap.sglang.settings import PLUGIN_DEFAULT_BACKEND, PROJECTIONS, VERIFY_ATTENTION, plugin_settings
 
 
@@ -102,6 +103,7 @@ def register_runtime_hooks(workers: bool) -> None:
             BATCH_RETRACT: (h.around_retract_decode, HookType.AROUND),
             BATCH_EVICT_SWA: (h.around_evict_swa, HookType.AROUND),
             TRITON_BACKEND_INIT: (h.after_triton_backend_init, HookType.AFTER),
+            WORKER_SEED_HIDDEN: (h.around_select_last_extend_hidden, HookType.AROUND),
         })
     for target, (hook, kind) in table.items():
         if target not in STATE.runtime_hooks:

@@ -62,6 +62,12 @@ def harness_output(rng: random.Random) -> dict:
         servers["graphcap"]["soak"]["host"] = {"phases": {"prefill": {"ms": 400.0, "own": own},
                                                           "scheduler": {"ms": rng.uniform(1, 99), "own": []}}}
     servers["graphcap"]["soak_s"] = 300.0
+    if rng.random() < 0.5:  # GRAPHCAP_SGLANG_CHECK on: the scheduler's log names each failed check
+        servers["graphcap"] |= {"check_mode": True, "draft_calls": rng.randint(1, 5000),
+                                "log_errors": rng.sample(["[t] OpenAI Responses API disabled",
+                                                          "[t] graphcap (GRAPHCAP_SGLANG_CHECK=1): row 3 stale",
+                                                          "[t] graphcap (GRAPHCAP_SGLANG_CHECK=1): seq_lens differ"],
+                                                         rng.randint(0, 3))}
     servers["nospec"] = {"not_run": "out of the call's time"}
     pair = {f"bench-c{c}": {"compared": 32, "equal": rng.randint(28, 32),
                             "differ": [{"near_tie": rng.random() < 0.5} for _ in range(rng.randint(0, 3))]}
@@ -122,6 +128,13 @@ def test_rows_carry_the_harness_numbers(seed):
     assert ("host_ms_by_phase" in soak) == (host is not None)
     if host is not None:
         assert soak["host_ms_by_phase"] == {p: d["ms"] for p, d in host["phases"].items()}
+    g = out["servers"]["graphcap"]
+    for r in rows:  # a checked server's rows: its draft calls, and every failed check or a death counted
+        if r["engine"] == "graphcap" and g.get("check_mode"):
+            fails = sum("GRAPHCAP_SGLANG_CHECK" in ln for ln in g["log_errors"]) + (1 if g["died"] else 0)
+            assert (r["checked_drafts"], r["check_failures"]) == (g["draft_calls"], fails)
+        else:
+            assert "checked_drafts" not in r and "check_failures" not in r
     for r in rows:  # the schema's columns first and in its order, nothing left as null
         cols = [k for k in r if k in COLUMNS]
         assert cols == [k for k in COLUMNS if k in r] and list(r)[:len(cols)] == cols

@@ -106,7 +106,7 @@ def test_scheduler_process_without_the_flag_patches_nothing():
 
 def test_scheduler_process_with_the_flag_hooks_the_real_classes():
     _load_plugins(DraftCaptureOptions(enabled=True).to_json())
-    for target in config.ARG_HOOKS + config.RUNTIME_HOOKS:
+    for target in config.ARG_HOOKS + config.RUNTIME_HOOKS + (config.WORKER_SEED_HIDDEN,):
         assert target in HookRegistry._patched, f"sglang did not apply {target}"
         fn = _raw(target)
         assert hasattr(fn, "__wrapped__"), target
@@ -182,6 +182,24 @@ def test_hooked_draft_extend_for_prefill_marks_joins(patched):
     batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=reqs)
     assert FrozenKVMTPDraftWorker._draft_extend_for_prefill(worker, batch, torch.zeros(1, 2), torch.zeros(1)) == "seed"
     assert tracker.owner == {3: "x"} and tracker.stats["joins"] == 1
+
+
+def test_hooked_seed_rows_are_sglangs_own(patched):
+    """The prefill's seed rows (config.WORKER_SEED_HIDDEN, hooked): with a graphcap runtime graphcap.sglang.seed's
+    gather (no host sync), equal to the installed sglang's own `select_last_extend_hidden`; without one, sglang's."""
+    from sglang.srt.speculative.frozen_kv_mtp_utils import select_last_extend_hidden
+
+    assert hasattr(_raw(config.WORKER_SEED_HIDDEN), "__wrapped__")
+    g = torch.Generator().manual_seed(5)
+    for case in range(40):
+        lens = (1 + torch.randint(0, 30, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g)).tolist()
+        batch = SimpleNamespace(extend_lens=lens, batch_size=lambda n=len(lens): n)
+        hidden = torch.randn(sum(lens), 6, generator=g)
+        want = select_last_extend_hidden(batch, hidden)
+        for runtime in (_Runtime(None), None):
+            got = FrozenKVMTPDraftWorker._select_last_extend_hidden(SimpleNamespace(_graphcap_runtime=runtime), batch,
+                                                                    hidden)
+            assert torch.equal(got, want), (case, lens, runtime)
 
 
 def test_the_trace_records_a_prefill_over_the_hooked_seed_with_the_installed_fields(patched, tmp_path):
