@@ -26,10 +26,10 @@ The kernel (`_int8_mm_kernel`): program (n-block, split, m-block) owns BLOCK_N o
 K range, computed transposed (acc[BLOCK_N, BLOCK_M] = w_tile @ x_tile.T, int8 tl.dot into int32: the weight rows on
 the MMA's large side, the few rows of x on its small side, padded to 16), so each weight byte is read once, in
 K-contiguous runs. Up to ONE_BLOCK_M rows (a decode batch, a verify) one m-block holds every row; above it (prefill)
-the rows are tiled too. Unsplit, the program applies the epilogue and stores the output. Split K: each split stores its int32 partial to a
-workspace [S, M, N] and `_int8_splitk_epilogue_kernel` sums them (exact: integers, so any order gives the same bits,
-the unsplit kernel's bits too) and applies the epilogue - two kernels and no state kept between calls, so a call
-captures in a CUDA graph at any time and any stream.
+the rows are tiled too. Unsplit, the program applies the epilogue and stores the output. Split K: each split stores
+its int32 partial to a workspace [S, M, N] and `_int8_splitk_epilogue_kernel` sums them (exact: integers, so any
+order gives the same bits, the unsplit kernel's bits too) and applies the epilogue - two kernels and no state kept
+between calls, so a call captures in a CUDA graph at any time and any stream.
 
 Launch parameters come from `plan(m, n, k, arch)`, pure Python on the static shapes (no tuning at call time);
 `candidates` lists the alternatives bench/int8_gemm.py times. Dispatch (`graphcap.kernels.use_triton`): CUDA
@@ -162,7 +162,7 @@ def _plan(m: int, n: int, k: int, arch: GpuArch) -> Config:
 
 
 def _tiled(m: int) -> Config:
-    """Rows tiled in m-blocks (each reads the weights again): prefill's config, timed against the plan at verify rows."""
+    """Rows tiled in m-blocks, each reading the weights again: prefill's config (a candidate at verify rows)."""
     return Config(128, 128, 1, 8, 3, block_m=64 if m <= 2 * SKINNY_M else 128)
 
 
@@ -188,8 +188,8 @@ def candidates(m: int, n: int, k: int, arch: GpuArch | None = None) -> tuple[Con
     if m > SKINNY_M:
         if m > ONE_BLOCK_M:
             return (first,)
-        # block_m None: every row in one block; the accumulator at most 128 x 128 (16384) int32 (64 registers a thread at 8
-        # warps: a larger one spills on sm_80)
+        # block_m None: every row in one block; the accumulator at most 128 x 128 (16384) int32 (64 registers a
+        # thread at 8 warps: a larger one spills on sm_80)
         one = (Config(*v) for v in _ONE_BLOCK)
         one = (fit(c, m, arch) for c in one if c.block_n * rows_block(m, c) <= 16384)
         return tuple(dict.fromkeys((first, *one, fit(_tiled(m), m, arch))))
