@@ -199,7 +199,8 @@ def run_phases(srv: Server, args: argparse.Namespace, words: load.Words, work: P
                                             or 256)
                 chunk = shared.setdefault("chunk", facts.get("chunked_prefill_size") or 8192)
                 out[phase] = asyncio.run(load.faults(url, words, largest_bucket=int(largest), window=args.window,
-                                                     chunk=int(chunk), seed=11))
+                                                     chunk=int(chunk), seed=11, pressure_requests=args.pressure[0],
+                                                     pressure_tokens=args.pressure[1]))
                 out[phase]["facts"] = facts
             elif phase == "soak":
                 start = time.perf_counter()
@@ -278,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=1024, help="the checkpoint's sliding window (faults: past it)")
     ap.add_argument("--largest-bucket", type=int, default=None, help="faults: default sglang's cuda_graph_max_bs")
     ap.add_argument("--small-pool", type=int, default=24576, help="KV tokens of a -small server")
+    ap.add_argument("--pressure", default="48x512",
+                    help="faults' pool pressure: REQUESTSxTOKENS long replies at once (a -small server retracts)")
     ap.add_argument("--soak-s", type=float, default=480.0)
     ap.add_argument("--soak-concurrency", type=int, default=32)
     ap.add_argument("--soak-on", type=lambda v: tuple(v.split(",")), default=("graphcap", "sglang"),
@@ -310,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
             pass
         if not a.request_rates or not all(0 < r < float("inf") for r in a.request_rates):
             raise ValueError(f"--request-rates: finite requests per second > 0, got {raw!r}")
+        n, _, t = a.pressure.partition("x")
+        if not (n.isdigit() and t.isdigit() and int(n) > 0 and int(t) > 0):
+            raise ValueError(f"--pressure: REQUESTSxTOKENS, both positive, got {a.pressure!r}")
+        a.pressure = (int(n), int(t))
         a.phases = [p for p in a.phases.split(",") if p]
         bad = [p for p in a.phases if p not in PHASES]
         if bad or any(c < 1 for c in a.concurrency):

@@ -12,7 +12,8 @@ Non-streamed /generate with return_logprob answers output_top_logprobs (the gree
 FAKE_SGLANG_MARGIN below it). Knobs for tests (environment): FAKE_SGLANG_DIVERGE=N - with the flag, the N-th request
 (from 0) answers one token off from its 3rd token on; FAKE_SGLANG_STALL_AT=K - the K-th scheduler tick stalls 0.3 s
 after logging a compile of "fake.kernels:_late" (what the harness must find inside the gap); FAKE_SGLANG_EXIT_AT=K -
-the process dies at tick K.
+the process dies at tick K. With --max-total-tokens, running requests whose prompts and replies pass it are
+retracted (the youngest first, logged as sglang's scheduler logs it) and resumed when the rest fits.
 """
 from __future__ import annotations
 
@@ -47,9 +48,11 @@ class Model:
 class Scheduler:
     """Requests in flight share ticks: each tick every request gets a token; the draft trace gets one row."""
 
-    def __init__(self, model: Model, trace_dir: str | None, stall_at: int | None, exit_at: int | None) -> None:
+    def __init__(self, model: Model, trace_dir: str | None, stall_at: int | None, exit_at: int | None,
+                 max_tokens: int | None = None) -> None:
         self.model, self.trace_dir, self.stall_at, self.exit_at = model, trace_dir, stall_at, exit_at
         self.running: dict[str, asyncio.Queue] = {}
+        self.max_tokens, self.tokens, self.held = max_tokens, {}, set()  # the pool; each request's KV; retracted
         self.ticks = 0
         self.cache: list[list[int]] = []  # prompts seen: the prefix cache
         if trace_dir:
@@ -82,8 +85,24 @@ class Scheduler:
                         f.write(json.dumps({"kernel": "fake.kernels:_late", "variant": "_late[bs3]", "t": t + 0.001,
                                             "ms": 290.0, "serving": True, "preload": False}) + "\n")
                 await asyncio.sleep(0.3)
-            for q in list(self.running.values()):
-                q.put_nowait(True)
+            if self.max_tokens:
+                self.retract_or_resume()
+            for rid, q in list(self.running.items()):
+                if rid not in self.held:
+                    q.put_nowait(True)
+
+    def retract_or_resume(self) -> None:
+        live = [r for r in self.running if r not in self.held]
+        used = sum(self.tokens.get(r, 0) for r in live)
+        if used > self.max_tokens and len(live) > 1:
+            young = max(live, key=lambda r: int(r[1:]))
+            self.held.add(young)
+            print(f"[fake] WARNING scheduler.py: KV cache pool is full. Retract requests. #retracted_reqs: 1, "
+                  f"#new_tokens_gained: {self.tokens[young]}, #new_token_ratio: 0.7000 -> 0.9000", flush=True)
+        elif self.held:
+            old = min(self.held, key=lambda r: int(r[1:]))
+            if not live or used + self.tokens.get(old, 0) <= self.max_tokens:  # alone, any request runs
+                self.held.discard(old)
 
 
 def build_app(args: argparse.Namespace, model: Model, sched: Scheduler) -> web.Application:
@@ -102,11 +121,13 @@ def build_app(args: argparse.Namespace, model: Model, sched: Scheduler) -> web.A
                                     "cached_tokens": cached, "host_ms": ms, "gpu_ms": ms}) + "\n")
         q: asyncio.Queue = asyncio.Queue()
         sched.running[rid] = q
+        sched.tokens[rid] = len(ids)
         out: list[int] = []
         x = ids[-1] if ids else 4
         try:
             while len(out) < max_new:
                 await q.get()
+                sched.tokens[rid] += 1
                 x = model.next(x)
                 y = x + 1 if (request_no == diverge and len(out) >= 2) else x
                 out.append(y)
@@ -118,6 +139,8 @@ def build_app(args: argparse.Namespace, model: Model, sched: Scheduler) -> web.A
                 yield out, text, None if len(out) < max_new else "length"
         finally:
             sched.running.pop(rid, None)
+            sched.tokens.pop(rid, None)
+            sched.held.discard(rid)
 
     async def health(_):
         return web.Response(status=200)
@@ -129,7 +152,7 @@ def build_app(args: argparse.Namespace, model: Model, sched: Scheduler) -> web.A
         return web.json_response({"model_path": name, "tokenizer_path": name, "is_generation": True})
 
     async def server_info(_):
-        return web.json_response({"chunked_prefill_size": 8192, "max_total_num_tokens": 100000,
+        return web.json_response({"chunked_prefill_size": 8192, "max_total_num_tokens": args.max_total_tokens or 100000,
                                   "cuda_graph_max_bs": 24, "page_size": 64, "attention_backend": "triton",
                                   "internal_states": [{"avg_spec_accept_length": 2.5}]})
 
@@ -270,6 +293,7 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--draft-graph-manifest-dir")
     ap.add_argument("--enable-draft-graph-capture", action="store_true")
+    ap.add_argument("--max-total-tokens", type=int)
     args, _ = ap.parse_known_args()  # every other sglang flag is taken and ignored
     from transformers import AutoTokenizer
 
@@ -277,7 +301,8 @@ def main() -> None:
     env = os.environ
     sched = Scheduler(model, env.get("GRAPHCAP_SGLANG_TRACE"),
                       int(env["FAKE_SGLANG_STALL_AT"]) if env.get("FAKE_SGLANG_STALL_AT") else None,
-                      int(env["FAKE_SGLANG_EXIT_AT"]) if env.get("FAKE_SGLANG_EXIT_AT") else None)
+                      int(env["FAKE_SGLANG_EXIT_AT"]) if env.get("FAKE_SGLANG_EXIT_AT") else None,
+                      args.max_total_tokens)
     if args.enable_draft_graph_capture and args.draft_graph_manifest_dir:
         write_manifest(args.draft_graph_manifest_dir)
     print(f"fake sglang server on {args.port}", flush=True)

@@ -299,7 +299,8 @@ async def multi_turn(url: str, model: str, words: Words, *, conversations: int =
 # faults
 
 
-async def faults(url: str, words: Words, *, largest_bucket: int, window: int, chunk: int, seed: int = 0) -> dict:
+async def faults(url: str, words: Words, *, largest_bucket: int, window: int, chunk: int, seed: int = 0,
+                 pressure_requests: int = 48, pressure_tokens: int = 512) -> dict:
     """Each fault a server meets, in turn; after each, one real request must still be served (`alive`). Per fault
     the replies, for comparing with another server given the same faults (an aborted reply is not compared)."""
     rng = random.Random(seed)
@@ -340,6 +341,13 @@ async def faults(url: str, words: Words, *, largest_bucket: int, window: int, ch
         reps = await asyncio.gather(*(stream(http, gen, generate_payload(words.text(rng.randint(8, 64), rng), 32),
                                              chat=False) for _ in range(n)))
         out["over_largest_bucket"] = {"requests": n, "replies": [asdict(r) for r in reps], "alive": await alive()}
+        # long replies all at once, more KV than admission reserves for them: a small pool (a `-small` server)
+        # must retract running requests and serve them again (counted from sglang's log: `retractions`)
+        reps = await asyncio.gather(*(stream(http, gen, generate_payload(words.text(rng.randint(200, 600), rng),
+                                                                         pressure_tokens, ignore_eos=True),
+                                             chat=False) for _ in range(pressure_requests)))
+        out["pool_pressure"] = {"requests": pressure_requests, "replies": [asdict(r) for r in reps],
+                                "alive": await alive()}
     return out
 
 

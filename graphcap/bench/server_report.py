@@ -9,6 +9,7 @@ import glob
 import json
 import math
 import os
+import re
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -265,6 +266,20 @@ def compiles_summary(compiles: Sequence[dict], *, after: float | None = None) ->
             "while_serving": sum(bool(c.get("serving")) and not c.get("preload") for c in compiles),
             "after_warmup": [{"kernel": c["kernel"], "ms": round(c["ms"], 1), "variant": c.get("variant", "")[:120]}
                              for c in late]}
+
+
+_RETRACT = re.compile(r"(KV cache pool is full\. Retract requests\. |Testing retraction\. )#retracted_reqs: (\d+)")
+
+
+def retractions(log_text: str) -> dict:
+    """sglang's retractions as its scheduler logs them (`retract_decode`'s warning, sglang 0.5.18 and 0.5.23): events
+    and requests, those the KV pool forced apart from sglang's test hook (SGLANG_TEST_RETRACT)."""
+    out = {"events": 0, "requests": 0, "pool_full_events": 0}
+    for m in _RETRACT.finditer(log_text):
+        out["events"] += 1
+        out["requests"] += int(m.group(2))
+        out["pool_full_events"] += m.group(1).startswith("KV cache pool is full")
+    return out
 
 
 def memory_trend(samples: Sequence[tuple[float, int]], *, after: float) -> dict | None:

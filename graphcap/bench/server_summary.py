@@ -67,7 +67,9 @@ def summarize_server(label: str, srv: Server, phases: dict) -> dict:
                          "replays": sum(b["replays"] for b in man["buckets"]),
                          "fallbacks": sum(b["fallbacks"] for b in man["buckets"]),
                          "oversize_fallbacks": man["oversize_fallbacks"], "serving": man.get("serving")}
-    errors = [ln.strip()[:300] for ln in srv.log_path.read_text(errors="replace").splitlines()
+    log_text = srv.log_path.read_text(errors="replace")
+    s["retractions"] = rep.retractions(log_text)
+    errors = [ln.strip()[:300] for ln in log_text.splitlines()
               if any(w in ln for w in ("Traceback", "Error", "error:", "leak", "graphcap (GRAPHCAP_SGLANG_CHECK"))]
     s["log_errors"] = errors[:12]
     return s

@@ -112,6 +112,8 @@ def test_bad_server_configs_are_refused(kw, match):
     (["--request-rates", "fast"], "--request-rates: finite requests per second > 0, got 'fast'"),
     (["--phases", "bench,warp"], "--phases from"),
     (["--concurrency", "8,0"], "--concurrency positive"),
+    (["--pressure", "48"], "--pressure: REQUESTSxTOKENS, both positive, got '48'"),
+    (["--pressure", "0x512"], "--pressure: REQUESTSxTOKENS, both positive, got '0x512'"),
 ])
 def test_bad_harness_options_are_one_line(tmp_path, capsys, args, says):
     harness_main = load_bench_script("sglang_server").main
@@ -400,6 +402,32 @@ def test_memory_and_compiles_summaries():
     assert s["after_warmup"] == [{"kernel": "d", "ms": 300, "variant": "d[bs1]"}]
 
 
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 64), st.integers(0, 9000)), max_size=12),
+       st.randoms(use_true_random=False))
+@settings(max_examples=examples(60), deadline=None)
+def test_retractions_count_sglangs_own_log_lines(events, rnd):
+    # the warning as sglang's scheduler builds it (retract_decode's caller, 0.5.18 and 0.5.23), among other lines
+    lines = []
+    for pool_full, n, gained in events:
+        prefix = "KV cache pool is full. Retract requests. " if pool_full else "Testing retraction. "
+        details = f"#retracted_reqs: {n}, #new_tokens_gained: {gained}"
+        details += f", #new_token_ratio: 0.{rnd.randint(1000, 9999)} -> 0.9000" if pool_full else ""
+        lines.append(f"[2026-01-01 00:00:00] WARNING scheduler.py:1: {prefix}{details}")
+    noise = ["Decode batch. #running-req: 12, #token: 900, #retracted-req: 3", "Prefill batch. #new-seq: 1"]
+    for ln in noise * 3:
+        lines.insert(rnd.randint(0, len(lines)), ln)
+    assert rep.retractions("\n".join(lines)) == {
+        "events": len(events), "requests": sum(n for _, n, _ in events),
+        "pool_full_events": sum(full for full, _, _ in events)}
+
+
+def test_retractions_match_the_installed_sglangs_message():
+    sglang = pytest.importorskip("sglang", reason="the real sglang package is not installed")
+    text = (Path(sglang.__file__).parent / "srt" / "managers" / "scheduler.py").read_text()
+    assert '"KV cache pool is full. Retract requests. "' in text and '"Testing retraction. "' in text
+    assert 'f"#retracted_reqs: {len(retracted_reqs)}' in text
+
+
 def test_a_difference_is_a_near_tie_only_where_stock_also_differs_and_carries_its_margin():
     """The continuation asked where two replies part is the prompt and the words they share; stock's differences with
     itself are gathered from every run a key takes part in (None where stock ran the requests once); a difference is
@@ -495,7 +523,7 @@ def test_a_server_that_answers_differently_is_named_where_it_does(ckpt, tmp_path
     stock's names that request at that word, in the multi-turn phase where it happened, and nothing else; faults
     leave both servers answering; one-token and stop-string requests are checked."""
     rc, out, log = harness(ckpt, tmp_path, "--servers", "graphcap,sglang", "--phases", "multiturn,faults",
-                           env={"FAKE_SGLANG_DIVERGE": "3"}, port=free_port())
+                           "--pressure", "8x32", env={"FAKE_SGLANG_DIVERGE": "3"}, port=free_port())
     assert rc == 0, log
     cmp = out["comparisons"]["graphcap vs sglang"]
     kept = cmp["multiturn-kept"]
@@ -522,6 +550,21 @@ def test_a_server_that_answers_differently_is_named_where_it_does(ckpt, tmp_path
     # both servers' prefills of the same requests paired (the stand-in records 0.25 ms more per prefill with the flag)
     pm = out["prefill_matched"]["graphcap vs sglang"]
     assert pm["matched"] >= 32 and pm["gpu_ms_diff_p50"] == pytest.approx(0.25, abs=1e-3), pm
+
+
+@pytest.mark.subprocess
+def test_a_small_pool_retracts_under_pressure_and_the_retractions_are_counted(ckpt, tmp_path):
+    # the stand-in retracts the youngest request while its pool is over --max-total-tokens, logging it as sglang does
+    rc, out, log = harness(ckpt, tmp_path, "--servers", "graphcap-small,sglang-small", "--phases", "faults",
+                           "--small-pool", "6000", "--pressure", "24x96", port=free_port())
+    assert rc == 0, log
+    for label in ("graphcap-small", "sglang-small"):
+        s = out["servers"][label]
+        assert s["died"] is None and s["faults"]["pool_pressure"]["alive_after"]
+        assert s["retractions"]["events"] >= 1 and s["retractions"]["pool_full_events"] == s["retractions"]["events"]
+        assert s["faults"]["pool_pressure"]["ok"] == 24 and s["facts"]["max_total_num_tokens"] == 6000
+    cmp = out["comparisons"]["graphcap-small vs sglang-small"]["faults-pool_pressure"]
+    assert cmp["compared"] == 24 and not cmp["differ"]
 
 
 @pytest.mark.subprocess
