@@ -51,7 +51,9 @@
 #                                 check mode), SERVER_PHASES (bench,gsp,multiturn; rate, faults, soak),
 #                                 SERVER_CONCURRENCY (1,8,32), SERVER_RATES (the rate phase's requests/s: 2,4),
 #                                 SERVER_SOAK_S (480), SERVER_SOAK_ON (graphcap,sglang: the servers that
-#                                 soak), SERVER_PREFILL_GRAPHS=1 (sglang's prefill graphs kept),
+#                                 soak), SERVER_SMALL_POOL (a -small server's KV tokens, 24576), SERVER_PRESSURE (the
+#                                 faults' long replies at once, 48x512), SERVER_PREFILL_GRAPHS=1 (sglang's prefill
+#                                 graphs kept),
 #                                 SERVER_BUDGET_S (480: no server starts after that; SERVER_DEADLINE_S: no phase starts
 #                                 after that, a soak ends by then, and no server starts whose expected start-up and
 #                                 least useful phases would not end by then), SERVER_VARIANTS_FROM (a directory in
@@ -258,6 +260,8 @@ case $1 in
     [ "${SERVER_PREFILL_GRAPHS:-0}" = 1 ] && extra+=(--prefill-graphs)
     [ -n "${SERVER_VARIANTS_FROM:-}" ] && extra+=(--variants-from "$SERVER_VARIANTS_FROM")
     [ -n "${SERVER_SOAK_ON:-}" ] && extra+=(--soak-on "$SERVER_SOAK_ON")
+    [ -n "${SERVER_SMALL_POOL:-}" ] && extra+=(--small-pool "$SERVER_SMALL_POOL")
+    [ -n "${SERVER_PRESSURE:-}" ] && extra+=(--pressure "$SERVER_PRESSURE")
     if [ -n "${SERVER_SGLANG:-}" ]; then  # another sglang for every server (0.5.18: from .whl-0.5.18, as user-setup)
       local site; site=$(user_setup_site "$SERVER_SGLANG") || exit 1
       if [ -n "$site" ]; then
