@@ -50,7 +50,10 @@ def case_rows(harness: dict, *, run: str, pair: str, radix_cache: bool = True) -
             continue
         engine = label.split("-")[0]
         base = {"run": run, "engine": engine, "pair": pair, "radix_cache": radix_cache,
-                "crashes": int(bool(s.get("died"))), "leaked_rows": None}
+                "crashes": int(bool(s.get("died"))), "leaked_rows": None,
+                # the server's whole life, from its log: sglang's retractions and its idle pool check's warnings
+                "retracted_requests": (s.get("retractions") or {}).get("requests"),
+                "pool_check_warnings": s.get("pool_check_warnings")}
         if label != engine:
             base["server"] = label
         if s.get("check_mode"):  # GRAPHCAP_SGLANG_CHECK: a failed check raises in the scheduler and logs its name

@@ -282,6 +282,16 @@ def retractions(log_text: str) -> dict:
     return out
 
 
+# sglang's own pool accounting when its scheduler goes idle (invariant_checker, 0.5.18 and 0.5.23): each warning it
+# logs (the first of every 1000 alike; under SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE it raises instead)
+POOL_CHECK_WARNINGS = ("memory leak detected!", "Mem Leak Detected!", "KV double free:", "KV page use-after-free:")
+
+
+def pool_check_warnings(log_text: str) -> int:
+    """Lines of a server's log where sglang's idle pool check found its pools not whole."""
+    return sum(any(w in ln for w in POOL_CHECK_WARNINGS) for ln in log_text.splitlines())
+
+
 def memory_trend(samples: Sequence[tuple[float, int]], *, after: float) -> dict | None:
     """GPU memory in use (MiB) over a run: at the end of warm-up (`after`), the largest after it, and at the end.
     None without samples (no NVML)."""

@@ -69,6 +69,7 @@ def summarize_server(label: str, srv: Server, phases: dict) -> dict:
                          "oversize_fallbacks": man["oversize_fallbacks"], "serving": man.get("serving")}
     log_text = srv.log_path.read_text(errors="replace")
     s["retractions"] = rep.retractions(log_text)
+    s["pool_check_warnings"] = rep.pool_check_warnings(log_text)
     errors = [ln.strip()[:300] for ln in log_text.splitlines()
               if any(w in ln for w in ("Traceback", "Error", "error:", "leak", "graphcap (GRAPHCAP_SGLANG_CHECK"))]
     s["log_errors"] = errors[:12]

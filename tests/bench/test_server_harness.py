@@ -421,11 +421,25 @@ def test_retractions_count_sglangs_own_log_lines(events, rnd):
         "pool_full_events": sum(full for full, _, _ in events)}
 
 
+@given(st.lists(st.sampled_from(range(5)), max_size=20))
+@settings(max_examples=examples(40), deadline=None)
+def test_pool_check_warnings_count_sglangs_idle_check_lines(kinds):
+    # the idle check's messages as sglang's invariant_checker builds them; kind 4: a line that is none of them
+    made = ["token_to_kv_pool_allocator memory leak detected! available_size=3, evictable_size=0",
+            "SWA Pool Mem Leak Detected! full_num_used=9", "KV double free: sub-pool 1 has 2 duplicate pages.",
+            "KV page use-after-free: 4 owner page refs are in the free pool, sample pages=[1, 2].",
+            "Decode batch. #running-req: 12, #token: 900, memory usage 0.41"]
+    log = "\n".join(f"[t] WARNING invariant_checker.py: {made[k]}" for k in kinds)
+    assert rep.pool_check_warnings(log) == sum(k < 4 for k in kinds)
+
+
 def test_retractions_match_the_installed_sglangs_message():
     sglang = pytest.importorskip("sglang", reason="the real sglang package is not installed")
     text = (Path(sglang.__file__).parent / "srt" / "managers" / "scheduler.py").read_text()
     assert '"KV cache pool is full. Retract requests. "' in text and '"Testing retraction. "' in text
     assert 'f"#retracted_reqs: {len(retracted_reqs)}' in text
+    checker = (Path(sglang.__file__).parent / "srt" / "managers" / "scheduler_components" / "invariant_checker.py")
+    assert all(w.split("!")[0].split(":")[0] in checker.read_text() for w in rep.POOL_CHECK_WARNINGS)
 
 
 def test_a_difference_is_a_near_tie_only_where_stock_also_differs_and_carries_its_margin():
@@ -563,6 +577,7 @@ def test_a_small_pool_retracts_under_pressure_and_the_retractions_are_counted(ck
         assert s["died"] is None and s["faults"]["pool_pressure"]["alive_after"]
         assert s["retractions"]["events"] >= 1 and s["retractions"]["pool_full_events"] == s["retractions"]["events"]
         assert s["faults"]["pool_pressure"]["ok"] == 24 and s["facts"]["max_total_num_tokens"] == 6000
+        assert s["pool_check_warnings"] == 0
     cmp = out["comparisons"]["graphcap-small vs sglang-small"]["faults-pool_pressure"]
     assert cmp["compared"] == 24 and not cmp["differ"]
 

@@ -47,6 +47,9 @@ def harness_output(rng: random.Random) -> dict:
                                      "prompt_tokens": 10000, **latency(rng, 8)} for i in range(4)]},
              "faults": {"aborts": {"alive_after": True, **latency(rng, 64)},
                         "one_token": {"alive_after": rng.random() < 0.9, **latency(rng, 16)}}}
+        if rng.random() < 0.7:  # a harness that read the log's retractions and pool checks (older outputs did not)
+            s |= {"retractions": {"events": rng.randint(0, 9), "requests": rng.randint(0, 30), "pool_full_events": 0},
+                  "pool_check_warnings": rng.randint(0, 3)}
         servers[label] = s
     gaps = {"calls": 100, "median_ms": 30.0, "max_ms": 700.0, "over_limit_joined": rng.randint(0, 9),
             "over_limit_no_join": rng.randint(0, 9), "max_ms_no_join": rng.uniform(0, 99), "over_limit": [{}] * 5}
@@ -128,6 +131,10 @@ def test_rows_carry_the_harness_numbers(seed):
     assert ("host_ms_by_phase" in soak) == (host is not None)
     if host is not None:
         assert soak["host_ms_by_phase"] == {p: d["ms"] for p, d in host["phases"].items()}
+    for r in rows:  # the server's log counts on each of its rows, where the harness read them
+        s = out["servers"][r["engine"]]
+        assert r.get("retracted_requests") == (s.get("retractions") or {}).get("requests")
+        assert r.get("pool_check_warnings") == s.get("pool_check_warnings")
     g = out["servers"]["graphcap"]
     for r in rows:  # a checked server's rows: its draft calls, and every failed check or a death counted
         if r["engine"] == "graphcap" and g.get("check_mode"):
