@@ -3,10 +3,10 @@
 sglang's `FrozenKVMTPDraftWorker._select_last_extend_hidden` (0.5.18 and 0.5.23, `frozen_kv_mtp_utils.
 select_last_extend_hidden`) builds the gather's index with `torch.tensor(batch.extend_lens, device=...)`: a copy from
 pageable host memory, which returns only once the GPU has run everything queued before it - the target's whole
-prefill. A server's scheduler thread waits there on every prefill batch (~24 ms a batch in a W8A8 soak on an H100),
-and the overlap scheduler cannot queue the next decode round behind the prefill. Here the index is summed on the
-host (the lengths are host ints already) and copied from pinned memory without blocking: the same rows, gathered by
-the same kind of indexing, with no wait.
+prefill. A server's scheduler thread waits there on every prefill batch, and the overlap scheduler cannot queue
+the next decode round behind the prefill (its cost in a server: docs/results.md, "One prefill per gap"). Here the
+index is summed on the host (the lengths are host ints already) and copied from pinned memory without blocking: the
+same rows, gathered by the same kind of indexing, with no wait.
 """
 from __future__ import annotations
 

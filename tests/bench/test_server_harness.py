@@ -412,7 +412,7 @@ def test_retractions_count_sglangs_own_log_lines(events, rnd):
         prefix = "KV cache pool is full. Retract requests. " if pool_full else "Testing retraction. "
         details = f"#retracted_reqs: {n}, #new_tokens_gained: {gained}"
         details += f", #new_token_ratio: 0.{rnd.randint(1000, 9999)} -> 0.9000" if pool_full else ""
-        lines.append(f"[2026-01-01 00:00:00] WARNING scheduler.py:1: {prefix}{details}")
+        lines.append(f"[t] WARNING scheduler.py:1: {prefix}{details}")
     noise = ["Decode batch. #running-req: 12, #token: 900, #retracted-req: 3", "Prefill batch. #new-seq: 1"]
     for ln in noise * 3:
         lines.insert(rnd.randint(0, len(lines)), ln)

@@ -47,7 +47,7 @@ def harness_output(rng: random.Random) -> dict:
                                      "prompt_tokens": 10000, **latency(rng, 8)} for i in range(4)]},
              "faults": {"aborts": {"alive_after": True, **latency(rng, 64)},
                         "one_token": {"alive_after": rng.random() < 0.9, **latency(rng, 16)}}}
-        if rng.random() < 0.7:  # a harness that read the log's retractions and pool checks (older outputs did not)
+        if rng.random() < 0.7:  # the log's retractions and pool checks read, or a harness output without them
             s |= {"retractions": {"events": rng.randint(0, 9), "requests": rng.randint(0, 30), "pool_full_events": 0},
                   "pool_check_warnings": rng.randint(0, 3)}
         servers[label] = s
