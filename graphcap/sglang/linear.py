@@ -11,7 +11,11 @@ rows), and everything else through sglang's own code:
   to `skinny_linear` and any other call to sglang's `apply`; the class, its other instances and `isinstance` checks
   are untouched;
 - each Gemma 3/4 MLP (gate/up, gelu-tanh * up, down): gate/up and the activation as one `skinny_gate_up_gelu` kernel
-  (no [rows, 2I] intermediate), then sglang's down projection.
+  (no [rows, 2I] intermediate), then sglang's down projection;
+- the qkv projection of an attention whose K and V come from another layer's cache (every layer of the Gemma 4
+  assistant, a frozen-KV draft): sglang computes K and V there and drops them, so the kernel reads only the query's
+  rows of the weight - half of a sliding layer's qkv weight at the 31B assistant's shapes, four fifths of the full
+  layer's - and leaves the output's K and V columns unwritten (nothing reads them).
 The routing is decided in Python on static shapes, so a captured graph holds one kernel per projection and a replay
 runs no routing. Nothing is installed where sglang sends bf16 GEMMs elsewhere on purpose: its batch-invariant
 (deterministic) mode, a bf16 GEMM backend other than `auto`, AMX or aiter weights.
@@ -77,13 +81,42 @@ def _shadowed(obj, name: str) -> bool:
     return hasattr(vars(obj).get(name), _MARK)
 
 
-def _route_linear(layer) -> None:
+def drops_kv(attn) -> bool:
+    """Whether sglang's attention forward drops the K and V of its qkv projection: a KV-shared layer, the condition
+    its `Gemma4Attention.forward` tests (0.5.18 and 0.5.23) before it sets k and v to None."""
+    return bool(getattr(attn, "is_kv_shared_layer", False)) and getattr(attn, "kv_shared_layer_index", None) is not None
+
+
+def _kv_sharing_attentions(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """id(qkv_proj) -> its attention, for the attentions that can share another layer's K/V (Gemma 4's: a qkv
+    projection laid out as [q | k | v] rows, its sizes per rank, and the KV-sharing attributes)."""
+    out = {}
+    for m in model.modules():
+        qkv = getattr(m, "qkv_proj", None)
+        q, kv = getattr(m, "q_size", None), getattr(m, "kv_size", None)
+        if (hasattr(m, "is_kv_shared_layer") and isinstance(q, int) and isinstance(kv, int)
+                and isinstance(getattr(qkv, "weight", None), torch.Tensor) and qkv.weight.shape[0] == q + 2 * kv):
+            out[id(qkv)] = m
+    return out
+
+
+def _route_linear(layer, attn: torch.nn.Module | None = None) -> None:
+    """Shadow `layer`'s apply; `attn`: the attention owning it as its qkv projection, whose K/V it may drop."""
     original = layer.quant_method.apply  # bound (or sglang's debug wrapper of it)
     rows = kernel_rows(layer.weight.shape[0])
+    q_size = attn.q_size if attn is not None else 0
+    q_rows = kernel_rows(q_size) if attn is not None else 0
 
     def apply(lay, x, bias=None):
-        if lay is layer and bias is None and fits(x, layer.weight, rows):
-            return skinny_linear(x, layer.weight)
+        if lay is layer and bias is None:
+            w = layer.weight
+            if attn is not None and drops_kv(attn) and fits(x, w[:q_size], q_rows):
+                # decided per call (the KV-sharing is bound after load); the unwritten K/V columns are never read
+                out = x.new_empty((x.shape[0], w.shape[0]))
+                skinny_linear(x, w[:q_size], out=out[:, :q_size])
+                return out
+            if fits(x, w, rows):
+                return skinny_linear(x, w)
         return original(lay, x, bias)
 
     _shadow(layer.quant_method, "apply", apply)  # this layer's method object alone (sglang makes one per layer)
@@ -121,10 +154,11 @@ def install(model: torch.nn.Module) -> int:
     if sglang_routes_bf16_elsewhere() is not None:
         return 0
     routed = 0
+    owners = _kv_sharing_attentions(model)
     for module in model.modules():
         if _routable(module):
             if not _shadowed(module.quant_method, "apply"):
-                _route_linear(module)
+                _route_linear(module, owners.get(id(module)))
             if module.weight.is_cuda:
                 prepare_fixup(module.weight.device)
             routed += 1

@@ -285,18 +285,21 @@ def test_graphcap_projections_on_the_real_assistant(assistant, monkeypatch):
     """`sglang_linear.install` on the real tiny assistant: every unquantized linear layer routed, each MLP's gate/up
     and gelu-mul one kernel (Triton's interpreter here, as the suite runs). A routed layer at 1..8 rows equals a
     float64 product within one bf16 rounding, the fused MLP a float64 MLP within bf16 error; more rows, or a bias,
-    take sglang's own `apply` exactly. A draft step's hidden states through the routed model stay within bf16 error
-    of sglang's own layers', and after `restore` the draft steps give sglang's own results bit for bit again."""
+    take sglang's own `apply` exactly. A KV-shared attention's qkv projection reads only its query rows (sglang drops
+    K and V there), the query columns as above. A draft step's hidden states through the routed model stay within
+    bf16 error of sglang's own layers', and after `restore` the draft steps give sglang's own results bit for bit."""
     from sglang.srt.layers.linear import LinearBase
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
     from graphcap.sglang import linear as sl
 
     calls = {"linear": 0, "gate_up": 0}
+    weights_read: list[torch.Tensor] = []  # the weight each skinny_linear call read
 
     def counted(name, fn):
         def run(*args, **kwargs):
             calls[name] += 1
+            weights_read.append(args[1])
             return fn(*args, **kwargs)
         return run
 
@@ -306,6 +309,8 @@ def test_graphcap_projections_on_the_real_assistant(assistant, monkeypatch):
                and isinstance(m.quant_method, UnquantizedLinearMethod)]
     mlps = [m for m in assistant.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "act_fn")]
     assert linears and len(mlps) == len(assistant.model.layers)
+    attns = {id(layer.self_attn.qkv_proj): layer.self_attn for layer in assistant.model.layers}
+    assert attns and all(sl.drops_kv(a) and a.kv_size > 0 for a in attns.values())  # bound KV-shared, as served
     loop, steps = _loop(assistant, 3)
     inp = _inputs(assistant, 3, 21)
     fb = loop.forward_batch(3)
@@ -326,13 +331,21 @@ def test_graphcap_projections_on_the_real_assistant(assistant, monkeypatch):
             # and drops them): only rows with loaded-looking values are compared
             loaded = torch.isfinite(w.float()).all(1) & (w.float().abs().amax(1) < 1e3)
             assert loaded.float().mean() > 0.2, layer
+            attn = attns.get(id(layer))
+            # a KV-shared qkv projection: the query's columns alone are computed, from the query's rows alone
+            cols = torch.arange(w.shape[0]) < attn.q_size if attn is not None else loaded
+            assert (cols <= loaded).all() and cols.any(), layer
             for rows in (1, 3, 8):
                 x = torch.randn(rows, w.shape[1], generator=g).to(DTYPE)
                 before = calls["linear"]
-                got = layer.quant_method.apply(layer, x)[:, loaded]
-                ref = x.double() @ w[loaded].double().T
+                out = layer.quant_method.apply(layer, x)
+                assert out.shape == (rows, w.shape[0]), layer
+                got = out[:, cols]
+                ref = x.double() @ w[cols].double().T
                 step = torch.finfo(DTYPE).eps * ref.abs().clamp(min=2.0**-14)
                 assert calls["linear"] == before + 1 and ((got.double() - ref).abs() <= step).all(), layer
+                read = weights_read[-1]
+                assert read.data_ptr() == w.data_ptr() and read.shape[0] == (attn.q_size if attn is not None else w.shape[0])
             x = torch.randn(9, w.shape[1], generator=g).to(DTYPE)  # above kernel_rows: sglang's own path
             before = calls["linear"]
             same = dict(rtol=0, atol=0, equal_nan=True)  # bit for bit, the never-written rows' NaNs included
