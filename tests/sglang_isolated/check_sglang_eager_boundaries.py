@@ -354,6 +354,12 @@ def test_graphcap_projections_on_the_real_assistant(assistant, monkeypatch):
             torch.testing.assert_close(layer.quant_method.apply(layer, x[:2], bias),
                                        torch.nn.functional.linear(x[:2], w, bias), **same)
             assert calls["linear"] == before
+        attn = next(iter(attns.values()))  # the query-rows route traced whole (Dynamo + AOT): the same query columns
+        qkv = attn.qkv_proj
+        x = torch.randn(4, qkv.weight.shape[1], generator=g).to(DTYPE)
+        traced = torch.compile(lambda x: qkv.quant_method.apply(qkv, x), backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(traced(x)[:, :attn.q_size], qkv.quant_method.apply(qkv, x)[:, :attn.q_size],
+                                   rtol=0, atol=0)
         for mlp in mlps:
             x = torch.randn(4, mlp.gate_up_proj.weight.shape[1], generator=g).to(DTYPE)
             before = dict(calls)
