@@ -345,7 +345,8 @@ def test_graphcap_projections_on_the_real_assistant(assistant, monkeypatch):
                 step = torch.finfo(DTYPE).eps * ref.abs().clamp(min=2.0**-14)
                 assert calls["linear"] == before + 1 and ((got.double() - ref).abs() <= step).all(), layer
                 read = weights_read[-1]
-                assert read.data_ptr() == w.data_ptr() and read.shape[0] == (attn.q_size if attn is not None else w.shape[0])
+                rows_read = attn.q_size if attn is not None else w.shape[0]
+                assert read.data_ptr() == w.data_ptr() and read.shape[0] == rows_read, layer
             x = torch.randn(9, w.shape[1], generator=g).to(DTYPE)  # above kernel_rows: sglang's own path
             before = calls["linear"]
             same = dict(rtol=0, atol=0, equal_nan=True)  # bit for bit, the never-written rows' NaNs included
