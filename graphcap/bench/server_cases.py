@@ -3,6 +3,7 @@ concurrency from what bench/sglang_server.py wrote (its `servers` and `compariso
 bench/server_record.py merges the rows of several harness runs into one record."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # sglang.bench_serving's summary keys (graphcap.bench.load.summarize_bench) under the record's names
@@ -36,6 +37,16 @@ def _equal(comparisons: dict, label: str, keys: list[str]) -> tuple[str | None, 
             sum(bool(d.get("near_tie")) for d in differ))
 
 
+_STALE_ROW = re.compile(r"\brow \d+: \d+ positions")  # runtime.check_lengths: a ring row unlike sglang's rows
+
+
+def stale_rows(check_failures: list[str]) -> int:
+    """The leaked or stale rows check mode found: ring rows that differ from a rebuild from sglang's req_to_token and
+    SWA mapping as sglang holds them (`graphcap.sglang.runtime.check_lengths`), over every draft call it checked. Rows
+    are known only where check mode ran; elsewhere the column stays empty."""
+    return sum(len(_STALE_ROW.findall(ln)) for ln in check_failures)
+
+
 def _latency_row(lat: dict) -> dict:
     return {"itl_ms_p50": lat["itl_ms"]["p50"], "itl_ms_p99": lat["itl_ms"]["p99"],
             "ttft_ms_p50": lat["ttft_ms"]["p50"], "ttft_ms_p99": lat["ttft_ms"]["p99"]}
@@ -58,7 +69,8 @@ def case_rows(harness: dict, *, run: str, pair: str, radix_cache: bool = True) -
             base["server"] = label
         if s.get("check_mode"):  # GRAPHCAP_SGLANG_CHECK: a failed check raises in the scheduler and logs its name
             failures = [ln for ln in s.get("log_errors") or [] if "GRAPHCAP_SGLANG_CHECK" in ln]
-            base |= {"checked_drafts": s.get("draft_calls"), "check_failures": len(failures) + int(bool(s.get("died")))}
+            base |= {"checked_drafts": s.get("draft_calls"), "check_failures": len(failures) + int(bool(s.get("died"))),
+                     "leaked_rows": stale_rows(failures)}
         for c, b in sorted((s.get("bench") or {}).items(), key=lambda kv: int(kv[0])):
             eq, ties = _equal(cmp, label, [f"bench-c{c}"])
             rows.append({**base, "workload": "random", "concurrency": int(c),

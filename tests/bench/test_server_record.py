@@ -140,12 +140,52 @@ def test_rows_carry_the_harness_numbers(seed):
         if r["engine"] == "graphcap" and g.get("check_mode"):
             fails = sum("GRAPHCAP_SGLANG_CHECK" in ln for ln in g["log_errors"]) + (1 if g["died"] else 0)
             assert (r["checked_drafts"], r["check_failures"]) == (g["draft_calls"], fails)
+            assert r["leaked_rows"] == 0  # the log's failed checks name no ring row
         else:
-            assert "checked_drafts" not in r and "check_failures" not in r
+            assert "checked_drafts" not in r and "check_failures" not in r and "leaked_rows" not in r
     for r in rows:  # the schema's columns first and in its order, nothing left as null
         cols = [k for k in r if k in COLUMNS]
         assert cols == [k for k in COLUMNS if k in r] and list(r)[:len(cols)] == cols
         assert None not in r.values()
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_leaked_rows_are_the_rows_the_check_found_stale(seed):
+    """leaked_rows counts the ring rows graphcap's check mode found unlike sglang's: the message is the real check's
+    (runtime.check_lengths over window buffers with some rows corrupted), as the scheduler's log carries it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from graphcap.sglang.runtime import check_lengths
+    from graphcap.window import WindowBuffers
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    slots, width, window = rng.randint(2, 12), 64, rng.choice([4, 8, 16])
+    req_to_token = torch.randperm(slots * width, generator=gen).to(torch.int32).view(slots, width)
+    wb = WindowBuffers(req_to_token, window, slots)
+    rows = rng.sample(range(slots), rng.randint(1, slots))
+    lens = [rng.randint(1, width) for _ in rows]
+    wb.reset(rows, lens)
+    stale = rng.sample(rows, rng.randint(0, len(rows)))
+    for r in stale:  # sglang gave the row's pages to someone else; graphcap's ring did not follow
+        n = lens[rows.index(r)]
+        wb.ring[r, rng.randrange(max(0, n - window), n) % window] += 1  # a position inside its live window
+    batch = SimpleNamespace(seq_lens=torch.tensor(lens), req_pool_indices=torch.tensor(rows))
+    log = []
+    try:
+        check_lengths(wb, batch, rows)
+    except RuntimeError as e:  # the scheduler logs the raise, one line
+        log.append(f"[2026-01-01 00:00:00] Scheduler hit an exception: RuntimeError: {e}")
+    assert bool(log) == bool(stale)
+    out = harness_output(rng)
+    out["servers"]["graphcap"] |= {"check_mode": True, "draft_calls": 40, "died": bool(stale),
+                                   "log_errors": ["[t] OpenAI Responses API disabled"] + log}
+    got = {r["leaked_rows"] for r in case_rows(out, run="x", pair="p") if r["engine"] == "graphcap"}
+    assert got == {len(stale)}
+    assert all("leaked_rows" not in r for r in case_rows(out, run="x", pair="p") if r["engine"] != "graphcap")
 
 
 def test_a_modified_server_is_compared_with_its_own_stock():
