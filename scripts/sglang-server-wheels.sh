@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# What sglang 0.5.23's HTTP server imports beyond its engine and the GPU machine lacks, as Python 3.12 wheels into
-# ./.whl (beside ../shared/tools/sglang-wheels-for-device.sh's): soundfile (its OpenAI audio endpoints import it at
-# module level; the wheel bundles libsndfile) and its cffi. About 2 MB.
+# What sglang's HTTP server imports beyond its engine and the GPU machine lacks, as Python 3.12 wheels into ./.whl
+# (beside ../shared/tools/sglang-wheels-for-device.sh's) or DEST (.whl-0.5.18, beside scripts/sglang-0518-wheels.sh's;
+# 0.5.18 imports the same): soundfile (its OpenAI audio endpoints import it at module level; the wheel bundles
+# libsndfile) and its cffi. About 2 MB. Usage: scripts/sglang-server-wheels.sh [DEST]
 set -euo pipefail
 dest=${1:-.whl}
 mkdir -p "$dest"
