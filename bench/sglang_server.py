@@ -240,6 +240,29 @@ def load_weights(srv: Server, ckpt: Path, device: str) -> dict:
     return {**out, "ok": out["structure"]["ok"], "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def earlier_phases(directory: Path, labels: list[str]) -> dict[str, dict]:
+    """The phases (replies included) an earlier run wrote for its servers (`<label>-phases.json` in its --work), for
+    labels this run does not start. Raises ValueError naming the file that is missing, unreadable or not one."""
+    if not directory.is_dir():
+        raise ValueError(f"--phases-from: {directory} is not a directory")
+    out = {}
+    for f in sorted(directory.glob("*-phases.json")):
+        label = f.name.removesuffix("-phases.json")
+        if label in labels:
+            continue
+        try:
+            phases = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--phases-from: {f} is not a phases file ({e})") from None
+        if not isinstance(phases, dict):
+            raise ValueError(f"--phases-from: {f} holds {type(phases).__name__}, not a server's phases")
+        out[label] = phases
+    if not out:
+        raise ValueError(f"--phases-from: {directory} holds no <server>-phases.json of a server this run does not "
+                         "start")
+    return out
+
+
 def margins_while_up(label: str, url: str, texts: dict[str, dict[str, list]], limit: int = 48) -> dict:
     """For each pair `label` makes with a server that ran before it, where their replies part: the target's top two
     next tokens there, asked of `label`'s server while it is up (the replies agree up to that word, so either
@@ -295,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
                     help="one more sglang flag (or its value) for every server, e.g. --server-arg=--context-length "
                          "--server-arg=8192; listed with the record's departures from sglang's defaults")
+    ap.add_argument("--phases-from", type=Path, default=None,
+                    help="an earlier run's --work directory (or a copy of its <server>-phases.json files): the replies "
+                         "of its servers that this run does not start are compared with this run's, as if they had "
+                         "run here (for a comparison split over device calls)")
     ap.add_argument("--variants-from", type=Path, default=None,
                     help="a directory of graphcap variants files (an earlier run's manifest directory) for every "
                          "graphcap server to compile at start-up")
@@ -326,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         labels = [s for s in a.servers.split(",") if s]
         for i, label in enumerate(labels):
             server_config(label, a.ckpt, a, a.port + i)
+        earlier = earlier_phases(a.phases_from, labels) if a.phases_from is not None else {}
     except ValueError as e:
         print(f"sglang_server: {e}", file=sys.stderr)
         return 2
@@ -333,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     words = load.Words.load(str(a.ckpt / "target"))
     record: dict = {"command": " ".join(sys.argv), "machine": machine(), "phases": a.phases,
                     "concurrency": a.concurrency, "servers": {}}
-    texts: dict[str, dict] = {}
+    texts: dict[str, dict] = {label: rep.texts_of(ph) for label, ph in earlier.items()}
+    if earlier:
+        record["phases_from"] = {label: str(a.phases_from / f"{label}-phases.json") for label in earlier}
     margins: dict = {}  # pair -> phase key -> (request, word) -> the target's top two tokens there
     shared: dict = {}
     startups: list[float] = []  # this run's measured start-ups: what the next start is expected to take

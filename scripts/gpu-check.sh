@@ -59,7 +59,10 @@
 #                                 least useful phases would not end by then), SERVER_VARIANTS_FROM (a directory in
 #                                 the tree holding an earlier call's graphcap variants files), SERVER_FRESH_TRITON=1 (an
 #                                 empty Triton cache for this stage), SERVER_SGLANG=0.5.18 (that sglang, from .whl-0.5.18
-#                                 as user-setup installs it), SERVER_PAIR (draft-shapes; user-scale, user-scale-w8a8:
+#                                 as user-setup installs it), SERVER_PHASES_FROM (an earlier call's server
+#                                 work directory, /tmp/graphcap-gpu/server on a warm machine, or its server-phases/:
+#                                 its servers' replies compared with this call's),
+#                                 SERVER_PAIR (draft-shapes; user-scale, user-scale-w8a8:
 #                                 the 31B-shaped pair, its weights loaded over the server's HTTP API), SERVER_ARGS (more
 #                                 sglang flags for every server, space-separated, e.g. "--context-length 8192").
 #                                 The trace's GRAPHCAP_SGLANG_TRACE_PROFILE and _HOST reach every server's scheduler.
@@ -259,6 +262,7 @@ case $1 in
     python3 -c 'import datasets' 2>/dev/null || bs=(--bench-serving "python3 tests/bench_serving_stubbed.py")
     [ "${SERVER_PREFILL_GRAPHS:-0}" = 1 ] && extra+=(--prefill-graphs)
     [ -n "${SERVER_VARIANTS_FROM:-}" ] && extra+=(--variants-from "$SERVER_VARIANTS_FROM")
+    [ -n "${SERVER_PHASES_FROM:-}" ] && extra+=(--phases-from "$SERVER_PHASES_FROM")
     [ -n "${SERVER_SOAK_ON:-}" ] && extra+=(--soak-on "$SERVER_SOAK_ON")
     [ -n "${SERVER_SMALL_POOL:-}" ] && extra+=(--small-pool "$SERVER_SMALL_POOL")
     [ -n "${SERVER_PRESSURE:-}" ] && extra+=(--pressure "$SERVER_PRESSURE")
@@ -269,6 +273,7 @@ case $1 in
         { [ -d "$site/flashinfer" ] || ls ".whl-$SERVER_SGLANG"/flashinfer_standin-*.whl >/dev/null 2>&1; } \
           && export SGLANG_IS_FLASHINFER_AVAILABLE=false
       fi
+      env_report > "$LOG/env-server.txt" 2>&1  # the environment the servers run in (the first lacked this sglang)
     fi
     local ckpt=$WORK/ckpt-ds sargs=()
     case ${SERVER_PAIR:-draft-shapes} in  # user-scale pairs: random layers, the structure (int8 layers) over HTTP
@@ -293,6 +298,8 @@ case $1 in
     for p in "$WORK"/server/trace-*/host-samples-*.jsonl "$WORK"/server/trace-*/prefill-trace-*.jsonl; do  # whole
       [ -f "$p" ] && cp "$p" "$LOG/server-files/$(basename "$(dirname "$p")")-$(basename "$p")"
     done
+    mkdir -p "$LOG/server-phases"  # each server's phases with its replies: SERVER_PHASES_FROM of a later call
+    cp "$WORK"/server/*-phases.json "$LOG/server-phases/" 2>/dev/null
     ;;
   int8-gemm)  # sgl_kernel's W8A8 int8 GEMM as the stand-in runs it, at Gemma-4-31B's projection shapes: its GPU tests,
     # then bench/int8_gemm.py against the int8 weight-read floor and torch._int_mm (INT8_GEMM_ARGS: the bench's options

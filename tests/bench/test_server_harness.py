@@ -567,6 +567,41 @@ def test_a_server_that_answers_differently_is_named_where_it_does(ckpt, tmp_path
 
 
 @pytest.mark.subprocess
+def test_a_comparison_split_over_two_runs_finds_what_one_run_finds(ckpt, tmp_path):
+    """graphcap's server in one run, stock's in the next with --phases-from the first run's work directory: the
+    comparison names the same request at the same word as one run with both servers, with the margin asked of
+    stock's server while it is up; the record names where the earlier replies came from."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    env = {"FAKE_SGLANG_DIVERGE": "3"}
+    rc, out1, log = harness(ckpt, first, "--servers", "graphcap", "--phases", "multiturn", env=env, port=free_port())
+    assert rc == 0, log
+    assert out1["comparisons"] == {}
+    rc, out, log = harness(ckpt, second, "--servers", "sglang", "--phases", "multiturn", "--phases-from", str(first),
+                           env=env, port=free_port())
+    assert rc == 0, log
+    assert set(out["servers"]) == {"sglang"} and out["phases_from"] == {"graphcap": str(first / "graphcap-phases.json")}
+    kept = out["comparisons"]["graphcap vs sglang"]["multiturn-kept"]
+    assert kept["compared"] == 32 and [(d["request"], d["first_word"]) for d in kept["differ"]] == [(3, 2)]
+    assert kept["differ"][0]["margin"] == 4.0
+
+
+def test_phases_from_refuses_what_it_cannot_use_in_one_line(tmp_path, capsys):
+    harness_main = load_bench_script("sglang_server").main
+    (tmp_path / "sglang-phases.json").write_text("{}")  # this run's own server: not an earlier one
+    cases = [(tmp_path / "none", None, "is not a directory"), (tmp_path, None, "holds no <server>-phases.json"),
+             (tmp_path, "[1, 2]", "holds list, not a server's phases"), (tmp_path, "{", "is not a phases file")]
+    for where, earlier, says in cases:
+        if earlier is not None:
+            (tmp_path / "graphcap-phases.json").write_text(earlier)
+        rc = harness_main(["--ckpt", str(tmp_path / "ck"), "--work", str(tmp_path / "w"), "--out",
+                           str(tmp_path / "o.json"), "--servers", "sglang", "--phases-from", str(where)])
+        err = capsys.readouterr().err
+        assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "w").exists()  # refused before anything was made
+
+
+@pytest.mark.subprocess
 def test_a_small_pool_retracts_under_pressure_and_the_retractions_are_counted(ckpt, tmp_path):
     # the stand-in retracts the youngest request while its pool is over --max-total-tokens, logging it as sglang does
     rc, out, log = harness(ckpt, tmp_path, "--servers", "graphcap-small,sglang-small", "--phases", "faults",
