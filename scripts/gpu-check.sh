@@ -299,7 +299,7 @@ case $1 in
       [ -f "$p" ] && cp "$p" "$LOG/server-files/$(basename "$(dirname "$p")")-$(basename "$p")"
     done
     mkdir -p "$LOG/server-phases"  # each server's phases with its replies: SERVER_PHASES_FROM of a later call
-    cp "$WORK"/server/*-phases.json "$LOG/server-phases/" 2>/dev/null
+    find "$WORK/server" -maxdepth 1 -name '*-phases.json' -size -8M -exec cp {} "$LOG/server-phases/" \; 2>/dev/null
     ;;
   int8-gemm)  # sgl_kernel's W8A8 int8 GEMM as the stand-in runs it, at Gemma-4-31B's projection shapes: its GPU tests,
     # then bench/int8_gemm.py against the int8 weight-read floor and torch._int_mm (INT8_GEMM_ARGS: the bench's options
