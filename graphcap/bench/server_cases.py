@@ -150,10 +150,26 @@ def _host_columns(h: dict | None) -> dict:
     return {"host_ms_by_phase": {p: d["ms"] for p, d in h["phases"].items()}} if h else {}
 
 
+# the manifest's serving counters that count what the compile log (a server's "compiles") counts too
+_SAME_AS_COMPILES = {"variants_preloaded": "preloaded", "variants_at_startup": "at_startup",
+                     "variants_while_serving": "while_serving", "late_compiles": "while_serving"}
+
+
+def drop_repeated_counts(facts: dict) -> dict:
+    """`facts` without the manifest counters that repeat the compile log's number; one that differs stays, so a
+    disagreement between the two is still read in the record."""
+    compiles, manifest = facts.get("compiles"), facts.get("manifest")
+    if not isinstance(compiles, dict) or not isinstance(manifest, dict):
+        return facts
+    kept = {k: v for k, v in manifest.items()
+            if k not in _SAME_AS_COMPILES or compiles.get(_SAME_AS_COMPILES[k]) != v}
+    return {**facts, "manifest": kept}
+
+
 def server_facts(s: dict) -> dict:
     """What a started server's record says beside its rows: start-up, weights loaded, Triton compiles (graphcap's
     variants log: preloaded, at start-up, while serving), graphcap's manifest (buckets captured, replays, eager
-    fallbacks, the serving counters, the late compiles counted)."""
+    fallbacks, the serving counters, the late compiles counted; those equal to the compile log's left out)."""
     out = {"startup_s": _num(s["startup_s"])} if s.get("startup_s") is not None else {}
     if isinstance(s.get("weights_loaded"), dict):
         out["weights_loaded_s"] = s["weights_loaded"].get("seconds")
@@ -166,4 +182,4 @@ def server_facts(s: dict) -> dict:
         out["manifest"] = {"buckets": len(m.get("buckets") or []), "captured": m.get("captured"),
                            "replays": m.get("replays"), "fallbacks": m.get("fallbacks"),
                            "oversize_fallbacks": m.get("oversize_fallbacks"), **serving, "late_compiles": len(late)}
-    return out
+    return drop_repeated_counts(out)

@@ -206,8 +206,27 @@ def test_server_facts_count_what_a_manifest_lists():
     assert f["startup_s"] == 147.16 and f["weights_loaded_s"] == 6.4
     assert f["compiles"] == {"preloaded": 3, "at_startup": 73, "while_serving": 38, "after_warmup": 1}
     assert f["manifest"] == {"buckets": 3, "captured": 3, "replays": 819, "fallbacks": 0, "oversize_fallbacks": 0,
-                             "joins": 200, "late_compiles": 2}
+                             "joins": 200, "late_compiles": 2}  # 2 late compiles against the log's 38: both kept
     assert server_facts({"command": "x"}) == {}
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(log=st.fixed_dictionaries({k: st.integers(0, 3) for k in ("preloaded", "at_startup", "while_serving")}),
+       counters=st.fixed_dictionaries({k: st.integers(0, 3) for k in (
+           "variants_preloaded", "variants_at_startup", "variants_while_serving", "late_compiles", "joins")}))
+def test_a_manifest_counter_is_left_out_only_where_the_compile_log_says_the_same(log, counters):
+    s = {"compiles": dict(log), "manifest": {"buckets": [1], "captured": 1, "replays": 5, "fallbacks": 0,
+                                             "oversize_fallbacks": 0, "serving": {
+                                                 **{k: v for k, v in counters.items() if k != "late_compiles"},
+                                                 "late_compiles": [{"kernel": "k"}] * counters["late_compiles"]}}}
+    m = server_facts(s)["manifest"]
+    same = {"variants_preloaded": "preloaded", "variants_at_startup": "at_startup",
+            "variants_while_serving": "while_serving", "late_compiles": "while_serving"}
+    for k, v in counters.items():
+        if k in same and log[same[k]] == v:
+            assert k not in m
+        else:
+            assert m[k] == v
 
 
 @settings(max_examples=examples(40), deadline=None)
