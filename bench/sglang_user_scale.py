@@ -39,6 +39,8 @@ host and GPU time (median, max, sum) and the slowest three, where a run's wall t
 iterations do not show; and every run's timeline (warm runs included): the gaps between its draft calls.
 `--fresh-jit-cache`: each engine with an empty Triton cache of its own, so a first-time compile shows in every
 engine's warm runs, not only in the first engine's to serve on the machine.
+`--restarts N`: an engine that dies before its last case starts again on the cases it left, at most N times within
+its `--timeout` (`run_engine`); each death is kept in its result's `restarts`.
 """
 from __future__ import annotations
 
@@ -273,8 +275,10 @@ def child(cfg: dict) -> dict:
 # parent
 
 
-def spawn(cfg: dict, work: str, timeout: float) -> dict:
-    tag = cfg["engine"]
+def spawn(cfg: dict, work: str, timeout: float, tag: str | None = None) -> dict:
+    """One engine child over `cfg`'s cases (its files named by `tag`, default the engine): its output, or a crash
+    record with the cases it printed before it stopped (`timed_out`: stopped at `timeout`, not dead)."""
+    tag = tag or cfg["engine"]
     cfg_path, out_path = os.path.join(work, f"{tag}-config.json"), os.path.join(work, f"{tag}.json")
     json.dump(cfg, open(cfg_path, "w"))
     t = time.perf_counter()
@@ -289,9 +293,34 @@ def spawn(cfg: dict, work: str, timeout: float) -> dict:
         tail, done = text[-2500:], finished_cases(text)
         print(f"== {tag}: failed ({rc}) after {time.perf_counter() - t:.0f} s, {len(done)} cases finished\n{tail}",
               flush=True)
-        return {"config": cfg, "crashed": True, "log_tail": tail, "cases": done}
+        return {"config": cfg, "crashed": True, "timed_out": rc == "timeout", "log_tail": tail, "cases": done}
     print(f"== {tag}: ok in {time.perf_counter() - t:.0f} s", flush=True)
     return json.load(open(out_path))
+
+
+def run_engine(cfg: dict, work: str, timeout: float, restarts: int = 0) -> dict:
+    """One engine over its cases (`spawn`). Where it died - not stopped at its timeout - before its last case, it is
+    started again on the cases it did not finish, at most `restarts` times and within `timeout` seconds in all: a
+    crash in one case (torch's profiler at a profile's stop, in stock sglang's W8A8 engine) then costs a start, not
+    the rest of the sweep. Each death stays in the result's `restarts` (cases finished before it, its log's tail),
+    so a crash is never hidden; the result's `crashed` is the last start's."""
+    t0 = time.perf_counter()
+    res = spawn(cfg, work, timeout)
+    deaths: list[dict] = []
+    while res.get("crashed") and not res.get("timed_out") and len(deaths) < restarts:
+        finished = {(c["batch"], c["context"]) for c in res["cases"]}
+        left = [c for c in cfg["cases"] if (c[0], c[1]) not in finished]
+        remaining = timeout - (time.perf_counter() - t0)
+        if not left or remaining <= 1:
+            break
+        deaths.append({"after_cases": len(res["cases"]), "log_tail": res["log_tail"][-800:]})
+        keys = {(c[0], c[1]) for c in left}
+        again = spawn({**cfg, "cases": left, "profile_cases": [p for p in cfg["profile_cases"] if (p[0], p[1]) in keys]},
+                      work, remaining, tag=f"{cfg['engine']}-restart{len(deaths)}")
+        res = {**again, "config": cfg, "cases": res["cases"] + again.get("cases", [])}
+    if deaths:
+        res["restarts"] = deaths
+    return res
 
 
 def summarize(results: dict) -> list[dict]:
@@ -380,6 +409,8 @@ def main(argv=None) -> int:
                     help=f"the engine's context length (default: {MIN_CONTEXT_LENGTH}, or what the longest context "
                          "with its new tokens needs); at most the checkpoint's max_position_embeddings")
     ap.add_argument("--timeout", type=float, default=480, help="seconds per engine")
+    ap.add_argument("--restarts", type=int, default=0,
+                    help="start an engine that died (not timed out) again on its unfinished cases, at most N times")
     ap.add_argument("--fresh-jit-cache", action="store_true",
                     help="each engine with an empty Triton cache of its own (TRITON_CACHE_DIR), so no engine loads "
                          "kernels another compiled: a first-time compile then shows in every engine's warm runs")
@@ -395,6 +426,8 @@ def main(argv=None) -> int:
         return 0
     if not a.ckpt or not a.out:
         ap.error("--ckpt and --out are required")
+    if a.restarts < 0:
+        ap.error(f"--restarts: a count >= 0, got {a.restarts}")
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINES]
     if bad:
@@ -452,7 +485,7 @@ def main(argv=None) -> int:
                "structured": a.structured, "weights": a.weights, "trace": a.trace, "mem_fraction": a.mem_fraction,
                "context_length": context_length, "fresh_jit_cache": a.fresh_jit_cache, "vocab": tcfg["vocab_size"],
                "radix_cache": a.radix_cache}
-        results[e] = spawn(cfg, work, a.timeout)
+        results[e] = run_engine(cfg, work, a.timeout, a.restarts)
         record = {"engines": results, "rows": summarize(results)}
         json.dump(record, open(a.out, "w"), indent=1)
     for r in summarize(results):

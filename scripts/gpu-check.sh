@@ -208,7 +208,9 @@ case $1 in
     # USER_STRUCTURED=1: the structured pair, so the acceptance is measured; USER_PROFILE=1,8,32: the batches
     # profiled at the first context - every sweep case is; USER_VERIFY_ALONE=0: no kernel timing first;
     # USER_REPEATS: timed runs per case, the median kept; USER_TRACE=1: each timed run's draft calls, host and GPU ms;
-    # USER_TIMEOUT: seconds per engine, default 215; USER_FRESH_JIT=1: each engine with an empty Triton cache of
+    # USER_TIMEOUT: seconds per engine, default 215; USER_RESTARTS=N: an engine that dies before its last case starts
+    # again on the cases it left, N times at most within its USER_TIMEOUT (stock sglang's W8A8 engine dies in torch's
+    # profiler at its second profiled case); USER_FRESH_JIT=1: each engine with an empty Triton cache of
     # its own; USER_WEIGHTS=w8a8, with USER_STRUCTURED=1: the user's INT8 W8A8 target - the checkpoint writer and the
     # harness both get --weights w8a8, the checkpoint in $WORK/ckpt-us-w8a8 (compressed-tensors W8A8 int8 declared,
     # the structure alone), the harness loading seeded int8 projections into the engine; USER_CONTEXTS: the prompts'
@@ -241,7 +243,7 @@ case $1 in
       ${USER_SWEEP:+--sweep "$USER_SWEEP"} ${USER_PROFILE:+--profile-batches "$USER_PROFILE"} \
       --steps "${USER_STEPS:-3}" ${USER_STRUCTURED:+--structured} ${USER_TRACE:+--trace} \
       ${USER_FRESH_JIT:+--fresh-jit-cache} --weights "$weights" $radix \
-      --repeats "${USER_REPEATS:-1}" --new 96 --timeout "${USER_TIMEOUT:-215}" \
+      --repeats "${USER_REPEATS:-1}" --new 96 --timeout "${USER_TIMEOUT:-215}" --restarts "${USER_RESTARTS:-0}" \
       --work "$WORK/user-scale" --out "$LOG/user-scale.json"
     mkdir -p "$LOG/user-scale-engines"  # each engine's log end and graphcap's manifests (traces stay in $WORK)
     for p in "$WORK"/user-scale/*.log "$WORK"/user-scale/*-cudagraph*.json; do

@@ -50,6 +50,13 @@ class Engine:
         new = sampling_params[0]["max_new_tokens"]
         if len(input_ids[0]) == int(os.environ.get("FAKE_SGLANG_HANG_CONTEXT", -1)):  # a case that never ends
             time.sleep(600)
+        # FAKE_SGLANG_DIE="CONTEXT:MARKER": the first engine to reach a prompt of CONTEXT tokens dies there (the
+        # marker file tells later engines it has happened), as sglang's scheduler does on an exception
+        die = os.environ.get("FAKE_SGLANG_DIE", "").split(":", 1)
+        if len(die) == 2 and len(input_ids[0]) == int(die[0]) and not os.path.exists(die[1]):
+            open(die[1], "w").close()
+            print("Scheduler hit an exception: IndexError: Argument passed to at() was not in the map.", flush=True)
+            os._exit(1)
         t0 = time.perf_counter()
         stall = 0.0
         if self.stall_after is not None and new > self.stall_after:

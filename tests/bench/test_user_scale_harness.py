@@ -60,7 +60,8 @@ def test_no_spec_decode_sets_the_period_and_a_gz_trace_loads(tmp_path):
 
 
 @pytest.mark.parametrize("args,msg", [(["--ckpt", "x", "--out", "y", "--engines", "vllm"], "unknown ['vllm']"),
-                                      (["--ckpt", "x", "--out", "y", "--batches", "a"], "integers separated")])
+                                      (["--ckpt", "x", "--out", "y", "--batches", "a"], "integers separated"),
+                                      (["--ckpt", "x", "--out", "y", "--restarts", "-1"], "--restarts: a count")])
 def test_bad_arguments_exit_2_naming_them(args, msg):
     r = subprocess.run([sys.executable, us.__file__, *args], capture_output=True, text=True)
     assert r.returncode == 2 and msg in r.stderr
@@ -186,6 +187,39 @@ def test_an_engine_keeps_what_it_finished_and_runs_no_case_its_pool_cannot_hold(
     assert [(r["batch"], r.get("not_run") is None, r.get("tokens_equal_sglang")) for r in rows] == \
         [(2, True, None), (8, False, None)]
     assert rows[0]["decode_tok_s_per_req"] == round(done["decode_tok_s_per_req"], 2)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_an_engine_that_dies_mid_sweep_is_restarted_on_the_cases_it_left(tmp_path, monkeypatch, restarts):
+    """The stand-in engine dies at its second case (once: a restarted engine gets past it). Without restarts the
+    record keeps the first case and the crash; with one, a second engine runs the cases left - the one it died in
+    included - so every case has its row, and the death stays in the result, with the cases finished before it."""
+    from fake_sglang import install_fake_sglang
+
+    install_fake_sglang(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_SGLANG_DIE", f"40:{tmp_path / 'died'}")
+    (tmp_path / "ck" / "target").mkdir(parents=True)
+    cases = [[2, 30], [2, 40], [2, 50]]
+    cfg = {"engine": "sglang", "ckpt": str(tmp_path / "ck"), "work": str(tmp_path / "work"), "batches": [2],
+           "cases": cases, "steps": 3, "new": 24, "repeats": 1, "profile_cases": [], "profile_steps": 6,
+           "structured": False, "trace": False, "mem_fraction": 0.8, "context_length": 512, "vocab": 977,
+           "radix_cache": False}
+    (tmp_path / "work").mkdir()
+    res = us.run_engine(cfg, str(tmp_path / "work"), timeout=120, restarts=restarts)
+    got = [[c["batch"], c["context"]] for c in res["cases"]]
+    assert res["config"]["cases"] == cases
+    if restarts:
+        assert got == cases and not res.get("crashed")
+        assert [d["after_cases"] for d in res["restarts"]] == [1]
+        assert "IndexError" in res["restarts"][0]["log_tail"]
+        assert (tmp_path / "work" / "sglang-restart1.log").exists()  # the first engine's log stays as it was
+        assert "IndexError" in (tmp_path / "work" / "sglang.log").read_text()
+    else:
+        assert got == cases[:1] and res["crashed"] and not res["timed_out"] and "restarts" not in res
+    rows = us.summarize({"sglang": res})
+    assert [(r["batch"], r["context"]) for r in rows] == [tuple(c) for c in got]
+    assert all(r["decode_tok_s_per_req"] > 0 for r in rows)
 
 
 @pytest.mark.subprocess
@@ -347,6 +381,14 @@ def test_gpu_check_default_is_the_recorded_bf16_run(tmp_path, capsys):
     p = replay(steps, capsys)
     assert (p["weights"], p["cases"], p["context_length"], p["radix_cache"]) == ("bf16", [[8, 2048]], 8192, False)
     assert "--weights" in steps[1] and "--structured" in steps[1]
+    assert steps[1][steps[1].index("--restarts") + 1] == "0"  # an engine's death ends it unless asked
+
+
+def test_gpu_check_passes_the_restarts_asked(tmp_path, capsys):
+    rc, steps, err = gpu_check_steps(tmp_path, USER_STRUCTURED="1", USER_VERIFY_ALONE="0", USER_RESTARTS="4")
+    assert rc == 0, err
+    assert steps[1][steps[1].index("--restarts") + 1] == "4"
+    replay(steps, capsys)  # the harness takes it
 
 
 def test_gpu_check_refuses_w8a8_without_the_structure(tmp_path):
