@@ -315,8 +315,9 @@ def run_engine(cfg: dict, work: str, timeout: float, restarts: int = 0) -> dict:
             break
         deaths.append({"after_cases": len(res["cases"]), "log_tail": res["log_tail"][-800:]})
         keys = {(c[0], c[1]) for c in left}
-        again = spawn({**cfg, "cases": left, "profile_cases": [p for p in cfg["profile_cases"] if (p[0], p[1]) in keys]},
-                      work, remaining, tag=f"{cfg['engine']}-restart{len(deaths)}")
+        profiled = [p for p in cfg["profile_cases"] if (p[0], p[1]) in keys]
+        again = spawn({**cfg, "cases": left, "profile_cases": profiled}, work, remaining,
+                      tag=f"{cfg['engine']}-restart{len(deaths)}")
         res = {**again, "config": cfg, "cases": res["cases"] + again.get("cases", [])}
     if deaths:
         res["restarts"] = deaths
