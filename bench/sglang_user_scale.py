@@ -40,7 +40,7 @@ iterations do not show; and every run's timeline (warm runs included): the gaps 
 `--fresh-jit-cache`: each engine with an empty Triton cache of its own, so a first-time compile shows in every
 engine's warm runs, not only in the first engine's to serve on the machine.
 `--restarts N`: an engine that dies before its last case starts again on the cases it left, at most N times within
-its `--timeout` (`run_engine`); each death is kept in its result's `restarts`.
+its `--timeout` (`spawn_restarting`); each death is kept in its result's `restarts`.
 """
 from __future__ import annotations
 
@@ -298,7 +298,7 @@ def spawn(cfg: dict, work: str, timeout: float, tag: str | None = None) -> dict:
     return json.load(open(out_path))
 
 
-def run_engine(cfg: dict, work: str, timeout: float, restarts: int = 0) -> dict:
+def spawn_restarting(cfg: dict, work: str, timeout: float, restarts: int = 0) -> dict:
     """One engine over its cases (`spawn`). Where it died - not stopped at its timeout - before its last case, it is
     started again on the cases it did not finish, at most `restarts` times and within `timeout` seconds in all: a
     crash in one case (torch's profiler at a profile's stop, in stock sglang's W8A8 engine) then costs a start, not
@@ -486,7 +486,7 @@ def main(argv=None) -> int:
                "structured": a.structured, "weights": a.weights, "trace": a.trace, "mem_fraction": a.mem_fraction,
                "context_length": context_length, "fresh_jit_cache": a.fresh_jit_cache, "vocab": tcfg["vocab_size"],
                "radix_cache": a.radix_cache}
-        results[e] = run_engine(cfg, work, a.timeout, a.restarts)
+        results[e] = spawn_restarting(cfg, work, a.timeout, a.restarts)
         record = {"engines": results, "rows": summarize(results)}
         json.dump(record, open(a.out, "w"), indent=1)
     for r in summarize(results):

@@ -206,7 +206,7 @@ def test_an_engine_that_dies_mid_sweep_is_restarted_on_the_cases_it_left(tmp_pat
            "structured": False, "trace": False, "mem_fraction": 0.8, "context_length": 512, "vocab": 977,
            "radix_cache": False}
     (tmp_path / "work").mkdir()
-    res = us.run_engine(cfg, str(tmp_path / "work"), timeout=120, restarts=restarts)
+    res = us.spawn_restarting(cfg, str(tmp_path / "work"), timeout=120, restarts=restarts)
     got = [[c["batch"], c["context"]] for c in res["cases"]]
     assert res["config"]["cases"] == cases
     if restarts:
