@@ -17,7 +17,7 @@ at `--profile-batch`), sglang's own profiler (`Engine.start_profile`, by stage, 
 as GPU time per phase (verify, draft, draft extend; decode for no-spec), the iteration period, the verify's top kernels,
 and the host time of the draft call with the runtime calls inside it that waited on the GPU.
 
-    python bench/sglang_user_scale.py --ckpt DIR --out OUT.json [--engines nospec,sglang,graphcap,graphcap-verify]
+    python bench/sglang_user_scale.py --ckpt DIR --out OUT.json [--engines nospec,sglang,graphcap]
         [--batches 1,8,32] [--contexts 2048] [--sweep 220,670,1270,1870,2460] [--profile-batches 1,8,32]
         [--cases 1x32768,8x32768,1x131072] [--steps 3] [--structured] [--trace] [--weights bf16|w8a8]
         [--context-length N] [--radix-cache] [--plan-only]
@@ -63,7 +63,10 @@ if TYPE_CHECKING:  # torch is imported where it is used: the argument checks and
     import torch
 
 SHORT_NEW = 16
-ENGINES = ("nospec", "sglang", "graphcap", "graphcap-verify")
+# graphcap: the flag as a user turns it on (the plugin's defaults, its verify kernel included); graphcap-sglang-verify:
+# the flag with sglang's own verify attention (--draft-graph-verify-attention sglang), what the verify kernel adds.
+ENGINES = ("nospec", "sglang", "graphcap", "graphcap-sglang-verify")
+DEFAULT_ENGINES = ENGINES[:3]
 WEIGHTS = ("bf16", "w8a8")
 PAGE_SIZE = 64  # sglang_engine_kwargs' page size: a request's KV ends on a page
 MIN_CONTEXT_LENGTH = 8192  # the engine's context length where the cases need less (the recorded runs')
@@ -176,9 +179,10 @@ def child(cfg: dict) -> dict:
         shutil.rmtree(trace_dir, ignore_errors=True)
         os.environ["GRAPHCAP_SGLANG_TRACE"] = trace_dir
     if cfg["engine"].startswith("graphcap"):
-        os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps({
-            "enabled": True, "backend": "cudagraph", "manifest_dir": cfg["work"],
-            "verify_attention": "graphcap" if cfg["engine"] == "graphcap-verify" else "sglang"})
+        opts = {"enabled": True, "backend": "cudagraph", "manifest_dir": cfg["work"]}
+        if cfg["engine"] == "graphcap-sglang-verify":
+            opts["verify_attention"] = "sglang"
+        os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(opts)
     import sglang
 
     t0 = time.perf_counter()
@@ -382,7 +386,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt")
     ap.add_argument("--out")
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                    help=f"of {', '.join(ENGINES)} (graphcap: the flag with the plugin's defaults; "
+                         "graphcap-sglang-verify: the flag with sglang's verify attention)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="2048")
     ap.add_argument("--sweep", default="", help="contexts at --profile-batch after the first context's cases")

@@ -238,7 +238,7 @@ case $1 in
     step ckpt-user-scale python3 bench/sglang_checkpoint.py --size user-scale --out "$ckpt" --device cuda \
       --weights "$weights" --max-pos $(( longest + 4096 > 32768 ? longest + 4096 : 32768 ))
     STEP_LIMIT=${STEP_LIMIT:-480} step user-scale python3 bench/sglang_user_scale.py --ckpt "$ckpt" \
-      --engines "${USER_ENGINES:-nospec,graphcap-verify,sglang}" --batches "${USER_BATCHES:-8}" \
+      --engines "${USER_ENGINES:-nospec,graphcap,sglang}" --batches "${USER_BATCHES:-8}" \
       --contexts "${USER_CONTEXTS:-2048}" ${USER_CASES:+--cases "$USER_CASES"} \
       ${USER_SWEEP:+--sweep "$USER_SWEEP"} ${USER_PROFILE:+--profile-batches "$USER_PROFILE"} \
       --steps "${USER_STEPS:-3}" ${USER_STRUCTURED:+--structured} ${USER_TRACE:+--trace} \

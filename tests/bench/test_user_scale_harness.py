@@ -14,6 +14,7 @@ import pytest
 from bench_scripts import load_bench_script, tiny_w8a8  # noqa: F401 - a fixture
 
 from graphcap.bench import phase_profile
+from graphcap.sglang.settings import VERIFY_ATTENTION, DraftCaptureOptions
 
 us = load_bench_script("sglang_user_scale")
 
@@ -119,18 +120,21 @@ def test_trace_summary_takes_the_timed_runs_calls_only():
 
 
 @pytest.mark.subprocess
-def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine,verify_attention", [("graphcap", VERIFY_ATTENTION[0]),
+                                                     ("graphcap-sglang-verify", "sglang")])
+def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch, engine, verify_attention):
     """The child (`--child`) against the stand-in sglang.Engine (tests/fake_sglang.py: each generate call writes one
     draft-trace record per verify, with GPU ms from a known formula): every timed long run gets its own summary, of
     its own calls only, and every run (warm ones too) its timeline within its own wall-clock window; with
-    `fresh_jit_cache` the engine starts with a Triton cache of its own."""
+    `fresh_jit_cache` the engine starts with a Triton cache of its own. The engine `graphcap` is the flag as a user
+    turns it on (the plugin's default verify attention); `graphcap-sglang-verify` sets sglang's."""
     import math
 
     from fake_sglang import install_fake_sglang
 
     log = install_fake_sglang(tmp_path, monkeypatch)
     (tmp_path / "ck" / "target").mkdir(parents=True)
-    cfg = {"engine": "graphcap", "ckpt": str(tmp_path / "ck"), "work": str(tmp_path / "work"), "batches": [2],
+    cfg = {"engine": engine, "ckpt": str(tmp_path / "ck"), "work": str(tmp_path / "work"), "batches": [2],
            "cases": [[2, 30]], "steps": 3, "new": 48, "repeats": 2, "profile_cases": [], "profile_steps": 6,
            "structured": False, "trace": True, "mem_fraction": 0.8, "context_length": 512, "vocab": 977,
            "fresh_jit_cache": True}
@@ -152,9 +156,11 @@ def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch):
         assert line["calls"] == math.ceil((us.SHORT_NEW if tag.startswith("short") else 48) / 2.5)
         assert line["to_first_call_ms"] > 0 and line["after_last_call_ms"] > 0
         assert line["gap_ms"]["max"] == pytest.approx(line["gap_ms"]["median"], rel=0.2)
-    assert us.summarize({"graphcap": {"config": cfg, "cases": [case]}})[0]["trace_draft_calls"] == calls
+    assert us.summarize({engine: {"config": cfg, "cases": [case]}})[0]["trace_draft_calls"] == calls
     started = json.loads((log / "graphcap.json").read_text())  # --fresh-jit-cache: a Triton cache of its own
-    assert started["triton_cache"] == str(tmp_path / "work" / "jit-graphcap")
+    assert started["triton_cache"] == str(tmp_path / "work" / f"jit-{engine}")
+    opts = DraftCaptureOptions.from_mapping(json.loads(started["capture"]), "the child's capture options")
+    assert (opts.enabled, opts.verify_attention) == (True, verify_attention)
 
 
 @pytest.mark.subprocess
@@ -281,10 +287,10 @@ def test_the_long_context_cases_plan(capsys, tiny_w8a8):
     """The issue's long contexts - batch 1 at 32k and 128k, batch 8 at 32k, each profiled - as gpu-check's
     USER_CASES passes them, on a checkpoint whose max_position_embeddings holds 128k and its new tokens."""
     p = plan(capsys, tiny_w8a8, "--cases", "1x32768,8x32768,1x131072", "--profile-batches", "1,8", "--structured",
-             "--weights", "w8a8", "--engines", "nospec,graphcap-verify", "--batches", "8", "--contexts", "2048")
+             "--weights", "w8a8", "--engines", "nospec,graphcap", "--batches", "8", "--contexts", "2048")
     assert p == {"cases": [[1, 32768], [8, 32768], [1, 131072]], "profile_cases": [[1, 32768], [8, 32768], [1, 131072]],
                  "batches": [1, 8], "context_length": 131072 + 96 + 8 + 64, "weights": "w8a8",
-                 "engines": ["nospec", "graphcap-verify"], "radix_cache": False}
+                 "engines": ["nospec", "graphcap"], "radix_cache": False}
     assert plan(capsys, tiny_w8a8, "--cases", "8x32768,1x131072", "--structured", "--weights", "w8a8")[
         "profile_cases"] == [[8, 32768]]  # the default profiled batch: 8
 
