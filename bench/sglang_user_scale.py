@@ -92,6 +92,7 @@ def engine_kwargs(cfg: dict) -> dict:
     extra = {"load_format": "dummy", "context_length": cfg["context_length"]}
     if cfg.get("radix_cache"):  # a case's runs share their prompts: each prefills once (long contexts: minutes)
         extra["disable_radix_cache"] = False
+    extra.update(cfg.get("sglang_settings") or {})  # sglang's own pool and prefill settings, where asked
     if mtp and cfg["structured"]:  # the structured assistant beside the structured target; else both dummy (they agree)
         extra["speculative_draft_load_format"] = "auto"
     return sglang_engine_kwargs(target_dir(cfg["ckpt"]), os.path.join(cfg["ckpt"], "assistant") if mtp else None,
@@ -328,6 +329,17 @@ def spawn_restarting(cfg: dict, work: str, timeout: float, restarts: int = 0) ->
     return res
 
 
+def below_batch(profile: dict, batch: int) -> dict:
+    """`{"below_batch": ...}` where the profiled forward steps ran at a smaller batch than the case's: its requests
+    did not all run at once (a KV or sliding-window pool too small to admit them together), so its rate and phases
+    are a smaller batch's; else nothing. JSON keys are strings."""
+    seen = {int(k): v for k, v in (profile.get("step_batches") or {}).items()}
+    if not seen or max(seen) >= batch:
+        return {}
+    return {"below_batch": f"the profiled steps ran at batch {max(seen)} at most, not {batch}: "
+                           f"the requests did not all run at once"}
+
+
 def summarize(results: dict) -> list[dict]:
     """One row per (engine, batch, context): the record's cases; a graphcap engine's output tokens against stock
     sglang's for the same case (greedy, the same dummy weights: equal unless a kernel differs)."""
@@ -352,6 +364,7 @@ def summarize(results: dict) -> list[dict]:
                          "extend_ms": (p.get("draft_extend") or {}).get("gpu_span_ms"),
                          "decode_ms": (p.get("decode") or {}).get("gpu_span_ms"),
                          "iteration_ms": p.get("iteration_ms"),
+                         **below_batch(p, c["batch"]),
                          # None where either side's tokens are unknown (a case read back from a stopped engine's log)
                          "tokens_equal_sglang": (None if theirs is None or c.get("tokens") is None
                                                  else c["tokens"] == theirs),
@@ -412,6 +425,13 @@ def main(argv=None) -> int:
                          "prompts, so only the first prefills them (decode rates are differences of runs, which no "
                          "prefill enters; for long contexts, where five prefills of the batch take minutes)")
     ap.add_argument("--mem-fraction", type=float, default=0.88)
+    ap.add_argument("--swa-full-tokens-ratio", type=float, default=None,
+                    help="sglang's --swa-full-tokens-ratio (sliding-window pool tokens per full-attention pool "
+                         "token; sglang's default 0.8, used with the radix cache on): lower, the full-attention "
+                         "pool holds more tokens - long contexts on an 80 GB card")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None,
+                    help="sglang's --chunked-prefill-size: with the radix cache off sglang sizes the sliding-window "
+                         "pool for two chunks in flight beside max-running-requests windows")
     ap.add_argument("--context-length", type=int, default=None,
                     help=f"the engine's context length (default: {MIN_CONTEXT_LENGTH}, or what the longest context "
                          "with its new tokens needs); at most the checkpoint's max_position_embeddings")
@@ -435,6 +455,12 @@ def main(argv=None) -> int:
         ap.error("--ckpt and --out are required")
     if a.restarts < 0:
         ap.error(f"--restarts: a count >= 0, got {a.restarts}")
+    if a.swa_full_tokens_ratio is not None and not 0 < a.swa_full_tokens_ratio <= 1:
+        ap.error(f"--swa-full-tokens-ratio: a ratio in (0, 1] (sglang's bound), got {a.swa_full_tokens_ratio}")
+    if a.chunked_prefill_size is not None and a.chunked_prefill_size <= 0:
+        ap.error(f"--chunked-prefill-size: tokens > 0, got {a.chunked_prefill_size}")
+    sglang_settings = {k: v for k, v in (("swa_full_tokens_ratio", a.swa_full_tokens_ratio),
+                                         ("chunked_prefill_size", a.chunked_prefill_size)) if v is not None}
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINES]
     if bad:
@@ -481,7 +507,7 @@ def main(argv=None) -> int:
     if a.plan_only:
         print(json.dumps({"cases": cases, "profile_cases": profile_cases, "batches": engine_batches,
                           "context_length": context_length, "weights": a.weights, "engines": engines,
-                          "radix_cache": a.radix_cache}))
+                          "radix_cache": a.radix_cache, "sglang_settings": sglang_settings}))
         return 0
     work = a.work or os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
     os.makedirs(work, exist_ok=True)
@@ -491,7 +517,7 @@ def main(argv=None) -> int:
                "new": a.new, "repeats": a.repeats, "profile_cases": profile_cases, "profile_steps": a.profile_steps,
                "structured": a.structured, "weights": a.weights, "trace": a.trace, "mem_fraction": a.mem_fraction,
                "context_length": context_length, "fresh_jit_cache": a.fresh_jit_cache, "vocab": tcfg["vocab_size"],
-               "radix_cache": a.radix_cache}
+               "radix_cache": a.radix_cache, "sglang_settings": sglang_settings}
         results[e] = spawn_restarting(cfg, work, a.timeout, a.restarts)
         record = {"engines": results, "rows": summarize(results)}
         json.dump(record, open(a.out, "w"), indent=1)

@@ -10,6 +10,9 @@ import re
 import statistics
 from collections import defaultdict
 
+# a verify's or decode's step annotation names its batch before any padding to a graph's size (sglang's
+# profile_utils: forward_batch.batch_size): step[VERIFY bs=8], step[DECODE bs=8 ...]
+STEP_BATCH = re.compile(r"^step\[(?:VERIFY|DECODE) bs=(\d+)\b")
 # stage annotations sglang's profiler writes (by-stage decode profile) -> phase
 PHASES = (("verify", re.compile(r"VERIFY")), ("draft_extend", re.compile(r"^draft_extend|DRAFT_EXTEND")),
           ("draft", re.compile(r"^draft$|DRAFT_LOOP|^draft\b")), ("decode", re.compile(r"DECODE")))
@@ -27,7 +30,8 @@ def read_trace(events: list[dict], top: int = 15) -> dict:
     timeline, and the kernels inside it), their count, the iteration period (between consecutive spans of the phase
     that starts an iteration: verify, or decode without speculation), the verify's top kernels, and the host side
     of the draft: its `user_annotation` spans' length and the CUDA runtime calls in them that lasted over 1 ms
-    (a wait on the GPU)."""
+    (a wait on the GPU); `step_batches`: how many profiled forward steps ran at each batch size (a case whose
+    requests did not all run at once shows a smaller one)."""
     kernels = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
                      if e.get("cat") == "kernel" and "ts" in e)
     spans = defaultdict(list)
@@ -38,6 +42,13 @@ def read_trace(events: list[dict], top: int = 15) -> dict:
                 spans[p].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
     out: dict = {"annotations": sorted({e.get("name", "") for e in events
                                         if e.get("cat") in ("gpu_user_annotation", "user_annotation")})[:40]}
+    steps: dict[int, int] = defaultdict(int)
+    for e in events:
+        m = STEP_BATCH.match(e.get("name", "")) if e.get("cat") == "gpu_user_annotation" else None
+        if m:
+            steps[int(m.group(1))] += 1
+    if steps:
+        out["step_batches"] = dict(sorted(steps.items()))
     starts = [k[0] for k in kernels]
     for p, ss in spans.items():
         ss = _outermost(sorted(ss))

@@ -47,6 +47,22 @@ def test_phases_spans_kernels_and_the_host_wait():
     assert r["iteration_ms"] == pytest.approx(1.0)
     assert r["draft_host"]["calls"] == 4 and r["draft_host"]["host_ms"] == pytest.approx(0.3)
     assert r["draft_host"]["runtime_waits_ms_per_call"] == {"cudaStreamSynchronize": pytest.approx(2.5)}
+    assert r["step_batches"] == {8: 4}
+
+
+@pytest.mark.parametrize("seen,batch,below", [({8: 6}, 8, False), ({4: 6}, 8, True), ({4: 2, 8: 4}, 8, False),
+                                              ({}, 8, False), ({32: 6}, 8, False)])
+def test_a_case_whose_steps_ran_below_its_batch_says_so(seen, batch, below):
+    """Where the profiled forward steps ran at a smaller batch than the case's (its requests were not all admitted
+    at once: a pool too small for them together), the row says so; JSON turns the batch keys into strings."""
+    events = [ev("gpu_user_annotation", f"step[VERIFY bs={b}]", 1000 * i, 10) for b, n in seen.items()
+              for i in range(n)]
+    profile = json.loads(json.dumps(phase_profile.read_trace(events)))
+    case = {"batch": batch, "context": 64, "decode_tok_s_per_req": 10.0, "profile": profile}
+    (row,) = us.summarize({"graphcap": {"config": {"steps": 3}, "cases": [case]}})
+    assert ("below_batch" in row) == below
+    if below:
+        assert f"batch {max(seen)} at most, not {batch}" in row["below_batch"]
 
 
 def test_no_spec_decode_sets_the_period_and_a_gz_trace_loads(tmp_path):
@@ -62,7 +78,10 @@ def test_no_spec_decode_sets_the_period_and_a_gz_trace_loads(tmp_path):
 
 @pytest.mark.parametrize("args,msg", [(["--ckpt", "x", "--out", "y", "--engines", "vllm"], "unknown ['vllm']"),
                                       (["--ckpt", "x", "--out", "y", "--batches", "a"], "integers separated"),
-                                      (["--ckpt", "x", "--out", "y", "--restarts", "-1"], "--restarts: a count")])
+                                      (["--ckpt", "x", "--out", "y", "--restarts", "-1"], "--restarts: a count"),
+                                      (["--ckpt", "x", "--out", "y", "--swa-full-tokens-ratio", "0"], "in (0, 1]"),
+                                      (["--ckpt", "x", "--out", "y", "--swa-full-tokens-ratio", "1.5"], "got 1.5"),
+                                      (["--ckpt", "x", "--out", "y", "--chunked-prefill-size", "0"], "tokens > 0")])
 def test_bad_arguments_exit_2_naming_them(args, msg):
     r = subprocess.run([sys.executable, us.__file__, *args], capture_output=True, text=True)
     assert r.returncode == 2 and msg in r.stderr
@@ -179,11 +198,12 @@ def test_an_engine_keeps_what_it_finished_and_runs_no_case_its_pool_cannot_hold(
     cfg = {"engine": "graphcap", "ckpt": str(tmp_path / "ck"), "work": str(tmp_path / "work"), "batches": [1, 2, 8],
            "cases": [[2, 30], [8, 200], [1, 60]], "steps": 3, "new": 24, "repeats": 1, "profile_cases": [],
            "profile_steps": 6, "structured": False, "trace": False, "mem_fraction": 0.8, "context_length": 512,
-           "vocab": 977, "radix_cache": True}
+           "vocab": 977, "radix_cache": True, "sglang_settings": {"swa_full_tokens_ratio": 0.1}}
     (tmp_path / "work").mkdir()
     res = us.spawn(cfg, str(tmp_path / "work"), timeout=12)
     started = json.loads((log / "graphcap.json").read_text())  # the radix cache on, through sglang's Python core
     assert started["kw"]["disable_radix_cache"] is False and started["radix_core"] == "python"
+    assert started["kw"]["swa_full_tokens_ratio"] == 0.1  # sglang's own setting reaches sglang.Engine
     assert res["crashed"]
     done, skipped = res["cases"]
     assert (done["batch"], done["context"], done["rates"][0] > 0) == (2, 30, True)
@@ -290,9 +310,13 @@ def test_the_long_context_cases_plan(capsys, tiny_w8a8):
              "--weights", "w8a8", "--engines", "nospec,graphcap", "--batches", "8", "--contexts", "2048")
     assert p == {"cases": [[1, 32768], [8, 32768], [1, 131072]], "profile_cases": [[1, 32768], [8, 32768], [1, 131072]],
                  "batches": [1, 8], "context_length": 131072 + 96 + 8 + 64, "weights": "w8a8",
-                 "engines": ["nospec", "graphcap"], "radix_cache": False}
+                 "engines": ["nospec", "graphcap"], "radix_cache": False, "sglang_settings": {}}
     assert plan(capsys, tiny_w8a8, "--cases", "8x32768,1x131072", "--structured", "--weights", "w8a8")[
         "profile_cases"] == [[8, 32768]]  # the default profiled batch: 8
+    # long contexts on an 80 GB card: sglang's own pool and chunk settings, passed through as sglang names them
+    assert plan(capsys, tiny_w8a8, "--cases", "1x131072", "--structured", "--weights", "w8a8", "--radix-cache",
+                "--swa-full-tokens-ratio", "0.1", "--chunked-prefill-size", "2048")["sglang_settings"] == \
+        {"swa_full_tokens_ratio": 0.1, "chunked_prefill_size": 2048}
 
 
 def test_the_short_context_plan_is_unchanged(capsys, tiny_w8a8):
@@ -395,6 +419,17 @@ def test_gpu_check_passes_the_restarts_asked(tmp_path, capsys):
     assert rc == 0, err
     assert steps[1][steps[1].index("--restarts") + 1] == "4"
     replay(steps, capsys)  # the harness takes it
+
+
+def test_gpu_check_passes_sglang_pool_settings_for_long_contexts(tmp_path, capsys):
+    """USER_SWA_RATIO and USER_CHUNK reach the engines as sglang's --swa-full-tokens-ratio and
+    --chunked-prefill-size (long contexts on an 80 GB card); without them sglang keeps its own."""
+    rc, steps, err = gpu_check_steps(tmp_path, USER_WEIGHTS="w8a8", USER_STRUCTURED="1", USER_VERIFY_ALONE="0",
+                                     USER_CASES="8x32768", USER_SWA_RATIO="0.07", USER_CHUNK="4096")
+    assert rc == 0, err
+    assert replay(steps, capsys)["sglang_settings"] == {"swa_full_tokens_ratio": 0.07, "chunked_prefill_size": 4096}
+    rc, steps, err = gpu_check_steps(tmp_path, USER_STRUCTURED="1", USER_VERIFY_ALONE="0")
+    assert rc == 0 and replay(steps, capsys)["sglang_settings"] == {}, err
 
 
 def test_gpu_check_refuses_w8a8_without_the_structure(tmp_path):
