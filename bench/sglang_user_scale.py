@@ -205,7 +205,8 @@ def child(cfg: dict) -> dict:
             need = batch * (context + cfg["new"] + cfg["steps"] + 1)
             if pool is not None and need > pool:  # the batch would not run at once: its rate would be another's
                 case = {"batch": batch, "context": context,
-                        "not_run": f"needs {need} KV tokens at once; this engine's pool holds {pool}"}
+                        "not_run": f"needs {need} KV tokens at once; this engine's pool holds {pool} (a lower "
+                                   f"--swa-full-tokens-ratio gives the full-attention pool more)"}
                 res["cases"].append(case)
                 print(json.dumps(case), flush=True)
                 continue

@@ -208,7 +208,8 @@ def test_an_engine_keeps_what_it_finished_and_runs_no_case_its_pool_cannot_hold(
     done, skipped = res["cases"]
     assert (done["batch"], done["context"], done["rates"][0] > 0) == (2, 30, True)
     assert skipped == {"batch": 8, "context": 200,
-                       "not_run": f"needs {8 * (200 + 24 + 3 + 1)} KV tokens at once; this engine's pool holds 1000"}
+                       "not_run": f"needs {8 * (200 + 24 + 3 + 1)} KV tokens at once; this engine's pool holds 1000 "
+                                  "(a lower --swa-full-tokens-ratio gives the full-attention pool more)"}
     rows = us.summarize({"graphcap": res})
     assert [(r["batch"], r.get("not_run") is None, r.get("tokens_equal_sglang")) for r in rows] == \
         [(2, True, None), (8, False, None)]
