@@ -15,12 +15,18 @@ and a long run of the same prompts (the same prefill in both) after two warm run
 accept length sglang reports; at `--profile-batches` and the first context, and at every case of the `--sweep` (contexts
 at `--profile-batch`), sglang's own profiler (`Engine.start_profile`, by stage, decode) over a few iterations, read back
 as GPU time per phase (verify, draft, draft extend; decode for no-spec), the iteration period, the verify's top kernels,
-and the host time of the draft call with the runtime calls inside it that waited on the GPU.
+and the host time of the draft call with the runtime calls inside it that waited on the GPU. A profiled row also gets
+the rate its iteration gives (`profile_tok_s_per_req`: accept length over the period) and says where the wall-time
+rate is off it (`rate_disagrees`: the short and long runs did not prefill alike - with the radix cache on and a small
+sliding-window pool, sglang evicts the prompts' window and one run prefills again; graphcap.bench.user_scale_rows).
+A case whose batch the engine's pool cannot hold at once is not run; its row names the sglang settings that would
+hold it (graphcap.bench.sglang_pool).
 
     python bench/sglang_user_scale.py --ckpt DIR --out OUT.json [--engines nospec,sglang,graphcap]
         [--batches 1,8,32] [--contexts 2048] [--sweep 220,670,1270,1870,2460] [--profile-batches 1,8,32]
         [--cases 1x32768,8x32768,1x131072] [--steps 3] [--structured] [--trace] [--weights bf16|w8a8]
-        [--context-length N] [--radix-cache] [--plan-only]
+        [--context-length N] [--radix-cache] [--swa-full-tokens-ratio R] [--chunked-prefill-size N]
+        [--mem-fraction F] [--triton-attention-num-kv-splits N] [--plan-only]
 
 `--cases`: exactly these (batch, context) cases instead of every batch at every context, profiled where their batch
 is one of `--profile-batches` (the long contexts: 1x32768,8x32768,1x131072 with --profile-batches 1,8).
@@ -58,6 +64,8 @@ from typing import TYPE_CHECKING
 
 from graphcap.bench import target_weights as tw
 from graphcap.bench.phase_profile import load_trace, read_trace
+from graphcap.bench.sglang_pool import PoolShape, pool_shape, ratio_advice
+from graphcap.bench.user_scale_rows import summarize, trace_summary
 
 if TYPE_CHECKING:  # torch is imported where it is used: the argument checks and trace readers run without it
     import torch
@@ -100,57 +108,28 @@ def engine_kwargs(cfg: dict) -> dict:
                                 max_running=max(cfg["batches"]), mem_fraction=cfg["mem_fraction"], **extra)
 
 
-def trace_summary(rows: list[dict], rids: list[str], window: tuple[float, float] | None = None) -> dict | None:
-    """The draft calls of one timed run (graphcap's draft trace: the calls whose requests are exactly `rids`): how
-    many, their GPU and host ms (median, max, sum), and the three slowest by host time with their lengths - where a
-    run's wall time goes that the profiled iterations do not show. Where the records carry their start (`t`, on
-    time.perf_counter's clock) also the run's calls in time, its tail included (calls of some of `rids`, as requests
-    finish): the gaps between consecutive calls (median, the largest and after which call), and with `window` (the
-    run's start and end, on the same clock) the time to the first call (prefill and first verify) and after the
-    last."""
-    want = set(rids)
-    calls = [r for r in rows if set(r["rids"]) == want]
-    if not calls:
-        return None
-    gpu, host = [r["gpu_ms"] for r in calls], [r["host_ms"] for r in calls]
-    slow = sorted(calls, key=lambda r: -r["host_ms"])[:3]
-    out = {"calls": len(calls), "gpu_ms": {"median": statistics.median(gpu), "max": max(gpu), "sum": sum(gpu)},
-           "host_ms": {"median": statistics.median(host), "max": max(host), "sum": sum(host)},
-           "slowest_host": [{"host_ms": r["host_ms"], "gpu_ms": r["gpu_ms"], "seq_lens": r.get("seq_lens")}
-                            for r in slow]}
-    run = sorted((r for r in rows if r["rids"] and set(r["rids"]) <= want and "t" in r), key=lambda r: r["t"])
-    if len(run) >= 2:
-        gaps = [(b["t"] - a["t"]) * 1e3 for a, b in zip(run, run[1:])]
-        i = max(range(len(gaps)), key=gaps.__getitem__)
-        out["timeline"] = {"calls": len(run), "gap_ms": {"median": statistics.median(gaps), "max": gaps[i]},
-                           "max_gap_after_call": i + 1, "batch_after_max_gap": len(run[i + 1]["rids"])}
-        if window is not None:
-            out["timeline"]["to_first_call_ms"] = (run[0]["t"] - window[0]) * 1e3
-            out["timeline"]["after_last_call_ms"] = (window[1] - run[-1]["t"]) * 1e3
-    return out
-
-
-def trace_fields(case: dict) -> dict:
-    """A row's view of the first timed run's draft trace (`--trace`): draft calls, their host and GPU ms summed, and
-    the largest gap between two of the run's draft calls where the records carry their start."""
-    t = (case.get("draft_trace") or [None])[0]
-    if t is None:
-        return {}
-    out = {"trace_draft_calls": t["calls"], "trace_draft_host_ms_sum": round(t["host_ms"]["sum"], 2),
-           "trace_draft_gpu_ms_sum": round(t["gpu_ms"]["sum"], 2)}
-    if "timeline" in t:
-        out["trace_max_gap_ms"] = round(t["timeline"]["gap_ms"]["max"], 2)
-    return out
-
-
-def kv_pool_tokens(engine) -> int | None:
-    """The engine's KV pool in tokens (sglang's `max_total_num_tokens`: the full-attention layers' pool), or None
-    where the engine does not say."""
+def pool_facts(engine) -> dict:
+    """The engine's pool as sglang states it (`get_server_info`): `tokens`, the full-attention layers' pool
+    (`max_total_num_tokens`), the sliding one's `ratio` to it and the prefill `chunk`; {} where the engine does not
+    say (every case then runs)."""
     try:
-        n = engine.get_server_info().get("max_total_num_tokens")
+        info = engine.get_server_info()
     except Exception:  # noqa: BLE001 - an engine without the record runs every case
-        return None
-    return int(n) if isinstance(n, (int, float)) else None
+        return {}
+    n = info.get("max_total_num_tokens")
+    if not isinstance(n, (int, float)):
+        return {}
+    return {"tokens": int(n), "ratio": info.get("swa_full_tokens_ratio"), "chunk": info.get("chunked_prefill_size")}
+
+
+def not_run_reason(need: int, batch: int, facts: dict, shape: PoolShape | None) -> str:
+    """Why a case whose batch needs `need` KV tokens at once is not run, and the sglang setting that would hold it
+    (`sglang_pool.ratio_advice`) where the target's pool shape and the engine's ratio and chunk are known."""
+    out = f"needs {need} KV tokens at once; this engine's pool holds {facts['tokens']}"
+    ratio, chunk = facts.get("ratio"), facts.get("chunk")
+    if shape is None or not isinstance(ratio, (int, float)) or not isinstance(chunk, int) or chunk <= 0:
+        return out + " (a lower --swa-full-tokens-ratio gives the full-attention pool more)"
+    return f"{out} at --swa-full-tokens-ratio {ratio}: {ratio_advice(shape, facts['tokens'], ratio, need, batch, chunk)}"
 
 
 def finished_cases(log: str) -> list[dict]:
@@ -186,27 +165,26 @@ def child(cfg: dict) -> dict:
         os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"] = json.dumps(opts)
     import sglang
 
+    config_path = os.path.join(target_dir(cfg["ckpt"]), "config.json")
+    tconfig = json.load(open(config_path)) if os.path.isfile(config_path) else None
     t0 = time.perf_counter()
     engine = sglang.Engine(**engine_kwargs(cfg))
     res = {"config": cfg, "startup_s": time.perf_counter() - t0, "cases": []}
     try:
         if cfg.get("weights", "bf16") == "w8a8":  # before the structure: its weight update puts the int8 layout right
-            config = json.load(open(os.path.join(target_dir(cfg["ckpt"]), "config.json")))
-            res["int8_loaded"] = tw.load_target_w8a8(tw.EngineUpdates(engine), config)
+            res["int8_loaded"] = tw.load_target_w8a8(tw.EngineUpdates(engine), tconfig)
             if not res["int8_loaded"]["ok"]:
                 raise RuntimeError(f"the target's int8 projections did not load: {res['int8_loaded']['message']}")
         if cfg["structured"]:
             res["structure_loaded"] = tw.load_target_structure(tw.EngineUpdates(engine), target_dir(cfg["ckpt"]))
             if not res["structure_loaded"]["ok"]:
                 raise RuntimeError(f"the target's structure did not load: {res['structure_loaded']['message']}")
-        pool = kv_pool_tokens(engine)
+        facts, shape = pool_facts(engine), pool_shape(tconfig) if tconfig else None
         rng = random.Random(0)
         for batch, context in cfg["cases"]:
             need = batch * (context + cfg["new"] + cfg["steps"] + 1)
-            if pool is not None and need > pool:  # the batch would not run at once: its rate would be another's
-                case = {"batch": batch, "context": context,
-                        "not_run": f"needs {need} KV tokens at once; this engine's pool holds {pool} (a lower "
-                                   f"--swa-full-tokens-ratio gives the full-attention pool more)"}
+            if facts and need > facts["tokens"]:  # the batch would not run at once: its rate would be another's
+                case = {"batch": batch, "context": context, "not_run": not_run_reason(need, batch, facts, shape)}
                 res["cases"].append(case)
                 print(json.dumps(case), flush=True)
                 continue
@@ -330,49 +308,6 @@ def spawn_restarting(cfg: dict, work: str, timeout: float, restarts: int = 0) ->
     return res
 
 
-def below_batch(profile: dict, batch: int) -> dict:
-    """`{"below_batch": ...}` where the profiled forward steps ran at a smaller batch than the case's: its requests
-    did not all run at once (a KV or sliding-window pool too small to admit them together), so its rate and phases
-    are a smaller batch's; else nothing. JSON keys are strings."""
-    seen = {int(k): v for k, v in (profile.get("step_batches") or {}).items()}
-    if not seen or max(seen) >= batch:
-        return {}
-    return {"below_batch": f"the profiled steps ran at batch {max(seen)} at most, not {batch}: "
-                           f"the requests did not all run at once"}
-
-
-def summarize(results: dict) -> list[dict]:
-    """One row per (engine, batch, context): the record's cases; a graphcap engine's output tokens against stock
-    sglang's for the same case (greedy, the same dummy weights: equal unless a kernel differs)."""
-    rows = []
-    stock = {(c["batch"], c["context"]): c.get("tokens") for c in results.get("sglang", {}).get("cases", [])}
-    for name, r in results.items():
-        for c in r.get("cases", []):
-            if "not_run" in c:
-                rows.append({"engine": name, "batch": c["batch"], "context": c["context"],
-                             "steps": r["config"]["steps"] if name != "nospec" else 0,
-                             "weights": r["config"].get("weights", "bf16"), "not_run": c["not_run"]})
-                continue
-            p = c.get("profile") or {}
-            theirs = stock.get((c["batch"], c["context"])) if name.startswith("graphcap") else None
-            rows.append({"engine": name, "batch": c["batch"], "context": c["context"],
-                         "steps": r["config"]["steps"] if name != "nospec" else 0,
-                         "weights": r["config"].get("weights", "bf16"),  # records from before w8a8 ran bf16
-                         "decode_tok_s_per_req": round(c["decode_tok_s_per_req"], 2),
-                         "accept_len": c.get("accept_len"),
-                         "verify_ms": (p.get("verify") or {}).get("gpu_span_ms"),
-                         "draft_ms": (p.get("draft") or {}).get("gpu_span_ms"),
-                         "extend_ms": (p.get("draft_extend") or {}).get("gpu_span_ms"),
-                         "decode_ms": (p.get("decode") or {}).get("gpu_span_ms"),
-                         "iteration_ms": p.get("iteration_ms"),
-                         **below_batch(p, c["batch"]),
-                         # None where either side's tokens are unknown (a case read back from a stopped engine's log)
-                         "tokens_equal_sglang": (None if theirs is None or c.get("tokens") is None
-                                                 else c["tokens"] == theirs),
-                         **trace_fields(c)})
-    return rows
-
-
 def profile_plan(batches: list[int], contexts: list[int], profiled: list[int], sweep_batch: int,
                  sweep: list[int]) -> list[tuple[int, int]]:
     """The (batch, context) cases sglang's profiler records: the profiled batches among the run's at the first
@@ -425,7 +360,8 @@ def main(argv=None) -> int:
                     help="sglang's radix cache on: the warm, short, long and profiled runs of a case share its "
                          "prompts, so only the first prefills them (decode rates are differences of runs, which no "
                          "prefill enters; for long contexts, where five prefills of the batch take minutes)")
-    ap.add_argument("--mem-fraction", type=float, default=0.88)
+    ap.add_argument("--mem-fraction", type=float, default=0.88,
+                    help="sglang's --mem-fraction-static: what the weights, CUDA graphs and KV pool may take")
     ap.add_argument("--swa-full-tokens-ratio", type=float, default=None,
                     help="sglang's --swa-full-tokens-ratio (sliding-window pool tokens per full-attention pool "
                          "token; sglang's default 0.8, used with the radix cache on): lower, the full-attention "
@@ -433,6 +369,10 @@ def main(argv=None) -> int:
     ap.add_argument("--chunked-prefill-size", type=int, default=None,
                     help="sglang's --chunked-prefill-size: with the radix cache off sglang sizes the sliding-window "
                          "pool for two chunks in flight beside max-running-requests windows")
+    ap.add_argument("--triton-attention-num-kv-splits", type=int, default=None,
+                    help="sglang's --triton-attention-num-kv-splits (its decode kernel's most KV splits, default 8; "
+                         "its help: larger is better at long context): the no-speculation baseline a long-context "
+                         "user tunes (graphcap's verify and draft plan their own splits)")
     ap.add_argument("--context-length", type=int, default=None,
                     help=f"the engine's context length (default: {MIN_CONTEXT_LENGTH}, or what the longest context "
                          "with its new tokens needs); at most the checkpoint's max_position_embeddings")
@@ -460,8 +400,14 @@ def main(argv=None) -> int:
         ap.error(f"--swa-full-tokens-ratio: a ratio in (0, 1] (sglang's bound), got {a.swa_full_tokens_ratio}")
     if a.chunked_prefill_size is not None and a.chunked_prefill_size <= 0:
         ap.error(f"--chunked-prefill-size: tokens > 0, got {a.chunked_prefill_size}")
+    if a.triton_attention_num_kv_splits is not None and a.triton_attention_num_kv_splits < 1:
+        ap.error(f"--triton-attention-num-kv-splits: splits >= 1, got {a.triton_attention_num_kv_splits}")
+    if not 0 < a.mem_fraction < 1:
+        ap.error(f"--mem-fraction: a fraction in (0, 1) (sglang's --mem-fraction-static), got {a.mem_fraction}")
     sglang_settings = {k: v for k, v in (("swa_full_tokens_ratio", a.swa_full_tokens_ratio),
-                                         ("chunked_prefill_size", a.chunked_prefill_size)) if v is not None}
+                                         ("chunked_prefill_size", a.chunked_prefill_size),
+                                         ("triton_attention_num_kv_splits", a.triton_attention_num_kv_splits))
+                       if v is not None}
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINES]
     if bad:
@@ -508,7 +454,8 @@ def main(argv=None) -> int:
     if a.plan_only:
         print(json.dumps({"cases": cases, "profile_cases": profile_cases, "batches": engine_batches,
                           "context_length": context_length, "weights": a.weights, "engines": engines,
-                          "radix_cache": a.radix_cache, "sglang_settings": sglang_settings}))
+                          "radix_cache": a.radix_cache, "sglang_settings": sglang_settings,
+                          "mem_fraction": a.mem_fraction}))
         return 0
     work = a.work or os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
     os.makedirs(work, exist_ok=True)

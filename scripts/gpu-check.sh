@@ -218,10 +218,13 @@ case $1 in
     # profiled whose batch is in USER_PROFILE, with sglang's radix cache on (USER_RADIX, default 1 with USER_CASES:
     # a case's runs share its prompts, so one prefill of a long batch instead of five). The checkpoint's
     # max_position_embeddings is the longest context + 4096, 32768 at least. USER_SWA_RATIO, USER_CHUNK: sglang's
-    # --swa-full-tokens-ratio and --chunked-prefill-size, for long contexts on an 80 GB card (with the radix cache
-    # on sglang gives the sliding-window layers 0.8 of the full pool's tokens at 819 KB each): W8A8 1x131072 with
-    # USER_SWA_RATIO=0.1, 8x32768 with USER_SWA_RATIO=0.07 USER_CHUNK=4096, BF16 1x32768 perhaps with 0.1, 2048; a
-    # case whose requests still do not run at once says so in its row, below_batch)
+    # --swa-full-tokens-ratio and --chunked-prefill-size, USER_MEM its --mem-fraction-static (default 0.88), for long
+    # contexts on an 80 GB card (with the radix cache on sglang gives the sliding-window layers 0.8 of the full
+    # pool's tokens at 819 KB each): W8A8 1x131072 with USER_SWA_RATIO=0.1 (ran); 8x32768 with 0.07 ran no
+    # speculation, the MTP engines need USER_MEM=0.92 USER_SWA_RATIO=0.04 USER_CHUNK=2048 by the pool arithmetic a
+    # skipped case's row prints (graphcap.bench.sglang_pool); a case whose requests still do not run at once says so
+    # in its row, below_batch. USER_KV_SPLITS: sglang's --triton-attention-num-kv-splits (default 8), the
+    # no-speculation baseline a long-context user tunes; every engine of the call gets it)
     engine_env
     local weights=${USER_WEIGHTS:-bf16} ckpt=$WORK/ckpt-us longest=0 c radix=
     [ "${USER_RADIX:-${USER_CASES:+1}}" = 1 ] && radix=--radix-cache
@@ -248,6 +251,7 @@ case $1 in
       --steps "${USER_STEPS:-3}" ${USER_STRUCTURED:+--structured} ${USER_TRACE:+--trace} \
       ${USER_FRESH_JIT:+--fresh-jit-cache} --weights "$weights" $radix \
       ${USER_SWA_RATIO:+--swa-full-tokens-ratio "$USER_SWA_RATIO"} ${USER_CHUNK:+--chunked-prefill-size "$USER_CHUNK"} \
+      ${USER_MEM:+--mem-fraction "$USER_MEM"} ${USER_KV_SPLITS:+--triton-attention-num-kv-splits "$USER_KV_SPLITS"} \
       --repeats "${USER_REPEATS:-1}" --new 96 --timeout "${USER_TIMEOUT:-215}" --restarts "${USER_RESTARTS:-0}" \
       --work "$WORK/user-scale" --out "$LOG/user-scale.json"
     mkdir -p "$LOG/user-scale-engines"  # each engine's log end and graphcap's manifests (traces stay in $WORK)

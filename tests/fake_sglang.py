@@ -44,7 +44,10 @@ class Engine:
 
     def get_server_info(self):  # FAKE_SGLANG_POOL: the KV pool's tokens, as sglang's max_total_num_tokens
         pool = os.environ.get("FAKE_SGLANG_POOL")
-        return {{"max_total_num_tokens": int(pool)}} if pool else {{}}
+        if not pool:
+            return {{}}
+        return {{"max_total_num_tokens": int(pool), "swa_full_tokens_ratio": self.kw.get("swa_full_tokens_ratio", 0.8),
+                "chunked_prefill_size": self.kw.get("chunked_prefill_size", 8192)}}
 
     def generate(self, input_ids, sampling_params, rid):
         new = sampling_params[0]["max_new_tokens"]

@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 from bench_scripts import load_bench_script, tiny_w8a8  # noqa: F401 - a fixture
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiers import examples
 
-from graphcap.bench import phase_profile
+from graphcap.bench import phase_profile, sglang_pool
+from graphcap.bench import user_scale_rows as usr
 from graphcap.sglang.settings import VERIFY_ATTENTION, DraftCaptureOptions
 
 us = load_bench_script("sglang_user_scale")
@@ -59,10 +63,85 @@ def test_a_case_whose_steps_ran_below_its_batch_says_so(seen, batch, below):
               for i in range(n)]
     profile = json.loads(json.dumps(phase_profile.read_trace(events)))
     case = {"batch": batch, "context": 64, "decode_tok_s_per_req": 10.0, "profile": profile}
-    (row,) = us.summarize({"graphcap": {"config": {"steps": 3}, "cases": [case]}})
+    (row,) = usr.summarize({"graphcap": {"config": {"steps": 3}, "cases": [case]}})
     assert ("below_batch" in row) == below
     if below:
         assert f"batch {max(seen)} at most, not {batch}" in row["below_batch"]
+
+
+@settings(max_examples=examples(80), deadline=None)
+@given(steps=st.sampled_from([0, 1, 3]), accept=st.floats(1.0, 4.0), iteration=st.floats(5.0, 300.0),
+       off=st.floats(-2.5, 1.0))
+def test_a_row_carries_the_profiled_rate_and_says_where_the_wall_rate_disagrees(steps, accept, iteration, off):
+    """A profiled row's `profile_tok_s_per_req` is its tokens per iteration (the accept length, 1 without
+    speculation) over the profiled period; a wall-time rate off it by more than the tolerance - a negative one
+    included, as when the short run re-prefilled and the long one hit the cache - says so, and a rate <= 0 is none."""
+    period_rate = 1e3 * (accept if steps else 1.0) / iteration
+    wall = period_rate * (1 + off)
+    case = {"batch": 8, "context": 64, "decode_tok_s_per_req": wall, "accept_len": accept,
+            "profile": {"iteration_ms": iteration, "step_batches": {"8": 6}}}
+    (row,) = usr.summarize({"nospec" if steps == 0 else "graphcap": {"config": {"steps": steps}, "cases": [case]}})
+    assert row["profile_tok_s_per_req"] == pytest.approx(period_rate, abs=0.006)
+    assert ("rate_disagrees" in row) == (abs(off) > usr.RATE_TOLERANCE)
+    assert row["decode_tok_s_per_req"] == (round(wall, 2) if wall > 0 else None)
+    unprofiled = {k: v for k, v in case.items() if k != "profile"}
+    (row,) = usr.summarize({"graphcap": {"config": {"steps": 3}, "cases": [unprofiled]}})
+    assert "profile_tok_s_per_req" not in row and "rate_disagrees" not in row
+
+
+SHAPE_31B = {"layer_types": ["sliding_attention"] * 5 + ["full_attention"], "num_key_value_heads": 4,
+             "head_dim": 512, "swa_num_key_value_heads": 16, "swa_head_dim": 256, "sliding_window": 1024}
+
+
+def test_the_pool_shape_of_the_31b_target():
+    """60 layers of the 31B shape: 10 full (4 KV heads of 512) and 50 sliding (16 of 256), bf16 K and V."""
+    shape = sglang_pool.pool_shape({**SHAPE_31B, "layer_types": SHAPE_31B["layer_types"] * 10})
+    assert (shape.full_bytes, shape.sliding_bytes, shape.window) == (10 * 2 * 4 * 512 * 2, 50 * 2 * 16 * 256 * 2, 1024)
+    assert sglang_pool.pool_shape({"layer_types": ["full_attention"]}) is None
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(pool=st.integers(20_000, 400_000), ratio=st.floats(0.02, 0.8), need=st.integers(10_000, 600_000),
+       batch=st.integers(1, 48), chunk=st.sampled_from([1024, 2048, 4096, 8192]), layers=st.integers(1, 12))
+def test_the_ratio_advised_is_the_highest_that_holds_the_batch(pool, ratio, need, batch, chunk, layers):
+    """Against a brute force over every two-decimal ratio: the advice names the highest ratio whose full pool (the
+    engine's byte budget over the bytes a token takes) holds `need` with the margin and whose sliding pool holds the
+    batch's windows and a chunk; where none does, it says so and points at memory."""
+    shape = sglang_pool.pool_shape({**SHAPE_31B, "layer_types": SHAPE_31B["layer_types"] * layers})
+    budget = pool * (shape.full_bytes + ratio * shape.sliding_bytes)
+    windows = batch * (shape.window + sglang_pool.PAGE) + chunk
+    fits = [r / 100 for r in range(1, 101)
+            if budget / (shape.full_bytes + r / 100 * shape.sliding_bytes) >= need * sglang_pool.MARGIN
+            and r / 100 * budget / (shape.full_bytes + r / 100 * shape.sliding_bytes) >= windows]
+    advice = sglang_pool.ratio_advice(shape, pool, ratio, need, batch, chunk)
+    if fits:
+        assert advice.startswith(f"about --swa-full-tokens-ratio {max(fits):.2f} would hold them")
+    else:
+        assert advice.startswith("no --swa-full-tokens-ratio holds them") and "--mem-fraction" in advice
+
+
+def test_a_case_the_pool_cannot_hold_names_the_setting_that_would():
+    """The engine's own pool facts (sglang's get_server_info) and the target's shape give the skipped case's advice;
+    without either the reason still names the setting."""
+    class Info:
+        def __init__(self, info):
+            self.info = info
+
+        def get_server_info(self):
+            return self.info
+
+    shape = sglang_pool.pool_shape({**SHAPE_31B, "layer_types": SHAPE_31B["layer_types"] * 10})
+    facts = us.pool_facts(Info({"max_total_num_tokens": 217024, "swa_full_tokens_ratio": 0.07,
+                                "chunked_prefill_size": 4096}))
+    assert facts == {"tokens": 217024, "ratio": 0.07, "chunk": 4096}
+    reason = us.not_run_reason(262944, 8, facts, shape)
+    assert reason.startswith("needs 262944 KV tokens at once; this engine's pool holds 217024 at "
+                             "--swa-full-tokens-ratio 0.07: ")
+    assert reason.endswith(sglang_pool.ratio_advice(shape, 217024, 0.07, 262944, 8, 4096))
+    plain = "needs 262944 KV tokens at once; this engine's pool holds 217024 (a lower --swa-full-tokens-ratio"
+    assert us.not_run_reason(262944, 8, facts, None).startswith(plain)
+    assert us.not_run_reason(262944, 8, {"tokens": 217024}, shape).startswith(plain)
+    assert us.pool_facts(Info({})) == {}
 
 
 def test_no_spec_decode_sets_the_period_and_a_gz_trace_loads(tmp_path):
@@ -81,7 +160,10 @@ def test_no_spec_decode_sets_the_period_and_a_gz_trace_loads(tmp_path):
                                       (["--ckpt", "x", "--out", "y", "--restarts", "-1"], "--restarts: a count"),
                                       (["--ckpt", "x", "--out", "y", "--swa-full-tokens-ratio", "0"], "in (0, 1]"),
                                       (["--ckpt", "x", "--out", "y", "--swa-full-tokens-ratio", "1.5"], "got 1.5"),
-                                      (["--ckpt", "x", "--out", "y", "--chunked-prefill-size", "0"], "tokens > 0")])
+                                      (["--ckpt", "x", "--out", "y", "--chunked-prefill-size", "0"], "tokens > 0"),
+                                      (["--ckpt", "x", "--out", "y", "--triton-attention-num-kv-splits", "0"],
+                                       "splits >= 1, got 0"),
+                                      (["--ckpt", "x", "--out", "y", "--mem-fraction", "1.2"], "got 1.2")])
 def test_bad_arguments_exit_2_naming_them(args, msg):
     r = subprocess.run([sys.executable, us.__file__, *args], capture_output=True, text=True)
     assert r.returncode == 2 and msg in r.stderr
@@ -115,27 +197,27 @@ def test_trace_summary_takes_the_timed_runs_calls_only():
                  "t": t + 0.7})
     rng.shuffle(rows)
     mine = [r for r in rows if sorted(r["rids"]) == sorted(runs["long0"])]
-    s = us.trace_summary(rows, runs["long0"])
+    s = usr.trace_summary(rows, runs["long0"])
     assert s["calls"] == len(mine) > 0
     assert s["host_ms"]["sum"] == pytest.approx(sum(r["host_ms"] for r in mine))
     assert s["gpu_ms"]["max"] == max(r["gpu_ms"] for r in mine)
     assert [x["host_ms"] for x in s["slowest_host"]] == sorted((r["host_ms"] for r in mine), reverse=True)[:3]
-    assert us.trace_summary(rows, ["nobody"]) is None
+    assert usr.trace_summary(rows, ["nobody"]) is None
     times = sorted(r["t"] for r in rows if set(r["rids"]) <= set(runs["long0"]))  # the tail call included
     gaps = [1e3 * (b - a) for a, b in zip(times, times[1:])]
-    line = us.trace_summary(rows, runs["long0"], window=(times[0] - 0.25, times[-1] + 0.125))["timeline"]
+    line = usr.trace_summary(rows, runs["long0"], window=(times[0] - 0.25, times[-1] + 0.125))["timeline"]
     assert line["calls"] == len(mine) + 1 and line["gap_ms"]["max"] == pytest.approx(max(gaps))
     ordered, mid = sorted(gaps), len(gaps) // 2
     median = ordered[mid] if len(gaps) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
     assert line["gap_ms"]["median"] == pytest.approx(median)
     assert line["max_gap_after_call"] == gaps.index(max(gaps)) + 1
     assert line["to_first_call_ms"] == pytest.approx(250) and line["after_last_call_ms"] == pytest.approx(125)
-    assert "timeline" not in us.trace_summary([{k: v for k, v in r.items() if k != "t"} for r in rows], runs["long0"])
-    fields = us.trace_fields({"draft_trace": [s, None]})
+    assert "timeline" not in usr.trace_summary([{k: v for k, v in r.items() if k != "t"} for r in rows], runs["long0"])
+    fields = usr.trace_fields({"draft_trace": [s, None]})
     assert fields["trace_draft_calls"] == len(mine)
     assert fields["trace_draft_host_ms_sum"] == round(s["host_ms"]["sum"], 2)
     assert fields["trace_max_gap_ms"] == round(s["timeline"]["gap_ms"]["max"], 2)
-    assert us.trace_fields({}) == {} and us.trace_fields({"draft_trace": [None]}) == {}
+    assert usr.trace_fields({}) == {} and usr.trace_fields({"draft_trace": [None]}) == {}
 
 
 @pytest.mark.subprocess
@@ -175,7 +257,7 @@ def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch, engine,
         assert line["calls"] == math.ceil((us.SHORT_NEW if tag.startswith("short") else 48) / 2.5)
         assert line["to_first_call_ms"] > 0 and line["after_last_call_ms"] > 0
         assert line["gap_ms"]["max"] == pytest.approx(line["gap_ms"]["median"], rel=0.2)
-    assert us.summarize({engine: {"config": cfg, "cases": [case]}})[0]["trace_draft_calls"] == calls
+    assert usr.summarize({engine: {"config": cfg, "cases": [case]}})[0]["trace_draft_calls"] == calls
     started = json.loads((log / "graphcap.json").read_text())  # --fresh-jit-cache: a Triton cache of its own
     assert started["triton_cache"] == str(tmp_path / "work" / f"jit-{engine}")
     opts = DraftCaptureOptions.from_mapping(json.loads(started["capture"]), "the child's capture options")
@@ -210,7 +292,7 @@ def test_an_engine_keeps_what_it_finished_and_runs_no_case_its_pool_cannot_hold(
     assert skipped == {"batch": 8, "context": 200,
                        "not_run": f"needs {8 * (200 + 24 + 3 + 1)} KV tokens at once; this engine's pool holds 1000 "
                                   "(a lower --swa-full-tokens-ratio gives the full-attention pool more)"}
-    rows = us.summarize({"graphcap": res})
+    rows = usr.summarize({"graphcap": res})
     assert [(r["batch"], r.get("not_run") is None, r.get("tokens_equal_sglang")) for r in rows] == \
         [(2, True, None), (8, False, None)]
     assert rows[0]["decode_tok_s_per_req"] == round(done["decode_tok_s_per_req"], 2)
@@ -244,7 +326,7 @@ def test_an_engine_that_dies_mid_sweep_is_restarted_on_the_cases_it_left(tmp_pat
         assert "IndexError" in (tmp_path / "work" / "sglang.log").read_text()
     else:
         assert got == cases[:1] and res["crashed"] and not res["timed_out"] and "restarts" not in res
-    rows = us.summarize({"sglang": res})
+    rows = usr.summarize({"sglang": res})
     assert [(r["batch"], r["context"]) for r in rows] == [tuple(c) for c in got]
     assert all(r["decode_tok_s_per_req"] > 0 for r in rows)
 
@@ -311,7 +393,7 @@ def test_the_long_context_cases_plan(capsys, tiny_w8a8):
              "--weights", "w8a8", "--engines", "nospec,graphcap", "--batches", "8", "--contexts", "2048")
     assert p == {"cases": [[1, 32768], [8, 32768], [1, 131072]], "profile_cases": [[1, 32768], [8, 32768], [1, 131072]],
                  "batches": [1, 8], "context_length": 131072 + 96 + 8 + 64, "weights": "w8a8",
-                 "engines": ["nospec", "graphcap"], "radix_cache": False, "sglang_settings": {}}
+                 "engines": ["nospec", "graphcap"], "radix_cache": False, "sglang_settings": {}, "mem_fraction": 0.88}
     assert plan(capsys, tiny_w8a8, "--cases", "8x32768,1x131072", "--structured", "--weights", "w8a8")[
         "profile_cases"] == [[8, 32768]]  # the default profiled batch: 8
     # long contexts on an 80 GB card: sglang's own pool and chunk settings, passed through as sglang names them
@@ -423,14 +505,22 @@ def test_gpu_check_passes_the_restarts_asked(tmp_path, capsys):
 
 
 def test_gpu_check_passes_sglang_pool_settings_for_long_contexts(tmp_path, capsys):
-    """USER_SWA_RATIO and USER_CHUNK reach the engines as sglang's --swa-full-tokens-ratio and
-    --chunked-prefill-size (long contexts on an 80 GB card); without them sglang keeps its own."""
+    """USER_SWA_RATIO, USER_CHUNK, USER_MEM and USER_KV_SPLITS reach the engines as sglang's
+    --swa-full-tokens-ratio, --chunked-prefill-size, --mem-fraction-static and --triton-attention-num-kv-splits
+    (long contexts on an 80 GB card, and the no-speculation baseline tuned for them); without them sglang keeps its
+    own and the harness its memory fraction."""
     rc, steps, err = gpu_check_steps(tmp_path, USER_WEIGHTS="w8a8", USER_STRUCTURED="1", USER_VERIFY_ALONE="0",
-                                     USER_CASES="8x32768", USER_SWA_RATIO="0.07", USER_CHUNK="4096")
+                                     USER_CASES="8x32768", USER_SWA_RATIO="0.04", USER_CHUNK="2048", USER_MEM="0.92",
+                                     USER_KV_SPLITS="64")
     assert rc == 0, err
-    assert replay(steps, capsys)["sglang_settings"] == {"swa_full_tokens_ratio": 0.07, "chunked_prefill_size": 4096}
+    plan = replay(steps, capsys)
+    assert plan["sglang_settings"] == {"swa_full_tokens_ratio": 0.04, "chunked_prefill_size": 2048,
+                                       "triton_attention_num_kv_splits": 64}
+    assert plan["mem_fraction"] == 0.92
     rc, steps, err = gpu_check_steps(tmp_path, USER_STRUCTURED="1", USER_VERIFY_ALONE="0")
-    assert rc == 0 and replay(steps, capsys)["sglang_settings"] == {}, err
+    assert rc == 0, err
+    plan = replay(steps, capsys)
+    assert plan["sglang_settings"] == {} and plan["mem_fraction"] == 0.88
 
 
 def test_gpu_check_refuses_w8a8_without_the_structure(tmp_path):
