@@ -19,6 +19,8 @@ and the host time of the draft call with the runtime calls inside it that waited
 the rate its iteration gives (`profile_tok_s_per_req`: accept length over the period) and says where the wall-time
 rate is off it (`rate_disagrees`: the short and long runs did not prefill alike - with the radix cache on and a small
 sliding-window pool, sglang evicts the prompts' window and one run prefills again; graphcap.bench.user_scale_rows).
+`--rate-from profile`: the profiled iteration alone gives the rate, after one warm run (no timed pair): two prefills
+of a case instead of five, where the radix cache does not keep a long batch's prompts.
 A case whose batch the engine's pool cannot hold at once is not run; its row names the sglang settings that would
 hold it (graphcap.bench.sglang_pool).
 
@@ -26,7 +28,7 @@ hold it (graphcap.bench.sglang_pool).
         [--batches 1,8,32] [--contexts 2048] [--sweep 220,670,1270,1870,2460] [--profile-batches 1,8,32]
         [--cases 1x32768,8x32768,1x131072] [--steps 3] [--structured] [--trace] [--weights bf16|w8a8]
         [--context-length N] [--radix-cache] [--swa-full-tokens-ratio R] [--chunked-prefill-size N]
-        [--mem-fraction F] [--triton-attention-num-kv-splits N] [--plan-only]
+        [--mem-fraction F] [--triton-attention-num-kv-splits N] [--rate-from timed|profile] [--plan-only]
 
 `--cases`: exactly these (batch, context) cases instead of every batch at every context, profiled where their batch
 is one of `--profile-batches` (the long contexts: 1x32768,8x32768,1x131072 with --profile-batches 1,8).
@@ -106,6 +108,13 @@ def engine_kwargs(cfg: dict) -> dict:
     return sglang_engine_kwargs(target_dir(cfg["ckpt"]), os.path.join(cfg["ckpt"], "assistant") if mtp else None,
                                 steps=cfg["steps"], decode_batches=sorted(set(cfg["batches"])),
                                 max_running=max(cfg["batches"]), mem_fraction=cfg["mem_fraction"], **extra)
+
+
+def accept_length(outs: list[dict]) -> list[float]:
+    """[tokens per verify] of one run's requests together (sglang's completion tokens over its verify count), or []
+    where a request has no verify count (no speculation)."""
+    vc = [o["meta_info"].get("spec_verify_ct") for o in outs]
+    return [sum(o["meta_info"]["completion_tokens"] for o in outs) / sum(vc)] if all(vc) else []
 
 
 def pool_facts(engine) -> dict:
@@ -200,34 +209,36 @@ def child(cfg: dict) -> dict:
                 windows[tag] = (t, time.perf_counter())
                 return outs, windows[tag][1] - t
 
-            # Two warm runs as long as the timed ones: every path a timed run takes (prefill, each batch size of
-            # the tail as requests finish) has run once, so no first-time cost (such as a JIT compile) lands in a
-            # timed run.
-            for k in range(2):
+            profiled = [batch, context] in [list(x) for x in cfg["profile_cases"]]
+            timed = not (profiled and cfg.get("rate_from") == "profile")
+            # Warm runs as long as the timed ones: every path a timed run takes (prefill, each batch size of the
+            # tail as requests finish) has run once, so no first-time cost (such as a JIT compile) lands in a timed
+            # run. Two before a timed pair; one before a profile that alone gives the rate (a long batch whose
+            # prompts the radix cache does not keep prefills in every run: minutes each).
+            for k in range(2 if timed else 1):
                 gen(cfg["new"], f"warm{k}")
-            rates, accepts, long_tags = [], [], []
-            for k in range(cfg["repeats"]):
+            rates, accepts, long_tags, outs = [], [], [], None
+            for k in range(cfg["repeats"] if timed else 0):
                 _, short = gen(SHORT_NEW, f"short{k}")
                 outs, long = gen(cfg["new"], f"long{k}")
                 long_tags.append(f"long{k}")
                 rates.append((cfg["new"] - SHORT_NEW) / (long - short))
-                vc = [o["meta_info"].get("spec_verify_ct") for o in outs]
-                if all(vc):
-                    accepts.append(sum(o["meta_info"]["completion_tokens"] for o in outs) / sum(vc))
-            case = {"batch": batch, "context": context, "decode_tok_s_per_req": statistics.median(rates),
-                    "rates": rates, "accept_len": statistics.median(accepts) if accepts else None,
-                    "tokens": [o["output_ids"] for o in outs],
+                accepts += accept_length(outs)
+            case = {"batch": batch, "context": context,
+                    "decode_tok_s_per_req": statistics.median(rates) if rates else None, "rates": rates,
                     # every run of the case, warm ones first: where a first-time cost lands
                     "runs": {t: {"rids": [f"b{batch}-c{context}-{t}-{i}" for i in range(batch)], "window": w}
                              for t, w in windows.items()},
                     "long_tags": long_tags}
-            if [batch, context] in [list(x) for x in cfg["profile_cases"]]:
+            if profiled:
                 pdir = os.path.join(cfg["work"], f"profile-{cfg['engine']}-b{batch}-c{context}")
                 shutil.rmtree(pdir, ignore_errors=True)
                 os.makedirs(pdir)
                 engine.start_profile(output_dir=pdir, num_steps=cfg["profile_steps"], activities=["CPU", "GPU"],
                                      profile_by_stage=True, profile_stages=["decode"])
-                gen(cfg["new"], "profile")
+                profile_outs, _ = gen(cfg["new"], "profile")
+                if not timed:  # the profiled run's requests give the accept length and the tokens
+                    outs, accepts = profile_outs, accept_length(profile_outs)
                 time.sleep(2)
                 traces = sorted(glob.glob(os.path.join(pdir, "**", "*.json*"), recursive=True))
                 case["profile_files"] = [os.path.basename(t) for t in traces]
@@ -237,6 +248,8 @@ def child(cfg: dict) -> dict:
                         case["profile"] = read_trace(load_trace(decode[0]))
                     except Exception as e:  # noqa: BLE001 - record what broke, keep the rates
                         case["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            case["accept_len"] = statistics.median(accepts) if accepts else None
+            case["tokens"] = [o["output_ids"] for o in outs]
             res["cases"].append(case)
             # the case as the parent can read it back from the log should the engine not finish (its tokens left out)
             print(json.dumps({k: v for k, v in case.items() if k not in ("tokens", "runs")}), flush=True)
@@ -350,6 +363,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-batches", default="",
                     help="batches profiled at the first context (default: --profile-batch); every --sweep case is")
     ap.add_argument("--profile-steps", type=int, default=6)
+    ap.add_argument("--rate-from", choices=("timed", "profile"), default="timed",
+                    help="timed: the rate from a short and a long run after two warm ones; profile: from the profiled "
+                         "iteration alone, after one warm run (every case profiled): two prefills of a case, not "
+                         "five, where the radix cache does not keep a long batch's prompts")
     ap.add_argument("--structured", action="store_true")
     ap.add_argument("--weights", choices=WEIGHTS, default="bf16",
                     help="the target's linear layers: bf16 (dummy), or w8a8: the user's INT8 W8A8 (needs --structured "
@@ -441,6 +458,12 @@ def main(argv=None) -> int:
     if a.weights == "w8a8" and not a.structured:
         ap.error("--weights w8a8 needs --structured: the int8 projections' weight update leaves sglang's "
                  "int8 weights transposed until the structure's weight update ends (load_target_w8a8)")
+    unprofiled = [f"{b}x{c}" for b, c in cases if (b, c) not in profile_cases]
+    if a.rate_from == "profile" and unprofiled:
+        ap.error(f"--rate-from profile: {', '.join(unprofiled)} not profiled (their batches are not in "
+                 "--profile-batches)")
+    if a.repeats < 1:
+        ap.error(f"--repeats: timed runs per case >= 1, got {a.repeats}")
     need = context_length_for([c for _, c in cases], a.new, a.steps)
     context_length = a.context_length if a.context_length is not None else max(MIN_CONTEXT_LENGTH, need)
     if context_length < need:
@@ -455,7 +478,7 @@ def main(argv=None) -> int:
         print(json.dumps({"cases": cases, "profile_cases": profile_cases, "batches": engine_batches,
                           "context_length": context_length, "weights": a.weights, "engines": engines,
                           "radix_cache": a.radix_cache, "sglang_settings": sglang_settings,
-                          "mem_fraction": a.mem_fraction}))
+                          "mem_fraction": a.mem_fraction, "rate_from": a.rate_from}))
         return 0
     work = a.work or os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
     os.makedirs(work, exist_ok=True)
@@ -465,7 +488,7 @@ def main(argv=None) -> int:
                "new": a.new, "repeats": a.repeats, "profile_cases": profile_cases, "profile_steps": a.profile_steps,
                "structured": a.structured, "weights": a.weights, "trace": a.trace, "mem_fraction": a.mem_fraction,
                "context_length": context_length, "fresh_jit_cache": a.fresh_jit_cache, "vocab": tcfg["vocab_size"],
-               "radix_cache": a.radix_cache, "sglang_settings": sglang_settings}
+               "radix_cache": a.radix_cache, "sglang_settings": sglang_settings, "rate_from": a.rate_from}
         results[e] = spawn_restarting(cfg, work, a.timeout, a.restarts)
         record = {"engines": results, "rows": summarize(results)}
         json.dump(record, open(a.out, "w"), indent=1)

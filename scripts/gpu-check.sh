@@ -208,7 +208,8 @@ case $1 in
     # USER_STRUCTURED=1: the structured pair, so the acceptance is measured; USER_PROFILE=1,8,32: the batches
     # profiled at the first context - every sweep case is; USER_VERIFY_ALONE=0: no kernel timing first;
     # USER_REPEATS: timed runs per case, the median kept; USER_TRACE=1: each timed run's draft calls, host and GPU ms;
-    # USER_TIMEOUT: seconds per engine, default 215; USER_RESTARTS=N: an engine that dies before its last case starts
+    # USER_TIMEOUT: seconds per engine, default 215, 450 past 16k tokens (a fresh machine's MTP engine at 1x131072:
+    # ~60 s of capture, minutes of first prefill); USER_RESTARTS=N: an engine that dies before its last case starts
     # again on the cases it left, N times at most within its USER_TIMEOUT (stock sglang's W8A8 engine dies in torch's
     # profiler at its second profiled case); USER_FRESH_JIT=1: each engine with an empty Triton cache of
     # its own; USER_WEIGHTS=w8a8, with USER_STRUCTURED=1: the user's INT8 W8A8 target - the checkpoint writer and the
@@ -224,7 +225,9 @@ case $1 in
     # speculation, the MTP engines need USER_MEM=0.92 USER_SWA_RATIO=0.04 USER_CHUNK=2048 by the pool arithmetic a
     # skipped case's row prints (graphcap.bench.sglang_pool); a case whose requests still do not run at once says so
     # in its row, below_batch. USER_KV_SPLITS: sglang's --triton-attention-num-kv-splits (default 8), the
-    # no-speculation baseline a long-context user tunes; every engine of the call gets it)
+    # no-speculation baseline a long-context user tunes; every engine of the call gets it. USER_RATE_FROM=profile:
+    # the rate from the profiled iteration alone, one warm run before it - two prefills a case, not five, where the
+    # radix cache does not keep a long batch's prompts, as at 8x32768)
     engine_env
     local weights=${USER_WEIGHTS:-bf16} ckpt=$WORK/ckpt-us longest=0 c radix=
     [ "${USER_RADIX:-${USER_CASES:+1}}" = 1 ] && radix=--radix-cache
@@ -252,7 +255,8 @@ case $1 in
       ${USER_FRESH_JIT:+--fresh-jit-cache} --weights "$weights" $radix \
       ${USER_SWA_RATIO:+--swa-full-tokens-ratio "$USER_SWA_RATIO"} ${USER_CHUNK:+--chunked-prefill-size "$USER_CHUNK"} \
       ${USER_MEM:+--mem-fraction "$USER_MEM"} ${USER_KV_SPLITS:+--triton-attention-num-kv-splits "$USER_KV_SPLITS"} \
-      --repeats "${USER_REPEATS:-1}" --new 96 --timeout "${USER_TIMEOUT:-215}" --restarts "${USER_RESTARTS:-0}" \
+      ${USER_RATE_FROM:+--rate-from "$USER_RATE_FROM"} --repeats "${USER_REPEATS:-1}" --new 96 \
+      --timeout "${USER_TIMEOUT:-$(( longest > 16384 ? 450 : 215 ))}" --restarts "${USER_RESTARTS:-0}" \
       --work "$WORK/user-scale" --out "$LOG/user-scale.json"
     mkdir -p "$LOG/user-scale-engines"  # each engine's log end and graphcap's manifests (traces stay in $WORK)
     for p in "$WORK"/user-scale/*.log "$WORK"/user-scale/*-cudagraph*.json; do

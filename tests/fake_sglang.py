@@ -9,6 +9,7 @@ from pathlib import Path
 VOCAB = 977
 SLEEP_PER_TOKEN_S = 0.002  # the stand-in's decode time per generated token
 STALL_S = 0.3  # FAKE_SGLANG_STALL's one-off stall
+PROFILE_PERIOD_US = 4000  # the iteration period of the stand-in's profiler trace
 FAKE_SGLANG = '''
 import json, math, os, time
 
@@ -49,8 +50,24 @@ class Engine:
         return {{"max_total_num_tokens": int(pool), "swa_full_tokens_ratio": self.kw.get("swa_full_tokens_ratio", 0.8),
                 "chunked_prefill_size": self.kw.get("chunked_prefill_size", 8192)}}
 
+    def start_profile(self, output_dir, num_steps, **kw):  # the next generate call writes the trace
+        self.profile = (output_dir, num_steps)
+
+    def _write_profile(self, batch):
+        # a by-stage decode trace as sglang names it: num_steps forward steps every PROFILE_PERIOD_US
+        import gzip
+        out, steps = self.profile
+        self.profile = None
+        step = "VERIFY" if self.mtp else "DECODE"
+        events = [{{"cat": "gpu_user_annotation", "name": "step[%s bs=%d]" % (step, batch), "ts": i * {period},
+                   "dur": {period} / 2, "ph": "X"}} for i in range(steps)]
+        with gzip.open(os.path.join(out, "0-TP-0-DECODE.trace.json.gz"), "wt") as f:
+            json.dump({{"traceEvents": events}}, f)
+
     def generate(self, input_ids, sampling_params, rid):
         new = sampling_params[0]["max_new_tokens"]
+        if getattr(self, "profile", None):
+            self._write_profile(len(input_ids))
         if len(input_ids[0]) == int(os.environ.get("FAKE_SGLANG_HANG_CONTEXT", -1)):  # a case that never ends
             time.sleep(600)
         # FAKE_SGLANG_DIE="CONTEXT:MARKER": the first engine to reach a prompt of CONTEXT tokens dies there (the
@@ -96,7 +113,7 @@ def install_fake_sglang(tmp_path: Path, monkeypatch) -> Path:
     root = tmp_path / "fake"
     (root / "sglang").mkdir(parents=True)
     (root / "sglang" / "__init__.py").write_text(FAKE_SGLANG.format(
-        vocab=VOCAB, sleep=SLEEP_PER_TOKEN_S, stall=STALL_S))
+        vocab=VOCAB, sleep=SLEEP_PER_TOKEN_S, stall=STALL_S, period=PROFILE_PERIOD_US))
     log = tmp_path / "engine-log"
     log.mkdir()
     repo = Path(__file__).resolve().parents[1]

@@ -105,16 +105,17 @@ def profile_rate(steps: int, accept_len: float | None, iteration_ms: float | Non
     return 1e3 * tokens / iteration_ms
 
 
-def rate_fields(wall: float, profiled: float | None) -> dict:
+def rate_fields(wall: float | None, profiled: float | None) -> dict:
     """A row's rates: the wall-time one (`decode_tok_s_per_req`, the difference of a long and a short run of the same
-    prompts) and, where the case was profiled, the profiled iteration's. Where they disagree by more than
-    RATE_TOLERANCE the runs did not prefill alike (with the radix cache on, one of them missed it: sglang evicts the
-    prompts' sliding-window KV when its pool is small) and the row says so; a wall rate <= 0 is no rate (None)."""
-    out = {"decode_tok_s_per_req": round(wall, 2) if wall > 0 else None}
+    prompts; None where the case ran no timed pair: `--rate-from profile`) and, where the case was profiled, the
+    profiled iteration's. Where they disagree by more than RATE_TOLERANCE the runs did not prefill alike (with the
+    radix cache on, one of them missed it: sglang evicts the prompts' sliding-window KV when its pool is small) and
+    the row says so; a wall rate <= 0 is no rate (None)."""
+    out = {"decode_tok_s_per_req": round(wall, 2) if wall is not None and wall > 0 else None}
     if profiled is None:
         return out
     out["profile_tok_s_per_req"] = round(profiled, 2)
-    if wall <= 0 or abs(wall / profiled - 1) > RATE_TOLERANCE:
+    if wall is not None and (wall <= 0 or abs(wall / profiled - 1) > RATE_TOLERANCE):
         out["rate_disagrees"] = (f"the wall-time rate ({wall:.2f}) is not within {RATE_TOLERANCE:.0%} of the profiled "
                                  f"iteration's ({profiled:.2f}): its short and long runs did not prefill alike; "
                                  "profile_tok_s_per_req is the decode rate")

@@ -265,6 +265,47 @@ def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch, engine,
 
 
 @pytest.mark.subprocess
+@pytest.mark.parametrize("engine", ["nospec", "graphcap"])
+def test_a_rate_from_the_profile_alone_runs_one_warm_run_and_the_profiled_one(tmp_path, monkeypatch, engine):
+    """`rate_from` profile: a profiled case runs one warm run, then the profiled run, no timed pair (a long batch
+    the radix cache does not keep prefills in every run); the accept length and tokens are the profiled run's and
+    the row's rate is the profiled iteration's (the stand-in's trace: one step every PROFILE_PERIOD_US). A case
+    not profiled in the same engine still runs its timed pair."""
+    import math
+
+    from fake_sglang import PROFILE_PERIOD_US, install_fake_sglang
+
+    install_fake_sglang(tmp_path, monkeypatch)
+    (tmp_path / "ck" / "target").mkdir(parents=True)
+    new = 40
+    cfg = {"engine": engine, "ckpt": str(tmp_path / "ck"), "work": str(tmp_path / "work"), "batches": [2, 3],
+           "cases": [[2, 30], [3, 20]], "steps": 3, "new": new, "repeats": 1, "profile_cases": [[2, 30]],
+           "profile_steps": 6, "structured": False, "trace": False, "mem_fraction": 0.8, "context_length": 512,
+           "vocab": 977, "rate_from": "profile"}
+    (tmp_path / "work").mkdir()
+    res = us.spawn(cfg, str(tmp_path / "work"), timeout=120)
+    assert not res.get("crashed"), res.get("log_tail")
+    profiled, timed = res["cases"]
+    assert list(profiled["runs"]) == ["warm0"] and profiled["rates"] == [] and profiled["decode_tok_s_per_req"] is None
+    assert list(timed["runs"]) == ["warm0", "warm1", "short0", "long0"] and timed["decode_tok_s_per_req"] > 0
+    accept = new / math.ceil(new / 2.5) if engine != "nospec" else None
+    assert profiled["accept_len"] == (pytest.approx(accept) if accept else None)
+    assert profiled["tokens"] == [[(p + k + 1) % 977 for k in range(new)] for p in
+                                  [row[-1] for row in _prompts(2, 30)]]
+    row = usr.summarize({engine: res})[0]
+    assert row["decode_tok_s_per_req"] is None and "rate_disagrees" not in row
+    assert row["profile_tok_s_per_req"] == pytest.approx(1e3 * (accept or 1.0) / (PROFILE_PERIOD_US / 1e3), abs=0.01)
+
+
+def _prompts(batch: int, context: int) -> list[list[int]]:
+    """The child's prompts for its first case (its generator's first draws, as it seeds it)."""
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(3, 977) for _ in range(context)] for _ in range(batch)]
+
+
+@pytest.mark.subprocess
 def test_an_engine_keeps_what_it_finished_and_runs_no_case_its_pool_cannot_hold(tmp_path, monkeypatch):
     """Against the stand-in engine with a KV pool of 1000 tokens: a case that needs more at once is not run (its
     rate would be a smaller batch's) and says why; a case that never ends stops the engine at its timeout, and the
@@ -393,7 +434,8 @@ def test_the_long_context_cases_plan(capsys, tiny_w8a8):
              "--weights", "w8a8", "--engines", "nospec,graphcap", "--batches", "8", "--contexts", "2048")
     assert p == {"cases": [[1, 32768], [8, 32768], [1, 131072]], "profile_cases": [[1, 32768], [8, 32768], [1, 131072]],
                  "batches": [1, 8], "context_length": 131072 + 96 + 8 + 64, "weights": "w8a8",
-                 "engines": ["nospec", "graphcap"], "radix_cache": False, "sglang_settings": {}, "mem_fraction": 0.88}
+                 "engines": ["nospec", "graphcap"], "radix_cache": False, "sglang_settings": {}, "mem_fraction": 0.88,
+                 "rate_from": "timed"}
     assert plan(capsys, tiny_w8a8, "--cases", "8x32768,1x131072", "--structured", "--weights", "w8a8")[
         "profile_cases"] == [[8, 32768]]  # the default profiled batch: 8
     # long contexts on an 80 GB card: sglang's own pool and chunk settings, passed through as sglang names them
@@ -428,6 +470,9 @@ def test_plans_refused_naming_what_is_wrong(capsys, tiny_w8a8, tmp_path):
     assert "'8k32768' is not BATCHxCONTEXT" in refused(capsys, tiny_w8a8, *w8, "--cases", "8k32768")
     assert "give the sweep's cases in --cases" in refused(capsys, tiny_w8a8, *w8, "--cases", "1x2048", "--sweep", "220")
     assert "no target/config.json" in refused(capsys, tmp_path / "none")
+    assert "--rate-from profile: 1x32768 not profiled" in refused(
+        capsys, tiny_w8a8, *w8, "--cases", "8x2048,1x32768", "--profile-batches", "8", "--rate-from", "profile")
+    assert "--repeats: timed runs per case >= 1, got 0" in refused(capsys, tiny_w8a8, *w8, "--repeats", "0")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -507,20 +552,23 @@ def test_gpu_check_passes_the_restarts_asked(tmp_path, capsys):
 def test_gpu_check_passes_sglang_pool_settings_for_long_contexts(tmp_path, capsys):
     """USER_SWA_RATIO, USER_CHUNK, USER_MEM and USER_KV_SPLITS reach the engines as sglang's
     --swa-full-tokens-ratio, --chunked-prefill-size, --mem-fraction-static and --triton-attention-num-kv-splits
-    (long contexts on an 80 GB card, and the no-speculation baseline tuned for them); without them sglang keeps its
-    own and the harness its memory fraction."""
+    (long contexts on an 80 GB card, and the no-speculation baseline tuned for them), USER_RATE_FROM the harness;
+    a long context gets a longer default timeout. Without them sglang keeps its own, the harness its defaults."""
     rc, steps, err = gpu_check_steps(tmp_path, USER_WEIGHTS="w8a8", USER_STRUCTURED="1", USER_VERIFY_ALONE="0",
                                      USER_CASES="8x32768", USER_SWA_RATIO="0.04", USER_CHUNK="2048", USER_MEM="0.92",
-                                     USER_KV_SPLITS="64")
+                                     USER_KV_SPLITS="64", USER_RATE_FROM="profile", USER_PROFILE="8")
     assert rc == 0, err
+    assert steps[-1][steps[-1].index("--timeout") + 1] == "450"  # a long context's default
     plan = replay(steps, capsys)
+    assert plan["rate_from"] == "profile"
     assert plan["sglang_settings"] == {"swa_full_tokens_ratio": 0.04, "chunked_prefill_size": 2048,
                                        "triton_attention_num_kv_splits": 64}
     assert plan["mem_fraction"] == 0.92
     rc, steps, err = gpu_check_steps(tmp_path, USER_STRUCTURED="1", USER_VERIFY_ALONE="0")
     assert rc == 0, err
+    assert steps[-1][steps[-1].index("--timeout") + 1] == "215"
     plan = replay(steps, capsys)
-    assert plan["sglang_settings"] == {} and plan["mem_fraction"] == 0.88
+    assert plan["sglang_settings"] == {} and plan["mem_fraction"] == 0.88 and plan["rate_from"] == "timed"
 
 
 def test_gpu_check_refuses_w8a8_without_the_structure(tmp_path):
