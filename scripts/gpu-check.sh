@@ -227,9 +227,11 @@ case $1 in
     # in its row, below_batch. USER_KV_SPLITS: sglang's --triton-attention-num-kv-splits (default 8), the
     # no-speculation baseline a long-context user tunes; every engine of the call gets it. USER_RATE_FROM=profile:
     # the rate from the profiled iteration alone, one warm run before it - two prefills a case, not five, where the
-    # radix cache does not keep a long batch's prompts, as at 8x32768)
+    # radix cache does not keep a long batch's prompts, as at 8x32768). USER_TAG=NAME: the step, its record and
+    # logs named user-scale-NAME, so several settings run in one call keep each its own)
     engine_env
-    local weights=${USER_WEIGHTS:-bf16} ckpt=$WORK/ckpt-us longest=0 c radix=
+    local weights=${USER_WEIGHTS:-bf16} ckpt=$WORK/ckpt-us longest=0 c radix= us=user-scale${USER_TAG:+-$USER_TAG}
+    [[ ${USER_TAG:-x} =~ ^[A-Za-z0-9_-]+$ ]] || { echo "USER_TAG: letters, digits, - and _, got $USER_TAG" >&2; exit 2; }
     [ "${USER_RADIX:-${USER_CASES:+1}}" = 1 ] && radix=--radix-cache
     case $weights in
       bf16) ;;
@@ -247,7 +249,7 @@ case $1 in
     fi
     step ckpt-user-scale python3 bench/sglang_checkpoint.py --size user-scale --out "$ckpt" --device cuda \
       --weights "$weights" --max-pos $(( longest + 4096 > 32768 ? longest + 4096 : 32768 ))
-    STEP_LIMIT=${STEP_LIMIT:-480} step user-scale python3 bench/sglang_user_scale.py --ckpt "$ckpt" \
+    STEP_LIMIT=${STEP_LIMIT:-480} step "$us" python3 bench/sglang_user_scale.py --ckpt "$ckpt" \
       --engines "${USER_ENGINES:-nospec,graphcap,sglang}" --batches "${USER_BATCHES:-8}" \
       --contexts "${USER_CONTEXTS:-2048}" ${USER_CASES:+--cases "$USER_CASES"} \
       ${USER_SWEEP:+--sweep "$USER_SWEEP"} ${USER_PROFILE:+--profile-batches "$USER_PROFILE"} \
@@ -257,10 +259,10 @@ case $1 in
       ${USER_MEM:+--mem-fraction "$USER_MEM"} ${USER_KV_SPLITS:+--triton-attention-num-kv-splits "$USER_KV_SPLITS"} \
       ${USER_RATE_FROM:+--rate-from "$USER_RATE_FROM"} --repeats "${USER_REPEATS:-1}" --new 96 \
       --timeout "${USER_TIMEOUT:-$(( longest > 16384 ? 450 : 215 ))}" --restarts "${USER_RESTARTS:-0}" \
-      --work "$WORK/user-scale" --out "$LOG/user-scale.json"
-    mkdir -p "$LOG/user-scale-engines"  # each engine's log end and graphcap's manifests (traces stay in $WORK)
-    for p in "$WORK"/user-scale/*.log "$WORK"/user-scale/*-cudagraph*.json; do
-      [ -f "$p" ] && tail -c 200000 "$p" > "$LOG/user-scale-engines/$(basename "$p")"
+      --work "$WORK/$us" --out "$LOG/$us.json"
+    mkdir -p "$LOG/$us-engines"  # each engine's log end and graphcap's manifests (traces stay in $WORK)
+    for p in "$WORK/$us"/*.log "$WORK/$us"/*-cudagraph*.json; do
+      [ -f "$p" ] && tail -c 200000 "$p" > "$LOG/$us-engines/$(basename "$p")"
     done
     ;;
   user-setup)  # issue 42: the user's sglang versions, draft steps and an A100's kernel paths, on the tiny pair

@@ -571,6 +571,18 @@ def test_gpu_check_passes_sglang_pool_settings_for_long_contexts(tmp_path, capsy
     assert plan["sglang_settings"] == {} and plan["mem_fraction"] == 0.88 and plan["rate_from"] == "timed"
 
 
+def test_gpu_check_names_a_tagged_runs_step_record_and_logs(tmp_path):
+    """USER_TAG: two settings in one device call keep each its own record, logs and work directory."""
+    rc, steps, err = gpu_check_steps(tmp_path, USER_STRUCTURED="1", USER_VERIFY_ALONE="0", USER_TAG="kv64")
+    assert rc == 0, err
+    step = steps[-1]
+    assert step[0] == "user-scale-kv64"
+    assert step[step.index("--out") + 1] == f"{tmp_path}/log/user-scale-kv64.json"
+    assert step[step.index("--work") + 1] == f"{tmp_path}/work/user-scale-kv64"
+    rc, steps, err = gpu_check_steps(tmp_path / "bad", USER_TAG="a b")
+    assert rc == 2 and "USER_TAG: letters, digits, - and _, got a b" in err and not steps
+
+
 def test_gpu_check_refuses_w8a8_without_the_structure(tmp_path):
     rc, steps, err = gpu_check_steps(tmp_path, USER_WEIGHTS="w8a8", USER_VERIFY_ALONE="0")
     assert rc == 2 and "USER_WEIGHTS=w8a8 needs USER_STRUCTURED=1" in err and not steps
