@@ -227,7 +227,7 @@ case $1 in
     # in its row, below_batch. USER_KV_SPLITS: sglang's --triton-attention-num-kv-splits (default 8), the
     # no-speculation baseline a long-context user tunes; every engine of the call gets it. USER_RATE_FROM=profile:
     # the rate from the profiled iteration alone, one warm run before it - two prefills a case, not five, where the
-    # radix cache does not keep a long batch's prompts, as at 8x32768). USER_TAG=NAME: the step, its record and
+    # radix cache does not keep a long batch's prompts, as at 8x32768. USER_TAG=NAME: the step, its record and
     # logs named user-scale-NAME, so several settings run in one call keep each its own)
     engine_env
     local weights=${USER_WEIGHTS:-bf16} ckpt=$WORK/ckpt-us longest=0 c radix= us=user-scale${USER_TAG:+-$USER_TAG}
