@@ -222,8 +222,9 @@ case $1 in
     # --swa-full-tokens-ratio and --chunked-prefill-size, USER_MEM its --mem-fraction-static (default 0.88), for long
     # contexts on an 80 GB card (with the radix cache on sglang gives the sliding-window layers 0.8 of the full
     # pool's tokens at 819 KB each): W8A8 1x131072 with USER_SWA_RATIO=0.1 (ran); 8x32768 with 0.07 ran no
-    # speculation, the MTP engines need USER_MEM=0.92 USER_SWA_RATIO=0.04 USER_CHUNK=2048 by the pool arithmetic a
-    # skipped case's row prints (graphcap.bench.sglang_pool); a case whose requests still do not run at once says so
+    # speculation; the pool arithmetic a skipped case's row prints (graphcap.bench.sglang_pool) finds no ratio for
+    # the MTP engines at 0.88, and USER_MEM=0.92 USER_SWA_RATIO=0.04 USER_CHUNK=2048 on a budget scaled from it (not
+    # run); a case whose requests still do not run at once says so
     # in its row, below_batch. USER_KV_SPLITS: sglang's --triton-attention-num-kv-splits (default 8), the
     # no-speculation baseline a long-context user tunes; every engine of the call gets it. USER_RATE_FROM=profile:
     # the rate from the profiled iteration alone, one warm run before it - two prefills a case, not five, where the
