@@ -40,7 +40,6 @@ import glob
 import json
 import os
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -48,7 +47,7 @@ import time
 
 from graphcap.bench.engine_record import (accept_len, compare, draft_map, engine_info, issue_record,
                                           manifest_summary, read_profile, summary)
-from graphcap.bench.served import (failure, machine, read_trace, run_stoppable,  # shared parts
+from graphcap.bench.served import (exit_on_term, failure, machine, read_trace, run_stoppable,  # shared parts
                                    sglang_engine_kwargs, timed_draft_ms)
 from graphcap.backends import GRAPH_BACKENDS
 from graphcap.envvars import FORCED_KERNEL_PATHS, KERNEL_PATHS_ENV, NATIVE
@@ -261,12 +260,6 @@ def run_child(cfg: dict) -> dict:
 # parent: engines in children, comparisons
 
 
-def _on_term(signum, frame) -> None:
-    """`timeout` (scripts/gpu-lib.sh's step) stops the parent: run_stoppable, waiting, stops the engine child and its
-    processes as this exit passes through it."""
-    raise SystemExit(128 + signum)
-
-
 def spawn(cfg: dict, log_dir: str) -> dict:
     """One engine in a child process (its own process group), stopped after cfg's timeout_s if given; a child that
     failed returns crashed, its log's tail, what broke and how far it got (its progress file)."""
@@ -411,11 +404,8 @@ def main(argv=None) -> int:
         rec = issue_record(chk["check"], spd["speed"], chk.get("commit") or spd.get("commit"))
         json.dump(rec, open(a.out, "w"), indent=1)
         return 0
-    previous = signal.signal(signal.SIGTERM, _on_term)
-    try:
+    with exit_on_term():
         return run(a)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run(a: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ from pathlib import Path
 from graphcap.bench import load
 from graphcap.bench import target_weights as tw
 from graphcap.bench import server_report as rep
-from graphcap.bench.served import machine
+from graphcap.bench.served import exit_on_term, machine
 from graphcap.bench.server import KINDS, LAUNCHER, Server, ServerConfig, ServerFailed, http_json
 from graphcap.bench.server_summary import summarize_server
 
@@ -428,4 +428,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with exit_on_term():  # a step limit's SIGTERM: each server is stopped on the way out (srv.stop in a finally)
+        raise SystemExit(main())

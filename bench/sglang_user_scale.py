@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING
 from graphcap.bench import target_weights as tw
 from graphcap.bench import user_scale_engines
 from graphcap.bench.phase_profile import load_trace, read_trace
+from graphcap.bench.served import exit_on_term
 from graphcap.bench.sglang_pool import PoolShape, pool_shape, ratio_advice
 from graphcap.bench.user_scale_rows import summarize, trace_summary
 
@@ -276,6 +277,10 @@ def profile_plan(batches: list[int], contexts: list[int], profiled: list[int], s
     return first + [(sweep_batch, c) for c in sweep if (sweep_batch, c) not in first]
 
 
+def write_record(path: str, results: dict) -> None:
+    json.dump({"engines": results, "rows": summarize(results)}, open(path, "w"), indent=1)
+
+
 def parse_cases(text: str) -> list[tuple[int, int]]:
     """`--cases`: "BxC,..." (batch x context), e.g. "1x32768,8x32768,1x131072"."""
     out = []
@@ -430,19 +435,26 @@ def main(argv=None) -> int:
     work = a.work or os.path.join(os.path.dirname(os.path.abspath(a.out)), "user-scale-work")
     os.makedirs(work, exist_ok=True)
     results = {}
-    for e in engines:
-        cfg = {"engine": e, "ckpt": a.ckpt, "work": work, "batches": engine_batches, "cases": cases, "steps": a.steps,
-               "new": a.new, "repeats": a.repeats, "profile_cases": profile_cases, "profile_steps": a.profile_steps,
-               "structured": a.structured, "weights": a.weights, "trace": a.trace, "mem_fraction": a.mem_fraction,
-               "context_length": context_length, "fresh_jit_cache": a.fresh_jit_cache, "vocab": tcfg["vocab_size"],
-               "radix_cache": a.radix_cache, "sglang_settings": sglang_settings, "rate_from": a.rate_from}
-        results[e] = spawn_restarting(cfg, work, a.timeout, a.restarts)
-        record = {"engines": results, "rows": summarize(results)}
-        json.dump(record, open(a.out, "w"), indent=1)
+    try:
+        for e in engines:
+            cfg = {"engine": e, "ckpt": a.ckpt, "work": work, "batches": engine_batches, "cases": cases,
+                   "steps": a.steps, "new": a.new, "repeats": a.repeats, "profile_cases": profile_cases,
+                   "profile_steps": a.profile_steps, "structured": a.structured, "weights": a.weights,
+                   "trace": a.trace, "mem_fraction": a.mem_fraction, "context_length": context_length,
+                   "fresh_jit_cache": a.fresh_jit_cache, "vocab": tcfg["vocab_size"], "radix_cache": a.radix_cache,
+                   "sglang_settings": sglang_settings, "rate_from": a.rate_from}
+            results[e] = spawn_restarting(cfg, work, a.timeout, a.restarts)
+            write_record(a.out, results)
+    except user_scale_engines.Stopped as stop:  # what ran so far is written, the running engine's finished cases too
+        results[stop.result["config"]["engine"]] = stop.result
+        write_record(a.out, results)
+        print(f"stopped: the record holds {', '.join(results)}", flush=True)
+        raise
     for r in summarize(results):
         print(json.dumps(r))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with exit_on_term():  # a step limit's SIGTERM: the running engine is stopped, what ran is written
+        raise SystemExit(main())

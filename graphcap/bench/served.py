@@ -18,6 +18,7 @@ do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import importlib.metadata
 import json
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -178,6 +180,23 @@ def failure(log: str) -> str | None:
     lines = [ln.strip() for ln in log.splitlines() if ERROR_LINE.match(ln)]
     own = [ln for ln in lines if not any(w in ln for w in WRAPPERS)]
     return (own or lines or [None])[-1]
+
+
+def _exit_on_term(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def exit_on_term() -> Iterator[None]:
+    """SIGTERM as SystemExit(143) while the block runs. gpu-check's step limit stops a harness with `timeout`'s
+    SIGTERM, which never reaches the engines and servers it started in sessions of their own: the exit passes
+    through `run_stoppable`'s wait and the harness's `finally`s, which stop them (one left behind holds the GPU's
+    memory while the call's next step starts)."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -358,7 +377,8 @@ def main(cfg: ServedConfig) -> int:
     import tempfile
 
     work = Path(cfg.out) if cfg.out else Path(tempfile.mkdtemp(prefix="graphcap-served-"))
-    record = run(cfg, work)
+    with exit_on_term():
+        record = run(cfg, work)
     print(f"sglang's engine on {record['machine']['gpu'] or 'an unnamed GPU'}, context {cfg.context}, {cfg.steps} "
           f"draft steps, {cfg.new_tokens} new tokens (records and logs: {work}). draft it/s: 1000 / the draft call's "
           "GPU ms; tok/s: decode tokens/s per request")

@@ -1,6 +1,8 @@
 """The user-scale harness's engines, each in a child process (bench/sglang_user_scale.py --child): started, stopped
 at its time with every process it started (sglang's scheduler and detokenizer), started again after a death on the
-cases it left, and the cases a stopped child finished read back from its log."""
+cases it left, and the cases a stopped child finished read back from its log. A harness stopped itself (`timeout`'s
+SIGTERM at a GPU call's step limit, under `served.exit_on_term`) stops its engine first and keeps what it finished
+(`Stopped`)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +11,15 @@ import sys
 import time
 
 from graphcap.bench.served import run_stoppable
+
+
+class Stopped(SystemExit):
+    """The harness was stopped while an engine ran: the engine and its processes are gone, `result` holds the cases it
+    finished (a crash record, `stopped`), for the parent to write before it exits."""
+
+    def __init__(self, code: int, result: dict):
+        super().__init__(code)
+        self.result = result
 
 
 def finished_cases(log: str) -> list[dict]:
@@ -34,8 +45,14 @@ def spawn(script: str, cfg: dict, work: str, timeout: float, tag: str | None = N
     json.dump(cfg, open(cfg_path, "w"))
     t = time.perf_counter()
     with open(os.path.join(work, f"{tag}.log"), "w") as log:
-        rc, timed_out = run_stoppable([sys.executable, script, "--child", cfg_path, "--child-out", out_path], log,
-                                  timeout)
+        try:
+            rc, timed_out = run_stoppable([sys.executable, script, "--child", cfg_path, "--child-out", out_path],
+                                          log, timeout)
+        except SystemExit as e:  # the harness stopped: the child is already gone
+            text = open(os.path.join(work, f"{tag}.log"), errors="replace").read()
+            print(f"== {tag}: stopped with the harness after {time.perf_counter() - t:.0f} s", flush=True)
+            raise Stopped(e.code, {"config": cfg, "crashed": True, "timed_out": False, "stopped": True,
+                                   "log_tail": text[-2500:], "cases": finished_cases(text)}) from None
     rc = "timeout" if timed_out else rc
     if rc != 0 or not os.path.exists(out_path):
         text = open(os.path.join(work, f"{tag}.log"), errors="replace").read()
@@ -65,8 +82,12 @@ def spawn_restarting(script: str, cfg: dict, work: str, timeout: float, restarts
         deaths.append({"after_cases": len(res["cases"]), "log_tail": res["log_tail"][-800:]})
         keys = {(c[0], c[1]) for c in left}
         profiled = [p for p in cfg["profile_cases"] if (p[0], p[1]) in keys]
-        again = spawn(script, {**cfg, "cases": left, "profile_cases": profiled}, work, remaining,
-                      tag=f"{cfg['engine']}-restart{len(deaths)}")
+        try:
+            again = spawn(script, {**cfg, "cases": left, "profile_cases": profiled}, work, remaining,
+                          tag=f"{cfg['engine']}-restart{len(deaths)}")
+        except Stopped as e:  # the cases of every start so far, and the deaths before
+            e.result = {**e.result, "config": cfg, "cases": res["cases"] + e.result["cases"], "restarts": deaths}
+            raise
         res = {**again, "config": cfg, "cases": res["cases"] + again.get("cases", [])}
     if deaths:
         res["restarts"] = deaths

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from graphcap.bench import load
 from graphcap.bench import server_report as rep
-from graphcap.bench.server import ServerConfig, server_command, server_env
+from graphcap.bench.server import ServerConfig, http_json, server_command, server_env
 from bench_scripts import load_bench_script, tiny_w8a8  # noqa: F401 - a fixture
 from tiers import examples
 
@@ -652,6 +652,54 @@ def test_no_server_starts_that_could_not_serve_before_the_deadline(ckpt, tmp_pat
     assert rc == 0, log
     for label in ("graphcap", "sglang"):  # a first start is expected to take FIRST_START_S, the soak 90 s more
         assert "s of the call's time left; a start (~120 s)" in out["servers"][label]["not_run"], out
+
+
+@pytest.mark.subprocess
+def test_a_harness_stopped_at_its_step_limit_stops_its_server(ckpt, tmp_path):
+    """gpu-check's step limit stops the harness with SIGTERM (`timeout`); the server runs in a session of its own, so
+    the signal never reaches it: the harness stops it on the way out (a server left behind holds the GPU's memory and
+    its port while the call's next step starts) and exits 143."""
+    import signal
+    import time
+
+    from fake_sglang import process_gone
+
+    port = free_port()
+    cmd = [PY, str(ROOT / "bench" / "sglang_server.py"), "--ckpt", str(ckpt), "--work", str(tmp_path),
+           "--out", str(tmp_path / "server.json"), "--port", str(port), "--window", "64", "--largest-bucket", "8",
+           "--launcher", f"{PY} {ROOT / 'tests' / 'fake_sglang_server.py'}",
+           "--bench-serving", f"{PY} {ROOT / 'tests' / 'bench_serving_stubbed.py'}",
+           "--servers", "nospec", "--phases", "soak", "--soak-on", "nospec", "--soak-s", "120",
+           "--soak-warmup-s", "0.5", "--soak-concurrency", "2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=str(tmp_path))
+    servers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not servers:  # the server is up once it answers; its process is the launcher's, on this port
+            assert proc.poll() is None and time.monotonic() < deadline, "the server never started"
+            time.sleep(0.3)
+            if http_json(f"http://127.0.0.1:{port}/health", timeout=1)[0] == 200:
+                servers = [int(d) for d in os.listdir("/proc") if d.isdigit() and _runs_server(d, port)]
+        time.sleep(1.0)  # into the soak
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 143, output[-2000:]
+        assert all(process_gone(pid, within_s=15) for pid in servers), "the server outlived the harness"
+    finally:
+        proc.kill()
+        for pid in servers:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _runs_server(pid: str, port: int) -> bool:
+    try:
+        line = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return any("fake_sglang_server.py" in a for a in line) and str(port) in line
 
 
 @pytest.mark.subprocess

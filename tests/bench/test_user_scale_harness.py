@@ -389,6 +389,88 @@ def test_an_engine_past_its_time_is_stopped_with_what_it_started(tmp_path, monke
     assert process_gone(int(pid_file.read_text())), "the engine's child outlived the timeout"
 
 
+@pytest.mark.subprocess
+def test_a_harness_stopped_at_its_step_limit_stops_its_engine_and_keeps_what_it_finished(tmp_path, monkeypatch):
+    """gpu-check's step limit stops the harness with SIGTERM (`timeout`). The engine child runs in a session of its
+    own, so the signal never reaches it: the harness must stop it (sglang's scheduler would hold the GPU's memory
+    while the call's next step starts), write the record with the cases the engine finished, start no further
+    engine, and exit 143. The stand-in engine finishes its first case, then hangs in its second."""
+    import contextlib
+    import os
+    import signal
+    import time
+
+    from fake_sglang import install_fake_sglang, process_gone
+
+    log = install_fake_sglang(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_SGLANG_HANG_CONTEXT", "60")
+    (tmp_path / "ck" / "target").mkdir(parents=True)
+    (tmp_path / "ck" / "target" / "config.json").write_text(json.dumps({"vocab_size": 977,
+                                                                         "max_position_embeddings": 32768}))
+    work, out = tmp_path / "work", tmp_path / "out.json"
+    proc = subprocess.Popen([sys.executable, us.__file__, "--ckpt", str(tmp_path / "ck"), "--out", str(out),
+                             "--work", str(work), "--engines", "nospec,graphcap", "--cases", "2x30,1x60",
+                             "--new", "24", "--timeout", "300"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    child: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while '"batch": 2' not in ((work / "nospec.log").read_text() if (work / "nospec.log").exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, "the engine never finished its first case"
+            time.sleep(0.2)
+        child += [int(d) for d in os.listdir("/proc") if d.isdigit() and _cmdline_has(d, "nospec-config.json", work)]
+        assert child, "the engine's child process was not found"
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 143, output[-2000:]
+        assert all(process_gone(pid) for pid in child), "the engine outlived the harness"
+    finally:
+        proc.kill()
+        for pid in child:  # a failed run leaves no hanging engine behind
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL), output[-2000:]
+    assert all(process_gone(pid) for pid in child), "the engine outlived the harness"
+    rec = json.loads(out.read_text())
+    assert list(rec["engines"]) == ["nospec"] and not (log / "graphcap.json").exists()  # no engine after the stop
+    res = rec["engines"]["nospec"]
+    assert res["stopped"] and res["crashed"] and not res["timed_out"]
+    assert [(c["batch"], c["context"]) for c in res["cases"]] == [(2, 30)]
+    assert [(r["engine"], r["batch"], r["decode_tok_s_per_req"] > 0) for r in rec["rows"]] == [("nospec", 2, True)]
+
+
+def test_a_stop_during_a_restart_keeps_every_start_s_cases_and_the_deaths(monkeypatch):
+    """Stopped while a restarted engine runs: the record gets the first start's cases and the restart's, and the
+    death that caused the restart (the harness writes `Stopped.result` as the engine's result)."""
+    from graphcap.bench import user_scale_engines as use
+
+    cfg = {"engine": "sglang", "cases": [[2, 30], [2, 40], [2, 50]], "profile_cases": []}
+    starts = []
+
+    def spawn(script, c, work, timeout, tag=None):
+        starts.append([tuple(x) for x in c["cases"]])
+        if len(starts) == 1:
+            return {"config": c, "crashed": True, "timed_out": False, "log_tail": "IndexError",
+                    "cases": [{"batch": 2, "context": 30}]}
+        raise use.Stopped(143, {"config": c, "crashed": True, "timed_out": False, "stopped": True,
+                                "log_tail": "", "cases": [{"batch": 2, "context": 40}]})
+
+    monkeypatch.setattr(use, "spawn", spawn)
+    with pytest.raises(use.Stopped) as stop:
+        use.spawn_restarting("x", cfg, "w", timeout=60, restarts=3)
+    assert starts == [[(2, 30), (2, 40), (2, 50)], [(2, 40), (2, 50)]]
+    r = stop.value.result
+    assert r["config"] is cfg and r["stopped"] and stop.value.code == 143
+    assert [c["context"] for c in r["cases"]] == [30, 40]
+    assert [d["after_cases"] for d in r["restarts"]] == [1]
+
+
+def _cmdline_has(pid: str, name: str, work: Path) -> bool:
+    try:
+        return str(work / name) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
 def test_a_w8a8_checkpoint_holds_the_structure_alone(tiny_w8a8):
     """At every size a w8a8 target's checkpoint holds no projection (the harness loads the int8 ones), only what stays
     bf16 in the user's checkpoint: embeddings, lm_head, norms, layer scalars; the assistant keeps its layers."""
