@@ -189,7 +189,7 @@ def _exit_on_term(signum, frame) -> None:
 @contextlib.contextmanager
 def exit_on_term() -> Iterator[None]:
     """SIGTERM as SystemExit(143) while the block runs. gpu-check's step limit stops a harness with `timeout`'s
-    SIGTERM, which never reaches the engines and servers it started in sessions of their own: the exit passes
+    SIGTERM, which never reaches the engines and servers it started in process groups of their own: the exit passes
     through `run_stoppable`'s wait and the harness's `finally`s, which stop them (one left behind holds the GPU's
     memory while the call's next step starts)."""
     previous = signal.signal(signal.SIGTERM, _exit_on_term)

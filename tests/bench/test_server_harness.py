@@ -656,9 +656,9 @@ def test_no_server_starts_that_could_not_serve_before_the_deadline(ckpt, tmp_pat
 
 @pytest.mark.subprocess
 def test_a_harness_stopped_at_its_step_limit_stops_its_server(ckpt, tmp_path):
-    """gpu-check's step limit stops the harness with SIGTERM (`timeout`); the server runs in a session of its own, so
-    the signal never reaches it: the harness stops it on the way out (a server left behind holds the GPU's memory and
-    its port while the call's next step starts) and exits 143."""
+    """gpu-check's step limit stops the harness with SIGTERM (`timeout`); the server runs in a process group of its
+    own, so the signal never reaches it: the harness stops it on the way out (a server left behind holds the GPU's
+    memory and its port while the call's next step starts) and exits 143."""
     import signal
     import time
 

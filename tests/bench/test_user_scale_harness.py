@@ -391,8 +391,8 @@ def test_an_engine_past_its_time_is_stopped_with_what_it_started(tmp_path, monke
 
 @pytest.mark.subprocess
 def test_a_harness_stopped_at_its_step_limit_stops_its_engine_and_keeps_what_it_finished(tmp_path, monkeypatch):
-    """gpu-check's step limit stops the harness with SIGTERM (`timeout`). The engine child runs in a session of its
-    own, so the signal never reaches it: the harness must stop it (sglang's scheduler would hold the GPU's memory
+    """gpu-check's step limit stops the harness with SIGTERM (`timeout`). The engine child runs in a process group of
+    its own, so the signal never reaches it: the harness must stop it (sglang's scheduler would hold the GPU's memory
     while the call's next step starts), write the record with the cases the engine finished, start no further
     engine, and exit 143. The stand-in engine finishes its first case, then hangs in its second."""
     import contextlib
