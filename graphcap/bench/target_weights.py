@@ -185,15 +185,21 @@ def load_target_structure(updates: WeightUpdates, target: str, device: str = "cu
             _release(device)
 
     ok, msg, done = update_target(updates, batches())
+    _release(device)  # also the batch a failed update left
     return {**sent, "batches": done, "ok": ok, "message": msg}
 
 
 def _release(device: str) -> None:
-    """A batch sent through CUDA IPC stays mapped until the receiver has dropped it and this process collects."""
+    """Give the GPU memory of sent batches back to the driver. A batch sent through CUDA IPC stays mapped until the
+    receiver has dropped it and this process collects; torch's caching allocator then still holds it unless
+    emptied. This process hosts sglang's Engine, whose scheduler sized its pools at start-up: what stays reserved
+    here (GiBs after the W8A8 target's layers and the embeddings) comes out of the scheduler's activation headroom,
+    where a long prefill runs out of memory."""
     if device.startswith("cuda"):
         import torch
 
         torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
 
 
 # the W8A8 target's int8 projections
@@ -295,6 +301,7 @@ def load_target_w8a8(updates: WeightUpdates, config: dict, device: str = "cuda",
             _release(device)
 
     ok, msg, done = update_target(updates, batches())
+    _release(device)  # also the layer a failed update left
     return {"layers": len(layers), "layers_loaded": done, **sent, "load_format": "direct", "seed": seed, "ok": ok,
             "message": msg}
 

@@ -210,3 +210,36 @@ def test_a_server_that_does_not_answer_is_named():
                                       "num_key_value_heads": 1, "head_dim": 4, "layer_types": ["sliding_attention"]},
                             device="cpu")
     assert not r["ok"] and r["layers_loaded"] == 0 and "begin_weight_update" in r["message"]
+
+
+def test_release_empties_the_cache_after_collecting_ipc(monkeypatch):
+    """A CUDA batch's memory goes back to the driver - collected from IPC, then emptied from torch's cache - so the
+    engine's scheduler keeps the headroom it sized at start-up; a CPU batch touches neither."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: calls.append("ipc_collect"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    tw._release("cpu")
+    assert calls == []
+    tw._release("cuda:0")
+    assert calls == ["ipc_collect", "empty_cache"]
+
+
+@pytest.mark.parametrize("fail_at", [None, 1])
+def test_every_load_ends_with_its_memory_released(tiny_w8a8, monkeypatch, fail_at):
+    """The last release follows the last update, also where a failed update stopped the load with its batch built."""
+    import json
+
+    config = json.loads((tiny_w8a8 / "target" / "config.json").read_text())
+    for load in ("w8a8", "structure"):
+        eng = _Engine(fail_at=fail_at)
+        monkeypatch.setattr(tw, "_release", lambda device, eng=eng: eng.calls.append(("release", device)))
+        if load == "w8a8":
+            tw.load_target_w8a8(tw.EngineUpdates(eng, _Req), config, device="cpu")
+        else:
+            tw.load_target_structure(tw.EngineUpdates(eng, _Req), str(tiny_w8a8 / "target"), device="cpu",
+                                     batch_bytes=1 << 16)
+        kinds = [c[0] for c in eng.calls]
+        assert kinds[-2:] == ["end", "release"] and eng.calls[-1] == ("release", "cpu"), (load, kinds)
+        assert kinds.count("update") == 2 if fail_at == 1 else kinds.count("update") >= 2, (load, kinds)
