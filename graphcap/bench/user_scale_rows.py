@@ -64,11 +64,20 @@ def below_batch(profile: dict, batch: int) -> dict:
                            f"the requests did not all run at once"}
 
 
+def _same(mine: list | None, theirs: list | None) -> bool | None:
+    """None where either side's tokens are unknown (a case read back from a stopped engine's log, an engine not run)."""
+    return None if mine is None or theirs is None else mine == theirs
+
+
 def summarize(results: dict) -> list[dict]:
     """One row per (engine, batch, context): the record's cases; a graphcap engine's output tokens against stock
-    sglang's for the same case (greedy, the same dummy weights: equal unless a kernel differs)."""
+    sglang's for the same case, and a speculative engine's against no speculation's - the target's own greedy
+    output (greedy, the same dummy weights: equal unless a kernel differs)."""
     rows = []
-    stock = {(c["batch"], c["context"]): c.get("tokens") for c in results.get("sglang", {}).get("cases", [])}
+
+    def tokens_of(engine: str) -> dict:
+        return {(c["batch"], c["context"]): c.get("tokens") for c in results.get(engine, {}).get("cases", [])}
+    stock, target = tokens_of("sglang"), tokens_of("nospec")
     for name, r in results.items():
         steps = r["config"]["steps"] if name != "nospec" else 0
         for c in r.get("cases", []):
@@ -89,9 +98,9 @@ def summarize(results: dict) -> list[dict]:
                          "decode_ms": (p.get("decode") or {}).get("gpu_span_ms"),
                          "iteration_ms": p.get("iteration_ms"),
                          **below_batch(p, c["batch"]),
-                         # None where either side's tokens are unknown (a case read back from a stopped engine's log)
-                         "tokens_equal_sglang": (None if theirs is None or c.get("tokens") is None
-                                                 else c["tokens"] == theirs),
+                         "tokens_equal_sglang": _same(c.get("tokens"), theirs),
+                         "tokens_equal_nospec": (None if name == "nospec"
+                                                 else _same(c.get("tokens"), target.get((c["batch"], c["context"])))),
                          **trace_fields(c)})
     return rows
 

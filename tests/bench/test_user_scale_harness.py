@@ -89,6 +89,36 @@ def test_a_row_carries_the_profiled_rate_and_says_where_the_wall_rate_disagrees(
     assert "profile_tok_s_per_req" not in row and "rate_disagrees" not in row
 
 
+@settings(max_examples=examples(60), deadline=None)
+@given(data=st.data(), cases=st.lists(st.tuples(st.integers(1, 48), st.integers(16, 4096)), min_size=1, max_size=4,
+                                     unique=True))
+def test_each_speculative_row_says_whether_its_tokens_are_stock_sglangs_and_the_targets_own(data, cases):
+    """A graphcap row compares its tokens with stock sglang's and with no speculation's for the same case, stock's with
+    no speculation's; where either side's tokens are unknown (the engine did not run the case, or its case was read
+    back without them) the row says nothing - None, never False."""
+    engines = data.draw(st.lists(st.sampled_from(["nospec", "sglang", "graphcap"]), min_size=1, unique=True))
+    results, tokens = {}, {}
+    for name in engines:
+        results[name] = {"config": {"steps": 3}, "cases": []}
+        for b, c in cases:
+            if data.draw(st.booleans()):  # this engine did not run the case
+                continue
+            t = None if data.draw(st.integers(0, 4)) == 0 else data.draw(
+                st.lists(st.lists(st.integers(0, 3), min_size=2, max_size=2), min_size=1, max_size=2))
+            tokens[name, b, c] = t
+            results[name]["cases"].append({"batch": b, "context": c, "decode_tok_s_per_req": 1.0, "tokens": t})
+    rows = usr.summarize(results)
+    assert len(rows) == sum(len(r["cases"]) for r in results.values())
+    for row in rows:
+        mine = tokens[row["engine"], row["batch"], row["context"]]
+
+        def equal(other):
+            theirs = tokens.get((other, row["batch"], row["context"]))
+            return None if mine is None or theirs is None else mine == theirs
+        assert row["tokens_equal_sglang"] == (equal("sglang") if row["engine"] == "graphcap" else None)
+        assert row["tokens_equal_nospec"] == (None if row["engine"] == "nospec" else equal("nospec"))
+
+
 SHAPE_31B = {"layer_types": ["sliding_attention"] * 5 + ["full_attention"], "num_key_value_heads": 4,
              "head_dim": 512, "swa_num_key_value_heads": 16, "swa_head_dim": 256, "sliding_window": 1024}
 
