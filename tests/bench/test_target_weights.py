@@ -243,3 +243,19 @@ def test_every_load_ends_with_its_memory_released(tiny_w8a8, monkeypatch, fail_a
         kinds = [c[0] for c in eng.calls]
         assert kinds[-2:] == ["end", "release"] and eng.calls[-1] == ("release", "cpu"), (load, kinds)
         assert kinds.count("update") == 2 if fail_at == 1 else kinds.count("update") >= 2, (load, kinds)
+
+
+@pytest.mark.gpu
+def test_a_sent_layer_leaves_no_gpu_memory_reserved(tiny_w8a8):
+    """On a GPU: a W8A8 load whose layers the receiver has dropped leaves this process holding none of their memory -
+    torch's cache emptied, not only the tensors freed - so the engine's scheduler keeps its headroom."""
+    import json
+
+    import torch
+
+    config = json.loads((tiny_w8a8 / "target" / "config.json").read_text())
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    r = tw.load_target_w8a8(tw.EngineUpdates(_Engine(), _Req), config, device="cuda")
+    assert r["ok"] and r["bytes"] > 0
+    assert torch.cuda.memory_reserved() <= before
