@@ -225,8 +225,9 @@ case $1 in
     # USER_MEM=0.92 USER_SWA_RATIO=0.04 USER_CHUNK=2048 (the pool arithmetic a skipped case's row prints,
     # graphcap.bench.sglang_pool, finds no ratio for them at 0.88), no speculation at 0.88 and 0.07 (at 0.92 its
     # prefill ran out of memory), whose every prefill of the batch takes ~87 s on an H100: USER_TIMEOUT=330 or more
-    # with USER_RATE_FROM=profile; a case whose requests still do not run at once says so in its row, below_batch. USER_KV_SPLITS: sglang's --triton-attention-num-kv-splits (default 8), the
-    # no-speculation baseline a long-context user tunes; every engine of the call gets it. USER_RATE_FROM=profile:
+    # with USER_RATE_FROM=profile; a case whose requests still do not run at once says so in its row, below_batch.
+    # USER_KV_SPLITS: sglang's --triton-attention-num-kv-splits (default 8), the no-speculation baseline a
+    # long-context user tunes; every engine of the call gets it. USER_RATE_FROM=profile:
     # the rate from the profiled iteration alone, one warm run before it - two prefills a case, not five, where the
     # radix cache does not keep a long batch's prompts, as at 8x32768. USER_TAG=NAME: the step, its record and
     # logs named user-scale-NAME, so several settings run in one call keep each its own)
