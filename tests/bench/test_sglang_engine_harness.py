@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench_scripts import load_bench_script
+from graphcap.bench import engine_child as C  # the script's child side: one engine in this process
 from tiers import examples
 
 E = load_bench_script("sglang_engine")
@@ -125,7 +126,7 @@ def test_retraction_switch_reaches_sglangs_scheduler_environment(monkeypatch):
         monkeypatch.delenv(k)
     cfg = {"mode": "sglang", "ckpt": "/nonexistent", "cases": [], "max_running": 4, "trace_dir": "/tmp/t",
            "retract_every": 7}
-    E.run_child(cfg)
+    C.run_child(cfg)
     assert seen == {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "7"}
 
 
@@ -201,7 +202,7 @@ def test_refusal_cases_ask_the_engine_for_their_setting_and_count_only_graphcaps
     for case in E.REFUSALS:
         cfg = {"tag": case["name"], "mode": "refusal", "backend": case["backend"], "engine": case["engine"],
                "ckpt": "/ckpt", "cases": [], "max_running": 64, "manifest_dir": str(tmp_path)}
-        rows.append(E.refusal_row(case, E.refusal_child(cfg)))
+        rows.append(E.refusal_row(case, C.refusal_child(cfg)))
     for (kw, opts), case in zip(seen, E.REFUSALS):
         assert opts == {"enabled": True, "backend": case["backend"], "manifest_dir": str(tmp_path),
                         "projections": "graphcap"}
@@ -240,7 +241,7 @@ def test_speed_runs_graphcap_once_per_backend_and_projections_value(monkeypatch,
 
     def spawn(cfg, work):
         if cfg["mode"] == "graphcap":  # what the child would put in the plugin's variable
-            E.enable_graphcap(cfg)
+            C.enable_graphcap(cfg)
             cfg = dict(cfg, asked=json.loads(os.environ["GRAPHCAP_SGLANG_DRAFT_CAPTURE"]))
         spawned.append(cfg)
         return {"config": cfg, "cases": []}
@@ -269,7 +270,7 @@ def test_speed_runs_graphcap_without_pdl_as_its_own_engine(monkeypatch, tmp_path
 
     def spawn(cfg, work):
         os.environ["GRAPHCAP_PDL"] = "1"  # each child starts from this process's environment
-        E.enable_graphcap(cfg)
+        C.enable_graphcap(cfg)
         spawned.append((cfg["tag"], cfg["mode"], os.environ["GRAPHCAP_PDL"]))
         return {"config": cfg, "cases": []}
 
@@ -295,7 +296,7 @@ def test_steps_reach_every_engine_with_a_draft_and_the_record(monkeypatch, tmp_p
         out = tmp_path / f"s{steps}.json"
         assert E.main(["--ckpt", str(tmp_path), "--speed", "--out", str(out), "--backends", "cudagraph",
                        *argv]) == 0
-        kwargs = {c["mode"]: E.engine_kwargs(c) for c in spawned}
+        kwargs = {c["mode"]: C.engine_kwargs(c) for c in spawned}
         assert set(kwargs) == {"nospec", "sglang", "graphcap"}
         for mode in ("sglang", "graphcap"):
             kw = kwargs[mode]
@@ -317,7 +318,7 @@ def test_tp_reaches_every_engine_and_the_summary_counts_every_ranks_manifest(mon
         out = tmp_path / f"tp{tp}.json"
         assert E.main(["--ckpt", str(tmp_path), "--speed", "--out", str(out), "--backends", "cudagraph", *argv]) == 0
         assert sorted(c["mode"] for c in spawned) == ["graphcap", "nospec", "sglang"]
-        assert {E.engine_kwargs(c)["tp_size"] for c in spawned} == {tp}
+        assert {C.engine_kwargs(c)["tp_size"] for c in spawned} == {tp}
         assert json.load(open(out))["tp"] == tp
     d = tmp_path / "manifests"
     d.mkdir()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench_scripts import load_bench_script
+from graphcap.bench import engine_child as C  # the script's child side: one engine in this process
 
 E = load_bench_script("sglang_engine")
 U = load_bench_script("user_setup")
@@ -38,7 +39,7 @@ def test_the_switch_names_are_graphcaps_own():
     from graphcap import envvars
     from graphcap.kernels import arch
 
-    assert (E.KERNEL_PATHS_ENV, E.TRITON_ARCH_ENV) == (envvars.KERNEL_PATHS_ENV, arch.TRITON_ENV)
+    assert (C.KERNEL_PATHS_ENV, C.TRITON_ARCH_ENV) == (envvars.KERNEL_PATHS_ENV, arch.TRITON_ENV)
     assert E.KERNEL_PATHS == ("native", *arch.PATHS)
 
 
@@ -48,7 +49,7 @@ def _fake_engine(monkeypatch, seen: list):
 
     class Engine:
         def __init__(self, **kw):
-            seen.append({"kw": kw, **{k: os.environ.get(k) for k in (E.KERNEL_PATHS_ENV, E.TRITON_ARCH_ENV,
+            seen.append({"kw": kw, **{k: os.environ.get(k) for k in (C.KERNEL_PATHS_ENV, C.TRITON_ARCH_ENV,
                                                                       "GRAPHCAP_SGLANG_CHECK",
                                                                       "GRAPHCAP_MANIFEST_FLUSH_S")}})
             self.calls = []
@@ -76,12 +77,12 @@ def test_child_sets_the_kernel_paths_before_sglang_and_records_what_arch_names(m
 
     seen: list = []
     _fake_engine(monkeypatch, seen)
-    for k in (E.KERNEL_PATHS_ENV, E.TRITON_ARCH_ENV, "GRAPHCAP_SGLANG_TRACE", "GRAPHCAP_MANIFEST_FLUSH_S",
+    for k in (C.KERNEL_PATHS_ENV, C.TRITON_ARCH_ENV, "GRAPHCAP_SGLANG_TRACE", "GRAPHCAP_MANIFEST_FLUSH_S",
               "GRAPHCAP_SGLANG_DRAFT_CAPTURE", "GRAPHCAP_SGLANG_CHECK"):
-        monkeypatch.setenv(k, "sm80" if k in (E.KERNEL_PATHS_ENV, E.TRITON_ARCH_ENV) else "x")  # restored after
+        monkeypatch.setenv(k, "sm80" if k in (C.KERNEL_PATHS_ENV, C.TRITON_ARCH_ENV) else "x")  # restored after
         monkeypatch.delenv(k)
-    monkeypatch.setenv(E.KERNEL_PATHS_ENV, "sm80")  # a parent's setting: the child's own must win
-    monkeypatch.setenv(E.TRITON_ARCH_ENV, "sm80")
+    monkeypatch.setenv(C.KERNEL_PATHS_ENV, "sm80")  # a parent's setting: the child's own must win
+    monkeypatch.setenv(C.TRITON_ARCH_ENV, "sm80")
     arch.kernel_paths.cache_clear()
     timed = [{"rid": f"ts8-r{i}", "prompt": [3, 4, 5], "max_new": 20} for i in range(3)]
     cfg = {"tag": "graphcap-cudagraph", "mode": "graphcap", "backend": "cudagraph", "ckpt": "/ckpt", "steps": 2,
@@ -90,12 +91,12 @@ def test_child_sets_the_kernel_paths_before_sglang_and_records_what_arch_names(m
            "cases": [{"name": "batch1", "batch": 1, "requests": [{"rid": "b1-r0", "prompt": [1, 2], "max_new": 4}]}],
            "timed": {"requests": timed}}
     try:
-        res = E.run_child(cfg)
+        res = C.run_child(cfg)
     finally:
         arch.kernel_paths.cache_clear()
     (start,) = seen
     want_env = "sm80" if paths == "sm80" else None
-    assert (start[E.KERNEL_PATHS_ENV], start[E.TRITON_ARCH_ENV]) == (want_env, want_env)
+    assert (start[C.KERNEL_PATHS_ENV], start[C.TRITON_ARCH_ENV]) == (want_env, want_env)
     assert start["GRAPHCAP_SGLANG_CHECK"] is None and start["GRAPHCAP_MANIFEST_FLUSH_S"] == "1"
     assert start["kw"]["speculative_num_steps"] == 2 and start["kw"]["speculative_num_draft_tokens"] == 3
     assert res["kernel_paths"] == name and res["sglang"] == sglang_version()
@@ -107,12 +108,12 @@ def test_child_sets_the_kernel_paths_before_sglang_and_records_what_arch_names(m
 def test_child_refuses_an_sglang_other_than_the_one_asked_for(monkeypatch, tmp_path):
     seen: list = []
     _fake_engine(monkeypatch, seen)
-    monkeypatch.setattr(E, "sglang_version", lambda: "0.5.23")
+    monkeypatch.setattr(C, "sglang_version", lambda: "0.5.23")
     cfg = {"tag": "sglang", "mode": "sglang", "ckpt": "/c", "cases": [], "max_running": 4, "trace_dir": str(tmp_path),
            "expect_sglang": "0.5.18", "progress_path": str(tmp_path / "p.json")}
     monkeypatch.setenv("GRAPHCAP_SGLANG_TRACE", "x")
     with pytest.raises(RuntimeError, match="asked for sglang 0.5.18, this process finds 0.5.23"):
-        E.run_child(cfg)
+        C.run_child(cfg)
     assert not seen  # no engine started
     assert json.loads((tmp_path / "p.json").read_text()) == {"sglang": "0.5.23", "kernel_paths": None,
                                                             "started": False}
@@ -317,7 +318,7 @@ def test_engine_arguments_are_server_arguments_of_both_sglang_versions():
     base = {"ckpt": "/c", "max_running": 64, "max_total_tokens": 100, "steps": 1}
     kws = set()
     for mode in ("nospec", "sglang", "graphcap"):
-        kws |= set(E.engine_kwargs(dict(base, mode=mode)))
+        kws |= set(C.engine_kwargs(dict(base, mode=mode)))
     for version, fut in done.items():
         r = fut.result()
         assert r.returncode == 0, r.stderr[-3000:]
