@@ -10,7 +10,6 @@ what its run did not measure.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from tiers import examples
 
 from graphcap.bench import phase_profile, sglang_pool
+from graphcap.bench import user_scale_child as usc  # the script's child side
 from graphcap.bench import user_scale_rows as usr
 from graphcap.sglang.settings import VERIFY_ATTENTION, DraftCaptureOptions
 
@@ -161,17 +162,17 @@ def test_a_case_the_pool_cannot_hold_names_the_setting_that_would():
             return self.info
 
     shape = sglang_pool.pool_shape({**SHAPE_31B, "layer_types": SHAPE_31B["layer_types"] * 10})
-    facts = us.pool_facts(Info({"max_total_num_tokens": 217024, "swa_full_tokens_ratio": 0.07,
+    facts = usc.pool_facts(Info({"max_total_num_tokens": 217024, "swa_full_tokens_ratio": 0.07,
                                 "chunked_prefill_size": 4096}))
     assert facts == {"tokens": 217024, "ratio": 0.07, "chunk": 4096}
-    reason = us.not_run_reason(262944, 8, facts, shape)
+    reason = usc.not_run_reason(262944, 8, facts, shape)
     assert reason.startswith("needs 262944 KV tokens at once; this engine's pool holds 217024 at "
                              "--swa-full-tokens-ratio 0.07: ")
     assert reason.endswith(sglang_pool.ratio_advice(shape, 217024, 0.07, 262944, 8, 4096))
     plain = "needs 262944 KV tokens at once; this engine's pool holds 217024 (a lower --swa-full-tokens-ratio"
-    assert us.not_run_reason(262944, 8, facts, None).startswith(plain)
-    assert us.not_run_reason(262944, 8, {"tokens": 217024}, shape).startswith(plain)
-    assert us.pool_facts(Info({})) == {}
+    assert usc.not_run_reason(262944, 8, facts, None).startswith(plain)
+    assert usc.not_run_reason(262944, 8, {"tokens": 217024}, shape).startswith(plain)
+    assert usc.pool_facts(Info({})) == {}
 
 
 def test_no_spec_decode_sets_the_period_and_a_gz_trace_loads(tmp_path):
@@ -284,7 +285,7 @@ def test_a_traced_child_summarizes_each_timed_run(tmp_path, monkeypatch, engine,
     assert sorted(case["draft_trace_runs"]) == ["long0", "long1", "short0", "short1", "warm0", "warm1"]
     for tag, t in case["draft_trace_runs"].items():
         line = t["timeline"]  # the fake spreads a run's calls evenly over its sleep, inside the run's window
-        assert line["calls"] == math.ceil((us.SHORT_NEW if tag.startswith("short") else 48) / 2.5)
+        assert line["calls"] == math.ceil((usc.SHORT_NEW if tag.startswith("short") else 48) / 2.5)
         assert line["to_first_call_ms"] > 0 and line["after_last_call_ms"] > 0
         assert line["gap_ms"]["max"] == pytest.approx(line["gap_ms"]["median"], rel=0.2)
     assert usr.summarize({engine: {"config": cfg, "cases": [case]}})[0]["trace_draft_calls"] == calls
