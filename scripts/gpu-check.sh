@@ -221,11 +221,11 @@ case $1 in
     # max_position_embeddings is the longest context + 4096, 32768 at least. USER_SWA_RATIO, USER_CHUNK: sglang's
     # --swa-full-tokens-ratio and --chunked-prefill-size, USER_MEM its --mem-fraction-static (default 0.88), for long
     # contexts on an 80 GB card (with the radix cache on sglang gives the sliding-window layers 0.8 of the full
-    # pool's tokens at 819 KB each): W8A8 1x131072 with USER_SWA_RATIO=0.1; 8x32768: the MTP engines with
-    # USER_MEM=0.92 USER_SWA_RATIO=0.04 USER_CHUNK=2048 (the pool arithmetic a skipped case's row prints,
-    # graphcap.bench.sglang_pool, finds no ratio for them at 0.88), no speculation at 0.88 and 0.07 (at 0.92 its
-    # prefill ran out of memory), whose every prefill of the batch takes ~87 s on an H100: USER_TIMEOUT=330 or more
-    # with USER_RATE_FROM=profile; a case whose requests still do not run at once says so in its row, below_batch.
+    # pool's tokens at 819 KB each): W8A8 1x131072 with USER_SWA_RATIO=0.1; 8x32768 with USER_MEM=0.92
+    # USER_SWA_RATIO=0.04 USER_CHUNK=2048 (the pool arithmetic a skipped case's row prints, graphcap.bench.sglang_pool,
+    # finds no ratio for the MTP engines at 0.88), a prefill of the batch ~87 s on an H100: USER_TIMEOUT=400
+    # with USER_RATE_FROM=profile (no speculation alone: 251 s); a case whose requests still do not run at once says
+    # so in its row, below_batch.
     # USER_KV_SPLITS: sglang's --triton-attention-num-kv-splits (default 8), the no-speculation baseline a
     # long-context user tunes; every engine of the call gets it. USER_RATE_FROM=profile:
     # the rate from the profiled iteration alone, one warm run before it - two prefills a case, not five, where the
