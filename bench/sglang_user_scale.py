@@ -48,7 +48,8 @@ iterations do not show; and every run's timeline (warm runs included): the gaps 
 `--fresh-jit-cache`: each engine with an empty Triton cache of its own, so a first-time compile shows in every
 engine's warm runs, not only in the first engine's to serve on the machine.
 `--restarts N`: an engine that dies before its last case starts again on the cases it left, at most N times within
-its `--timeout` (`spawn_restarting`); each death is kept in its result's `restarts`.
+its `--timeout` (`spawn_restarting`); each death is kept in its result's `restarts`. A start that died before its
+first case (sglang refusing a pool the card cannot hold) is not repeated.
 """
 from __future__ import annotations
 
@@ -170,7 +171,8 @@ def main(argv=None) -> int:
                          "with its new tokens needs); at most the checkpoint's max_position_embeddings")
     ap.add_argument("--timeout", type=float, default=480, help="seconds per engine")
     ap.add_argument("--restarts", type=int, default=0,
-                    help="start an engine that died (not timed out) again on its unfinished cases, at most N times")
+                    help="start an engine that died (not timed out) after finishing a case again on its unfinished "
+                         "cases, at most N times")
     ap.add_argument("--fresh-jit-cache", action="store_true",
                     help="each engine with an empty Triton cache of its own (TRITON_CACHE_DIR), so no engine loads "
                          "kernels another compiled: a first-time compile then shows in every engine's warm runs")

@@ -211,7 +211,9 @@ case $1 in
     # USER_TIMEOUT: seconds per engine, default 215, 450 past 16k tokens (a fresh machine's MTP engine at 1x131072:
     # ~60 s of capture, minutes of first prefill); USER_RESTARTS=N: an engine that dies before its last case starts
     # again on the cases it left, N times at most within its USER_TIMEOUT (stock sglang's W8A8 engine dies in torch's
-    # profiler at its second profiled case); USER_FRESH_JIT=1: each engine with an empty Triton cache of
+    # profiler at its second profiled case), never after a start that finished no case; batches 32 and 48 need an
+    # H200's memory (on an 80 GB card sglang refuses the sliding-window pool at start-up, the W8A8 target's too);
+    # USER_FRESH_JIT=1: each engine with an empty Triton cache of
     # its own; USER_WEIGHTS=w8a8, with USER_STRUCTURED=1: the user's INT8 W8A8 target - the checkpoint writer and the
     # harness both get --weights w8a8, the checkpoint in $WORK/ckpt-us-w8a8 (compressed-tensors W8A8 int8 declared,
     # the structure alone), the harness loading seeded int8 projections into the engine; USER_CONTEXTS: the prompts'

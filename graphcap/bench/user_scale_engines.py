@@ -68,12 +68,18 @@ def spawn_restarting(script: str, cfg: dict, work: str, timeout: float, restarts
     """One engine over its cases (`spawn`). Where it died - not stopped at its timeout - before its last case, it is
     started again on the cases it did not finish, at most `restarts` times and within `timeout` seconds in all: a
     crash in one case (torch's profiler at a profile's stop, in stock sglang's W8A8 engine) then costs a start, not
-    the rest of the sweep. Each death stays in the result's `restarts` (cases finished before it, its log's tail),
-    so a crash is never hidden; the result's `crashed` is the last start's."""
+    the rest of the sweep. A start that died before finishing any case is not repeated: what kills an engine before
+    its first case (sglang refusing a KV pool the card cannot hold, a bad setting) kills every start, and each start
+    costs minutes of a GPU call; the result says so (`not_restarted`). Each death stays in the result's `restarts`
+    (cases finished before it, its log's tail), so a crash is never hidden; the result's `crashed` is the last
+    start's."""
     t0 = time.perf_counter()
-    res = spawn(script, cfg, work, timeout)
+    res = last = spawn(script, cfg, work, timeout)
     deaths: list[dict] = []
     while res.get("crashed") and not res.get("timed_out") and len(deaths) < restarts:
+        if not last.get("cases"):
+            res["not_restarted"] = "died before its first case: a start that finishes nothing would die again"
+            break
         finished = {(c["batch"], c["context"]) for c in res["cases"]}
         left = [c for c in cfg["cases"] if (c[0], c[1]) not in finished]
         remaining = timeout - (time.perf_counter() - t0)
@@ -88,7 +94,8 @@ def spawn_restarting(script: str, cfg: dict, work: str, timeout: float, restarts
         except Stopped as e:  # the cases of every start so far, and the deaths before
             e.result = {**e.result, "config": cfg, "cases": res["cases"] + e.result["cases"], "restarts": deaths}
             raise
-        res = {**again, "config": cfg, "cases": res["cases"] + again.get("cases", [])}
+        last = {**again, "cases": again.get("cases", [])}
+        res = {**again, "config": cfg, "cases": res["cases"] + last["cases"]}
     if deaths:
         res["restarts"] = deaths
     return res

@@ -495,6 +495,34 @@ def test_a_stop_during_a_restart_keeps_every_start_s_cases_and_the_deaths(monkey
     assert [d["after_cases"] for d in r["restarts"]] == [1]
 
 
+def test_an_engine_that_dies_before_its_first_case_is_not_started_again(monkeypatch):
+    """A death before any case (sglang refusing a KV pool the card cannot hold, at start-up) repeats on every start:
+    one start, not `restarts` more, and the result says why. A start that finished a case before dying is still
+    restarted, and its restart that then dies before a case of its own is the last."""
+    from graphcap.bench import user_scale_engines as use
+
+    cfg = {"engine": "nospec", "cases": [[8, 2048], [32, 2048], [48, 2048]], "profile_cases": [[8, 2048]]}
+    starts, finish_first = [], []
+
+    def spawn(script, c, work, timeout, tag=None):
+        starts.append(tag)
+        done = [{"batch": 8, "context": 2048}] if finish_first and len(starts) == 1 else []
+        return {"config": c, "crashed": True, "timed_out": False, "cases": done,
+                "log_tail": "RuntimeError: SWA pool cap (93632 tokens, 71.44 GiB) leaves no room"}
+
+    monkeypatch.setattr(use, "spawn", spawn)
+    res = use.spawn_restarting("x", cfg, "w", timeout=600, restarts=2)
+    assert starts == [None] and res["crashed"] and res["cases"] == []
+    assert "before its first case" in res["not_restarted"] and "restarts" not in res
+
+    starts.clear()
+    finish_first.append(True)
+    res = use.spawn_restarting("x", cfg, "w", timeout=600, restarts=2)
+    assert starts == [None, "nospec-restart1"] and res["crashed"]
+    assert [c["batch"] for c in res["cases"]] == [8] and [d["after_cases"] for d in res["restarts"]] == [1]
+    assert "before its first case" in res["not_restarted"]
+
+
 def _cmdline_has(pid: str, name: str, work: Path) -> bool:
     try:
         return str(work / name) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
