@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--range-ratio", type=float, default=0.5,
+                    help="bench and rate: each request's lengths drawn from [ratio x len, len] (sglang.bench_serving's "
+                         "--random-range-ratio; its own defaults are 1024 / 1024 / 0)")
     ap.add_argument("--window", type=int, default=1024, help="the checkpoint's sliding window (faults: past it)")
     ap.add_argument("--largest-bucket", type=int, default=None, help="faults: default sglang's cuda_graph_max_bs")
     ap.add_argument("--small-pool", type=int, default=24576, help="KV tokens of a -small server")
@@ -187,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             pass
         if not a.request_rates or not all(0 < r < float("inf") for r in a.request_rates):
             raise ValueError(f"--request-rates: finite requests per second > 0, got {raw!r}")
+        if not 0.0 <= a.range_ratio <= 1.0 or a.input_len < 1 or a.output_len < 1:
+            raise ValueError(f"--range-ratio from 0 to 1 and --input-len, --output-len positive: got "
+                             f"{a.range_ratio:g}, {a.input_len}, {a.output_len}")
         n, _, t = a.pressure.partition("x")
         if not (n.isdigit() and t.isdigit() and int(n) > 0 and int(t) > 0):
             raise ValueError(f"--pressure: REQUESTSxTOKENS, both positive, got {a.pressure!r}")

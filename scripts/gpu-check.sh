@@ -64,7 +64,9 @@
 #                                 its servers' replies compared with this call's),
 #                                 SERVER_PAIR (draft-shapes; user-scale, user-scale-w8a8:
 #                                 the 31B-shaped pair, its weights loaded over the server's HTTP API), SERVER_ARGS (more
-#                                 sglang flags for every server, space-separated, e.g. "--context-length 8192").
+#                                 sglang flags for every server, space-separated, e.g. "--context-length 8192"),
+#                                 SERVER_LENGTHS (bench and rate's random requests, INPUT:OUTPUT:RATIO, 1024:256:0.5;
+#                                 sglang.bench_serving's own: 1024:1024:0), SERVER_PROMPTS (their count, 32).
 #                                 The trace's GRAPHCAP_SGLANG_TRACE_PROFILE and _HOST reach every server's scheduler.
 #                                 sglang's Python radix-tree core (its Rust one is built
 #                                 for another torch); datasets stubbed where missing (tests/bench_serving_stubbed.py)
@@ -287,6 +289,9 @@ case $1 in
     [ -n "${SERVER_SOAK_ON:-}" ] && extra+=(--soak-on "$SERVER_SOAK_ON")
     [ -n "${SERVER_SMALL_POOL:-}" ] && extra+=(--small-pool "$SERVER_SMALL_POOL")
     [ -n "${SERVER_PRESSURE:-}" ] && extra+=(--pressure "$SERVER_PRESSURE")
+    [ -n "${SERVER_PROMPTS:-}" ] && extra+=(--num-prompts "$SERVER_PROMPTS")
+    [ -n "${SERVER_LENGTHS:-}" ] && {  # INPUT:OUTPUT:RATIO of the random requests (sglang.bench_serving's: 1024:1024:0)
+      IFS=: read -r il ol rr <<< "$SERVER_LENGTHS"; extra+=(--input-len "$il" --output-len "$ol" --range-ratio "$rr"); }
     if [ -n "${SERVER_SGLANG:-}" ]; then  # another sglang for every server (0.5.18: from .whl-0.5.18, as user-setup)
       local site; site=$(user_setup_site "$SERVER_SGLANG") || exit 1
       if [ -n "$site" ]; then

@@ -75,7 +75,7 @@ def random_run(cfg: ServerConfig, args: argparse.Namespace, work: Path, data: Pa
     f = work / f"{cfg.label}-{key}.jsonl"
     a = load.bench_serving_args(cfg.url, cfg.model_path, f, dataset="random", num_prompts=args.num_prompts,
                                 concurrency=concurrency, input_len=args.input_len, output_len=args.output_len,
-                                range_ratio=0.5, seed=1, dataset_path=data, request_rate=request_rate)
+                                range_ratio=args.range_ratio, seed=1, dataset_path=data, request_rate=request_rate)
     res = load.run_bench_serving(a, work / f"{cfg.label}-{key}.log", f, command=args.bench_serving)
     return {"summary": load.summarize_bench(res), "texts": res.get("generated_texts")}
 

@@ -114,6 +114,8 @@ def test_bad_server_configs_are_refused(kw, match):
     (["--concurrency", "8,0"], "--concurrency positive"),
     (["--pressure", "48"], "--pressure: REQUESTSxTOKENS, both positive, got '48'"),
     (["--pressure", "0x512"], "--pressure: REQUESTSxTOKENS, both positive, got '0x512'"),
+    (["--range-ratio", "1.5"], "--range-ratio from 0 to 1 and --input-len, --output-len positive: got 1.5, 1024, 256"),
+    (["--output-len", "0"], "--range-ratio from 0 to 1 and --input-len, --output-len positive: got 0.5, 1024, 0"),
 ])
 def test_bad_harness_options_are_one_line(tmp_path, capsys, args, says):
     harness_main = load_bench_script("sglang_server").main
@@ -719,12 +721,13 @@ def test_sglangs_own_client_runs_and_its_numbers_are_kept(ckpt, tmp_path):
     TPOT/ITL/TTFT, acceptance and cached tokens in the record; the stock server's texts compared across the runs."""
     rc, out, log = harness(ckpt, tmp_path, "--servers", "sglang", "--phases", "bench,rate,gsp", "--concurrency", "1,3",
                            "--request-rates", "25", "--num-prompts", "5", "--input-len", "48", "--output-len", "12",
-                           port=free_port())
+                           "--range-ratio", "1", port=free_port())
     assert rc == 0, log
     s = out["servers"]["sglang"]
     for c in ("1", "3"):
         b = s["bench"][c]
         assert b["completed"] == 5 and b["failed_requests"] == 0 and b["max_concurrency"] == int(c), b
+        assert b["total_output_tokens"] == 5 * 12, b  # ratio 1: every reply the whole --output-len
         assert b["output_throughput"] > 0 and b["median_tpot_ms"] > 0 and b["accept_length"] == 2.5
     r = s["rate"]["25"]
     assert r["completed"] == 5 and r["request_rate"] == 25.0 and r["max_concurrency"] > 5, r  # no cap
