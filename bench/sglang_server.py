@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     words = load.Words.load(str(a.ckpt / "target"))
     record: dict = {"command": " ".join(sys.argv), "machine": machine(), "phases": a.phases,
-                    "concurrency": a.concurrency, "servers": {}}
+                    "concurrency": a.concurrency, "lengths": f"{a.input_len}:{a.output_len}:{a.range_ratio:g}",
+                    "servers": {}}
     texts: dict[str, dict] = {label: rep.texts_of(ph) for label, ph in earlier.items()}
     if earlier:
         record["phases_from"] = {label: str(a.phases_from / f"{label}-phases.json") for label in earlier}

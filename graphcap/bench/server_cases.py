@@ -67,19 +67,21 @@ def case_rows(harness: dict, *, run: str, pair: str, radix_cache: bool = True) -
                 "pool_check_warnings": s.get("pool_check_warnings")}
         if label != engine:
             base["server"] = label
+        # the random requests' INPUT:OUTPUT:RATIO (bench_serving's lengths), where the harness wrote them
+        lengths = {"lengths": harness["lengths"]} if harness.get("lengths") else {}
         if s.get("check_mode"):  # GRAPHCAP_SGLANG_CHECK: a failed check raises in the scheduler and logs its name
             failures = [ln for ln in s.get("log_errors") or [] if "GRAPHCAP_SGLANG_CHECK" in ln]
             base |= {"checked_drafts": s.get("draft_calls"), "check_failures": len(failures) + int(bool(s.get("died"))),
                      "leaked_rows": stale_rows(failures)}
         for c, b in sorted((s.get("bench") or {}).items(), key=lambda kv: int(kv[0])):
             eq, ties = _equal(cmp, label, [f"bench-c{c}"])
-            rows.append({**base, "workload": "random", "concurrency": int(c),
+            rows.append({**base, "workload": "random", **lengths, "concurrency": int(c),
                          **{k: _num(b.get(v)) for k, v in BENCH_KEYS.items()}, "tokens_equal": eq, "near_ties": ties})
         for r, b in sorted((s.get("rate") or {}).items(), key=lambda kv: float(kv[0])):
             if not isinstance(b, dict) or "completed" not in b:
                 continue
             eq, ties = _equal(cmp, label, [f"rate-r{r}"])
-            rows.append({**base, "workload": "random", "concurrency": None, "request_rate": float(r),
+            rows.append({**base, "workload": "random", **lengths, "concurrency": None, "request_rate": float(r),
                          **{k: _num(b.get(v)) for k, v in BENCH_KEYS.items()}, "tokens_equal": eq, "near_ties": ties})
         if isinstance(s.get("gsp"), dict) and "completed" in s["gsp"]:
             eq, ties = _equal(cmp, label, ["gsp"])

@@ -724,6 +724,7 @@ def test_sglangs_own_client_runs_and_its_numbers_are_kept(ckpt, tmp_path):
                            "--range-ratio", "1", port=free_port())
     assert rc == 0, log
     s = out["servers"]["sglang"]
+    assert out["lengths"] == "48:12:1"
     for c in ("1", "3"):
         b = s["bench"][c]
         assert b["completed"] == 5 and b["failed_requests"] == 0 and b["max_concurrency"] == int(c), b

@@ -81,7 +81,10 @@ def harness_output(rng: random.Random) -> dict:
     pair["faults-one_token"] = {"compared": 16, "equal": 15, "differ": [{"near_tie": False}]}
     cmp["graphcap vs sglang"] = pair
     cmp["sglang across concurrencies"] = {"x": {"compared": 32, "equal": 32, "differ": []}}
-    return {"servers": servers, "comparisons": cmp, "command": "bench/sglang_server.py ..."}
+    out = {"servers": servers, "comparisons": cmp, "command": "bench/sglang_server.py ..."}
+    if rng.random() < 0.5:  # a harness that wrote its random requests' lengths (an older one did not)
+        out["lengths"] = rng.choice(["1024:256:0.5", "1024:1024:0"])
+    return out
 
 
 @settings(max_examples=examples(30), deadline=None)
@@ -99,6 +102,7 @@ def test_rows_carry_the_harness_numbers(seed):
             for col, key in BENCH_KEYS.items():
                 assert r[col] == (b[key] if isinstance(b[key], int) else round(b[key], 2))
             assert r["crashes"] == (1 if s["died"] else 0) and r["radix_cache"] is True and r["run"] == "x"
+            assert r.get("lengths") == out.get("lengths")
             if label == "graphcap":
                 c_ = out["comparisons"]["graphcap vs sglang"][f"bench-c{c}"]
                 assert r["tokens_equal"] == f"{c_['equal']}/32"
@@ -107,11 +111,12 @@ def test_rows_carry_the_harness_numbers(seed):
                 assert "tokens_equal" not in r  # stock is the reference
         for rate, b in s["rate"].items():  # open loop: no concurrency, the rate instead
             (r,) = [x for x in rows if x["engine"] == label and x.get("request_rate") == float(rate)]
-            assert r["workload"] == "random" and "concurrency" not in r
+            assert r["workload"] == "random" and "concurrency" not in r and r.get("lengths") == out.get("lengths")
             assert r["output_tok_s"] == round(b["output_throughput"], 2) and r["requests"] == b["completed"]
             if label == "graphcap":
                 assert r["tokens_equal"] == f"{out['comparisons']['graphcap vs sglang'][f'rate-r{rate}']['equal']}/32"
         mt = by[(label, "multiturn", 8)]
+        assert "lengths" not in mt  # the random requests' alone
         assert mt["radix_hits"] == sum(x["cached_tokens"] for x in s["multiturn"]["kept"])
         assert mt["radix_hits_by_round"] == [x["cached_tokens"] for x in s["multiturn"]["kept"]]
         f = by[(label, "faults", None)]
