@@ -32,13 +32,15 @@ BENCH_SERVING = (sys.executable, "-m", "sglang.bench_serving")
 def bench_serving_args(url: str, tokenizer: str, out_file: str | Path, *, dataset: str, num_prompts: int,
                        concurrency: int, seed: int = 1, input_len: int = 1024, output_len: int = 256,
                        range_ratio: float = 0.0, request_rate: float = math.inf, dataset_path: str | None = None,
-                       gsp: dict[str, int] | None = None) -> list[str]:
+                       gsp: dict[str, int] | None = None, warmup_requests: int | None = None) -> list[str]:
     """`sglang.bench_serving`'s arguments: backend sglang (its native /generate, streamed), greedy, the per-request
-    details (generated texts, cached tokens) in `out_file`."""
+    details (generated texts, cached tokens) in `out_file`; `warmup_requests`: its own warm-up (1 unless given)."""
     args = ["--backend", "sglang", "--base-url", url, "--tokenizer", tokenizer, "--dataset-name", dataset,
             "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--seed", str(seed),
             "--request-rate", str(request_rate), "--output-file", str(out_file), "--output-details",
             "--cache-report", "--disable-tqdm", "--ready-check-timeout-sec", "0", "--temperature", "0"]
+    if warmup_requests is not None:
+        args += ["--warmup-requests", str(warmup_requests)]
     if dataset in ("random", "random-ids"):
         args += ["--random-input-len", str(input_len), "--random-output-len", str(output_len),
                  "--random-range-ratio", str(range_ratio)]

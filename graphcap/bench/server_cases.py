@@ -10,7 +10,9 @@ from typing import Any
 BENCH_KEYS = {"output_tok_s": "output_throughput", "tpot_ms_p50": "median_tpot_ms", "tpot_ms_p99": "p99_tpot_ms",
               "itl_ms_p50": "median_itl_ms", "itl_ms_p99": "p99_itl_ms", "ttft_ms_p50": "median_ttft_ms",
               "ttft_ms_p99": "p99_ttft_ms", "accept_len": "accept_length", "requests": "completed",
-              "radix_hits": "cached_tokens", "failed": "failed_requests"}
+              "radix_hits": "cached_tokens", "failed": "failed_requests",
+              # the harness's, from the server's prefill trace: the run's time in prefill batches (server_report)
+              "prefill_share": "prefill_share"}
 COLUMNS = ("run", "engine", "pair", "workload", "concurrency", "radix_cache", "output_tok_s", "tpot_ms_p50",
            "tpot_ms_p99", "itl_ms_p50", "itl_ms_p99", "ttft_ms_p50", "ttft_ms_p99", "accept_len", "requests",
            "tokens_equal", "near_ties", "radix_hits", "aborts", "crashes", "leaked_rows", "max_gap_ms")

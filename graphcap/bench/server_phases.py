@@ -73,11 +73,15 @@ def random_run(cfg: ServerConfig, args: argparse.Namespace, work: Path, data: Pa
     """sglang.bench_serving's random dataset - the same --num-prompts requests in every run (seed 1) - at one
     concurrency cap and request rate: its summary and the generated texts."""
     f = work / f"{cfg.label}-{key}.jsonl"
+    # no client warm-up (the harness warmed the server): every prefill batch in the run's window is the run's
     a = load.bench_serving_args(cfg.url, cfg.model_path, f, dataset="random", num_prompts=args.num_prompts,
                                 concurrency=concurrency, input_len=args.input_len, output_len=args.output_len,
-                                range_ratio=args.range_ratio, seed=1, dataset_path=data, request_rate=request_rate)
+                                range_ratio=args.range_ratio, seed=1, dataset_path=data, request_rate=request_rate,
+                                warmup_requests=0)
+    t0 = time.perf_counter()  # the server's prefill trace stamps its batches on this clock (one per machine)
     res = load.run_bench_serving(a, work / f"{cfg.label}-{key}.log", f, command=args.bench_serving)
-    return {"summary": load.summarize_bench(res), "texts": res.get("generated_texts")}
+    return {"summary": load.summarize_bench(res), "texts": res.get("generated_texts"),
+            "window": [t0, time.perf_counter()]}
 
 
 def run_phases(srv: Server, args: argparse.Namespace, words: load.Words, work: Path, shared: dict) -> dict:

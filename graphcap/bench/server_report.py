@@ -229,6 +229,17 @@ def prefill_time(prefills: Sequence[dict]) -> dict:
             "kernel_ms": pcts("kernel_ms"), "gpu_idle_share": round(statistics.median(idle), 3) if idle else None}
 
 
+def prefill_share(prefills: Sequence[dict], window: Sequence[float], duration_s: float | None) -> dict:
+    """The prefill batches one client run met (trace records stamped inside `window`, the run's start and end on
+    the trace's clock) and their GPU time's share of the run's `duration_s` (sglang.bench_serving's, first request
+    to last reply). Every running request waits out each batch, so a request's TPOT is its decode time per token
+    over (1 - share); a server that finishes requests sooner meets prefills more often, at a larger share."""
+    inside = [r for r in prefills if window[0] <= r.get("t", -1.0) <= window[1] and r.get("gpu_ms") is not None]
+    gpu_s = sum(r["gpu_ms"] for r in inside) / 1e3
+    return {"prefill_batches": len(inside), "prefill_gpu_s": round(gpu_s, 3),
+            "prefill_share": round(gpu_s / duration_s, 3) if duration_s else None}
+
+
 def matched_prefills(ours: Sequence[dict], theirs: Sequence[dict]) -> dict:
     """Two servers' prefill batches (trace records) matched by their new tokens, cached tokens and requests, each
     with the first unmatched one of the other's in time order: the same load's prefills on both, so the medians of

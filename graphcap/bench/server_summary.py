@@ -29,7 +29,9 @@ def summarize_server(label: str, srv: Server, phases: dict) -> dict:
     for name in ("bench", "rate", "gsp"):
         if name in phases:
             p = phases[name]
-            s[name] = ({c: r["summary"] for c, r in p.items()} if name in ("bench", "rate") and "error" not in p
+            s[name] = ({c: {**r["summary"], **(rep.prefill_share(prefills, r["window"], r["summary"].get("duration"))
+                                               if prefills and r.get("window") else {})}
+                        for c, r in p.items()} if name in ("bench", "rate") and "error" not in p
                        else p.get("summary", p))
     if "multiturn" in phases:
         mt = phases["multiturn"]

@@ -345,6 +345,27 @@ def test_prefill_time_against_numpy(data):
     assert rep.draft_gaps(calls, after=-1.0, limit_ms=1.0, prefills=recs)["prefill_time"] == got
 
 
+@settings(max_examples=examples(40), deadline=None)
+@given(st.data())
+def test_prefill_share_counts_the_batches_inside_the_run_against_fractions(data):
+    """The batches stamped inside the run's window (ends included) with a GPU span, their summed span in seconds and
+    its share of the client's duration - against exact fractions over records placed before, inside and after it."""
+    from fractions import Fraction
+
+    rng = random.Random(data.draw(st.integers(0, 2**31)))
+    lo, hi = sorted(rng.uniform(100, 900) for _ in range(2))
+    recs = [{"t": rng.choice([rng.uniform(0, lo), rng.uniform(lo, hi), rng.uniform(hi, 1000), lo, hi]),
+             "gpu_ms": rng.uniform(5, 300) if rng.random() > 0.1 else None}
+            for _ in range(data.draw(st.integers(0, 80)))]
+    duration = data.draw(st.sampled_from([None, 0.0, rng.uniform(1, 60)]))
+    got = rep.prefill_share(recs, [lo, hi], duration)
+    inside = [r for r in recs if lo <= r["t"] <= hi and r["gpu_ms"] is not None]
+    gpu = sum(Fraction(r["gpu_ms"]) for r in inside) / 1000
+    assert got["prefill_batches"] == len(inside)
+    assert got["prefill_gpu_s"] == round(float(gpu), 3)
+    assert got["prefill_share"] == (round(float(gpu / Fraction(duration)), 3) if duration else None)
+
+
 @settings(max_examples=examples(60), deadline=None)
 @given(data=st.data())
 def test_matched_prefills_pair_the_same_loads_batches(data):
@@ -729,6 +750,8 @@ def test_sglangs_own_client_runs_and_its_numbers_are_kept(ckpt, tmp_path):
         b = s["bench"][c]
         assert b["completed"] == 5 and b["failed_requests"] == 0 and b["max_concurrency"] == int(c), b
         assert b["total_output_tokens"] == 5 * 12, b  # ratio 1: every reply the whole --output-len
+        # the stand-in traces one prefill batch a request: the run's five alone (no client warm-up, no other run's)
+        assert b["prefill_batches"] == 5 and b["prefill_share"] is not None, b
         assert b["output_throughput"] > 0 and b["median_tpot_ms"] > 0 and b["accept_length"] == 2.5
     r = s["rate"]["25"]
     assert r["completed"] == 5 and r["request_rate"] == 25.0 and r["max_concurrency"] > 5, r  # no cap
