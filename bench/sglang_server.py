@@ -42,6 +42,7 @@ from pathlib import Path
 from graphcap.bench import load
 from graphcap.bench import target_weights as tw
 from graphcap.bench import server_report as rep
+from graphcap.bench.options import OneLineParser
 from graphcap.bench.served import exit_on_term, machine
 from graphcap.bench.server import KINDS, LAUNCHER, Server, ServerConfig, ServerFailed
 from graphcap.bench.server_phases import PHASES, margins_while_up, run_phases
@@ -134,7 +135,7 @@ def earlier_phases(directory: Path, labels: list[str]) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", type=Path, required=True)
     ap.add_argument("--servers", default="graphcap,sglang,nospec")
     ap.add_argument("--phases", default="bench,gsp,multiturn")

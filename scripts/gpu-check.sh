@@ -290,8 +290,11 @@ case $1 in
     [ -n "${SERVER_SMALL_POOL:-}" ] && extra+=(--small-pool "$SERVER_SMALL_POOL")
     [ -n "${SERVER_PRESSURE:-}" ] && extra+=(--pressure "$SERVER_PRESSURE")
     [ -n "${SERVER_PROMPTS:-}" ] && extra+=(--num-prompts "$SERVER_PROMPTS")
-    [ -n "${SERVER_LENGTHS:-}" ] && {  # INPUT:OUTPUT:RATIO of the random requests (sglang.bench_serving's: 1024:1024:0)
-      IFS=: read -r il ol rr <<< "$SERVER_LENGTHS"; extra+=(--input-len "$il" --output-len "$ol" --range-ratio "$rr"); }
+    if [ -n "${SERVER_LENGTHS:-}" ]; then  # INPUT:OUTPUT:RATIO of the random requests (sglang.bench_serving's: 1024:1024:0)
+      [[ $SERVER_LENGTHS =~ ^[0-9]+:[0-9]+:[0-9.]+$ ]] || {
+        echo "SERVER_LENGTHS: INPUT:OUTPUT:RATIO, e.g. 1024:1024:0, got $SERVER_LENGTHS" >&2; exit 2; }
+      IFS=: read -r il ol rr <<< "$SERVER_LENGTHS"; extra+=(--input-len "$il" --output-len "$ol" --range-ratio "$rr")
+    fi
     if [ -n "${SERVER_SGLANG:-}" ]; then  # another sglang for every server (0.5.18: from .whl-0.5.18, as user-setup)
       local site; site=$(user_setup_site "$SERVER_SGLANG") || exit 1
       if [ -n "$site" ]; then

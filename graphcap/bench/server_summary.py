@@ -11,6 +11,13 @@ from graphcap.bench.server import Server
 from graphcap.sglang import host_samples
 
 
+def _with_prefill_share(run: dict, prefills: list[dict]) -> dict:
+    """One client run's summary, with the prefill batches inside its window where the server traced them."""
+    if not prefills or not run.get("window"):
+        return run["summary"]
+    return {**run["summary"], **rep.prefill_share(prefills, run["window"], run["summary"].get("duration"))}
+
+
 def summarize_server(label: str, srv: Server, phases: dict) -> dict:
     """A server's record: what it ran with, start-up, each phase's numbers (texts left to the comparisons)."""
     compiles = rep.read_jsonl(srv.trace_dir / "compiles-*.jsonl")
@@ -29,10 +36,8 @@ def summarize_server(label: str, srv: Server, phases: dict) -> dict:
     for name in ("bench", "rate", "gsp"):
         if name in phases:
             p = phases[name]
-            s[name] = ({c: {**r["summary"], **(rep.prefill_share(prefills, r["window"], r["summary"].get("duration"))
-                                               if prefills and r.get("window") else {})}
-                        for c, r in p.items()} if name in ("bench", "rate") and "error" not in p
-                       else p.get("summary", p))
+            s[name] = ({c: _with_prefill_share(r, prefills) for c, r in p.items()}
+                       if name in ("bench", "rate") and "error" not in p else p.get("summary", p))
     if "multiturn" in phases:
         mt = phases["multiturn"]
         s["multiturn"] = mt if "error" in mt else {

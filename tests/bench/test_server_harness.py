@@ -116,11 +116,15 @@ def test_bad_server_configs_are_refused(kw, match):
     (["--pressure", "0x512"], "--pressure: REQUESTSxTOKENS, both positive, got '0x512'"),
     (["--range-ratio", "1.5"], "--range-ratio from 0 to 1 and --input-len, --output-len positive: got 1.5, 1024, 256"),
     (["--output-len", "0"], "--range-ratio from 0 to 1 and --input-len, --output-len positive: got 0.5, 1024, 0"),
+    (["--range-ratio", "half"], "argument --range-ratio: invalid float value: 'half'"),
 ])
 def test_bad_harness_options_are_one_line(tmp_path, capsys, args, says):
     harness_main = load_bench_script("sglang_server").main
-    rc = harness_main(["--ckpt", str(tmp_path / "ck"), "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o.json"),
-                       *args])
+    try:
+        rc = harness_main(["--ckpt", str(tmp_path / "ck"), "--work", str(tmp_path / "w"), "--out",
+                           str(tmp_path / "o.json"), *args])
+    except SystemExit as e:  # the parser's own refusals (a value of the wrong type) exit
+        rc = e.code
     err = capsys.readouterr().err
     assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "w").exists()  # refused before anything was made
